@@ -1,0 +1,34 @@
+"""polyexec: write a sequence model once over symbolic lengths; run it compiled per length bucket.
+
+>>> import jax.numpy as jnp, numpy as np, polyexec as px
+>>> T = px.LengthVar("T", min=1, max=1024)
+>>> B = px.LengthVar("B", max=64)
+>>> def masked_sum(x, lengths):                      # x: (B, T), lengths: (B,)
+...     mask = px.sequence_mask(lengths, x, axis=1)
+...     return jnp.sum(jnp.where(mask, x, 0.0), axis=1)
+>>> f = px.bucketed(masked_sum,
+...                 in_specs=(px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T")),
+...                 out_specs=px.Spec("B"))
+>>> f(np.ones((3, 100), np.float32), np.array([100, 7, 0])).tolist()
+[100.0, 7.0, 0.0]
+>>> f.plan.reshaping_is_impossible
+False
+"""
+
+from ._compile import disable_persistent_cache, enable_persistent_cache, forbid_compiles
+from ._context import max_length, valid_length
+from ._errors import (CompileError, LengthOverflowError, PolyexecError, PolymorphismError,
+                      SpecError)
+from ._executor import Bucketed, BucketStats, Stats, bucketed
+from ._ops import arange_like, broadcast_like, reshape_like, sequence_mask
+from ._plan import Intermediate, Plan
+from ._trace import trace
+from ._vars import LengthVar, Spec
+
+__all__ = [
+    "LengthVar", "Spec", "bucketed", "Bucketed", "trace", "Plan", "Intermediate",
+    "Stats", "BucketStats", "valid_length", "max_length", "sequence_mask", "reshape_like",
+    "broadcast_like", "arange_like", "forbid_compiles", "enable_persistent_cache",
+    "disable_persistent_cache", "PolyexecError", "SpecError", "LengthOverflowError",
+    "PolymorphismError", "CompileError",
+]

@@ -1,0 +1,86 @@
+"""Compile accounting: `forbid_compiles`, and the switch for JAX's persistent compile cache."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+import jax
+
+from ._errors import CompileError
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_forbid_depth = 0
+_seen: list[str] = []
+
+
+def _listener(event: str, duration: float, **_: object) -> None:
+    if event == _BACKEND_COMPILE and _forbid_depth:
+        with _lock:
+            _seen.append(f"an XLA compile of {duration:.3f} s")
+
+
+jax.monitoring.register_event_duration_secs_listener(_listener)
+
+
+def compiles_forbidden() -> bool:
+    return _forbid_depth > 0
+
+
+@contextlib.contextmanager
+def forbid_compiles() -> Iterator[None]:
+    """Raise `CompileError` if anything compiles inside the block.
+
+    A polyexec bucket that is not compiled yet raises at once, before compiling; any other XLA
+    compile in the block (an eager jnp op at a new shape, say) is reported when the block ends.
+    Process-wide: compiles on other threads count too.
+
+    >>> import numpy as np, polyexec as px
+    >>> T = px.LengthVar("T", max=8)
+    >>> f = px.bucketed(lambda x: x * 2, in_specs=(px.Spec("T"),), out_specs=px.Spec("T"))
+    >>> _ = f(np.ones(3, np.float32))           # compiles the bucket T=4
+    >>> with px.forbid_compiles():
+    ...     f(np.ones(4, np.float32)).tolist()  # same bucket: nothing compiles
+    [2.0, 2.0, 2.0, 2.0]
+    """
+    global _forbid_depth
+    with _lock:
+        _forbid_depth += 1
+        start = len(_seen)
+    try:
+        yield
+    finally:
+        with _lock:
+            _forbid_depth -= 1
+            new = _seen[start:]
+            if _forbid_depth == 0:
+                _seen.clear()
+    if new:
+        raise CompileError(f"{len(new)} compile(s) inside forbid_compiles: {'; '.join(new)}")
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "polyexec", "xla")
+
+
+def enable_persistent_cache(path: str | None = None) -> str:
+    """Turn on JAX's persistent compile cache (works on CPU, GPU and TPU) and return its folder.
+
+    Every compile, however small, is cached: a bucket compiled by an earlier process loads from
+    disk instead of compiling. ``path`` defaults to ``$POLYEXEC_CACHE_DIR`` or
+    ``~/.cache/polyexec/xla``.
+    """
+    path = path or os.environ.get("POLYEXEC_CACHE_DIR") or default_cache_dir()
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def disable_persistent_cache() -> None:
+    jax.config.update("jax_compilation_cache_dir", None)

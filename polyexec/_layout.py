@@ -1,0 +1,221 @@
+"""The boundary between user arguments and the flat program: validate, bind lengths, pad, slice.
+
+Every check here runs before anything is traced or compiled, so bad input never costs a compile
+and never reaches XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import LengthOverflowError, SpecError
+from ._vars import LengthVar, Spec
+
+
+class _Fixed:
+    """Marks leaves of an argument whose spec is None: arrays at their own shape, rest static."""
+
+    def __repr__(self) -> str:
+        return "None"
+
+
+FIXED = _Fixed()
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, Spec)
+
+
+def spec_per_leaf(specs: Any, tree: Any, what: str) -> list[Spec | _Fixed]:
+    """Broadcast a prefix tree of Specs/None (like `jax.jit`'s in_axes) to the leaves of ``tree``."""
+
+    def expand(spec, subtree):
+        structure = jax.tree_util.tree_structure(subtree)
+        fill = FIXED if spec is None else spec
+        return jax.tree_util.tree_unflatten(structure, [fill] * structure.num_leaves)
+
+    try:
+        full = jax.tree_util.tree_map(expand, specs, tree, is_leaf=_is_spec_leaf)
+    except (ValueError, TypeError) as e:
+        raise SpecError(f"{what} does not match the structure of the values: {e}") from None
+    return jax.tree_util.tree_structure(tree).flatten_up_to(full)
+
+
+def canonical_dtype(dtype: Any) -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """Everything a traced program depends on besides the lengths: one plan per signature."""
+
+    treedef: Any
+    kinds: tuple[str, ...]                       # per leaf: "poly", "array" or "static"
+    statics: tuple[Any, ...]                     # the static leaves, in order
+    array_avals: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    poly: tuple[tuple[Spec, np.dtype], ...]
+    paths: tuple[str, ...] = dataclasses.field(compare=False)
+
+    def leaf_paths(self, kind: str) -> list[str]:
+        return [p for p, k in zip(self.paths, self.kinds) if k == kind]
+
+
+@dataclasses.dataclass
+class BoundCall:
+    signature: Signature
+    arrays: list[Any]                # the "array" leaves as given
+    poly: list[Any]                  # the "poly" leaves, as arrays of the canonical dtype
+    sizes: dict[str, int]            # each length variable's real size
+    arg_index: list[int]             # per flat array/poly leaf: which positional argument
+
+
+def _path(keypath) -> str:
+    return "args" + jax.tree_util.keystr(keypath)
+
+
+def _as_array(leaf: Any, path: str) -> Any:
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+        return leaf
+    try:
+        arr = np.asarray(leaf)
+    except Exception as e:  # ragged lists and the like
+        raise SpecError(f"{path}: expected an array, received {type(leaf).__name__} ({e})") from None
+    if arr.dtype == object:
+        raise SpecError(f"{path}: expected an array, received {type(leaf).__name__} "
+                        f"that NumPy can only hold as dtype=object")
+    return arr
+
+
+def _dtype_kind(dtype: np.dtype) -> str:
+    return {"u": "integer", "i": "integer", "f": "floating", "c": "complex", "b": "bool"}.get(
+        dtype.kind, dtype.name)
+
+
+def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, LengthVar]) -> BoundCall:
+    """Validate ``args`` against ``in_specs`` and read every length variable's size."""
+    if len(args) != len(in_specs):
+        raise SpecError(f"expected {len(in_specs)} positional arguments (one per in_specs entry), "
+                        f"received {len(args)}")
+    args = tuple(args)
+    specs = spec_per_leaf(tuple(in_specs), args, "in_specs")
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(args)
+    kinds, statics, arrays, array_avals, poly, poly_sig, paths, arg_index = [], [], [], [], [], [], [], []
+    poly_arg_index = []
+    sizes: dict[str, int] = {}
+    where: dict[str, str] = {}
+
+    for (keypath, leaf), spec in zip(keyed, specs):
+        path = _path(keypath)
+        paths.append(path)
+        top = keypath[0].idx
+        if spec is FIXED:
+            if isinstance(leaf, (jax.Array, np.ndarray)):
+                kinds.append("array")
+                arrays.append(leaf)
+                array_avals.append((tuple(leaf.shape), canonical_dtype(leaf.dtype)))
+                arg_index.append(top)
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    raise SpecError(f"{path}: a non-array leaf of an argument without a Spec is "
+                                    f"static and must be hashable; received an unhashable "
+                                    f"{type(leaf).__name__}") from None
+                kinds.append("static")
+                statics.append(leaf)
+            continue
+
+        arr = _as_array(leaf, path)
+        if arr.ndim != len(spec.dims):
+            raise SpecError(f"{path}: expected rank {len(spec.dims)} for {spec}, received rank "
+                            f"{arr.ndim} (shape {tuple(arr.shape)})")
+        received = np.dtype(arr.dtype)
+        if spec.dtype is not None and _dtype_kind(received) != _dtype_kind(spec.dtype):
+            raise SpecError(f"{path}.dtype: expected {spec.dtype.name} for {spec}, received "
+                            f"{received.name}")
+        target = canonical_dtype(spec.dtype if spec.dtype is not None else received)
+        for axis, (dim, size) in enumerate(zip(spec.dims, arr.shape)):
+            here = f"{path}.shape[{axis}]"
+            if isinstance(dim, int):
+                if size != dim:
+                    raise SpecError(f"{here}: expected {dim} for {spec}, received {size}")
+                continue
+            var = variables[dim]
+            if dim in sizes:
+                if sizes[dim] != size:
+                    raise SpecError(f"{here} = {size} disagrees with {where[dim]} = {sizes[dim]}: "
+                                    f"both are length variable {dim!r}")
+                continue
+            if size > var.max:
+                raise LengthOverflowError(f"{here} = {size} is above {dim}'s max={var.max} ({var})")
+            if size < var.min:
+                raise SpecError(f"{here} = {size} is below {dim}'s min={var.min} ({var})")
+            sizes[dim] = size
+            where[dim] = here
+        kinds.append("poly")
+        poly.append(arr if received == target else np.asarray(arr, target))
+        poly_sig.append((spec, target))
+        poly_arg_index.append(top)
+
+    _check_lengths(keyed, specs, poly, sizes, where, variables)
+    signature = Signature(treedef, tuple(kinds), tuple(statics), tuple(array_avals),
+                          tuple(poly_sig), tuple(paths))
+    return BoundCall(signature, arrays, poly, sizes, arg_index + poly_arg_index)
+
+
+def _check_lengths(keyed, specs, poly, sizes, where, variables) -> None:
+    """Arrays marked ``lengths_of=T`` must hold values in ``[0, T]``."""
+    poly_iter = iter(poly)
+    for (keypath, _), spec in zip(keyed, specs):
+        if spec is FIXED:
+            continue
+        arr = next(poly_iter)
+        if spec.lengths_of is None:
+            continue
+        name = spec.lengths_of
+        if name not in variables:
+            raise SpecError(f"{_path(keypath)}: lengths_of={name!r} names no length variable of "
+                            f"this function (known: {', '.join(variables)})")
+        values = np.asarray(arr)
+        bad = np.argwhere(values < 0)
+        if bad.size:
+            idx = tuple(int(i) for i in bad[0])
+            raise SpecError(f"{_path(keypath)}{list(idx)} = {values[idx]}: lengths of {name!r} "
+                            f"must be >= 0")
+        limit = sizes.get(name, variables[name].max)
+        bad = np.argwhere(values > limit)
+        if bad.size:
+            idx = tuple(int(i) for i in bad[0])
+            source = where.get(name, f"{name}'s max")
+            raise SpecError(f"{_path(keypath)}{list(idx)} = {values[idx]}: lengths of {name!r} "
+                            f"must be <= {source} = {limit}")
+
+
+def bucket_shape(spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[d] if isinstance(d, str) else d for d in spec.dims)
+
+
+def pad(arr: Any, spec: Spec, dtype: np.dtype, bucket: Mapping[str, int]) -> Any:
+    """Pad ``arr`` with ``spec.pad`` up to the bucket's shape.
+
+    Padding happens on the host with NumPy: padding a device array with jnp.pad would compile
+    one small XLA program per exact input shape — the very recompilation bucketing avoids.
+    """
+    target = bucket_shape(spec, bucket)
+    if tuple(arr.shape) == target:
+        return arr
+    host = np.asarray(arr, dtype)
+    widths = [(0, t - s) for s, t in zip(host.shape, target)]
+    return np.pad(host, widths, mode="constant", constant_values=np.asarray(spec.pad, dtype))
+
+
+def unpad(arr: Any, spec: Spec, sizes: Mapping[str, int]) -> np.ndarray:
+    """Slice an output back to the real sizes (on the host, for the same reason as `pad`)."""
+    host = np.asarray(arr)
+    index = tuple(slice(0, sizes[d]) if isinstance(d, str) else slice(None) for d in spec.dims)
+    return host[index]
