@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import linecache
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -251,6 +252,8 @@ def trace_symbolic(fn, signature: Signature, variables: Sequence[LengthVar], cou
                   f"concrete bucket size")
         return Plan(exported=None, jaxpr=None, reason=reason, out_tree=None, out_paths=(), **common)
     except _SHAPE_ERRORS as e:
+        if not _about_symbolic_dims(e, names):
+            raise  # an ordinary bug in the function, not a polymorphism problem
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         reason = f"{describe_frame(user_frame(e))}: {type(e).__name__}: {message}"
         return Plan(exported=None, jaxpr=None, reason=reason, out_tree=None, out_paths=(), **common)
@@ -258,6 +261,14 @@ def trace_symbolic(fn, signature: Signature, variables: Sequence[LengthVar], cou
     jaxpr = jitted.trace(*avals).jaxpr
     return Plan(exported=exported, jaxpr=jaxpr, reason=None, out_tree=cell[0], out_paths=cell[1],
                 **common)
+
+
+def _about_symbolic_dims(error: BaseException, names: Sequence[str]) -> bool:
+    if isinstance(error, _SHAPE_ERRORS[:2]):
+        return True
+    text = str(error)
+    return ("_DimExpr" in text or "symbolic" in text.lower()
+            or any(re.search(rf"\b{re.escape(n)}\b", text) for n in names))
 
 
 def check_size_independence(plan: Plan, fn, counter: _TraceCounter,

@@ -1,0 +1,87 @@
+"""Byte-level recurrent language model, written once for every length.
+
+Nothing here knows a maximum length: shapes come from the inputs, the loss masks by the
+per-example lengths, so a batch padded to any bucket gives the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import polyexec as px
+
+VOCAB = 256  # bytes
+
+
+class CharLM(eqx.Module):
+    """Embedding -> GRU or LSTM cell scanned over time -> logits over the next byte.
+
+    >>> import jax, jax.numpy as jnp
+    >>> model = CharLM(cell="gru", hidden=32, key=jax.random.PRNGKey(0))
+    >>> model(jnp.array([72, 105, 33])).shape
+    (3, 256)
+    """
+
+    embed: eqx.nn.Embedding
+    cell: eqx.Module
+    head: eqx.nn.Linear
+    kind: str = eqx.field(static=True)
+
+    def __init__(self, *, cell: Literal["gru", "lstm"] = "gru", embed: int = 64,
+                 hidden: int = 256, key):
+        if cell not in ("gru", "lstm"):
+            raise ValueError(f"CharLM: cell must be one of 'gru', 'lstm'; got {cell!r}")
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, embed, key=k1)
+        cls = eqx.nn.GRUCell if cell == "gru" else eqx.nn.LSTMCell
+        self.cell = cls(embed, hidden, key=k2)
+        self.head = eqx.nn.Linear(hidden, VOCAB, key=k3)
+        self.kind = cell
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cell.hidden_size
+
+    def initial_state(self):
+        zeros = jnp.zeros((self.hidden_size,))
+        return (zeros, zeros) if self.kind == "lstm" else zeros
+
+    def step(self, state, token):
+        """One byte in, the next state and the logits for the byte after it."""
+        state = self.cell(self.embed(token), state)
+        hidden = state[0] if self.kind == "lstm" else state
+        return state, self.head(hidden)
+
+    def __call__(self, tokens):
+        """Logits for every position of one sequence ``tokens: (T,)`` -> ``(T, 256)``."""
+        # A closure, not the bound method: scan hashes its function, and a module holds arrays.
+        _, logits = jax.lax.scan(lambda s, t: self.step(s, t), self.initial_state(), tokens)
+        return logits
+
+
+def loss_fn(model: CharLM, tokens, lengths):
+    """Mean next-byte cross-entropy in nats over the real positions of a padded batch.
+
+    ``tokens: (B, T)`` int32 padded with anything, ``lengths: (B,)`` the real lengths. Position
+    t predicts byte t+1, so a sequence of length n contributes n-1 predictions.
+    """
+    logits = jax.vmap(model)(tokens[:, :-1])                       # (B, T-1, 256)
+    targets = tokens[:, 1:]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = px.sequence_mask(lengths - 1, targets, axis=1)
+    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def loss_and_count(model: CharLM, tokens, lengths):
+    """Summed nats and the number of predictions, for exact averages across batches."""
+    logits = jax.vmap(model)(tokens[:, :-1])
+    targets = tokens[:, 1:]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = px.sequence_mask(lengths - 1, targets, axis=1)
+    return jnp.sum(jnp.where(mask, nll, 0.0)), jnp.sum(mask)
