@@ -79,8 +79,22 @@ def enable_persistent_cache(path: str | None = None) -> str:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _reset_jax_cache()
     return path
 
 
 def disable_persistent_cache() -> None:
+    """Stop reading and writing the persistent compile cache (in-memory caches are kept)."""
     jax.config.update("jax_compilation_cache_dir", None)
+    _reset_jax_cache()
+
+
+def _reset_jax_cache() -> None:
+    # JAX opens the cache folder once, at the first compile of the process, and ignores later
+    # changes of jax_compilation_cache_dir: without this reset, enabling the cache after any
+    # compile, switching folders, or disabling it silently keeps writing to the first folder.
+    try:
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):  # a JAX without the private hook: config alone
+        pass

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import linecache
+import os
 import re
 import threading
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +26,10 @@ from ._vars import LengthVar, Spec, symbolic_dims
 # Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
 # `int(T)`/`range(T)` (TypeError), `if T > 10` (InconclusiveDimensionOperation), broadcasting
 # against a literal maximum (TypeError/ValueError), indexing with one (IndexError).
+# jax.export and jax core each define an InconclusiveDimensionOperation (unrelated classes):
+# `int(T)` raises the first, a reshape to a literal size (`x.reshape(-1, 16)`) the second.
 _SHAPE_ERRORS = (export.symbolic_shape.__globals__["InconclusiveDimensionOperation"],
+                 jax.errors.InconclusiveDimensionOperation,
                  jax.errors.ConcretizationTypeError, TypeError, ValueError, IndexError)
 
 
@@ -264,7 +269,12 @@ def trace_symbolic(fn, signature: Signature, variables: Sequence[LengthVar], cou
 
 
 def _about_symbolic_dims(error: BaseException, names: Sequence[str]) -> bool:
-    if isinstance(error, _SHAPE_ERRORS[:2]):
+    if isinstance(error, _SHAPE_ERRORS[:3]):
+        return True
+    # A symbolic dim meeting Python code (`[0.0] * T` -> _DimExpr.__rmul__) can fail with a
+    # message that names neither the dim nor symbolic shapes; the raising frames still show it.
+    if any(f.filename.endswith(("shape_poly.py",)) and f"{os.sep}export{os.sep}" in f.filename
+           for f in traceback.extract_tb(error.__traceback__)):
         return True
     text = str(error)
     return ("_DimExpr" in text or "symbolic" in text.lower()

@@ -36,10 +36,21 @@ def trace(fn: Callable, *args_or_specs: Any, buckets=None, check_sizes: bool = T
     call = runner._example_call(fixed)
     plan = runner._trace(call.signature)
     if plan.reshaping_is_impossible:
-        # A genuine bug fails at a concrete size too: raise it rather than call it non-polymorphic.
+        # A genuine bug fails at every concrete size: raise it rather than call it
+        # non-polymorphic. Code written for the maximum (`x + jnp.zeros(1024)`, a reshape to a
+        # literal size) fails at the smallest bucket but works at the largest: that is the
+        # non-polymorphic case, so try both before deciding.
         smallest = {n: s[0] for n, s in runner.bucket_sizes.items()}
-        run = flat_program(fn, call.signature, [v.name for v in plan.variables], smallest,
-                           runner._counter, [])
-        jax.jit(run).trace(*input_avals(call.signature, plan.variables, smallest))
+        largest = {n: s[-1] for n, s in runner.bucket_sizes.items()}
+        for i, sizes in enumerate([smallest] if smallest == largest else [smallest, largest]):
+            run = flat_program(fn, call.signature, [v.name for v in plan.variables], sizes,
+                               runner._counter, [])
+            try:
+                jax.jit(run).trace(*input_avals(call.signature, plan.variables, sizes))
+                break
+            except Exception as e:
+                first = first if i else e
+        else:
+            raise first
     plan.constants = tuple(call.arrays)
     return plan

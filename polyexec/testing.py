@@ -1,0 +1,312 @@
+"""Property tests for your own bucketed functions: hypothesis strategies and a transparency check.
+
+Bucketing must be invisible: ``px.bucketed(f)(x)`` pads ``x`` up to a bucket, runs the bucket's
+program and slices the result back, and that has to equal ``f(x)`` run at the exact size — for
+values and for gradients. `assert_bucket_transparent` property-tests exactly that over random
+sizes within each `LengthVar`'s bounds; the strategies it is built from are public so that your
+own tests can draw sizes, spec-shaped arrays and per-example lengths.
+
+This module needs ``hypothesis`` (the ``test`` extra); ``import polyexec`` alone never imports it.
+
+>>> import jax.numpy as jnp, numpy as np, polyexec as px
+>>> from polyexec import testing as pxt
+>>> T = px.LengthVar("T", min=1, max=12)
+>>> def mean_over_time(x):                        # x: (T,), padded with zeros
+...     return jnp.sum(x) / px.valid_length(T)    # divide by the real length, not the padded one
+>>> report = pxt.assert_bucket_transparent(mean_over_time, (px.Spec("T", jnp.float32),),
+...                                        max_examples=4)
+>>> report.values.traces                           # one Python trace, however many sizes
+1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from hypothesis.extra import numpy as hnp
+except ImportError as e:  # the runtime does not need hypothesis; only this module does
+    raise ImportError("polyexec.testing needs hypothesis: pip install 'polyexec[test]' "
+                      "(or pip install hypothesis)") from e
+
+from ._context import binding
+from ._executor import Bucketed, bucketed
+from ._vars import LengthVar, Spec, resolve_vars
+
+__all__ = ["sizes", "size_dicts", "arrays", "lengths", "assert_bucket_transparent",
+           "TransparencyReport"]
+
+
+def _var(var: LengthVar | str) -> LengthVar:
+    if isinstance(var, LengthVar):
+        return var
+    return resolve_vars([var], {})[var]
+
+
+def sizes(var: LengthVar | str, *, min: int | None = None, max: int | None = None):
+    """Sizes of ``var``: ints within its bounds ``[var.min, var.max]`` (narrowed by min/max).
+
+    >>> import polyexec as px
+    >>> from hypothesis import given
+    >>> from polyexec.testing import sizes
+    >>> T = px.LengthVar("T", min=2, max=40)
+    >>> @given(sizes(T))
+    ... def check(t):
+    ...     assert 2 <= t <= 40
+    >>> check()
+    """
+    var = _var(var)
+    lo = var.min if min is None else min
+    hi = var.max if max is None else max
+    if not var.min <= lo <= hi <= var.max:
+        raise ValueError(f"sizes({var}): min={lo}, max={hi} must satisfy "
+                         f"{var.min} <= min <= max <= {var.max}")
+    return st.integers(lo, hi)
+
+
+def size_dicts(*variables: LengthVar | str):
+    """``{name: size}`` dicts, one size per variable, each within its bounds.
+
+    >>> import polyexec as px
+    >>> from hypothesis import given
+    >>> from polyexec.testing import size_dicts
+    >>> T = px.LengthVar("T", min=2, max=40)
+    >>> B = px.LengthVar("B", max=4)
+    >>> @given(size_dicts(B, T))
+    ... def check(s):
+    ...     assert sorted(s) == ["B", "T"] and 1 <= s["B"] <= 4 and 2 <= s["T"] <= 40
+    >>> check()
+    """
+    return st.fixed_dictionaries({_var(v).name: sizes(v) for v in variables})
+
+
+def _default_elements(dtype: np.dtype):
+    # Small magnitudes keep float comparisons meaningful at the default tolerances (a sum of a
+    # few hundred values in [-1, 1] differs by ~1e-5 between two summation orders); integers are
+    # non-negative so that integer inputs work as token ids or indices.
+    if dtype.kind == "f":
+        return st.floats(-1, 1, width=8 * dtype.itemsize if dtype.itemsize in (2, 4, 8) else 64)
+    if dtype.kind in "iu":
+        return st.integers(0, 127)
+    if dtype.kind == "b":
+        return st.booleans()
+    if dtype.kind == "c":
+        return st.complex_numbers(max_magnitude=1, width=8 * dtype.itemsize)
+    raise TypeError(f"no default elements for dtype {dtype}; pass elements=...")
+
+
+def _shape(spec: Spec, size_of: Mapping[str, int]) -> tuple[int, ...]:
+    missing = [d for d in spec.var_names if d not in size_of]
+    if missing:
+        raise ValueError(f"arrays({spec}): sizes has no entry for {', '.join(missing)} "
+                         f"(received {dict(size_of)})")
+    return tuple(size_of[d] if isinstance(d, str) else d for d in spec.dims)
+
+
+def arrays(spec: Spec, sizes: Mapping[str, int], *, elements=None):
+    """NumPy arrays matching ``spec`` at the given sizes (dtype: the spec's, else float32).
+
+    Elements default to floats in [-1, 1], integers in [0, 127], booleans; a ``lengths_of=T``
+    spec gets lengths in ``[0, sizes[T]]``. Combine with `size_dicts` to draw sizes first:
+
+    >>> import jax.numpy as jnp, polyexec as px
+    >>> from hypothesis import given
+    >>> from polyexec.testing import arrays, size_dicts
+    >>> T = px.LengthVar("T", min=2, max=40)
+    >>> B = px.LengthVar("B", max=4)
+    >>> spec = px.Spec("B T 3", jnp.float32)
+    >>> @given(size_dicts(B, T).flatmap(lambda s: arrays(spec, s).map(lambda x: (s, x))))
+    ... def check(case):
+    ...     s, x = case
+    ...     assert x.shape == (s["B"], s["T"], 3) and x.dtype == jnp.float32
+    >>> check()
+    """
+    dtype = np.dtype(spec.dtype if spec.dtype is not None else np.float32)
+    shape = _shape(spec, sizes)
+    if elements is None and spec.lengths_of is not None:
+        limit = sizes[spec.lengths_of] if spec.lengths_of in sizes else _var(spec.lengths_of).max
+        elements = st.integers(0, limit)
+    if elements is None:
+        elements = _default_elements(dtype)
+    return hnp.arrays(dtype, shape, elements=elements)
+
+
+def lengths(batch: int, max_len: int, *, min_len: int = 0):
+    """Per-example lengths: int32 arrays of shape ``(batch,)`` with values in [min_len, max_len].
+
+    >>> from hypothesis import given
+    >>> from polyexec.testing import lengths
+    >>> @given(lengths(4, 10, min_len=2))
+    ... def check(n):
+    ...     assert n.shape == (4,) and n.dtype == "int32" and ((2 <= n) & (n <= 10)).all()
+    >>> check()
+    """
+    if not 0 <= min_len <= max_len:
+        raise ValueError(f"lengths: need 0 <= min_len <= max_len, got min_len={min_len}, "
+                         f"max_len={max_len}")
+    return hnp.arrays(np.int32, (int(batch),), elements=st.integers(min_len, max_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransparencyReport:
+    """What `assert_bucket_transparent` ran: the bucketed functions (for their ``traces`` and
+    ``stats``) and every size dict it checked."""
+
+    values: Bucketed
+    grads: Bucketed | None
+    sizes: tuple[dict[str, int], ...]
+
+
+def _filter_grad(fn: Callable, argnums: int | Sequence[int]) -> Callable:
+    """``jax.grad(fn, argnums)`` with equinox filter semantics: only the floating-point array
+    leaves of the differentiated arguments are differentiated (others get ``None``), so a model
+    with integer buffers or static fields can be differentiated like any pytree of arrays."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def grad_fn(*args):
+        parts = [eqx.partition(args[i], eqx.is_inexact_array) for i in nums]
+
+        def differentiable(diffs):
+            full = list(args)
+            for i, d, (_, rest) in zip(nums, diffs, parts):
+                full[i] = eqx.combine(d, rest)
+            return fn(*full)
+
+        grads = jax.grad(differentiable)(tuple(d for d, _ in parts))
+        return grads[0] if isinstance(argnums, int) else grads
+
+    grad_fn.__name__ = f"grad_{getattr(fn, '__name__', 'fn')}"
+    return grad_fn
+
+
+def _compare(actual, expected, what: str, size_of: Mapping[str, int], bucket: Mapping[str, int],
+             rtol: float, atol: float) -> None:
+    a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual)
+    e_leaves, e_tree = jax.tree_util.tree_flatten_with_path(expected)
+    where = f"at sizes {dict(size_of)} (bucket {dict(bucket)})"
+    if a_tree != e_tree:
+        raise AssertionError(f"bucketed {what} {where}: output structure {a_tree} differs from "
+                             f"the exact-size run's {e_tree}")
+    for (path, a), (_, e) in zip(a_leaves, e_leaves):
+        a, e = np.asarray(a), np.asarray(e)
+        if a.shape != e.shape:
+            raise AssertionError(
+                f"bucketed {what} {where}: out{jax.tree_util.keystr(path)} has shape {a.shape}, "
+                f"the exact-size run gives {e.shape} (give the output an out_specs Spec so it "
+                f"is sliced back to the real sizes)")
+        np.testing.assert_allclose(
+            a, e, rtol=rtol, atol=atol,
+            err_msg=f"bucketed {what} {where} differ at out{jax.tree_util.keystr(path)}")
+
+
+def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_specs: Any = None,
+                              buckets: Mapping[LengthVar | str, Any] | None = None,
+                              fixed_args: Sequence[Any] = (),
+                              grad_argnums: int | Sequence[int] | None = None,
+                              elements: Mapping[int, Any] | None = None,
+                              max_examples: int | None = None,
+                              rtol: float = 1e-5, atol: float = 1e-5) -> TransparencyReport:
+    """Property-test that ``px.bucketed(fn, in_specs, out_specs, buckets)`` equals ``fn`` run at
+    the exact size, for random sizes within every `LengthVar`'s bounds and random inputs.
+
+    ``in_specs`` are those of `px.bucketed`; the arguments whose spec is ``None`` (a model, a
+    constant) are taken from ``fixed_args``, in order; the others are drawn with `arrays`
+    (``elements`` maps an argument's index to its element strategy, e.g. token ids). The
+    reference runs ``fn`` jitted at the exact shapes with `px.valid_length` (and
+    `px.max_length`) answering the exact sizes. With ``grad_argnums``, gradients are checked
+    too: ``bucketed(grad(fn, grad_argnums))`` against ``grad(fn, grad_argnums)`` at the exact
+    size (``fn`` must return a scalar); gradients with respect to Spec'd inputs are sliced back
+    by the same Spec. Raises ``AssertionError`` naming the sizes, the bucket and the output
+    leaf; hypothesis prints the falsifying inputs. ``max_examples`` defaults to the active
+    hypothesis profile's. Call it from a plain test, not from inside another ``@given``.
+
+    >>> import jax.numpy as jnp, polyexec as px
+    >>> from polyexec.testing import assert_bucket_transparent
+    >>> T = px.LengthVar("T", min=2, max=24)
+    >>> B = px.LengthVar("B", max=3)
+    >>> def masked_sq_sum(x, lengths):              # x: (B, T), lengths: (B,)
+    ...     mask = px.sequence_mask(lengths, x, axis=1)
+    ...     return jnp.sum(jnp.where(mask, x * x, 0.0))
+    >>> report = assert_bucket_transparent(
+    ...     masked_sq_sum, (px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T")),
+    ...     grad_argnums=0, buckets={T: [8, 16]}, max_examples=4)
+    >>> report.values.traces, report.grads.traces
+    (1, 1)
+    """
+    in_specs = tuple(in_specs)
+    fixed_positions = [i for i, s in enumerate(in_specs) if s is None]
+    if len(fixed_args) != len(fixed_positions):
+        raise ValueError(f"assert_bucket_transparent: in_specs has {len(fixed_positions)} "
+                         f"None entries (positions {fixed_positions}), so fixed_args needs that "
+                         f"many values; received {len(fixed_args)}")
+    elements = dict(elements or {})
+    unknown = sorted(set(elements) - (set(range(len(in_specs))) - set(fixed_positions)))
+    if unknown:
+        raise ValueError(f"assert_bucket_transparent: elements names argument(s) {unknown}, "
+                         f"which have no Spec")
+
+    values = bucketed(fn, in_specs, out_specs, buckets)
+    variables = list(values.variables.values())
+    grads = None
+    if grad_argnums is not None:
+        nums = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)
+        grad_specs = tuple(in_specs[i] for i in nums)
+        grads = bucketed(_filter_grad(fn, grad_argnums), in_specs,
+                         grad_specs[0] if isinstance(grad_argnums, int) else grad_specs, buckets)
+
+    def reference(size_items, *args):
+        # Exact sizes: valid_length is the size itself, and so is max_length.
+        exact = dict(size_items)
+        with binding({n: jnp.int32(s) for n, s in exact.items()}, exact):
+            return fn(*args)
+
+    def grad_reference(size_items, *args):
+        exact = dict(size_items)
+        with binding({n: jnp.int32(s) for n, s in exact.items()}, exact):
+            return _filter_grad(fn, grad_argnums)(*args)
+
+    # filter_jit: array leaves traced, the size items and a model's static fields static.
+    jit_reference, jit_grad_reference = eqx.filter_jit(reference), eqx.filter_jit(grad_reference)
+    tried: list[dict[str, int]] = []
+
+    @settings(max_examples=max_examples if max_examples is not None else settings().max_examples,
+              deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        size_of = data.draw(size_dicts(*variables), label="sizes")
+        fixed = iter(fixed_args)
+        args = []
+        for i, spec in enumerate(in_specs):
+            if spec is None:
+                args.append(next(fixed))
+                continue
+            strategies = jax.tree_util.tree_map(
+                lambda s, i=i: arrays(s, size_of, elements=elements.get(i)), spec,
+                is_leaf=lambda x: isinstance(x, Spec))
+            args.append(data.draw(_tree_strategy(strategies), label=f"args[{i}]"))
+        items = tuple(sorted(size_of.items()))
+        bucket = {n: values._bucket_for(n, s) for n, s in size_of.items()}
+        _compare(values(*args), jit_reference(items, *args), "values", size_of, bucket, rtol, atol)
+        if grads is not None:
+            _compare(grads(*args), jit_grad_reference(items, *args), "gradients", size_of, bucket,
+                     rtol, atol)
+        tried.append(size_of)
+
+    check()
+    return TransparencyReport(values, grads, tuple(tried))
+
+
+def _tree_strategy(tree: Any):
+    """One strategy drawing a pytree whose leaves are drawn from the strategies in ``tree``."""
+    leaves, treedef = jax.tree_util.tree_flatten(
+        tree, is_leaf=lambda x: isinstance(x, st.SearchStrategy))
+    return st.tuples(*leaves).map(lambda drawn: jax.tree_util.tree_unflatten(treedef, list(drawn)))
