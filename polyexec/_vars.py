@@ -183,6 +183,10 @@ def bucket_sizes(var: LengthVar, policy: Any = None) -> tuple[int, ...]:
         return default_bucket_sizes(var)
     raw = getattr(policy, "sizes", policy)
     try:
+        # Only ints: a string would iterate into digits, a float be truncated without a word.
+        if isinstance(raw, (str, bytes)) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in raw):
+            raise TypeError
         sizes = sorted({int(s) for s in raw})
     except TypeError:
         raise SpecError(
