@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from typing import Any
 
@@ -94,7 +95,20 @@ def load_plan(path):
         raise _corrupt(path, "checksum mismatch (the file is truncated or corrupted)")
     try:
         prog = header["program"]
-        exported = export.deserialize(bytearray(payload[prog["offset"]:prog["offset"] + prog["length"]]))
+        program = bytearray(payload[prog["offset"]:prog["offset"] + prog["length"]])
+    except (KeyError, TypeError, ValueError) as e:
+        raise _corrupt(path, f"inconsistent header ({type(e).__name__}: {e})") from None
+    try:
+        # The checksum only proves the bytes are the ones written. A payload that is not a
+        # program (a forged checksum, a writer bug) makes the flatbuffer reader fail with
+        # struct.error/AttributeError and the StableHLO reader with a runtime error: parse both
+        # here, so a bad file fails at load with PolyexecError, not at the first call.
+        exported = export.deserialize(program)
+        exported.mlir_module()
+    except Exception as e:  # noqa: BLE001 - any failure to parse means a bad file
+        raise _corrupt(path, f"unreadable program ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    try:
         variables = [LengthVar._unregistered(v["name"], v["min"], v["max"]) for v in header["variables"]]
         specs, paths = [], []
         for item in header["inputs"]:
@@ -127,7 +141,17 @@ def bucketed_plan(plan, buckets=None, **options):
 
     class LoadedBucketed(Bucketed):
         def __call__(self, *args):
-            out = super().__call__(*constants, *args)
+            expected = len(specs) - len(constants)
+            if len(args) != expected:
+                raise SpecError(f"plan {plan.name}: expected {expected} positional arguments, "
+                                f"received {len(args)}")
+            try:
+                out = super().__call__(*constants, *args)
+            except SpecError as e:
+                # The stored constants are prepended: name the caller's own argument positions.
+                shifted = re.sub(r"\bargs\[(\d+)\]",
+                                 lambda m: f"args[{int(m.group(1)) - len(constants)}]", str(e))
+                raise type(e)(shifted) from None
             return out[0] if len(out) == 1 else out
 
         def _trace(self, signature: Signature):
