@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Union
@@ -31,8 +32,9 @@ __all__ = [
 _MAX_SIZES = 100_000
 
 # ``Optimal.fit`` without max_buckets or compile_cost: eight buckets. On the pydoc corpus
-# (cap 1,024) eight exact-optimal buckets reach ~0.83 padding efficiency against ~0.69 for
-# the nine power-of-two buckets 4..1024, for eight compiles of the train step.
+# (cap 1,024) eight exact-optimal buckets reach 0.83 padding efficiency against 0.71 for the
+# eleven power-of-two buckets 1..1024, with eight compiles of the train step; doubling to 16
+# buckets only adds 0.09 (0.91) for eight more compiles.
 DEFAULT_MAX_BUCKETS = 8
 
 
@@ -139,8 +141,6 @@ class BucketPolicy:
         if n > sizes[-1]:
             raise BucketOverflowError(n, sizes[-1])
         # bisect on a tuple: a few hundred ns, cheaper than a numpy call per length.
-        from bisect import bisect_left
-
         return sizes[bisect_left(sizes, n)]
 
     def assign(self, lengths) -> np.ndarray:
@@ -324,8 +324,9 @@ class Optimal(BucketPolicy):
 
         Cost: O(K * D log D) with vectorised numpy for ``max_buckets`` (divide-and-conquer
         row minima: the cost matrix is Monge, so optimal split points are monotone) and an
-        O(D) exact-integer convex-hull pass for ``compile_cost`` alone. 10^6 lengths with
-        10^4 distinct values and K=8: ~0.1 s on one core.
+        O(D) exact-integer convex-hull pass for ``compile_cost`` alone. Measured on 10^6
+        lognormal lengths with ~10^4 distinct values (one core): K=8 0.06 s, K=32 0.24 s,
+        K=128 1.0 s; ``compile_cost`` alone 0.05 s (of which ~5 ms is counting lengths).
 
         >>> Optimal.fit([5, 5, 6, 20], max_buckets=2).sizes
         (6, 20)
