@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 try:
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
     from hypothesis.extra import numpy as hnp
 except ImportError as e:  # the runtime does not need hypothesis; only this module does
@@ -213,7 +213,7 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
                               fixed_args: Sequence[Any] = (),
                               grad_argnums: int | Sequence[int] | None = None,
                               elements: Mapping[int, Any] | None = None,
-                              max_examples: int | None = None,
+                              max_examples: int | None = None, shrink: bool = True,
                               rtol: float = 1e-5, atol: float = 1e-5) -> TransparencyReport:
     """Property-test that ``px.bucketed(fn, in_specs, out_specs, buckets)`` equals ``fn`` run at
     the exact size, for random sizes within every `LengthVar`'s bounds and random inputs.
@@ -227,7 +227,9 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
     size (``fn`` must return a scalar); gradients with respect to Spec'd inputs are sliced back
     by the same Spec. Raises ``AssertionError`` naming the sizes, the bucket and the output
     leaf; hypothesis prints the falsifying inputs. ``max_examples`` defaults to the active
-    hypothesis profile's. Call it from a plain test, not from inside another ``@given``.
+    hypothesis profile's. ``shrink=False`` reports the first failing example as found: every
+    shrinking step at a new size compiles a new exact-size reference, which for a scanned model
+    can take minutes. Call it from a plain test, not from inside another ``@given``.
 
     >>> import jax.numpy as jnp, polyexec as px
     >>> from polyexec.testing import assert_bucket_transparent
@@ -278,8 +280,12 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
     jit_reference, jit_grad_reference = eqx.filter_jit(reference), eqx.filter_jit(grad_reference)
     tried: list[dict[str, int]] = []
 
-    @settings(max_examples=max_examples if max_examples is not None else settings().max_examples,
-              deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    defaults = settings()
+    phases = defaults.phases if shrink else tuple(p for p in defaults.phases if p != Phase.shrink)
+
+    @settings(max_examples=max_examples if max_examples is not None else defaults.max_examples,
+              deadline=None, phases=phases,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(data=st.data())
     def check(data):
         size_of = data.draw(size_dicts(*variables), label="sizes")
