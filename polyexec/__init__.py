@@ -19,7 +19,9 @@ from ._compile import disable_persistent_cache, enable_persistent_cache, forbid_
 from ._context import max_length, valid_length
 from ._errors import (CompileError, LengthOverflowError, PolyexecError, PolymorphismError,
                       SpecError)
+from ._dynamic import compact, loop_until, nonzero, partition
 from ._executor import Bucketed, BucketStats, Stats, bucketed
+from ._partition import CutPoint, PartitionedPlan, Segment
 from ._ops import arange_like, broadcast_like, reshape_like, sequence_mask
 from ._plan import Intermediate, Plan
 from ._trace import trace
@@ -30,5 +32,6 @@ __all__ = [
     "Stats", "BucketStats", "valid_length", "max_length", "sequence_mask", "reshape_like",
     "broadcast_like", "arange_like", "forbid_compiles", "enable_persistent_cache",
     "disable_persistent_cache", "PolyexecError", "SpecError", "LengthOverflowError",
-    "PolymorphismError", "CompileError",
+    "PolymorphismError", "CompileError", "compact", "nonzero", "loop_until", "partition",
+    "PartitionedPlan", "Segment", "CutPoint",
 ]

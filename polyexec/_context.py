@@ -37,6 +37,14 @@ def binding(valid: Mapping[str, Any], bucket: Mapping[str, int] | None) -> Itera
         _STATE.binding = previous
 
 
+def define_length(name: str, value) -> None:
+    """Bind a data-dependent length (``px.compact(..., length=K)``) for the rest of the
+    current binding, so ``valid_length(K)`` answers its count; no-op outside a binding."""
+    b = getattr(_STATE, "binding", None)
+    if b is not None:
+        _STATE.binding = _Binding({**b.valid, name: value}, b.bucket)
+
+
 def _current(fn_name: str, name: str) -> _Binding:
     b = getattr(_STATE, "binding", None)
     if b is None or name not in b.valid:

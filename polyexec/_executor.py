@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _layout
+from . import _layout, _partition
 from ._compile import compiles_forbidden
 from ._errors import CompileError, PolymorphismError, SpecError
 from ._plan import Plan, _TraceCounter, check_size_independence, flat_program, input_avals, trace_symbolic
@@ -80,7 +80,7 @@ class Bucketed:
     def __init__(self, fn: Callable, in_specs: Sequence[Any], out_specs: Any = None,
                  buckets: Mapping[LengthVar | str, Any] | None = None, *, strict: bool = False,
                  donate_argnums: Sequence[int] = (), max_cached: int = 64,
-                 check_sizes: bool = False, name: str | None = None):
+                 check_sizes: bool = False, name: str | None = None, partition: bool = True):
         if not isinstance(in_specs, (tuple, list)):
             raise SpecError(f"bucketed: in_specs must be a tuple with one entry per positional "
                             f"argument (a Spec, None, or a pytree of them), got {in_specs!r}")
@@ -94,12 +94,22 @@ class Bucketed:
         self.donate_argnums = tuple(donate_argnums)
         self.max_cached = max_cached
         self.check_sizes = check_sizes
+        if not isinstance(partition, bool):
+            raise SpecError(f"bucketed: partition must be True or False, received {partition!r}")
+        # Data-dependent sizes (px.compact(..., length=K)): cut the program there and re-bucket
+        # what follows (True), or run it all as one program at the upper bound (False).
+        self.partition = partition
 
         buckets = dict(buckets or {})
         explicit = {k.name: k for k in buckets if isinstance(k, LengthVar)}
-        names = list(dict.fromkeys(
-            [n for s in _spec_leaves(self.in_specs) + _spec_leaves(out_specs) for n in s.var_names]
+        # Input variables are bound by input shapes; the others (named by out_specs, or by a
+        # LengthVar key of `buckets`) are data-dependent sizes that a partition point defines.
+        self._input_names = list(dict.fromkeys(
+            [n for s in _spec_leaves(self.in_specs) for n in s.var_names]
             + [s.lengths_of for s in _spec_leaves(self.in_specs) if s.lengths_of]))
+        names = list(dict.fromkeys(
+            self._input_names + [n for s in _spec_leaves(out_specs) for n in s.var_names]
+            + list(explicit)))
         self.variables = resolve_vars(names, explicit)
         policies = {}
         for key, policy in buckets.items():
@@ -108,6 +118,7 @@ class Bucketed:
                 raise SpecError(f"bucketed({self.name}): buckets names {name!r}, which no Spec uses; "
                                 f"valid: {', '.join(self.variables) or 'none'}")
             policies[name] = policy
+        self._policies = policies
         self.bucket_sizes = {n: bucket_sizes(v, policies.get(n)) for n, v in self.variables.items()}
 
         self._lock = threading.Lock()
@@ -124,6 +135,8 @@ class Bucketed:
         call = _layout.bind(args, self.in_specs, self.variables)
         bucket = {n: self._bucket_for(n, s) for n, s in call.sizes.items()}
         plan = self._plan(call.signature)
+        if isinstance(plan, _partition.PartitionedPlan):
+            return _partition.run(self, plan, call, bucket)
         executable = self._executable(plan, call, bucket)
         flat = list(call.arrays)
         real = padded = 0
@@ -167,14 +180,19 @@ class Bucketed:
         call = self._example_call(args)
         plan = self._plan(call.signature)
         if sizes is None:
-            names = list(self.bucket_sizes)
-            combos = [dict(zip(names, c)) for c in itertools.product(*self.bucket_sizes.values())]
+            names = list(self._input_names)
+            combos = [dict(zip(names, c))
+                      for c in itertools.product(*(self.bucket_sizes[n] for n in names))]
         else:
             combos = [{n: self._bucket_for(n, int(s)) for n, s in d.items()} for d in sizes]
+        # A partitioned plan compiles each segment, later ones also per data-dependent bucket.
+        jobs = (_partition.warmup_jobs(self, plan, combos)
+                if isinstance(plan, _partition.PartitionedPlan) else [(plan, c) for c in combos])
+        combos = [combo for _, combo in jobs]
         workers = max_workers or min(len(combos), os.cpu_count() or 1) or 1
         bar = _progress(progress, f"compiling {self.name}", len(combos))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self._executable, plan, call, combo) for combo in combos]
+            futures = [pool.submit(self._executable, p, call, combo) for p, combo in jobs]
             for future in concurrent.futures.as_completed(futures):
                 future.result()
                 bar.advance()
@@ -243,9 +261,9 @@ class Bucketed:
         return plan
 
     def _trace(self, signature: _layout.Signature) -> Plan:
-        variables = [self.variables[n] for n in self.bucket_sizes]
-        plan = trace_symbolic(self.fn, signature, variables, self._counter, self.name)
-        if self.check_sizes:
+        # A plain Plan, or a PartitionedPlan when the function defines data-dependent sizes.
+        plan = _partition.trace(self, signature)
+        if self.check_sizes and not isinstance(plan, _partition.PartitionedPlan):
             plan = check_size_independence(plan, self.fn, self._counter, self.bucket_sizes)
         return plan
 
@@ -287,9 +305,9 @@ class Bucketed:
             self._executables.pop(oldest)
 
     def _compile(self, plan: Plan, call: _layout.BoundCall, bucket: Mapping[str, int]):
-        avals = input_avals(plan.signature, plan.variables, bucket)
+        avals = plan.bucket_avals(bucket)
         donate = tuple(i for i, arg in enumerate(call.arg_index[:len(call.arrays)])
-                       if arg in self.donate_argnums)
+                       if arg in self.donate_argnums and plan.can_donate)
         if plan.exported is not None:
             program = plan.exported.call
         else:  # the slow path: Python runs again for this bucket, with max_length answered

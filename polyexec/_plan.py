@@ -41,6 +41,7 @@ class Intermediate:
     primitive: str
     where: str
     shapes: tuple[tuple[int, ...], ...]
+    segment: int = 0          # which program of a partitioned plan (px.compact(..., length=K))
 
 
 class _TraceCounter:
@@ -159,6 +160,19 @@ class Plan:
     @property
     def reshaping_is_impossible(self) -> bool:
         return self.reason is not None
+
+    @property
+    def segments(self) -> tuple["Plan", ...]:
+        """The programs a call runs one after another: this plan alone, unless the function
+        defines a data-dependent size (see `PartitionedPlan`)."""
+        return (self,)
+
+    # Partition segments other than the last are followed by one that re-reads the inputs.
+    can_donate = True
+
+    def bucket_avals(self, bucket: Mapping[str, int]):
+        """The flat program's input avals at one bucket (what each bucket is compiled for)."""
+        return input_avals(self.signature, self.variables, bucket)
 
     def _env(self, sizes: Mapping[str, int]) -> dict[str, int]:
         names = [v.name for v in self.variables]
