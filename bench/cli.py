@@ -1,0 +1,331 @@
+"""``polyexec-bench``: one sequence workload under several padding strategies, side by side.
+
+Each strategy -- and the limit -- runs in a fresh worker process (``polyexec-bench --worker
+JOB.json``, the same program) one after another, so every strategy gets its own peak memory,
+its own in-memory compile caches, and the CPU to itself; ``polyexec-cached`` is a second
+process that finds the persistent compile cache the ``polyexec`` worker filled (in a temporary
+folder deleted at the end).
+
+Example (about a minute on 2 cores)::
+
+    polyexec-bench --quick --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import report
+from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, limit_shapes,
+                         parse_strategies, t_policy, worker_main)
+from .workloads import DISTS, MODELS, MODES, Config, load_data
+
+# --quick: a workload small enough to run every strategy in under a minute on 2 cores (most
+# of that is process start-up and XLA compiles of the train step: ~1-3 s each on CPU).
+QUICK = dict(hidden=16, embed=16, heads=2, cap=512, batch_size=8, steps=6, buckets=4,
+             limit_reps=2, limit_seconds=0.3)
+DEFAULTS = dict(hidden=256, embed=64, heads=4, cap=1024, batch_size=32, steps=None, buckets=8,
+                limit_reps=3, limit_seconds=1.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="polyexec-bench",
+        description="Compare padding/bucketing strategies for one sequence workload, each as a "
+                    "fraction of the limit (the same step with no padding and no compiles) "
+                    "measured in the same run.")
+    w = p.add_argument_group("workload")
+    w.add_argument("--model", choices=MODELS, default="gru",
+                   help="gru/lstm: the examples/rnn CharLM; attention: one causal transformer "
+                        "encoder layer (cost quadratic in length); filter-mlp: the "
+                        "data-dependent benchmark (bench.filter_mlp)")
+    w.add_argument("--mode", choices=MODES, default=None,
+                   help="train (default): value_and_grad + optax Adam update; infer: the loss "
+                        "only (the default under --quick)")
+    src = w.add_mutually_exclusive_group()
+    src.add_argument("--corpus", choices=("pydoc",), default=None,
+                     help="the pydoc_data.topics sentences as bytes (the default source)")
+    src.add_argument("--lengths-file", metavar="FILE",
+                     help="one length per line; token ids are random bytes")
+    src.add_argument("--dist", choices=DISTS, help="synthetic lengths (random byte ids)")
+    w.add_argument("--num-examples", type=int, default=3000, help="examples for --dist")
+    w.add_argument("--cap", type=int, help="longest length; longer examples are truncated and "
+                                           "counted (default 1024)")
+    bs = w.add_mutually_exclusive_group()
+    bs.add_argument("--batch-size", type=int, help="examples per batch (default 32)")
+    bs.add_argument("--max-tokens", type=int,
+                    help="token budget per batch instead: rows x padded length <= this")
+    w.add_argument("--steps", type=int, help="use only about this many batches' worth of "
+                                             "examples per epoch (the same examples for all)")
+    w.add_argument("--epochs", type=int, default=2,
+                   help="passes over the examples (>= 2): the first is cold, the rest warm")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--hidden", type=int, help="hidden size (attention: model width)")
+    w.add_argument("--embed", type=int, help="embedding size (gru/lstm)")
+    w.add_argument("--heads", type=int, help="attention heads")
+    w.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    w.add_argument("--buckets", type=int, help="polyexec: Optimal.fit max_buckets (default 8)")
+    w.add_argument("--limit-reps", type=int, help="timed calls per limit shape, at least "
+                                                  "(default 3)")
+    w.add_argument("--limit-seconds", type=float, help="time each limit shape at least this "
+                                                       "long (default 1.0)")
+    w.add_argument("--rows", type=int, help="filter-mlp: rows per batch")
+    w.add_argument("--keep", type=float, help="filter-mlp: fraction of rows the filter keeps")
+    o = p.add_argument_group("run and output")
+    o.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                   help="comma list of pad-max, exact, pow2, fixed:S1,S2,..., polyexec, "
+                        f"polyexec-cached (default {DEFAULT_STRATEGIES})")
+    o.add_argument("--quick", action="store_true",
+                   help="a tiny workload (inference, hidden 16, cap 512, 6 batches of 8 per "
+                        "epoch) that runs every strategy in about a minute; explicit flags win")
+    o.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    o.add_argument("--plot", metavar="OUT.png", help="write a plot (needs matplotlib)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    preset = QUICK if args.quick else DEFAULTS
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]
+    batch_size, max_tokens = args.batch_size, args.max_tokens
+    if batch_size is None and max_tokens is None:
+        batch_size = preset["batch_size"]
+    source, lengths_file = "pydoc", None
+    if args.lengths_file:
+        source, lengths_file = "file", args.lengths_file
+    elif args.dist:
+        source = args.dist
+    # --quick measures inference unless told otherwise: an XLA CPU compile of the GRU train step
+    # takes 3-8 s on 2 cores against ~0.7 s for the loss alone, and a quick run has ~25 compiles.
+    mode = args.mode or ("infer" if args.quick else "train")
+    return Config(model=args.model, mode=mode, source=source, lengths_file=lengths_file,
+                  num_examples=args.num_examples, cap=pick("cap"), batch_size=batch_size,
+                  max_tokens=max_tokens, steps=pick("steps"), epochs=args.epochs,
+                  seed=args.seed, hidden=pick("hidden"), embed=pick("embed"),
+                  heads=pick("heads"), learning_rate=args.lr, buckets=pick("buckets"),
+                  limit_reps=pick("limit_reps"), limit_seconds=pick("limit_seconds"))
+
+
+# ------------------------------------------------------------------------------ workers
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    # Only the polyexec workers get a persistent compile cache (a fresh one, passed explicitly);
+    # a cache inherited from the user's environment would hand other strategies free compiles.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_worker(job: dict, workdir: str, on_event) -> dict:
+    """Run one job in a fresh ``python -m bench --worker`` process; return its result."""
+    name = job["strategy"] if isinstance(job["strategy"], str) else job["name"]
+    path = os.path.join(workdir, f"job-{name.replace(':', '_').replace(',', '_')}.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(job, fh)
+    err_path = path + ".stderr"
+    result = None
+    with open(err_path, "w+", encoding="utf-8") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "bench", "--worker", path],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=_worker_env())
+        for line in proc.stdout:
+            if not line.startswith(EVENT_PREFIX):
+                continue
+            event = json.loads(line[len(EVENT_PREFIX):])
+            if event["event"] == "result":
+                result = event["result"]
+            else:
+                on_event(name, event)
+        rc = proc.wait()
+        err.seek(0)
+        tail = err.read()[-3000:]
+    if rc != 0 or result is None:
+        raise WorkerError(f"the {name} worker failed (exit status {rc}):\n{tail}")
+    return result
+
+
+def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
+    """The limit, then every strategy, each in its own process; returns (limit, results)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    bar = Progress(*columns, disable=not progress, transient=False)
+    names = ["limit"] + [s.name for s in strategies]
+    tasks = {n: bar.add_task(n, total=None, start=False) for n in names}
+
+    def on_event(name, event):
+        task = tasks[name]
+        if event["event"] == "start":
+            bar.start_task(task)
+            bar.update(task, total=event["total"], completed=0)
+        elif event["event"] == "step":
+            bar.update(task, completed=event["done"])
+
+    with tempfile.TemporaryDirectory(prefix="polyexec-bench-") as tmp, bar:
+        cache_dir = os.path.join(tmp, "xla-cache")
+        # The limit worker creates the initial weights and writes them; the others read them.
+        state_file = os.path.join(tmp, "initial_state.eqx")
+        limit = run_worker({"strategy": "limit", "config": cfg.to_dict(),
+                            "state_file": state_file}, tmp, on_event)
+        results = []
+        for s in strategies:
+            job = {"strategy": {"kind": s.kind, "sizes": list(s.sizes) if s.sizes else None},
+                   "name": s.name, "config": cfg.to_dict(),
+                   "cache_dir": cache_dir if s.grouped else None, "state_file": state_file}
+            results.append(run_worker(job, tmp, on_event))
+    return limit, results
+
+
+# --------------------------------------------------------------------------- filter-mlp
+
+
+def run_filter_mlp(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    if importlib.util.find_spec("bench.filter_mlp") is None:
+        raise SystemExit("--model filter-mlp: bench/filter_mlp.py (the data-dependent "
+                         "benchmark) is not in this installation")
+    from . import filter_mlp
+    accepted = inspect.signature(filter_mlp.run).parameters
+    kwargs = {k: v for k, v in (("rows", args.rows), ("keep", args.keep), ("seed", args.seed))
+              if v is not None and k in accepted}
+    result = filter_mlp.run(**kwargs)
+    console = _console()
+    table = Table(title=f"filter-mlp (bench.filter_mlp.run({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}))",
+                  title_justify="left")
+    inner = [v for v in result.values() if isinstance(v, dict)]
+    if inner and len(inner) == len(result):
+        cols = list(dict.fromkeys(k for d in inner for k in d))
+        table.add_column("")
+        for c in cols:
+            table.add_column(str(c), justify="right")
+        for name, d in result.items():
+            table.add_row(str(name), *(_fmt(d.get(c, "")) for c in cols))
+    else:
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        for k, v in result.items():
+            table.add_row(str(k), _fmt(v))
+    console.print(table)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"workload": {"model": "filter-mlp", **kwargs}, "result": result}, fh,
+                      indent=2, default=str)
+    return 0
+
+
+def _console():
+    from rich.console import Console
+    console = Console()
+    # Piped output (tests, logs) gets rich's 80 columns by default, too narrow for the table.
+    return console if console.is_terminal else Console(width=150)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, default=str)
+    return str(v)
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def workload_dict(cfg: Config, data, limit: dict, results: list[dict]) -> dict:
+    lengths = data.lengths
+    grouped = [r["strategy"] for r in results if r["batching"] == "grouped"]
+    polyexec_buckets = next((r["buckets"] for r in results if r["strategy"] == "polyexec"), None)
+    return {
+        "model": cfg.model, "mode": cfg.mode, "source": data.description,
+        "examples": int(lengths.size), "examples_in_source": data.n_source,
+        "cap": cfg.cap, "truncated_by_cap": data.n_capped,
+        "real_tokens_per_epoch": data.real_tokens,
+        "length_median": float(np.median(lengths)),
+        "length_p99": float(np.percentile(lengths, 99)), "length_max": int(lengths.max()),
+        "batch_size": cfg.batch_size, "max_tokens": cfg.max_tokens, "epochs": cfg.epochs,
+        "steps": cfg.steps, "seed": cfg.seed, "hidden": cfg.hidden, "embed": cfg.embed,
+        "heads": cfg.heads if cfg.model == "attention" else None,
+        "learning_rate": cfg.learning_rate, "polyexec_max_buckets": cfg.buckets,
+        "polyexec_buckets": polyexec_buckets,
+        "batching": {r["strategy"]: r["batching"] for r in results},
+        "note": ("every strategy runs every example once per epoch; "
+                 + (f"{', '.join(grouped)} visit them in length-grouped batches "
+                    "(buckets.batch_plan), the others in one shared random order"
+                    if grouped else "all strategies share one random order")),
+        "limit": {"method": "per length group (Optimal.fit buckets), batches of rows all of "
+                            "the group's mean length (every row real), plain jax.jit compiled "
+                            "before timing; limit = total real tokens / sum(group tokens / "
+                            "group rate)",
+                  "groups": limit["groups"], "jax": limit.get("jax"),
+                  "device": limit.get("device")},
+        "per_strategy": {r["strategy"]: {k: r[k] for k in ("bucket_count", "buckets",
+                                                           "cache_hits", "steps",
+                                                           "epoch_seconds", "final_loss",
+                                                           "distinct_shapes")}
+                         for r in results},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if args.model == "filter-mlp":
+        return run_filter_mlp(args)
+    try:
+        cfg = config_from_args(args)
+        strategies = parse_strategies(args.strategies)
+        data = load_data(cfg)
+        for s in strategies:     # bad fixed sizes fail here, before any worker starts
+            t_policy(s, cfg, data)
+    except (ValueError, TypeError, OSError) as e:
+        raise SystemExit(f"polyexec-bench: {e}") from None
+
+    console = _console()
+    console.print(f"[bold]{cfg.model} {cfg.mode}[/]: {data.description}; cap {cfg.cap} "
+                  f"truncated {data.n_capped} example(s); {data.real_tokens:,} real tokens "
+                  f"per epoch, {cfg.epochs} epochs")
+    try:
+        limit, results = run_all(cfg, strategies, progress=not args.no_progress)
+    except WorkerError as e:
+        raise SystemExit(f"polyexec-bench: {e}") from None
+    doc = report.json_document(workload_dict(cfg, data, limit, results),
+                               limit["limit_tokens_per_s"], results)
+    extras = {r["strategy"]: r for r in results}
+    console.print(report.results_table(doc, extras))
+    console.print(doc["workload"]["note"])
+    for line in report.summary_lines(doc):
+        console.print(line)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+    if args.plot:
+        padded = data.padded_lengths
+        import buckets
+        distinct = np.unique(padded).size
+        curve = [(k, buckets.Optimal.fit(padded, max_buckets=k).padding_efficiency(padded))
+                 for k in range(1, min(32, distinct) + 1)]
+        g = buckets.Geometric(2, cfg.cap)
+        report.plot(doc, extras, curve, (len(g.sizes), g.padding_efficiency(padded)), args.plot)
+        console.print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,207 @@
+"""Presenting a benchmark: the JSON document and its schema, the rich table, the plot.
+
+>>> doc = {"workload": {"model": "gru"}, "limit_tokens_per_s": 100.0, "results": [
+...     {"strategy": "pad-max", "compiles": 1, "traces": 1, "compile_s": 0.5,
+...      "padding_efficiency": 0.2, "tokens_per_s_cold": 10.0, "tokens_per_s_warm": 20.0,
+...      "fraction_of_limit_cold": 0.1, "fraction_of_limit_warm": 0.2, "peak_rss_mb": 300.0}]}
+>>> validate(doc) is doc
+True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
+    "strategy": str,
+    "compiles": int,
+    "traces": int,
+    "compile_s": (int, float),
+    "padding_efficiency": (int, float),
+    "tokens_per_s_cold": (int, float),
+    "tokens_per_s_warm": (int, float),
+    "fraction_of_limit_cold": (int, float),
+    "fraction_of_limit_warm": (int, float),
+    "peak_rss_mb": (int, float),
+}
+TOP_KEYS = ("workload", "limit_tokens_per_s", "results")
+
+
+class SchemaError(ValueError):
+    """The benchmark JSON does not have the documented shape; the message names the path."""
+
+
+def validate(doc: Any) -> Any:
+    """Check ``doc`` against the ``--json`` schema (exact keys, types, ranges); return it.
+
+    ``{"workload": {...}, "limit_tokens_per_s": x > 0, "results": [{RESULT_KEYS}, ...]}``:
+    counts are ints >= 0, rates and seconds finite and >= 0, padding efficiency in (0, 1].
+    """
+    def fail(path: str, msg: str):
+        raise SchemaError(f"{path}: {msg}")
+
+    if not isinstance(doc, dict):
+        fail("$", f"expected an object, got {type(doc).__name__}")
+    if set(doc) != set(TOP_KEYS):
+        fail("$", f"expected exactly the keys {list(TOP_KEYS)}, got {sorted(doc)}")
+    if not isinstance(doc["workload"], dict):
+        fail("$.workload", "expected an object")
+    limit = doc["limit_tokens_per_s"]
+    if not _is_number(limit) or not limit > 0:
+        fail("$.limit_tokens_per_s", f"expected a finite number > 0, got {limit!r}")
+    if not isinstance(doc["results"], list) or not doc["results"]:
+        fail("$.results", "expected a non-empty list")
+    seen = set()
+    for i, row in enumerate(doc["results"]):
+        path = f"$.results[{i}]"
+        if not isinstance(row, dict):
+            fail(path, "expected an object")
+        if set(row) != set(RESULT_KEYS):
+            missing, extra = set(RESULT_KEYS) - set(row), set(row) - set(RESULT_KEYS)
+            fail(path, f"keys differ from the schema: missing {sorted(missing)}, "
+                       f"unexpected {sorted(extra)}")
+        for key, kind in RESULT_KEYS.items():
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, kind):
+                fail(f"{path}.{key}", f"expected {_kind_name(kind)}, got {value!r}")
+            if kind is not str and (not _is_number(value) or value < 0):
+                fail(f"{path}.{key}", f"expected a finite number >= 0, got {value!r}")
+        if not 0 < row["padding_efficiency"] <= 1:
+            fail(f"{path}.padding_efficiency", f"expected a value in (0, 1], got "
+                                               f"{row['padding_efficiency']!r}")
+        for which in ("cold", "warm"):
+            expected = row[f"tokens_per_s_{which}"] / limit
+            if not math.isclose(row[f"fraction_of_limit_{which}"], expected, rel_tol=1e-6):
+                fail(f"{path}.fraction_of_limit_{which}",
+                     f"expected tokens_per_s_{which} / limit_tokens_per_s = {expected!r}, got "
+                     f"{row[f'fraction_of_limit_{which}']!r}")
+        if row["strategy"] in seen:
+            fail(f"{path}.strategy", f"{row['strategy']!r} appears twice")
+        seen.add(row["strategy"])
+    return doc
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def json_document(workload: dict, limit: float, results: list[dict]) -> dict:
+    """The ``--json`` document: exactly the schema's keys, with fractions of the limit."""
+    rows = []
+    for r in results:
+        row = {k: r[k] for k in RESULT_KEYS if not k.startswith("fraction_")}
+        row["fraction_of_limit_cold"] = r["tokens_per_s_cold"] / limit
+        row["fraction_of_limit_warm"] = r["tokens_per_s_warm"] / limit
+        rows.append({k: row[k] for k in RESULT_KEYS})
+    return validate({"workload": workload, "limit_tokens_per_s": limit, "results": rows})
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def results_table(doc: dict, extras: dict[str, dict]):
+    """A rich Table of the results; ``extras[strategy]`` adds batching, buckets, cache hits."""
+    from rich.table import Table
+
+    limit = doc["limit_tokens_per_s"]
+    w = doc["workload"]
+    table = Table(title=f"{w.get('model')} {w.get('mode')} step, {w.get('examples')} examples, "
+                        f"{w.get('epochs')} epochs, cap {w.get('cap')} -- limit "
+                        f"{limit:,.0f} real tokens/s",
+                  title_justify="left")
+    for col, justify in (("strategy", "left"), ("batches", "left"), ("buckets", "right"),
+                         ("compiles", "right"), ("cache hits", "right"), ("traces", "right"),
+                         ("compile s", "right"),
+                         ("pad eff", "right"), ("tok/s cold", "right"), ("tok/s warm", "right"),
+                         ("x limit cold", "right"), ("x limit warm", "right"),
+                         ("peak RSS MB", "right")):
+        table.add_column(col, justify=justify)
+    for r in doc["results"]:
+        x = extras.get(r["strategy"], {})
+        table.add_row(r["strategy"], x.get("batching", ""),
+                      str(x.get("bucket_count", "")), str(r["compiles"]),
+                      str(x.get("cache_hits", "")), str(r["traces"]),
+                      f"{r['compile_s']:.1f}", f"{r['padding_efficiency']:.3f}",
+                      f"{r['tokens_per_s_cold']:,.0f}", f"{r['tokens_per_s_warm']:,.0f}",
+                      f"{r['fraction_of_limit_cold']:.2f}", f"{r['fraction_of_limit_warm']:.2f}",
+                      f"{r['peak_rss_mb']:,.0f}")
+    return table
+
+
+def summary_lines(doc: dict) -> list[str]:
+    """polyexec against the goals (>= 0.8 of the limit warm, >= 0.5 cold, >= 4x pad-max,
+    >= 3x exact), as plain sentences with the measured numbers."""
+    by = {r["strategy"]: r for r in doc["results"]}
+    p = by.get("polyexec")
+    if p is None:
+        return []
+    lines = [f"polyexec: {p['fraction_of_limit_warm']:.2f} of the limit warm (goal 0.8), "
+             f"{p['fraction_of_limit_cold']:.2f} cold (goal 0.5)"]
+    for other, goal in (("pad-max", 4.0), ("exact", 3.0)):
+        o = by.get(other)
+        if o:
+            lines.append(f"polyexec vs {other}: {p['tokens_per_s_warm'] / o['tokens_per_s_warm']:.2f}x "
+                         f"warm, {p['tokens_per_s_cold'] / o['tokens_per_s_cold']:.2f}x cold "
+                         f"(goal {goal:.0f}x)")
+    c = by.get("polyexec-cached")
+    if c:
+        lines.append(f"polyexec-cached (a second process on the persistent compile cache): "
+                     f"{c['fraction_of_limit_cold']:.2f} of the limit cold, {c['compiles']} "
+                     f"compiles")
+    return lines
+
+
+# ------------------------------------------------------------------------------ the plot
+
+
+def plot(doc: dict, extras: dict[str, dict], efficiency_curve: list[tuple[int, float]],
+         pow2_point: tuple[int, float] | None, path: str) -> None:
+    """Two panels: tokens/s per strategy (cold and warm) against the limit; padding efficiency
+    against bucket count (the Optimal.fit curve, power-of-two buckets, each strategy as run)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'polyexec[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = doc["results"]
+    names = [r["strategy"] for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    xs = range(len(results))
+    ax1.bar([x - 0.2 for x in xs], [r["tokens_per_s_cold"] for r in results], 0.4, label="cold")
+    ax1.bar([x + 0.2 for x in xs], [r["tokens_per_s_warm"] for r in results], 0.4, label="warm")
+    ax1.axhline(doc["limit_tokens_per_s"], color="black", linestyle="--",
+                label=f"limit {doc['limit_tokens_per_s']:,.0f}")
+    ax1.set_xticks(list(xs), names, rotation=20, ha="right")
+    ax1.set_ylabel("real tokens / s")
+    ax1.set_title("throughput against the limit (padding efficiency 1.0, no compiles)")
+    ax1.legend()
+
+    if efficiency_curve:
+        ks, effs = zip(*efficiency_curve)
+        ax2.plot(ks, effs, marker=".", label="Optimal.fit (per example)")
+    if pow2_point:
+        ax2.scatter([pow2_point[0]], [pow2_point[1]], marker="s", color="gray",
+                    label="powers of two (per example)")
+    for r in results:
+        k = extras.get(r["strategy"], {}).get("bucket_count")
+        if k:
+            ax2.scatter([k], [r["padding_efficiency"]], marker="o", zorder=3)
+            ax2.annotate(r["strategy"], (k, r["padding_efficiency"]), fontsize=8,
+                         xytext=(4, -10), textcoords="offset points")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("bucket count (compiles)")
+    ax2.set_ylabel("padding efficiency (real / padded tokens)")
+    ax2.set_ylim(0, 1.05)
+    ax2.set_title("padding efficiency vs bucket count (dots: as run, with batch grouping)")
+    ax2.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

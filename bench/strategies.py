@@ -1,0 +1,467 @@
+"""The strategies compared, their batch schedules, and the worker that measures one of them.
+
+A strategy decides two things: how examples are grouped into batches (random batches, or
+length-grouped batches from `buckets.batch_plan`), and which padded shape each batch runs at
+(the cap, the batch's exact maximum, a bucket). Every strategy runs every example once per
+epoch; only the grouping differs.
+
+>>> [s.name for s in parse_strategies("pad-max,fixed:16,64,1024,polyexec")]
+['pad-max', 'fixed:16,64,1024', 'polyexec']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+import typing
+from typing import Any, Literal
+
+import numpy as np
+
+import buckets
+from .workloads import MIN_T, Config, Data, build_step, load_data
+
+StrategyKind = Literal["pad-max", "exact", "pow2", "fixed", "polyexec", "polyexec-cached"]
+KINDS: tuple[str, ...] = typing.get_args(StrategyKind)
+DEFAULT_STRATEGIES = "pad-max,exact,pow2,polyexec,polyexec-cached"
+
+EVENT_PREFIX = "@@bench "
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One strategy; ``sizes`` only for ``fixed``."""
+
+    kind: str
+    sizes: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"fixed:{','.join(map(str, self.sizes))}" if self.kind == "fixed" else self.kind
+
+    @property
+    def grouped(self) -> bool:
+        """Length-grouped batches (the same examples per epoch, grouped by bucket)."""
+        return self.kind in ("polyexec", "polyexec-cached")
+
+    @property
+    def batching(self) -> str:
+        return "grouped" if self.grouped else "random"
+
+
+def parse_strategies(text: str) -> list[Strategy]:
+    """``"pad-max,exact,fixed:16,32,64,polyexec"``: bare integers after ``fixed:`` are its sizes.
+
+    >>> parse_strategies("fixed:8,32")[0].sizes
+    (8, 32)
+    """
+    out: list[Strategy] = []
+    fixed: list[int] | None = None
+
+    def close_fixed():
+        nonlocal fixed
+        if fixed is not None:
+            if not fixed:
+                raise ValueError("--strategies: 'fixed:' needs sizes, e.g. fixed:16,64,256,1024")
+            out.append(Strategy("fixed", tuple(sorted(set(fixed)))))
+            fixed = None
+
+    for raw in text.split(","):
+        token = raw.strip()
+        if not token:
+            raise ValueError(f"--strategies: empty entry in {text!r}")
+        if token.isdigit() and fixed is not None:
+            fixed.append(int(token))
+            continue
+        close_fixed()
+        if token.startswith("fixed:"):
+            first = token[len("fixed:"):].strip()
+            if not first.isdigit():
+                raise ValueError(f"--strategies: fixed sizes must be integers, got {first!r} in "
+                                 f"{token!r} (e.g. fixed:16,64,256,1024)")
+            fixed = [int(first)]
+        elif token in KINDS and token != "fixed":
+            out.append(Strategy(token))
+        else:
+            raise ValueError(f"--strategies: unknown strategy {token!r}; valid: "
+                             f"{', '.join(k if k != 'fixed' else 'fixed:S1,S2,...' for k in KINDS)}")
+    close_fixed()
+    names = [s.name for s in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"--strategies: {', '.join(sorted(dup))} given twice")
+    if any(s.kind == "fixed" and min(s.sizes) < MIN_T for s in out):
+        raise ValueError(f"--strategies: fixed sizes must be >= {MIN_T} (the loss needs T >= 2)")
+    if "polyexec-cached" in names and "polyexec" not in names:
+        raise ValueError("--strategies: polyexec-cached reuses the compile cache that the "
+                         "polyexec strategy fills; list polyexec too")
+    # polyexec-cached must run after polyexec (it reads the cache polyexec writes).
+    out.sort(key=lambda s: s.kind == "polyexec-cached")
+    return out
+
+
+# ------------------------------------------------------------------------------- policies
+
+
+def t_policy(strategy: Strategy, cfg: Config, data: Data) -> buckets.BucketPolicy | None:
+    """The bucket policy of the time axis (None for ``exact``: no buckets)."""
+    if strategy.kind == "pad-max":
+        return buckets.Fixed([cfg.cap])
+    if strategy.kind == "pow2":
+        # Powers of two from 2, with the cap itself as the largest bucket.
+        return buckets.Geometric(MIN_T, cfg.cap)
+    if strategy.kind == "fixed":
+        if max(strategy.sizes) < cfg.cap:
+            raise ValueError(f"--strategies {strategy.name}: the largest size {max(strategy.sizes)} "
+                             f"is below the cap {cfg.cap}; add a size >= {cfg.cap}")
+        return buckets.Fixed(strategy.sizes)
+    if strategy.grouped:
+        return buckets.Optimal.fit(data.padded_lengths, max_buckets=cfg.buckets)
+    return None
+
+
+def max_rows(cfg: Config) -> int:
+    """The most rows a batch can have."""
+    if cfg.batch_size is not None:
+        return cfg.batch_size
+    return buckets.batch_size_for(MIN_T, cfg.max_tokens)
+
+
+def b_sizes(cfg: Config) -> list[int]:
+    """Row buckets: the batch size itself, or powers of two under a token budget."""
+    if cfg.batch_size is not None:
+        return [cfg.batch_size]
+    return list(buckets.Geometric(1, max_rows(cfg)).sizes) if max_rows(cfg) > 1 else [1]
+
+
+def _bucket(sizes, n: int) -> int:
+    i = int(np.searchsorted(np.asarray(sizes), n, side="left"))
+    return int(sizes[i])
+
+
+# ------------------------------------------------------------------------------- schedules
+
+
+def random_batches(cfg: Config, data: Data, epoch: int, padded_len) -> list[np.ndarray]:
+    """One epoch of shuffled batches (the same shuffle for every random-batch strategy).
+
+    With ``max_tokens`` a batch grows in shuffled order while rows x padded length (as the
+    strategy pads: ``padded_len(max length)``) stays within the budget.
+    """
+    rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 1000 + epoch]))
+    order = rng.permutation(data.lengths.size)
+    if cfg.batch_size is not None:
+        return [order[i:i + cfg.batch_size] for i in range(0, order.size, cfg.batch_size)]
+    out, current, longest = [], [], 0
+    lengths = data.padded_lengths
+    for i in order:
+        longer = max(longest, int(lengths[i]))
+        if current and (len(current) + 1) * padded_len(longer) > cfg.max_tokens:
+            out.append(np.asarray(current))
+            current, longer = [], int(lengths[i])
+        current.append(i)
+        longest = longer
+    out.append(np.asarray(current))
+    return out
+
+
+def schedule(strategy: Strategy, cfg: Config, data: Data, policy) -> list[list[np.ndarray]]:
+    """Every epoch's batches (example indices) for ``strategy``."""
+    epochs = []
+    for epoch in range(cfg.epochs):
+        if strategy.grouped:
+            plan = buckets.batch_plan(data.padded_lengths, policy, batch_size=cfg.batch_size,
+                                      max_tokens=cfg.max_tokens, seed=cfg.seed, epoch=epoch)
+            epochs.append([b.indices for b in plan])
+        else:
+            pad = (lambda n: n) if policy is None else (lambda n: _bucket(policy.sizes, n))
+            epochs.append(random_batches(cfg, data, epoch, pad))
+    return epochs
+
+
+def padded_shape(strategy: Strategy, cfg: Config, policy, rows: int, longest: int) -> tuple[int, int]:
+    """(rows, time) a batch actually runs at under ``strategy``."""
+    t = max(longest, MIN_T)
+    if policy is not None:
+        t = _bucket(policy.sizes, t)
+    if strategy.kind == "exact" and cfg.max_tokens is not None:
+        return rows, t                              # exact shapes, rows included
+    return _bucket(b_sizes(cfg), rows), t
+
+
+# ------------------------------------------------------------------------------- the worker
+
+
+class _Counters:
+    """XLA compile events of this process, from jax.monitoring (counted, not inferred)."""
+
+    def __init__(self):
+        import jax
+
+        self.seconds = 0.0
+        self.backend_compiles = 0
+        self.cache_hits = 0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+
+    def _duration(self, event: str, duration: float, **_: Any) -> None:
+        if not self.active:
+            return
+        if event in ("/jax/core/compile/jaxpr_trace_duration",
+                     "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                     "/jax/core/compile/backend_compile_duration"):
+            self.seconds += duration
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.backend_compiles += 1
+
+    def _event(self, event: str, **_: Any) -> None:
+        if self.active and event == "/jax/compilation_cache/cache_hits":
+            self.cache_hits += 1
+
+
+def emit(kind: str, **payload: Any) -> None:
+    """One event line for the orchestrating process (it drives the progress bar)."""
+    sys.stdout.write(EVENT_PREFIX + json.dumps({"event": kind, **payload}) + "\n")
+    sys.stdout.flush()
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux (bytes on macOS); process-wide and monotone, which is why
+    # every strategy runs in a process of its own.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def _split_state(step):
+    import equinox as eqx
+    return eqx.partition(step.state, eqx.is_array)
+
+
+def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = None,
+                 state_file: str | None = None) -> dict:
+    """Run ``strategy`` for every epoch in this process; return its measurements."""
+    import jax
+    import jax.numpy as jnp
+
+    import polyexec as px
+
+    if strategy.grouped:
+        if cache_dir is None:
+            raise ValueError(f"{strategy.name}: needs the persistent cache folder")
+        px.enable_persistent_cache(cache_dir)
+
+    data = load_data(cfg)
+    policy = t_policy(strategy, cfg, data)
+    epochs = schedule(strategy, cfg, data, policy)
+    step = build_step(cfg, state_file)
+    counters = _Counters()
+    emit("start", strategy=strategy.name, total=sum(len(e) for e in epochs))
+
+    traces = [0]
+    if strategy.kind == "exact":
+        import equinox as eqx
+        params, static = _split_state(step)
+
+        def exact_step(params, tokens, lengths):
+            traces[0] += 1                       # Python runs only when jit traces
+            return step.fn(eqx.combine(params, static), tokens, lengths)
+
+        jitted = jax.jit(exact_step)
+        state = params
+
+        def call(state, tokens, lengths):
+            out = jitted(state, tokens, lengths)
+            if step.updates_state:
+                loss, new = out
+                return loss, eqx.filter(new, eqx.is_array)
+            return out, state
+    else:
+        T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
+        B = px.LengthVar("B", max=max_rows(cfg))
+        f = px.bucketed(step.fn, in_specs=(None, px.Spec("B T", jnp.int32),
+                                           px.Spec("B", jnp.int32, lengths_of="T")),
+                        buckets={T: list(policy.sizes), B: b_sizes(cfg)}, name=strategy.name)
+        state = step.state
+
+        def call(state, tokens, lengths):
+            out = f(state, tokens, lengths)
+            return out if step.updates_state else (out, state)
+
+    counters.active = True
+    real = padded = 0
+    epoch_seconds, epoch_tokens, losses = [], [], []
+    done = 0
+    for e, batches in enumerate(epochs):
+        start = time.perf_counter()
+        if e == 0 and strategy.grouped:
+            # Compile every (T, B) bucket this run will use before the first step, in parallel
+            # threads; this is part of the cold epoch's time.
+            combos = {padded_shape(strategy, cfg, policy, len(idx), int(data.lengths[idx].max()))
+                      for ep in epochs for idx in ep}
+            fixed = (step.state,)
+            f.warmup(*fixed, sizes=[{"B": b, "T": t} for b, t in sorted(combos)])
+        loss = None
+        for idx in batches:
+            longest = max(int(data.lengths[idx].max()), MIN_T)
+            rows, t = padded_shape(strategy, cfg, policy, len(idx), longest)
+            if strategy.kind == "exact":
+                tokens = np.zeros((rows, t), np.int32)
+                tokens[:len(idx)] = data.tokens[idx, :t]
+                lengths = np.zeros(rows, np.int32)
+                lengths[:len(idx)] = data.lengths[idx]
+            else:   # polyexec pads to the bucket itself
+                tokens = data.tokens[idx, :longest]
+                lengths = data.lengths[idx].astype(np.int32)
+            loss, state = call(state, tokens, lengths)
+            real += int(data.lengths[idx].sum())
+            padded += rows * t
+            done += 1
+            emit("step", strategy=strategy.name, done=done)
+        jax.block_until_ready((loss, state))
+        epoch_seconds.append(time.perf_counter() - start)
+        epoch_tokens.append(data.real_tokens)
+        losses.append(float(loss))
+    counters.active = False
+
+    if strategy.kind == "exact":
+        compiles = jitted._cache_size()
+        compile_s = counters.seconds
+        n_traces = traces[0]
+        n_buckets = compiles
+    else:
+        stats = f.stats
+        # A persistent-cache hit builds the executable without running XLA: not a compile.
+        compiles = stats.compiles - counters.cache_hits
+        compile_s = stats.compile_seconds
+        n_traces = f.traces
+        n_buckets = len(policy.sizes)
+    warm_tokens, warm_seconds = sum(epoch_tokens[1:]), sum(epoch_seconds[1:])
+    return {
+        "strategy": strategy.name,
+        "batching": strategy.batching,
+        "compiles": int(compiles),
+        "traces": int(n_traces),
+        "compile_s": float(compile_s),
+        "padding_efficiency": real / padded,
+        "tokens_per_s_cold": epoch_tokens[0] / epoch_seconds[0],
+        "tokens_per_s_warm": warm_tokens / warm_seconds,
+        "peak_rss_mb": peak_rss_mb(),
+        # extras for the table and the plot (not part of the JSON results)
+        "bucket_count": int(n_buckets),
+        "buckets": list(policy.sizes) if policy is not None else None,
+        "cache_hits": counters.cache_hits,
+        "backend_compiles": counters.backend_compiles,
+        "distinct_shapes": len({padded_shape(strategy, cfg, policy, len(i),
+                                             int(data.lengths[i].max()))
+                                for ep in epochs for i in ep}),
+        "steps": sum(len(ep) for ep in epochs),
+        "epoch_seconds": epoch_seconds,
+        "final_loss": losses[-1],
+    }
+
+
+def limit_shapes(cfg: Config, data: Data) -> list[dict]:
+    """The shapes the limit is timed at: one per length group.
+
+    The examples are split into groups by ``Optimal.fit(max_buckets=cfg.buckets)`` (tight
+    length ranges); a group of n examples with mean length m is replaced by ceil(n / rows)
+    batches of ``rows`` examples all of length m -- every row real, the same real tokens.
+    """
+    policy = buckets.Optimal.fit(data.padded_lengths, max_buckets=cfg.buckets)
+    assign = policy.assign(data.padded_lengths)
+    groups = []
+    for size in policy.sizes:
+        members = np.flatnonzero(assign == size)
+        if not members.size:
+            continue
+        mean = max(int(round(float(data.lengths[members].mean()))), MIN_T)
+        rows = cfg.batch_size or buckets.batch_size_for(size, cfg.max_tokens)
+        groups.append({"bucket": int(size), "length": mean, "rows": int(rows),
+                       "examples": int(members.size),
+                       "real_tokens": int(data.lengths[members].sum()),
+                       "members": members})
+    return groups
+
+
+def run_limit(cfg: Config, state_file: str | None = None) -> dict:
+    """The limit: the same step, every row real, compiled before timing (plain jax.jit).
+
+    Per length group (`limit_shapes`) the step is compiled at (rows, mean length), called once
+    untimed, then timed over ``cfg.limit_reps`` calls; the group's rate is rows x length /
+    seconds per step. The limit is the workload's real tokens over the time all groups take at
+    their rates: sum(tokens_g) / sum(tokens_g / rate_g).
+    """
+    import equinox as eqx
+    import jax
+
+    data = load_data(cfg)
+    step = build_step(cfg, state_file)
+    groups = limit_shapes(cfg, data)
+    emit("start", strategy="limit", total=len(groups))
+    params, static = _split_state(step)
+
+    def limit_step(params, tokens, lengths):
+        return step.fn(eqx.combine(params, static), tokens, lengths)
+
+    jitted = jax.jit(limit_step)
+    state = params
+    total_seconds = 0.0
+    out_groups = []
+    for i, g in enumerate(groups):
+        rows, t = g["rows"], g["length"]
+        # Real bytes of this group's examples where they are long enough (values do not change
+        # the cost: the step has no data-dependent control flow).
+        pick = np.resize(g["members"], rows)
+        tokens = data.tokens[pick, :t]
+        lengths = np.full(rows, t, np.int32)
+
+        def once(state):
+            out = jitted(state, tokens, lengths)
+            return (out[0], eqx.filter(out[1], eqx.is_array)) if step.updates_state else (out, state)
+
+        loss, state = once(state)                      # compile + first run: not timed
+        jax.block_until_ready((loss, state))
+        # Dispatched back to back like an epoch's steps, blocked at the end; doubled until the
+        # timing spans limit_seconds, so that one preemption by another process cannot
+        # dominate a short measurement.
+        n = cfg.limit_reps
+        while True:
+            start = time.perf_counter()
+            for _ in range(n):
+                loss, state = once(state)
+            jax.block_until_ready((loss, state))
+            elapsed = time.perf_counter() - start
+            if elapsed >= cfg.limit_seconds or n >= 4096:
+                break
+            n *= 2
+        per_step = elapsed / n
+        rate = rows * t / per_step
+        total_seconds += g["real_tokens"] / rate
+        out_groups.append({k: v for k, v in g.items() if k != "members"} |
+                          {"timed_steps": n, "seconds_per_step": per_step, "tokens_per_s": rate})
+        emit("step", strategy="limit", done=i + 1)
+    return {"strategy": "limit", "limit_tokens_per_s": data.real_tokens / total_seconds,
+            "groups": out_groups, "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__,
+            "device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}, "
+                      f"{os.cpu_count()} CPU(s)"}
+
+
+def worker_main(config_path: str) -> int:
+    """Entry point of a worker process: ``polyexec-bench --worker CONFIG.json``."""
+    with open(config_path, encoding="utf-8") as fh:
+        job = json.load(fh)
+    cfg = Config.from_dict(job["config"])
+    if job["strategy"] == "limit":
+        result = run_limit(cfg, job.get("state_file"))
+    else:
+        s = job["strategy"]
+        strategy = Strategy(s["kind"], tuple(s["sizes"]) if s["sizes"] else None)
+        result = run_strategy(strategy, cfg, cache_dir=job.get("cache_dir"),
+                              state_file=job.get("state_file"))
+    emit("result", result=result)
+    return 0

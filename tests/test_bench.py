@@ -1,0 +1,243 @@
+"""polyexec-bench: option parsing, schedules, the JSON schema, and --quick end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench import report
+from bench.cli import config_from_args, build_parser, main
+from bench.strategies import (Strategy, padded_shape, parse_strategies, random_batches, schedule,
+                              t_policy)
+from bench.workloads import Config, load_data, read_lengths_file
+
+ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-cached"
+RANDOM = ("pad-max", "exact", "pow2", "fixed:64,160,512")
+
+
+# ----------------------------------------------------------------------------- no JAX needed
+
+
+def test_parse_strategies_fixed_sizes_and_order():
+    got = parse_strategies("polyexec-cached,fixed:64,16,1024,exact,polyexec")
+    assert [s.name for s in got] == ["fixed:16,64,1024", "exact", "polyexec", "polyexec-cached"]
+    assert got[0].sizes == (16, 64, 1024)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("pad-max,bogus", "unknown strategy 'bogus'; valid: pad-max, exact, pow2"),
+    ("fixed:", "fixed sizes must be integers"),
+    ("pad-max,pad-max", "pad-max given twice"),
+    ("polyexec-cached", "list polyexec too"),
+    ("fixed:1,8", "must be >= 2"),
+    ("pad-max,,exact", "empty entry"),
+])
+def test_parse_strategies_rejects(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_strategies(text)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="model must be one of 'gru', 'lstm'"):
+        Config(model="rnn")
+    with pytest.raises(ValueError, match="exactly one of batch_size / max_tokens"):
+        Config(batch_size=None)
+    with pytest.raises(ValueError, match="epochs must be >= 2"):
+        Config(epochs=1)
+    with pytest.raises(ValueError, match="max_tokens=100 is below cap=1024"):
+        Config(batch_size=None, max_tokens=100)
+
+
+def test_lengths_file_errors_name_the_line(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("# comment\n12\n\n7\n")
+    assert read_lengths_file(str(path)).tolist() == [12, 7]
+    path.write_text("12\nabc\n")
+    with pytest.raises(ValueError, match="line 2: expected an integer length, got 'abc'"):
+        read_lengths_file(str(path))
+    path.write_text("3\n0\n")
+    with pytest.raises(ValueError, match="line 2: lengths must be >= 1"):
+        read_lengths_file(str(path))
+
+
+def test_lengths_file_data_is_capped_and_counted(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("5\n300\n40\n")
+    data = load_data(Config(source="file", lengths_file=str(path), cap=64, batch_size=2))
+    assert data.lengths.tolist() == [5, 64, 40]
+    assert data.n_capped == 1
+    assert (data.tokens[0, :5] > 0).all() and (data.tokens[0, 5:] == 0).all()
+
+
+def test_steps_keeps_the_same_subset_for_everyone():
+    a = load_data(Config(cap=256, batch_size=8, steps=3, seed=4))
+    b = load_data(Config(cap=256, batch_size=8, steps=3, seed=4))
+    assert a.lengths.size == 24 and np.array_equal(a.tokens, b.tokens)
+    full = load_data(Config(cap=256, batch_size=8))
+    assert a.n_source == full.lengths.size
+
+
+@pytest.mark.parametrize("batching", [dict(batch_size=7), dict(batch_size=None, max_tokens=512)])
+@pytest.mark.parametrize("kind", ["pad-max", "exact", "pow2", "polyexec"])
+def test_every_example_once_per_epoch(kind, batching):
+    cfg = Config(source="lognormal", num_examples=200, cap=256, seed=3, **batching)
+    data = load_data(cfg)
+    strategy = Strategy(kind)
+    policy = t_policy(strategy, cfg, data)
+    for epoch in schedule(strategy, cfg, data, policy):
+        seen = np.sort(np.concatenate(epoch))
+        assert np.array_equal(seen, np.arange(data.lengths.size))
+        if cfg.max_tokens is not None and kind != "polyexec":
+            for idx in epoch:   # the token budget holds at the strategy's padded length
+                if len(idx) > 1:
+                    rows, t = padded_shape(strategy, cfg, policy, len(idx),
+                                           int(data.lengths[idx].max()))
+                    assert len(idx) * t <= cfg.max_tokens
+
+
+def test_fixed_below_cap_is_rejected_before_any_worker(capsys):
+    with pytest.raises(SystemExit, match="largest size 128 is below the cap 256"):
+        main(["--quick", "--cap", "256", "--strategies", "fixed:32,128", "--no-progress"])
+
+
+def test_quick_preset_and_explicit_flags():
+    cfg = config_from_args(build_parser().parse_args(["--quick", "--hidden", "24"]))
+    assert (cfg.hidden, cfg.cap, cfg.mode, cfg.steps) == (24, 512, "infer", 6)
+    cfg = config_from_args(build_parser().parse_args(["--max-tokens", "4096", "--dist", "bimodal"]))
+    assert (cfg.batch_size, cfg.max_tokens, cfg.source, cfg.mode) == (None, 4096, "bimodal", "train")
+
+
+def _doc():
+    return {"workload": {}, "limit_tokens_per_s": 200.0, "results": [
+        {"strategy": "exact", "compiles": 3, "traces": 3, "compile_s": 1.5,
+         "padding_efficiency": 0.5, "tokens_per_s_cold": 50.0, "tokens_per_s_warm": 100.0,
+         "fraction_of_limit_cold": 0.25, "fraction_of_limit_warm": 0.5, "peak_rss_mb": 10.0}]}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("limit_tokens_per_s"), r"\$: expected exactly the keys"),
+    (lambda d: d["results"][0].pop("traces"), r"missing \['traces'\]"),
+    (lambda d: d["results"][0].update(extra=1), r"unexpected \['extra'\]"),
+    (lambda d: d["results"][0].update(compiles=1.0), r"compiles: expected int"),
+    (lambda d: d["results"][0].update(padding_efficiency=1.5), "in \\(0, 1\\]"),
+    (lambda d: d["results"][0].update(fraction_of_limit_warm=0.9), "tokens_per_s_warm / limit"),
+    (lambda d: d.update(limit_tokens_per_s=float("nan")), "finite number > 0"),
+    (lambda d: d["results"].append(dict(d["results"][0])), "appears twice"),
+])
+def test_schema_rejects(mutate, message):
+    doc = _doc()
+    assert report.validate(doc) is doc
+    mutate(doc)
+    with pytest.raises(report.SchemaError, match=message):
+        report.validate(doc)
+
+
+def test_filter_mlp_runs_or_says_it_is_missing(tmp_path):
+    if importlib.util.find_spec("bench.filter_mlp") is None:
+        with pytest.raises(SystemExit, match="bench/filter_mlp.py .* is not in this installation"):
+            main(["--model", "filter-mlp"])
+    else:
+        out = tmp_path / "f.json"
+        assert main(["--model", "filter-mlp", "--rows", "256", "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["workload"]["model"] == "filter-mlp" and doc["result"]
+
+
+# --------------------------------------------------------------------- --quick end to end
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["--quick", "--strategies", ALL, "--json", str(out / "q.json"),
+            "--plot", str(out / "q.png"), "--no-progress"]
+    assert main(argv) == 0
+    doc = json.loads((out / "q.json").read_text())
+    return doc, out, config_from_args(build_parser().parse_args(argv))
+
+
+def test_quick_json_matches_the_schema(quick):
+    doc, out, _ = quick
+    report.validate(doc)
+    assert [r["strategy"] for r in doc["results"]] == [s.name for s in parse_strategies(ALL)]
+    assert (out / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _schedule_shapes(cfg, name):
+    data = load_data(cfg)
+    strategy = parse_strategies(name)[0]
+    policy = t_policy(strategy, cfg, data)
+    epochs = schedule(strategy, cfg, data, policy)
+    shapes = [padded_shape(strategy, cfg, policy, len(i), int(data.lengths[i].max()))
+              for ep in epochs for i in ep]
+    real = sum(int(data.lengths[i].sum()) for ep in epochs for i in ep)
+    return data, policy, shapes, real
+
+
+def test_quick_compile_counts_fit_each_strategy(quick):
+    doc, _, cfg = quick
+    by = {r["strategy"]: r for r in doc["results"]}
+    extra = doc["workload"]["per_strategy"]
+    assert by["pad-max"]["compiles"] == 1 and by["pad-max"]["traces"] == 1
+
+    _, _, shapes, _ = _schedule_shapes(cfg, "exact")
+    distinct_t = {t for _, t in shapes}
+    assert len(distinct_t) > 2          # the quick workload must exercise exact's weakness
+    assert by["exact"]["compiles"] == len(distinct_t) == by["exact"]["traces"]
+
+    _, policy, shapes, _ = _schedule_shapes(cfg, "polyexec")
+    assert extra["polyexec"]["bucket_count"] == len(policy.sizes)
+    assert 1 <= by["polyexec"]["compiles"] <= len(policy.sizes)
+    assert by["polyexec"]["compiles"] == len(set(shapes))
+    assert by["polyexec"]["traces"] == 1
+    # The second process finds every bucket in the persistent cache: nothing compiles.
+    assert by["polyexec-cached"]["compiles"] == 0
+    assert extra["polyexec-cached"]["cache_hits"] == by["polyexec"]["compiles"]
+
+    _, _, shapes, _ = _schedule_shapes(cfg, "pow2")
+    assert by["pow2"]["compiles"] == len(set(shapes)) and by["pow2"]["traces"] == 1
+
+
+def test_quick_padding_efficiency(quick):
+    doc, _, cfg = quick
+    by = {r["strategy"]: r for r in doc["results"]}
+    eff = {k: by[k]["padding_efficiency"] for k in by}
+    assert eff["pad-max"] < eff["pow2"] <= eff["polyexec"]
+    assert eff["pow2"] <= eff["exact"]
+    assert eff["polyexec"] == pytest.approx(eff["polyexec-cached"])
+    # The accounting itself, recomputed from the schedule: real tokens / rows x padded length.
+    for name in ("pad-max", "exact", "polyexec"):
+        _, _, shapes, real = _schedule_shapes(cfg, name)
+        assert eff[name] == pytest.approx(real / sum(b * t for b, t in shapes))
+    data = load_data(cfg)
+    batches = cfg.epochs * math.ceil(data.lengths.size / cfg.batch_size)
+    assert eff["pad-max"] == pytest.approx(
+        cfg.epochs * data.real_tokens / (batches * cfg.batch_size * cfg.cap))
+
+
+def test_quick_padding_never_changes_the_loss(quick):
+    """The random-batch strategies see the same batches; only the padding differs."""
+    doc, _, _ = quick
+    losses = [doc["workload"]["per_strategy"][name]["final_loss"] for name in RANDOM]
+    assert np.isfinite(losses).all()
+    np.testing.assert_allclose(losses, losses[0], rtol=2e-5)
+
+
+def test_quick_train_mode(tmp_path):
+    """The train step (value_and_grad + Adam) through pad-max, exact and polyexec."""
+    out = tmp_path / "t.json"
+    assert main(["--quick", "--mode", "train", "--steps", "3", "--buckets", "2",
+                 "--strategies", "pad-max,exact,polyexec", "--json", str(out),
+                 "--no-progress"]) == 0
+    doc = report.validate(json.loads(out.read_text()))
+    by = {r["strategy"]: r for r in doc["results"]}
+    assert doc["workload"]["mode"] == "train"
+    assert by["pad-max"]["compiles"] == 1
+    assert 1 <= by["polyexec"]["compiles"] <= 2
+    per = doc["workload"]["per_strategy"]
+    # Same random batches, same Adam steps: padding to the cap and exact shapes agree.
+    np.testing.assert_allclose(per["pad-max"]["final_loss"], per["exact"]["final_loss"], rtol=1e-4)
