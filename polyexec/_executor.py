@@ -373,7 +373,10 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
 
     Options: ``strict`` (raise `PolymorphismError` instead of falling back), ``donate_argnums``,
     ``max_cached`` (executables kept, LRU), ``check_sizes`` (also run the two-size
-    independence check: two extra Python traces), ``name``.
+    independence check: two extra Python traces), ``name``, ``partition`` (default True: a
+    function with data-dependent sizes, ``px.compact(..., length=K)``, is cut there and the
+    rest runs at the bucket of ``K``; False: one program at the upper bound — see
+    `PartitionedPlan`).
 
     >>> import jax.numpy as jnp, numpy as np, polyexec as px
     >>> T = px.LengthVar("T", min=1, max=256)

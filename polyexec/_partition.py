@@ -431,8 +431,6 @@ def trace(runner, signature) -> Plan:
             raise SpecError(
                 f"{runner.name}: out_specs name {data_named}, which no input Spec uses and no "
                 f"px.compact/nonzero/loop_until/partition(..., length=...) defines")
-        if first.out_tree is not None and context.user_tree is not None:
-            first.out_paths = tuple(_user_paths(context))
         return first
 
     segments = [_segment(runner, signature, context, 0, (), exported=first.exported,

@@ -277,3 +277,29 @@ def test_partitioned_plans_cannot_be_saved(tmp_path):
     plan = px.trace(filter_then_project, px.Spec("T 3", jnp.float32), W_IN, np.array(0, np.float32))
     with pytest.raises(px.PolyexecError, match="not supported"):
         plan.save(tmp_path / "plan.bin")
+
+
+def test_a_count_larger_than_its_buffer_is_reported():
+    def f(x):
+        values, n = px.partition(x, jnp.int32(100), length=K)
+        return values
+    g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [8, 64]})
+    with pytest.raises(px.PolyexecError, match=r"count 100 is outside \[0, 8\]"):
+        g(np.ones(3, np.float32))
+
+
+def test_slow_path_before_the_cut_runs_bounded_unless_outputs_need_the_count():
+    def f(x):
+        scale = px.max_length(T)                  # not polymorphic: per-bucket slow path
+        kept, n = px.compact(x, x > 0, length=K)
+        return jnp.sum(kept) * scale, px.valid_length(K), kept
+
+    with pytest.warns(UserWarning, match="not shape-polymorphic"):
+        g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [8, 64]})
+        total, count, _ = g(np.array([1, -1, 2], np.float32))
+    assert float(total) == 3 * 8 and int(count) == 2   # bounded: valid_length(K) is the count
+    # Slicing an output to K needs the count, which the per-bucket slow path does not return.
+    h = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), out_specs=(None, None, px.Spec("K")),
+                    buckets={T: [8, 64]})
+    with pytest.raises(px.PolymorphismError, match="data-dependent size"):
+        h(np.ones(3, np.float32))
