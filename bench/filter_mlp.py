@@ -63,11 +63,12 @@ def run(*, rows: int = 4096, keep: float = 0.1, width: int = 256, depth: int = 2
     if rows < 1 or width < 1 or depth < 1 or repeats < 1:
         raise ValueError(f"run: rows, width, depth and repeats must be >= 1, received "
                          f"rows={rows}, width={width}, depth={depth}, repeats={repeats}")
-    N = px.LengthVar("N", max=rows, buckets=[rows])
-    K = px.LengthVar("K", max=rows)                       # powers of two up to rows
+    # Distinctive names: Specs resolve names through the process-wide LengthVar registry.
+    N = px.LengthVar("rows", max=rows, buckets=[rows])
+    K = px.LengthVar("kept", max=rows)                    # powers of two up to rows
     fn = make_filter_mlp(N, K)
-    kw = dict(in_specs=(None, None, px.Spec(("N", width), jnp.float32), None),
-              out_specs=px.Spec(("K", width)), buckets={K: K.buckets} if K.buckets else None)
+    kw = dict(in_specs=(None, None, px.Spec((N, width), jnp.float32), None),
+              out_specs=px.Spec((K, width)))
     partitioned = px.bucketed(fn, name="filter_mlp_partitioned", **kw)
     bounded = px.bucketed(fn, name="filter_mlp_bounded", partition=False, **kw)
 
@@ -116,8 +117,9 @@ def run(*, rows: int = 4096, keep: float = 0.1, width: int = 256, depth: int = 2
         raise AssertionError(f"partitioned and bounded results differ (max abs diff {diff})")
 
     stats = partitioned.stats
-    upstream = sum(b.compiles for k, b in stats.buckets.items() if "K" not in dict(k))
-    downstream = {dict(k)["K"]: b.compiles for k, b in stats.buckets.items() if "K" in dict(k)}
+    upstream = sum(b.compiles for k, b in stats.buckets.items() if K.name not in dict(k))
+    downstream = {dict(k)[K.name]: b.compiles for k, b in stats.buckets.items()
+                  if K.name in dict(k)}
     part_ms, bound_ms, exact_ms = (_median_ms(times[n]) for n in ("partitioned", "bounded",
                                                                    "exact"))
     flops_per_row = 2 * (2 * 4 * width * width + (depth - 1) * 16 * width * width)

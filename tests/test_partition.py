@@ -303,3 +303,15 @@ def test_slow_path_before_the_cut_runs_bounded_unless_outputs_need_the_count():
                     buckets={T: [8, 64]})
     with pytest.raises(px.PolymorphismError, match="data-dependent size"):
         h(np.ones(3, np.float32))
+
+
+def test_filter_mlp_benchmark_runs_and_checks_its_results():
+    """The benchmark's bookkeeping (not its timings): equal results, compile and trace counts."""
+    from bench.filter_mlp import run
+
+    result = run(rows=64, keep=0.1, width=8, depth=1, repeats=1)
+    assert result["equal"] and result["max_abs_diff"] < 1e-4
+    assert result["kept"] == 6 and result["K_bucket"] == 8
+    assert (result["compiles_partitioned_upstream"], result["compiles_partitioned_downstream"],
+            result["compiles_bounded"]) == (1, 1, 1)
+    assert result["traces_partitioned"] == 2 and result["traces_bounded"] == 1
