@@ -412,7 +412,9 @@ def partition(values: Any, count: Any, *, length: LengthVar | str, axis: int = 0
     a bounded op of your own. Inside `px.bucketed`, the program is cut here: the segment before
     returns ``values`` and ``count``, the host reads ``count``, and the code after runs at the
     smallest bucket of ``length`` holding it, seeing ``values`` with size ``length`` along
-    ``axis``. Elsewhere it returns its arguments unchanged.
+    ``axis``. Elsewhere it returns its arguments unchanged. The count may be below
+    ``length.min`` (0 when nothing is kept): the next segment then runs at the smallest bucket,
+    with ``px.valid_length(length)`` equal to the count.
 
     >>> import jax.numpy as jnp, numpy as np, polyexec as px
     >>> T = px.LengthVar("T", max=32)
