@@ -257,7 +257,13 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
                          f"which have no Spec")
 
     values = bucketed(fn, in_specs, out_specs, buckets)
-    variables = list(values.variables.values())
+    # Sizes are drawn for the variables the inputs bind (not for sizes an output or a
+    # data-dependent op defines).
+    is_spec = lambda x: isinstance(x, Spec)  # noqa: E731
+    spec_leaves = [s for s in jax.tree_util.tree_leaves(in_specs, is_leaf=is_spec) if is_spec(s)]
+    names = dict.fromkeys([n for s in spec_leaves for n in s.var_names]
+                          + [s.lengths_of for s in spec_leaves if s.lengths_of])
+    variables = [values.variables[n] for n in names]
     grads = None
     if grad_argnums is not None:
         nums = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)

@@ -20,7 +20,8 @@ def _make():
     T = px.LengthVar("T", min=2, max=64)
     B = px.LengthVar("B", max=4)
     return px.bucketed(_masked_total,
-                       in_specs=(px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T")),
+                       in_specs=(px.Spec("B T", jnp.float32),
+                                 px.Spec("B", jnp.int32, lengths_of="T")),
                        buckets={T: [16, 64], B: [4]})
 
 
@@ -97,7 +98,8 @@ def test_pytree_argument_paths_and_fixed_axes():
     T = px.LengthVar("T", max=16)
     B = px.LengthVar("B", max=4)
     f = px.bucketed(lambda batch: batch["x"] * batch["w"][None],
-                    in_specs=({"x": px.Spec("B T 3", jnp.float32), "w": px.Spec("T 3", jnp.float32)},))
+                    in_specs=({"x": px.Spec("B T 3", jnp.float32),
+                               "w": px.Spec("T 3", jnp.float32)},))
     with px.forbid_compiles():
         with pytest.raises(px.SpecError) as info:
             f({"x": ones((2, 5, 4)), "w": ones((5, 3))})
@@ -172,7 +174,8 @@ def test_in_specs_must_be_a_tuple():
     (lambda: px.LengthVar("T", min=9, max=8), "LengthVar('T'): max=8 is below min=9"),
     (lambda: px.LengthVar("T", max=8.5), "LengthVar('T'): max must be an int, got 8.5"),
     (lambda: px.LengthVar("2T", max=8), "LengthVar name must be an identifier, got '2T'"),
-    (lambda: px.Spec("B T-1"), "Spec dims 'B T-1': 'T-1' is neither a length-variable name nor an int"),
+    (lambda: px.Spec("B T-1"),
+     "Spec dims 'B T-1': 'T-1' is neither a length-variable name nor an int"),
 ], ids=["min", "max<min", "float max", "name", "dims"])
 def test_declaration_errors(make, message):
     with pytest.raises(px.SpecError) as info:

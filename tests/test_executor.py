@@ -193,7 +193,8 @@ def test_pytree_arguments_and_outputs_with_prefix_specs():
         return {"kept": kept, "total": jnp.sum(kept, axis=1), "scale": scale["factor"] * 1.0}
 
     f = px.bucketed(summarise,
-                    in_specs=({"x": px.Spec("B T", jnp.float32), "mask": px.Spec("B T", bool)}, None),
+                    in_specs=({"x": px.Spec("B T", jnp.float32), "mask": px.Spec("B T", bool)},
+                              None),
                     out_specs={"kept": px.Spec("B T"), "total": px.Spec("B"), "scale": None},
                     buckets={T: [8, 32], B: [4]})
     rng = np.random.default_rng(1)
@@ -271,7 +272,8 @@ def isolated_compile_cache():
     compilation_cache.reset_cache()
 
 
-def test_persistent_cache_writes_compiled_buckets_and_reads_them_back(tmp_path, isolated_compile_cache):
+def test_persistent_cache_writes_compiled_buckets_and_reads_them_back(tmp_path,
+                                                                      isolated_compile_cache):
     events = []
     listener = lambda event, **kw: events.append(event)  # noqa: E731
     jax.monitoring.register_event_listener(listener)
@@ -293,7 +295,8 @@ def test_persistent_cache_writes_compiled_buckets_and_reads_them_back(tmp_path, 
         hits_before = events.count("/jax/compilation_cache/cache_hits")
         # A fresh bucketed function (as a new process would have) compiles T=16 from disk.
         g = make()
-        np.testing.assert_allclose(g(np.ones(7, np.float32)), np.full(7, 3 * np.sin(1.0)), rtol=1e-6)
+        np.testing.assert_allclose(g(np.ones(7, np.float32)), np.full(7, 3 * np.sin(1.0)),
+                                   rtol=1e-6)
         assert g.stats.compiles == 1
         assert events.count("/jax/compilation_cache/cache_hits") == hits_before + 1
     finally:

@@ -4,7 +4,6 @@ code; bad files are rejected with PolyexecError. Also `Plan.shapes` and `Plan.de
 import hashlib
 import inspect
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -75,7 +74,8 @@ LOADER = textwrap.dedent("""
     out["compiles"] = plan._runner.stats.compiles
     out["traces"] = plan._runner.traces
     np.savez(sys.argv[3], **out)
-    print("loaded", plan, "model code imported:", any(m.startswith("examples") for m in sys.modules))
+    print("loaded", plan, "model code imported:",
+          any(m.startswith("examples") for m in sys.modules))
 """)
 
 
@@ -132,7 +132,8 @@ def test_non_polymorphic_plan_cannot_be_saved(tmp_path):
     px.LengthVar("T", min=2, max=32)
     plan = px.trace(lambda x: x * int(x.shape[0]), px.Spec("T", jnp.float32))
     with pytest.raises(px.PolyexecError, match=r"cannot save plan <lambda>: reshaping is "
-                                               r"impossible, so there is no size-independent program"):
+                                               r"impossible, so there is no size-independent "
+                                               r"program"):
         plan.save(tmp_path / "x.plan")
     assert not (tmp_path / "x.plan").exists()
 
@@ -244,7 +245,8 @@ def _mixed_plan():
     px.LengthVar("T", min=2, max=64)
     px.LengthVar("B", max=8)
     w = np.linspace(-1, 1, 15, dtype=np.float32).reshape(3, 5)
-    plan = px.trace(mixed, w, px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+    plan = px.trace(mixed, w, px.Spec("B T 3", jnp.float32),
+                    px.Spec("B", jnp.int32, lengths_of="T"))
     return w, plan
 
 

@@ -1,6 +1,6 @@
 """Padding never changes a result: for random sizes within bounds, the bucketed function equals
-the function run at the exact size — values and gradients — on a masked GRU language model and on
-plain array functions."""
+the function run at the exact size — values and gradients — on a masked GRU language model and
+on plain array functions."""
 
 import jax
 import jax.numpy as jnp
