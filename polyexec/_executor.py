@@ -80,7 +80,8 @@ class Bucketed:
     def __init__(self, fn: Callable, in_specs: Sequence[Any], out_specs: Any = None,
                  buckets: Mapping[LengthVar | str, Any] | None = None, *, strict: bool = False,
                  donate_argnums: Sequence[int] = (), max_cached: int = 64,
-                 check_sizes: bool = False, name: str | None = None, partition: bool = True):
+                 check_sizes: bool = False, name: str | None = None,
+                 in_shardings: Sequence[Any] | None = None, partition: bool = True):
         if not isinstance(in_specs, (tuple, list)):
             raise SpecError(f"bucketed: in_specs must be a tuple with one entry per positional "
                             f"argument (a Spec, None, or a pytree of them), got {in_specs!r}")
@@ -99,6 +100,13 @@ class Bucketed:
         # Data-dependent sizes (px.compact(..., length=K)): cut the program there and re-bucket
         # what follows (True), or run it all as one program at the upper bound (False).
         self.partition = partition
+        # One jax.sharding.Sharding (or None) per positional argument, applied to every array
+        # leaf of it; the executables are compiled for them (data parallel: batch inputs
+        # sharded over a Mesh, parameters replicated) and host-padded inputs are placed by them.
+        if in_shardings is not None and len(in_shardings) != len(self.in_specs):
+            raise SpecError(f"bucketed: in_shardings needs one entry per positional argument "
+                            f"({len(self.in_specs)}), received {len(in_shardings)}")
+        self.in_shardings = None if in_shardings is None else tuple(in_shardings)
 
         buckets = dict(buckets or {})
         explicit = {k.name: k for k in buckets if isinstance(k, LengthVar)}
@@ -306,6 +314,10 @@ class Bucketed:
 
     def _compile(self, plan: Plan, call: _layout.BoundCall, bucket: Mapping[str, int]):
         avals = plan.bucket_avals(bucket)
+        if self.in_shardings is not None:
+            avals = [aval if arg >= len(self.in_shardings) or self.in_shardings[arg] is None else
+                     jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=self.in_shardings[arg])
+                     for aval, arg in zip(avals, call.arg_index)] + avals[len(call.arg_index):]
         donate = tuple(i for i, arg in enumerate(call.arg_index[:len(call.arrays)])
                        if arg in self.donate_argnums and plan.can_donate)
         if plan.exported is not None:
@@ -376,7 +388,10 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
     independence check: two extra Python traces), ``name``, ``partition`` (default True: a
     function with data-dependent sizes, ``px.compact(..., length=K)``, is cut there and the
     rest runs at the bucket of ``K``; False: one program at the upper bound — see
-    `PartitionedPlan`).
+    `PartitionedPlan`), ``in_shardings`` (one ``jax.sharding.Sharding`` or None per positional
+    argument, for all its arrays: each bucket is compiled for them and host-padded inputs are
+    placed by them — e.g. a model replicated and the batch split over a Mesh; values handed
+    between the segments of a partitioned program are placed by XLA).
 
     >>> import jax.numpy as jnp, numpy as np, polyexec as px
     >>> T = px.LengthVar("T", min=1, max=256)

@@ -1,0 +1,83 @@
+"""Data parallelism over local devices (and over hosts) with ``jax.sharding``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXIS = "batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Where a run computes: a one-axis ``Mesh`` named ``"batch"`` over the devices, or None
+    for a single device. Parameters are replicated (``P()``), batches split along their first
+    axis (``P("batch")``); XLA inserts the gradient all-reduce."""
+
+    mesh: Mesh | None
+    local_devices: int
+    processes: int = 1
+    process_index: int = 0
+
+    @property
+    def replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
+
+    @property
+    def batch(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, P(AXIS))
+
+    @property
+    def shardings(self) -> tuple | None:
+        return None if self.mesh is None else (self.replicated, self.batch)
+
+    @property
+    def size(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size
+
+    def global_batch(self, local: np.ndarray) -> Any:
+        """This process's rows as one global array (multi-host); the host array otherwise —
+        the compiled step places host arrays by its input shardings itself."""
+        if self.processes == 1:
+            return local
+        global_shape = (local.shape[0] * self.processes, *local.shape[1:])
+        return jax.make_array_from_process_local_data(self.batch, local, global_shape)
+
+
+def data_parallel(devices: int | Sequence[Any] | None = None) -> DataParallel:
+    """Resolve ``devices``: None = every device (all hosts' after ``jax.distributed.initialize``),
+    an int = the first n local devices, or a list of devices.
+
+    >>> from polyexec.training import data_parallel
+    >>> data_parallel(1).mesh is None
+    True
+    """
+    processes = jax.process_count()
+    if processes > 1:
+        if devices is not None:
+            raise ValueError("fit: devices must be None when running on several processes "
+                             "(jax.distributed): every process's devices join one mesh")
+        return DataParallel(Mesh(np.array(jax.devices()), (AXIS,)), jax.local_device_count(),
+                            processes, jax.process_index())
+    local = jax.local_devices()
+    if devices is None:
+        chosen = local
+    elif isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+        if not 1 <= devices <= len(local):
+            raise ValueError(f"fit: devices={devices} but this process has {len(local)} local "
+                             f"device(s) ({local[0].platform}); on CPU, more devices need "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count=N set before "
+                             f"jax is imported")
+        chosen = local[:int(devices)]
+    else:
+        chosen = list(devices)
+        if not chosen:
+            raise ValueError("fit: devices is an empty list")
+    if len(chosen) == 1:
+        return DataParallel(None, 1)
+    return DataParallel(Mesh(np.array(chosen), (AXIS,)), len(chosen))

@@ -1,0 +1,51 @@
+"""The training state: model, optimiser state and step count, as one immutable pytree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class TrainState(eqx.Module):
+    """Everything a train step reads and returns: ``model``, ``opt_state`` and ``step``.
+
+    An `equinox.Module`, so it is immutable and a pytree: a step takes one and returns a new
+    one (optax style), and checkpoints serialise it with ``eqx.tree_serialise_leaves``.
+    ``opt_state`` is the optimiser's state for the model's floating-point arrays
+    (``eqx.filter(model, eqx.is_inexact_array)``); ``step`` is an int32 array so that it lives
+    on the device with the rest and is donated with it.
+
+    >>> import equinox as eqx, jax, optax
+    >>> from polyexec.training import TrainState
+    >>> state = TrainState.create(eqx.nn.Linear(2, 1, key=jax.random.PRNGKey(0)), optax.sgd(0.1))
+    >>> int(state.step)
+    0
+    """
+
+    model: Any
+    opt_state: Any
+    step: jax.Array
+
+    @classmethod
+    def create(cls, model: Any, optimizer: optax.GradientTransformation) -> "TrainState":
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(f"TrainState.create: optimizer must be an optax.GradientTransformation "
+                            f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}")
+        params = eqx.filter(model, eqx.is_inexact_array)
+        return cls(model=model, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+
+
+def place(tree: Any, sharding: Any) -> Any:
+    """Put every array leaf of ``tree`` on ``sharding``; other leaves (static) stay as they are.
+
+    (``jax.device_put`` on a whole module would turn Python scalars into arrays and so change
+    what the executor treats as static.)
+    """
+    if sharding is None:
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, sharding) if eqx.is_array(x) else x, tree)

@@ -1,0 +1,139 @@
+"""Pure train/eval step functions and their bucketed, compiled-per-bucket versions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._executor import Bucketed, bucketed
+from .._vars import LengthVar, Spec
+from ._state import TrainState
+
+# Loss functions see a padded batch: tokens (B, T) and the real lengths (B,).
+LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+EvalFn = Callable[[Any, jax.Array, jax.Array], "tuple[jax.Array, jax.Array]"]
+
+
+def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                  return_grads: bool = False):
+    """The pure train step ``(state, tokens, lengths) -> (new_state, metrics)``.
+
+    ``jax.value_and_grad`` of ``loss_fn(model, tokens, lengths)`` with respect to the model's
+    floating-point arrays, then ``optimizer.update`` and ``optax.apply_updates``. ``metrics``
+    holds ``loss`` and ``grad_norm`` (and ``grads`` with ``return_grads``). It knows no sizes:
+    `make_train_step` compiles it once per length bucket; ``jax.jit`` of it is the exact-shape
+    reference the tests compare against.
+
+    >>> import equinox as eqx, jax, jax.numpy as jnp, optax
+    >>> from polyexec.training import TrainState, train_step_fn
+    >>> def loss(model, tokens, lengths):
+    ...     return jnp.mean(jax.vmap(model)(tokens.astype(jnp.float32)) ** 2)
+    >>> model = eqx.nn.Linear(3, 1, key=jax.random.PRNGKey(0))
+    >>> step = train_step_fn(loss, optax.sgd(0.1))
+    >>> state, metrics = step(TrainState.create(model, optax.sgd(0.1)), jnp.ones((2, 3)), jnp.full(2, 3))
+    >>> int(state.step), metrics["loss"].shape
+    (1, ())
+    """
+
+    def train_step(state: TrainState, tokens, lengths):
+        params, static = eqx.partition(state.model, eqx.is_inexact_array)
+
+        def loss_of(p):
+            return loss_fn(eqx.combine(p, static), tokens, lengths)
+
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        model = eqx.combine(optax.apply_updates(params, updates), static)
+        # The global L2 norm (optax.global_norm is deprecated, its successor needs optax>=0.2.5).
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if return_grads:
+            metrics["grads"] = grads
+        return TrainState(model=model, opt_state=opt_state, step=state.step + 1), metrics
+
+    return train_step
+
+
+def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None):
+    """The pure eval step ``(model, tokens, lengths) -> (total, count)``.
+
+    With ``eval_fn`` (returning a summed loss and the number of terms it sums, e.g. predicted
+    tokens) averages across batches are exact. Without it, ``loss_fn``'s mean is weighted by
+    the batch's real tokens, ``sum(lengths)``.
+    """
+    if eval_fn is not None:
+        def eval_step(model, tokens, lengths):
+            total, count = eval_fn(model, tokens, lengths)
+            return jnp.asarray(total, jnp.float32), jnp.asarray(count, jnp.float32)
+    elif loss_fn is not None:
+        def eval_step(model, tokens, lengths):
+            count = jnp.sum(lengths).astype(jnp.float32)
+            return loss_fn(model, tokens, lengths).astype(jnp.float32) * count, count
+    else:
+        raise TypeError("eval_step_fn: pass loss_fn or eval_fn")
+    return eval_step
+
+
+def length_vars(*, max_length: int, max_batch: int, min_length: int = 2) -> tuple[LengthVar, LengthVar]:
+    """The batch and length variables ``B`` and ``T`` of a training run.
+
+    Made outside the global name registry, so a run never redefines a user's own ``"T"``.
+    ``min_length=2`` by default: next-token losses slice ``tokens[:, :-1]``, which needs T >= 2
+    to trace symbolically.
+    """
+    return (LengthVar._unregistered("B", 1, int(max_batch)),
+            LengthVar._unregistered("T", int(min_length), int(max_length)))
+
+
+def _specs(pad_id: int, check_lengths: bool):
+    return (Spec("B T", jnp.int32, pad=pad_id),
+            Spec("B", jnp.int32, lengths_of="T" if check_lengths else None))
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                    length_buckets: Sequence[int], batch_buckets: Sequence[int],
+                    min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
+                    donate: bool = True, check_lengths: bool = True,
+                    return_grads: bool = False) -> Bucketed:
+    """`train_step_fn` as a `px.bucketed` function, compiled once per (B, T) bucket.
+
+    ``state`` is not length-polymorphic (its arrays keep their shapes) and is donated, so XLA
+    updates the parameters and optimiser state in place. ``shardings`` = (state sharding, batch
+    sharding) for data parallelism: parameters replicated, the batch axis split over a Mesh.
+
+    >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
+    >>> from polyexec.training import TrainState, make_train_step
+    >>> def loss(model, tokens, lengths):          # masked mean of a per-token score
+    ...     mask = jnp.arange(tokens.shape[1]) < lengths[:, None]
+    ...     scores = jax.vmap(jax.vmap(model))(tokens.astype(jnp.float32)[..., None])[..., 0]
+    ...     return jnp.sum(jnp.where(mask, scores ** 2, 0)) / jnp.maximum(jnp.sum(mask), 1)
+    >>> opt = optax.adam(1e-2)
+    >>> step = make_train_step(loss, opt, length_buckets=[8, 16], batch_buckets=[4])
+    >>> state = TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), opt)
+    >>> state, metrics = step(state, np.ones((4, 5), np.int32), np.array([5, 3, 2, 1], np.int32))
+    >>> int(state.step), step.stats.compiles, step.plan.reshaping_is_impossible
+    (1, 1, False)
+    """
+    B, T = length_vars(max_length=max(length_buckets), max_batch=max(batch_buckets),
+                       min_length=min_length)
+    return bucketed(train_step_fn(loss_fn, optimizer, return_grads=return_grads), in_specs=(None, *_specs(pad_id, check_lengths)),
+                    buckets={T: list(length_buckets), B: list(batch_buckets)},
+                    donate_argnums=(0,) if donate else (), name="train_step",
+                    in_shardings=None if shardings is None else (shardings[0], shardings[1], shardings[1]))
+
+
+def make_eval_step(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
+                   length_buckets: Sequence[int], batch_buckets: Sequence[int],
+                   min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
+                   check_lengths: bool = True) -> Bucketed:
+    """`eval_step_fn` as a `px.bucketed` function: ``(model, tokens, lengths) -> (total, count)``."""
+    B, T = length_vars(max_length=max(length_buckets), max_batch=max(batch_buckets),
+                       min_length=min_length)
+    return bucketed(eval_step_fn(loss_fn, eval_fn), in_specs=(None, *_specs(pad_id, check_lengths)),
+                    buckets={T: list(length_buckets), B: list(batch_buckets)}, name="eval_step",
+                    in_shardings=None if shardings is None else (shardings[0], shardings[1], shardings[1]))

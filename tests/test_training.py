@@ -1,0 +1,297 @@
+"""polyexec.training: bucketed steps equal exact-shape steps, resume is exact, data parallel
+equals one device, and training lowers the validation loss."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import assert_trees_close
+from examples.rnn.model import CharLM, loss_and_count, loss_fn
+import polyexec as px
+from polyexec import training
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_model(seed=0, cell="gru"):
+    return CharLM(cell=cell, embed=4, hidden=8, key=jax.random.PRNGKey(seed))
+
+
+def copy_tree(tree):
+    """Fresh buffers: a donated state is consumed by the step."""
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
+
+
+def random_sentences(n, max_len, seed):
+    rng = np.random.default_rng(seed)
+    # A little structure (a repeated alphabet) so that there is something to learn.
+    return [(np.arange(int(k)) + int(rng.integers(0, 5))) % 11 + 97
+            for k in rng.integers(2, max_len + 1, size=n)]
+
+
+# -- bucketed train step == exact-shape train step ---------------------------------------------
+
+OPT = optax.adam(1e-2)
+BUCKETED = training.make_train_step(loss_fn, OPT, length_buckets=[8, 16, 24], batch_buckets=[2, 4],
+                                    return_grads=True)
+EXACT = jax.jit(training.train_step_fn(loss_fn, OPT, return_grads=True))
+
+
+@settings(max_examples=6)
+@given(st.data())
+def test_bucketed_train_step_equals_exact_shape_step(data):
+    b = data.draw(st.integers(1, 4), label="B")
+    t = data.draw(st.sampled_from([3, 9, 17, 24]), label="T")   # pads to 8, 16, 24, 24
+    lengths = np.array(data.draw(st.lists(st.integers(0, t), min_size=b, max_size=b)), np.int32)
+    lengths[0] = t                                               # the batch's T is real
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    tokens = np.random.default_rng(seed).integers(0, 256, size=(b, t)).astype(np.int32)
+    state = training.TrainState.create(tiny_model(seed % 7), OPT)
+
+    want_state, want = EXACT(copy_tree(state), tokens, lengths)
+    got_state, got = BUCKETED(copy_tree(state), tokens, lengths)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5, atol=1e-6)
+    assert_trees_close(got["grads"], want["grads"], rtol=1e-4, atol=1e-6)
+    assert_trees_close(got_state.model, want_state.model, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_state.opt_state, want_state.opt_state, rtol=1e-4, atol=1e-7)
+    assert int(got_state.step) == 1
+    # One trace for every shape; one compile per (B, T) bucket actually used.
+    assert BUCKETED.traces == 1
+    assert BUCKETED.stats.compiles == len(BUCKETED.stats.buckets) <= 6
+
+
+def test_train_step_changes_parameters_and_padding_would_matter():
+    """Guards the comparison above: the step moves parameters, and an unmasked loss does see
+    the padding (so equality is a property of the masked loss, not of the test)."""
+    state = training.TrainState.create(tiny_model(), OPT)
+    tokens = np.random.default_rng(0).integers(0, 256, size=(2, 9)).astype(np.int32)
+    lengths = np.array([9, 4], np.int32)
+    new, metrics = EXACT(copy_tree(state), tokens, lengths)
+    assert not np.allclose(new.model.head.weight, state.model.head.weight)
+
+    def unmasked(model, tokens, lengths):
+        logits = jax.vmap(model)(tokens[:, :-1])
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    step = training.make_train_step(unmasked, OPT, length_buckets=[16], batch_buckets=[2])
+    _, padded = step(copy_tree(state), tokens, lengths)
+    _, exact = jax.jit(training.train_step_fn(unmasked, OPT))(copy_tree(state), tokens, lengths)
+    assert abs(float(padded["loss"]) - float(exact["loss"])) > 1e-4
+
+
+# -- checkpoints and resume --------------------------------------------------------------------
+
+FIT_ARGS = dict(optimizer=optax.adam(3e-3), epochs=2, batch_size=4, buckets=[8, 16, 24],
+                verbose=False, seed=3)
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One persistent compile cache for the fits below: a repeated fit of the same model loads
+    its buckets from disk instead of compiling them again (the bucket counts do not change)."""
+    yield str(tmp_path_factory.mktemp("xla-cache"))
+    px.disable_persistent_cache()   # process-wide JAX config: leave it as other tests expect
+
+
+@pytest.fixture
+def fit_args(compile_cache):
+    return {**FIT_ARGS, "cache": compile_cache}
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_at(step):
+    def callback(info):
+        if info.step == step:
+            raise Killed(f"simulated kill after step {step}")
+    return callback
+
+
+def test_resume_after_kill_gives_identical_parameters(tmp_path, fit_args):
+    data = random_sentences(26, 24, seed=1)
+    val = random_sentences(6, 24, seed=2)
+    full = training.fit(tiny_model(), loss_fn, data, validation=val, eval_fn=loss_and_count,
+                        **fit_args)
+    steps = full.epochs()[-1]["step"]
+    assert steps == int(full.state.step) and steps >= 10
+
+    # Killed mid-epoch 1 (second epoch), two steps after the last periodic checkpoint.
+    ckpt = tmp_path / "ckpt"
+    kill = steps - 3
+    with pytest.raises(Killed):
+        training.fit(tiny_model(), loss_fn, data, validation=val, eval_fn=loss_and_count,
+                     checkpoint_dir=ckpt, checkpoint_every=4, callbacks=[kill_at(kill)], **fit_args)
+    latest = training.latest_checkpoint(ckpt)
+    meta = training.read_meta(latest)
+    assert meta["step"] == kill - kill % 4 and 0 < meta["position"]
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+
+    resumed = training.fit(tiny_model(seed=99), loss_fn, data, validation=val,
+                           eval_fn=loss_and_count, checkpoint_dir=ckpt, **fit_args)
+    assert int(resumed.state.step) == steps
+    # Bit-identical: same data order from (seed, epoch, position), same executables.
+    for a, b in zip(jax.tree_util.tree_leaves(resumed.state), jax.tree_util.tree_leaves(full.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [r["val_loss"] for r in resumed.epochs()] == [r["val_loss"] for r in full.epochs()]
+    np.testing.assert_allclose([r["train_loss"] for r in resumed.epochs()],
+                               [r["train_loss"] for r in full.epochs()], rtol=1e-6)
+    # ... and the parameters did move: an untrained model is far from them.
+    assert not np.allclose(full.model.head.weight, tiny_model().head.weight, atol=1e-3)
+
+
+def test_max_steps_stops_and_resumes_to_the_same_result(tmp_path, fit_args):
+    data = random_sentences(20, 24, seed=4)
+    full = training.fit(tiny_model(), loss_fn, data, **fit_args)
+    part = training.fit(tiny_model(), loss_fn, data, checkpoint_dir=tmp_path, max_steps=3,
+                        metrics_file=tmp_path / "m.jsonl", **fit_args)
+    assert part.stopped_early and int(part.state.step) == 3
+    rest = training.fit(tiny_model(), loss_fn, data, checkpoint_dir=tmp_path,
+                        metrics_file=tmp_path / "m.jsonl", **fit_args)
+    assert_trees_close(rest.model, full.model, rtol=0, atol=0)
+    records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, int(full.state.step) + 1))   # one run, no duplicates
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [0, 1]
+
+
+def test_resume_refuses_a_different_run(tmp_path, fit_args):
+    data = random_sentences(12, 16, seed=5)
+    training.fit(tiny_model(), loss_fn, data, checkpoint_dir=tmp_path, max_steps=1, **fit_args)
+    with pytest.raises(ValueError, match="seed: checkpoint 3, now 4"):
+        training.fit(tiny_model(), loss_fn, data, checkpoint_dir=tmp_path,
+                     **{**fit_args, "seed": 4})
+
+
+def test_checkpoint_roundtrip_and_mismatch(tmp_path):
+    state = training.TrainState.create(tiny_model(), OPT)
+    path = training.save_checkpoint(tmp_path, state, {"step": 7, "epoch": 1, "position": 2})
+    restored, meta = training.load_checkpoint(path, like=state)
+    assert meta == {"step": 7, "epoch": 1, "position": 2}
+    assert_trees_close(restored, state, rtol=0, atol=0)
+    other = training.TrainState.create(CharLM(embed=4, hidden=9, key=jax.random.PRNGKey(0)), OPT)
+    with pytest.raises(ValueError, match="does not match"):
+        training.load_checkpoint(path, like=other)
+    for step in range(8, 13):
+        training.save_checkpoint(tmp_path, state, {"step": step}, keep=2)
+    assert [os.path.basename(p) for p in training.list_checkpoints(tmp_path)] == [
+        "step-000000011.ckpt", "step-000000012.ckpt"]
+
+
+# -- bad input fails before anything compiles --------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, data, message", [
+    ({"batch_size": 4, "max_tokens": 64}, None, "one of batch_size= or max_tokens="),
+    ({"epochs": -1}, None, "epochs must be an int >= 0"),
+    ({"buckets": [4, 8]}, None, r"data\[\d+\] has length \d+, above the largest bucket 8"),
+    ({}, [np.zeros((2, 3), np.int32)], r"data\[0\]: expected a 1-D sequence"),
+    ({}, [np.zeros(3, np.float32)], r"data\[0\]: expected integer token ids"),
+    ({}, [np.zeros(3, np.int32), []], r"data\[1\]: empty example"),
+    ({"devices": 64}, None, "devices=64 but this process has"),
+])
+def test_bad_arguments_are_rejected_with_a_clear_message(kwargs, data, message):
+    data = random_sentences(8, 16, seed=0) if data is None else data
+    with pytest.raises((ValueError, TypeError), match=message):
+        training.fit(tiny_model(), loss_fn, data, optimizer=OPT, cache=False, verbose=False, **kwargs)
+
+
+# -- training lowers the validation loss -------------------------------------------------------
+
+def test_short_training_lowers_validation_loss():
+    from examples.rnn import data as corpus_data
+    corpus = corpus_data.load(cap=128, limit=300)
+    model = CharLM(embed=16, hidden=32, key=jax.random.PRNGKey(0))
+
+    # Reference evaluation without polyexec: every validation sentence in one batch padded
+    # to the cap, one jit compile.
+    tokens = np.zeros((len(corpus.validation), 128), np.int32)
+    for r, s in enumerate(corpus.validation):
+        tokens[r, :len(s)] = np.frombuffer(s, np.uint8)
+    lengths = np.array([len(s) for s in corpus.validation], np.int32)
+    reference = jax.jit(loss_and_count)
+
+    def val_loss(m):
+        total, count = reference(m, tokens, lengths)
+        return float(total) / float(count)
+
+    before = val_loss(model)
+    result = training.fit(model, loss_fn, corpus.train, validation=corpus.validation,
+                          eval_fn=loss_and_count, optimizer=optax.adam(1e-2), epochs=4,
+                          batch_size=16, buckets=3, cache=False, verbose=False)
+    after = [r["val_loss"] for r in result.epochs()]
+    assert before > 5.0                      # ~ln 256: an untrained byte model
+    assert after[-1] < before - 1.5, (before, after)
+    assert after[-1] < after[0]
+    # fit's exact validation mean (bucketed batches) agrees with the reference evaluation
+    np.testing.assert_allclose(after[-1], val_loss(result.model), rtol=1e-4)
+    assert result.train_step.traces == 1 and result.train_step.stats.compiles == 3
+
+
+# -- data parallel on 4 forced CPU devices -----------------------------------------------------
+
+DATA_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json, os
+    import jax, numpy as np, optax
+    assert jax.device_count() == 4, jax.devices()
+    from examples.rnn.model import CharLM, loss_fn
+    from polyexec import training
+
+    def model():
+        return CharLM(embed=4, hidden=8, key=jax.random.PRNGKey(0))
+
+    opt = optax.adam(1e-2)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, size=(8, 13)).astype(np.int32)
+    lengths = np.array([13, 5, 9, 2, 13, 7, 1, 11], np.int32)
+    out = {}
+    for n in (1, 4):
+        dp = training.data_parallel(n)
+        step = training.make_train_step(loss_fn, opt, length_buckets=[16], batch_buckets=[8],
+                                        shardings=dp.shardings)
+        state = training.TrainState.create(model(), opt)
+        from polyexec.training._state import place
+        state = place(state, dp.replicated)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, tokens, lengths)
+            losses.append(float(metrics["loss"]))
+        out[n] = {"losses": losses, "head": np.asarray(state.model.head.weight).tolist(),
+                  "param_devices": len(state.model.head.weight.sharding.device_set),
+                  "compiles": step.stats.compiles}
+    data = [rng.integers(97, 108, size=k) for k in rng.integers(2, 30, size=40)]
+    for n in (1, 4):
+        r = training.fit(model(), loss_fn, data, validation=data[:8], optimizer=opt, epochs=2,
+                         batch_size=6, buckets=[8, 16, 32], devices=n, cache=False, verbose=False)
+        out[f"fit{n}"] = [e["val_loss"] for e in r.epochs()]
+        out[f"rows{n}"] = list(r.batch_buckets)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_data_parallel_on_four_cpu_devices_matches_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    out = json.loads(line[len("RESULT"):])
+    one, four = out["1"], out["4"]
+    assert four["param_devices"] == 4 and one["param_devices"] == 1
+    np.testing.assert_allclose(four["losses"], one["losses"], rtol=1e-5)
+    np.testing.assert_allclose(four["head"], one["head"], rtol=1e-4, atol=1e-6)
+    assert one["losses"][-1] < one["losses"][0]
+    # fit: batch rows rounded up to a multiple of the 4 devices; same validation losses.
+    assert out["rows1"] == [6] and out["rows4"] == [8]
+    np.testing.assert_allclose(out["fit4"], out["fit1"], rtol=1e-4)
