@@ -5,6 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+try:  # equations made inside these helpers are attributed to the user's call line (describe())
+    from jax._src import source_info_util as _source_info
+    _source_info.register_exclusion(__file__)
+except (ImportError, AttributeError):  # a private API; only the describe() text depends on it
+    pass
+
 
 def arange_like(x, axis: int = 0, dtype=jnp.int32):
     """``0, 1, ..., x.shape[axis] - 1`` with the size taken from ``x`` (symbolic-safe).
