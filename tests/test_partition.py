@@ -14,10 +14,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polyexec as px
+from polyexec import _vars
 
-T = px.LengthVar("T", min=1, max=64)
-K = px.LengthVar("K", min=1, max=64)
-J = px.LengthVar("J", min=1, max=64)
+
+@pytest.fixture(autouse=True)
+def _restore_length_var_registry():
+    """Specs resolve names through the process-wide LengthVar registry: the variables these
+    tests (and the docstring examples they run) define must not leak into other test modules."""
+    saved = dict(_vars._REGISTRY)
+    yield
+    _vars._REGISTRY.clear()
+    _vars._REGISTRY.update(saved)
+
+# Names no other test module uses: Specs name variables by string, and a string refers to the
+# most recently defined LengthVar of that name, process-wide.
+T = px.LengthVar("Tp", min=1, max=64)
+K = px.LengthVar("Kp", min=1, max=64)
+J = px.LengthVar("Jp", min=1, max=64)
 W_IN = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
 
 
@@ -35,12 +48,12 @@ def numpy_filter_then_project(x, w, threshold):
     return {"h": h, "total": h.sum(), "count": len(h)}
 
 
-OUT = {"h": px.Spec("K 5"), "total": None, "count": None}
+OUT = {"h": px.Spec("Kp 5"), "total": None, "count": None}
 
 
 @pytest.fixture(scope="module")
 def partitioned():
-    return px.bucketed(filter_then_project, in_specs=(px.Spec("T 3", jnp.float32), None, None),
+    return px.bucketed(filter_then_project, in_specs=(px.Spec("Tp 3", jnp.float32), None, None),
                        out_specs=OUT, buckets={T: [16, 64], K: [4, 16, 64]})
 
 
@@ -66,7 +79,7 @@ def test_downstream_compiles_once_per_bucket_and_python_traces_each_segment_once
         kept, _ = px.compact(x, x > 0, length=K)
         return jnp.cumsum(kept * 2)
 
-    g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), out_specs=px.Spec("K"),
+    g = px.bucketed(f, in_specs=(px.Spec("Tp", jnp.float32),), out_specs=px.Spec("Kp"),
                     buckets={T: [32, 64], K: [4, 16, 64]})
     # kept counts 2, 3, 10, 12, 40 -> K buckets 4, 4, 16, 16, 64; inputs in both T buckets.
     for n, kept in [(20, 2), (50, 3), (30, 10), (60, 12), (64, 40)]:
@@ -74,14 +87,14 @@ def test_downstream_compiles_once_per_bucket_and_python_traces_each_segment_once
         x[:kept] = np.arange(1, kept + 1)
         np.testing.assert_allclose(g(x), np.cumsum(np.arange(1, kept + 1) * 2.0))
     assert len(traces) == 2 and g.traces == 2
-    upstream = {k: b for k, b in g.stats.buckets.items() if dict(k).keys() == {"T"}}
-    downstream = {k: b for k, b in g.stats.buckets.items() if "K" in dict(k)}
-    assert {dict(k)["T"] for k in upstream} == {32, 64}
+    upstream = {k: b for k, b in g.stats.buckets.items() if dict(k).keys() == {"Tp"}}
+    downstream = {k: b for k, b in g.stats.buckets.items() if "Kp" in dict(k)}
+    assert {dict(k)["Tp"] for k in upstream} == {32, 64}
     assert sum(b.compiles for b in upstream.values()) == 2
     # The downstream segment reads only what the cut handed over, so its programs are keyed
     # by K alone: three K buckets -> exactly three compiles, whatever T bucket came first.
-    assert sorted(dict(k)["K"] for k in downstream) == [4, 16, 64]
-    assert all(set(dict(k)) == {"K"} for k in downstream)
+    assert sorted(dict(k)["Kp"] for k in downstream) == [4, 16, 64]
+    assert all(set(dict(k)) == {"Kp"} for k in downstream)
     assert sum(b.compiles for b in downstream.values()) == 3
     assert sum(b.calls for b in downstream.values()) == 5
     with px.forbid_compiles():                               # every bucket is compiled now
@@ -94,13 +107,13 @@ def test_segment_that_recomputes_inputs_is_compiled_per_input_and_kept_bucket():
         kept, _ = px.compact(x, x > 0, length=K)
         return jnp.sum(kept) + jnp.sum(x)        # sum(x) is recomputed after the cut
 
-    g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [32, 64], K: [4, 64]})
+    g = px.bucketed(f, in_specs=(px.Spec("Tp", jnp.float32),), buckets={T: [32, 64], K: [4, 64]})
     for n in (10, 40):
         x = np.linspace(-1, 1, n).astype(np.float32)
         np.testing.assert_allclose(float(g(x)), x[x > 0].sum() + x.sum(), rtol=1e-5, atol=1e-5)
     final = g.plan.segments[1]
-    assert [v.name for v in final.variables] == ["T", "K"]
-    assert {tuple(dict(k)) for k in g.stats.buckets} == {("T",), ("T", "K")}
+    assert [v.name for v in final.variables] == ["Tp", "Kp"]
+    assert {tuple(dict(k)) for k in g.stats.buckets} == {("Tp",), ("Tp", "Kp")}
 
 
 @settings(max_examples=8)
@@ -121,15 +134,15 @@ def _two_cuts(x):
     return b + jnp.sum(x), px.valid_length(J)
 
 
-two_cuts = px.bucketed(_two_cuts, in_specs=(px.Spec("T", jnp.float32),),
-                       out_specs=(px.Spec("J"), None), buckets={T: [16, 64], K: [8, 64],
+two_cuts = px.bucketed(_two_cuts, in_specs=(px.Spec("Tp", jnp.float32),),
+                       out_specs=(px.Spec("Jp"), None), buckets={T: [16, 64], K: [8, 64],
                                                                J: [8, 64]})
 
 
 def test_bounded_mode_gives_the_same_results_as_one_program():
-    f = px.bucketed(filter_then_project, in_specs=(px.Spec("T 3", jnp.float32), None, None),
+    f = px.bucketed(filter_then_project, in_specs=(px.Spec("Tp 3", jnp.float32), None, None),
                     out_specs=OUT, buckets={T: [16, 64]}, partition=False)
-    g = px.bucketed(filter_then_project, in_specs=(px.Spec("T 3", jnp.float32), None, None),
+    g = px.bucketed(filter_then_project, in_specs=(px.Spec("Tp 3", jnp.float32), None, None),
                     out_specs=OUT, buckets={T: [16, 64]})
     rng = np.random.default_rng(5)
     for n in (3, 40, 64):
@@ -139,7 +152,7 @@ def test_bounded_mode_gives_the_same_results_as_one_program():
         np.testing.assert_allclose(a["h"], numpy_filter_then_project(x, W_IN, 0.1)["h"],
                                    rtol=1e-5, atol=1e-6)
     assert len(f.plan.segments) == 1 and f.traces == 1
-    assert f.stats.compiles == 2 and all(set(dict(k)) == {"T"} for k in f.stats.buckets)
+    assert f.stats.compiles == 2 and all(set(dict(k)) == {"Tp"} for k in f.stats.buckets)
     assert "bounded" in f.plan.describe()
 
 
@@ -178,42 +191,42 @@ def test_nonzero_partition_point():
     def positions(x):                                       # x: (T,)
         idx, _ = px.nonzero(x > 0, length=K)
         return idx * 10
-    f = px.bucketed(positions, in_specs=(px.Spec("T", jnp.float32),), out_specs=px.Spec("K"))
+    f = px.bucketed(positions, in_specs=(px.Spec("Tp", jnp.float32),), out_specs=px.Spec("Kp"))
     x = np.array([0, 1, -1, 2, 0, 3], np.float32)
     np.testing.assert_array_equal(f(x), np.flatnonzero(x > 0) * 10)
 
 
 def test_describe_and_shapes_cover_every_segment():
-    plan = px.trace(filter_then_project, px.Spec("T 3", jnp.float32), W_IN, np.array(0, np.float32))
+    plan = px.trace(filter_then_project, px.Spec("Tp 3", jnp.float32), W_IN, np.array(0, np.float32))
     assert isinstance(plan, px.PartitionedPlan) and len(plan.segments) == 2
     text = plan.describe()
     assert "CUT at" in text and "px.compact(x, real & (x[:, 0] > threshold), length=K)" in text
-    assert "segment 0" in text and "segment 1" in text and "float32[K,5]" in text
-    shapes = plan.shapes(T=50, K=7)
+    assert "segment 0" in text and "segment 1" in text and "float32[Kp,5]" in text
+    shapes = plan.shapes(Tp=50, Kp=7)
     first = [s for s in shapes if s.segment == 0]
     second = [s for s in shapes if s.segment == 1]
     assert first[0].primitive == "input" and (50, 3) in [s.shapes[0] for s in first]
     assert any(s.primitive == "dot_general" and s.shapes == ((7, 5),) for s in second)
-    assert dict(zip(plan.out_paths, plan.output_shapes(T=50, K=7)))["['h']"] == (7, 5)
-    with pytest.raises(px.SpecError, match="missing: \\['K'\\]"):
-        plan.shapes(T=50)
+    assert dict(zip(plan.out_paths, plan.output_shapes(Tp=50, Kp=7)))["['h']"] == (7, 5)
+    with pytest.raises(px.SpecError, match="missing: \\['Kp'\\]"):
+        plan.shapes(Tp=50)
     with pytest.raises(px.SpecError, match="outside"):
-        plan.shapes(T=50, K=65)
+        plan.shapes(Tp=50, Kp=65)
 
 
 def test_a_plain_function_is_still_one_program():
-    f = px.bucketed(lambda x: x * 2, in_specs=(px.Spec("T", jnp.float32),), out_specs=px.Spec("T"))
+    f = px.bucketed(lambda x: x * 2, in_specs=(px.Spec("Tp", jnp.float32),), out_specs=px.Spec("Tp"))
     f(np.ones(3, np.float32))
     assert not isinstance(f.plan, px.PartitionedPlan)
     assert f.plan.segments == (f.plan,)
 
 
 def test_warmup_compiles_every_segment_bucket_then_nothing_compiles():
-    f = px.bucketed(filter_then_project, in_specs=(px.Spec("T 3", jnp.float32), None, None),
+    f = px.bucketed(filter_then_project, in_specs=(px.Spec("Tp 3", jnp.float32), None, None),
                     out_specs=OUT, buckets={T: [16, 64], K: [4, 64]})
     compiled = f.warmup(W_IN, np.array(0, np.float32))
     assert sorted(map(lambda d: tuple(sorted(d.items())), compiled)) == [
-        (("K", 4),), (("K", 64),), (("T", 16),), (("T", 64),)]
+        (("Kp", 4),), (("Kp", 64),), (("Tp", 16),), (("Tp", 64),)]
     assert f.stats.compiles == 4
     with px.forbid_compiles():
         for n in (5, 64):
@@ -229,7 +242,7 @@ def test_count_above_the_variables_max_is_a_length_overflow():
     def f(x):
         kept, _ = px.compact(x, x > 0, length=small)
         return kept
-    g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), out_specs=px.Spec("Small"))
+    g = px.bucketed(f, in_specs=(px.Spec("Tp", jnp.float32),), out_specs=px.Spec("Small"))
     np.testing.assert_array_equal(g(np.array([1, -1, 2], np.float32)), [1, 2])
     with pytest.raises(px.LengthOverflowError, match="Small = 5 is above Small's max=4"):
         g(np.ones(5, np.float32))
@@ -239,7 +252,7 @@ def test_length_inside_a_nested_transformation_is_rejected():
     def f(x):
         kept, _ = jax.vmap(lambda row: px.compact(row, row > 0, length=K))(x)
         return kept
-    g = px.bucketed(f, in_specs=(px.Spec("T 4", jnp.float32),))
+    g = px.bucketed(f, in_specs=(px.Spec("Tp 4", jnp.float32),))
     with pytest.raises(px.PolyexecError, match="top level"):
         g(np.ones((3, 4), np.float32))
 
@@ -250,16 +263,16 @@ def test_defining_a_variable_twice_or_an_input_variable_is_rejected():
         b, _ = px.compact(a, a > 1, length=K)
         return b
     with pytest.raises(px.PolyexecError, match="defined twice"):
-        px.bucketed(twice, in_specs=(px.Spec("T", jnp.float32),))(np.ones(3, np.float32))
+        px.bucketed(twice, in_specs=(px.Spec("Tp", jnp.float32),))(np.ones(3, np.float32))
 
     def input_var(x):
         return px.compact(x, x > 0, length=T)[0]
     with pytest.raises(px.PolyexecError, match="already a length variable of the inputs"):
-        px.bucketed(input_var, in_specs=(px.Spec("T", jnp.float32),))(np.ones(3, np.float32))
+        px.bucketed(input_var, in_specs=(px.Spec("Tp", jnp.float32),))(np.ones(3, np.float32))
 
 
 def test_out_specs_naming_an_undefined_size_is_a_spec_error():
-    f = px.bucketed(lambda x: x, in_specs=(px.Spec("T", jnp.float32),), out_specs=px.Spec("K"))
+    f = px.bucketed(lambda x: x, in_specs=(px.Spec("Tp", jnp.float32),), out_specs=px.Spec("Kp"))
     with pytest.raises(px.SpecError, match="no px.compact"):
         f(np.ones(3, np.float32))
 
@@ -268,13 +281,13 @@ def test_a_non_polymorphic_segment_after_the_cut_is_reported():
     def f(x):
         kept, _ = px.compact(x, x > 0, length=K)
         return kept + jnp.zeros(64)              # assumes the maximum size
-    g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),))
+    g = px.bucketed(f, in_specs=(px.Spec("Tp", jnp.float32),))
     with pytest.raises(px.PolymorphismError, match="segment 1"):
         g(np.ones(3, np.float32))
 
 
 def test_partitioned_plans_cannot_be_saved(tmp_path):
-    plan = px.trace(filter_then_project, px.Spec("T 3", jnp.float32), W_IN, np.array(0, np.float32))
+    plan = px.trace(filter_then_project, px.Spec("Tp 3", jnp.float32), W_IN, np.array(0, np.float32))
     with pytest.raises(px.PolyexecError, match="not supported"):
         plan.save(tmp_path / "plan.bin")
 
@@ -283,7 +296,7 @@ def test_a_count_larger_than_its_buffer_is_reported():
     def f(x):
         values, n = px.partition(x, jnp.int32(100), length=K)
         return values
-    g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [8, 64]})
+    g = px.bucketed(f, in_specs=(px.Spec("Tp", jnp.float32),), buckets={T: [8, 64]})
     with pytest.raises(px.PolyexecError, match=r"count 100 is outside \[0, 8\]"):
         g(np.ones(3, np.float32))
 
@@ -295,11 +308,11 @@ def test_slow_path_before_the_cut_runs_bounded_unless_outputs_need_the_count():
         return jnp.sum(kept) * scale, px.valid_length(K), kept
 
     with pytest.warns(UserWarning, match="not shape-polymorphic"):
-        g = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [8, 64]})
+        g = px.bucketed(f, in_specs=(px.Spec("Tp", jnp.float32),), buckets={T: [8, 64]})
         total, count, _ = g(np.array([1, -1, 2], np.float32))
     assert float(total) == 3 * 8 and int(count) == 2   # bounded: valid_length(K) is the count
     # Slicing an output to K needs the count, which the per-bucket slow path does not return.
-    h = px.bucketed(f, in_specs=(px.Spec("T", jnp.float32),), out_specs=(None, None, px.Spec("K")),
+    h = px.bucketed(f, in_specs=(px.Spec("Tp", jnp.float32),), out_specs=(None, None, px.Spec("Kp")),
                     buckets={T: [8, 64]})
     with pytest.raises(px.PolymorphismError, match="data-dependent size"):
         h(np.ones(3, np.float32))
