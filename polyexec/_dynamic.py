@@ -80,6 +80,10 @@ class Context:
     points: list[tuple[str, str]] = dataclasses.field(default_factory=list)   # (name, where)
     counts: dict[str, Any] = dataclasses.field(default_factory=dict)          # bounded mode
     defined: dict[str, LengthVar] = dataclasses.field(default_factory=dict)
+    # Set by the traced wrapper (`_partition._wrap`) when the function stops or returns:
+    cut: Any = None                       # the CutPoint this segment stopped at, if any
+    user_tree: Any = None                 # the function's output treedef (last segment)
+    user_paths: list[str] = dataclasses.field(default_factory=list)
 
 
 def current() -> Context | None:

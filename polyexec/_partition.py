@@ -335,10 +335,6 @@ def _register(runner, var: LengthVar) -> None:
         runner.bucket_sizes[var.name] = bucket_sizes(var, runner._policies.get(var.name))
 
 
-def _user_paths(context) -> list[str]:
-    return list(getattr(context, "user_paths", None) or [])
-
-
 def _trace_segment(runner, signature, in_vars, cuts: Sequence[CutPoint], mode: str) -> tuple:
     variables = list(in_vars) + [c.var for c in cuts]
     names = [v.name for v in variables]
@@ -400,7 +396,7 @@ def _segment(runner, signature, context, index, cuts, *, exported, jaxpr, variab
                      for i in range(len(context.cut.shapes))] + [f"cut {context.cut.var.name}: count"]
         count_names = ()
     else:
-        out_tree, out_paths = context.user_tree, _user_paths(context)
+        out_tree, out_paths = context.user_tree, list(context.user_paths)
         count_names = tuple(name for name, _ in context.points) if context.counts else ()
         out_paths = out_paths + [f"count of {n}" for n in count_names]
     input_specs = list(signature.array_avals) + [s for s, _ in signature.poly]
