@@ -16,17 +16,7 @@ from hypothesis import strategies as st
 from jax import export
 
 import polyexec as px
-from polyexec import _context, _dynamic, _ops, _partition, _vars
-
-
-@pytest.fixture(autouse=True)
-def _restore_length_var_registry():
-    """Specs resolve names through the process-wide LengthVar registry: the variables these
-    tests (and the docstring examples they run) define must not leak into other test modules."""
-    saved = dict(_vars._REGISTRY)
-    yield
-    _vars._REGISTRY.clear()
-    _vars._REGISTRY.update(saved)
+from polyexec import _context, _dynamic, _ops, _partition
 
 # -- compact ------------------------------------------------------------------------------------
 

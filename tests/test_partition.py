@@ -14,17 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polyexec as px
-from polyexec import _vars
 
-
-@pytest.fixture(autouse=True)
-def _restore_length_var_registry():
-    """Specs resolve names through the process-wide LengthVar registry: the variables these
-    tests (and the docstring examples they run) define must not leak into other test modules."""
-    saved = dict(_vars._REGISTRY)
-    yield
-    _vars._REGISTRY.clear()
-    _vars._REGISTRY.update(saved)
 
 # Names no other test module uses: Specs name variables by string, and a string refers to the
 # most recently defined LengthVar of that name, process-wide.
