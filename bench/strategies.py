@@ -16,6 +16,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 import typing
 from typing import Any, Literal
@@ -242,6 +243,77 @@ def _split_state(step):
     return eqx.partition(step.state, eqx.is_array)
 
 
+def padded_batch(data: Data, idx: np.ndarray, rows: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """Examples ``idx`` as a (rows, t) token array and (rows,) lengths; extra rows have length 0."""
+    tokens = np.zeros((rows, t), np.int32)
+    tokens[:len(idx)] = data.tokens[idx, :t]
+    lengths = np.zeros(rows, np.int32)
+    lengths[:len(idx)] = data.lengths[idx]
+    return tokens, lengths
+
+
+def _combos_by_need(strategy, cfg, data, policy, epochs) -> list[tuple[int, int]]:
+    """The (B, T) buckets a run uses, in the order its batches first need them."""
+    order: dict[tuple[int, int], None] = {}
+    for ep in epochs:
+        for idx in ep:
+            order.setdefault(padded_shape(strategy, cfg, policy, len(idx),
+                                          int(data.lengths[idx].max())), None)
+    return list(order)
+
+
+class BackgroundWarmup:
+    """Compile a bucketed function's (B, T) buckets one after another on a background thread,
+    in the order the batches first need them, while the caller trains.
+
+    A batch whose bucket is not compiled yet runs in a compiled bucket at most ``max_ratio``
+    times its size when one is ready (it costs at most that much more compute, against a
+    compile that costs ~10 steps); otherwise it runs in its own bucket, which the caller's
+    thread then compiles (or waits for, when the background thread is on it: px compiles
+    each bucket once). On CPU the GRU train step keeps about one core busy (a scan of small
+    matmuls), so on two cores the background compiles largely overlap with training. Padding
+    never changes results, so none of this changes what is computed, only what it costs.
+    """
+
+    def __init__(self, f, fixed_args: tuple, combos: list[tuple[int, int]], max_ratio: float = 2.0):
+        self.max_ratio = max_ratio
+        self._lock = threading.Lock()
+        self._ready: set[tuple[int, int]] = set()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._compile_all, args=(f, fixed_args, combos),
+                                        name="polyexec-bench-warmup", daemon=True)
+        self._thread.start()
+
+    def _compile_all(self, f, fixed_args, combos):
+        for b, t in combos:
+            try:
+                f.warmup(*fixed_args, sizes=[{"B": b, "T": t}], max_workers=1)
+            except BaseException as e:   # re-raised on the main thread by join()
+                self._error = e
+                return
+            with self._lock:
+                self._ready.add((b, t))
+
+    def shape_for(self, rows: int, t: int) -> tuple[int, int]:
+        """The (B, T) bucket to run a batch in whose own bucket is (rows, t)."""
+        with self._lock:
+            if (rows, t) in self._ready:
+                return rows, t
+            fits = [c for c in self._ready
+                    if c[0] >= rows and c[1] >= t and c[0] * c[1] <= self.max_ratio * rows * t]
+        return min(fits, key=lambda c: (c[0] * c[1], c)) if fits else (rows, t)
+
+    def mark_ready(self, combo: tuple[int, int]) -> None:
+        """A bucket the caller's own call compiled (or found compiled)."""
+        with self._lock:
+            self._ready.add(combo)
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = None,
                  state_file: str | None = None) -> dict:
     """Run ``strategy`` for every epoch in this process; return its measurements."""
@@ -293,35 +365,43 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
             return out if step.updates_state else (out, state)
 
     counters.active = True
-    real = padded = 0
+    real = padded = upgraded = 0
     epoch_seconds, epoch_tokens, losses = [], [], []
     done = 0
+    warm = None
     for e, batches in enumerate(epochs):
         start = time.perf_counter()
         if e == 0 and strategy.grouped:
-            # Compile every (T, B) bucket this run will use before the first step, in parallel
-            # threads; this is part of the cold epoch's time.
-            combos = {padded_shape(strategy, cfg, policy, len(idx), int(data.lengths[idx].max()))
-                      for ep in epochs for idx in ep}
-            fixed = (step.state,)
-            f.warmup(*fixed, sizes=[{"B": b, "T": t} for b, t in sorted(combos)])
+            combos = _combos_by_need(strategy, cfg, data, policy, epochs)
+            if cfg.warmup == "blocking":
+                # Every (B, T) bucket this run uses, compiled before the first step on parallel
+                # threads: part of the cold epoch's time.
+                f.warmup(step.state, sizes=[{"B": b, "T": t} for b, t in combos])
+            else:
+                warm = BackgroundWarmup(f, (step.state,), combos)
         loss = None
         for idx in batches:
             longest = max(int(data.lengths[idx].max()), MIN_T)
             rows, t = padded_shape(strategy, cfg, policy, len(idx), longest)
-            if strategy.kind == "exact":
-                tokens = np.zeros((rows, t), np.int32)
-                tokens[:len(idx)] = data.tokens[idx, :t]
-                lengths = np.zeros(rows, np.int32)
-                lengths[:len(idx)] = data.lengths[idx]
+            own = (rows, t)
+            if warm is not None:
+                rows, t = warm.shape_for(rows, t)
+                upgraded += (rows, t) != own
+            if strategy.kind == "exact" or (rows, t) != own:
+                tokens, lengths = padded_batch(data, idx, rows, t)
             else:   # polyexec pads to the bucket itself
                 tokens = data.tokens[idx, :longest]
                 lengths = data.lengths[idx].astype(np.int32)
             loss, state = call(state, tokens, lengths)
+            if warm is not None:
+                warm.mark_ready((rows, t))
             real += int(data.lengths[idx].sum())
             padded += rows * t
             done += 1
             emit("step", strategy=strategy.name, done=done)
+        if warm is not None:
+            warm.join()          # the cold epoch includes every compile; warm epochs none
+            warm = None
         jax.block_until_ready((loss, state))
         epoch_seconds.append(time.perf_counter() - start)
         epoch_tokens.append(data.real_tokens)
@@ -356,6 +436,8 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
         "buckets": list(policy.sizes) if policy is not None else None,
         "cache_hits": counters.cache_hits,
         "backend_compiles": counters.backend_compiles,
+        "upgraded_batches": upgraded,
+        "warmup": cfg.warmup if strategy.grouped else None,
         "distinct_shapes": len({padded_shape(strategy, cfg, policy, len(i),
                                              int(data.lengths[i].max()))
                                 for ep in epochs for i in ep}),
@@ -388,21 +470,32 @@ def limit_shapes(cfg: Config, data: Data) -> list[dict]:
     return groups
 
 
-def run_limit(cfg: Config, state_file: str | None = None) -> dict:
-    """The limit: the same step, every row real, compiled before timing (plain jax.jit).
+def run_limit(cfg: Config, state_file: str | None = None, *, cache_dir: str | None = None,
+              name: str = "limit") -> dict:
+    """One pass of the limit: the same step, every row real, nothing compiled while timed.
 
-    Per length group (`limit_shapes`) the step is compiled at (rows, mean length), called once
-    untimed, then timed over ``cfg.limit_reps`` calls; the group's rate is rows x length /
-    seconds per step. The limit is the workload's real tokens over the time all groups take at
-    their rates: sum(tokens_g) / sum(tokens_g / rate_g).
+    Per length group (`limit_shapes`) the step is compiled with plain jax.jit at (rows, the
+    group's mean length) and called once untimed; then ``cfg.limit_rounds`` chunks of n calls
+    are dispatched back to back (as an epoch's steps are) and blocked on, n chosen so that the
+    chunks last about ``cfg.limit_seconds`` together. The fastest chunk gives the group's rate
+    (rows x length / seconds per step): other processes on the machine only ever slow a chunk
+    down, so the fastest is the closest to what the step costs. ``combine_limits`` turns the
+    group rates into one limit.
+
+    ``cache_dir``: a persistent compile cache shared by the limit passes only, so the pass
+    after the strategies loads its programs instead of compiling them again.
     """
     import equinox as eqx
     import jax
 
+    import polyexec as px
+
+    if cache_dir is not None:
+        px.enable_persistent_cache(cache_dir)
     data = load_data(cfg)
     step = build_step(cfg, state_file)
     groups = limit_shapes(cfg, data)
-    emit("start", strategy="limit", total=len(groups))
+    emit("start", strategy=name, total=len(groups))
     params, static = _split_state(step)
 
     def limit_step(params, tokens, lengths):
@@ -410,45 +503,59 @@ def run_limit(cfg: Config, state_file: str | None = None) -> dict:
 
     jitted = jax.jit(limit_step)
     state = params
-    total_seconds = 0.0
     out_groups = []
     for i, g in enumerate(groups):
         rows, t = g["rows"], g["length"]
-        # Real bytes of this group's examples where they are long enough (values do not change
-        # the cost: the step has no data-dependent control flow).
-        pick = np.resize(g["members"], rows)
-        tokens = data.tokens[pick, :t]
+        # Bytes of this group's own examples (the values do not change the cost: the step has
+        # no data-dependent control flow); every row is real: lengths = t.
+        tokens = data.tokens[np.resize(g["members"], rows), :t]
         lengths = np.full(rows, t, np.int32)
 
         def once(state):
             out = jitted(state, tokens, lengths)
             return (out[0], eqx.filter(out[1], eqx.is_array)) if step.updates_state else (out, state)
 
-        loss, state = once(state)                      # compile + first run: not timed
-        jax.block_until_ready((loss, state))
-        # Dispatched back to back like an epoch's steps, blocked at the end; doubled until the
-        # timing spans limit_seconds, so that one preemption by another process cannot
-        # dominate a short measurement.
-        n = cfg.limit_reps
-        while True:
+        def chunk(n, state):
             start = time.perf_counter()
             for _ in range(n):
                 loss, state = once(state)
             jax.block_until_ready((loss, state))
-            elapsed = time.perf_counter() - start
-            if elapsed >= cfg.limit_seconds or n >= 4096:
-                break
+            return time.perf_counter() - start, state
+
+        first, state = chunk(1, state)                  # compile + first run: not timed
+        budget = cfg.limit_seconds / cfg.limit_rounds
+        n, (elapsed, state) = 1, chunk(1, state)
+        while elapsed < budget and n < 4096:           # calibrate the chunk length
             n *= 2
-        per_step = elapsed / n
-        rate = rows * t / per_step
-        total_seconds += g["real_tokens"] / rate
+            elapsed, state = chunk(n, state)
+        per_step = [elapsed / n]
+        for _ in range(cfg.limit_rounds - 1):
+            elapsed, state = chunk(n, state)
+            per_step.append(elapsed / n)
+        best = min(per_step)
         out_groups.append({k: v for k, v in g.items() if k != "members"} |
-                          {"timed_steps": n, "seconds_per_step": per_step, "tokens_per_s": rate})
-        emit("step", strategy="limit", done=i + 1)
-    return {"strategy": "limit", "limit_tokens_per_s": data.real_tokens / total_seconds,
-            "groups": out_groups, "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__,
+                          {"calls_per_chunk": n, "seconds_per_step": best,
+                           "seconds_per_step_all": per_step, "tokens_per_s": rows * t / best})
+        emit("step", strategy=name, done=i + 1)
+    return {"strategy": name, "groups": out_groups,
+            "limit_tokens_per_s": combine_limits([out_groups], data.real_tokens)[0],
+            "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__,
             "device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}, "
                       f"{os.cpu_count()} CPU(s)"}
+
+
+def combine_limits(passes: list[list[dict]], real_tokens: int) -> tuple[float, list[float]]:
+    """The limit from one or more passes: per group the fastest rate seen in any pass, then
+    real tokens over the time every group's tokens take at that rate:
+    ``sum(tokens_g) / sum(tokens_g / rate_g)``. Returns (limit, per-group rates).
+
+    >>> g = [{"real_tokens": 100, "tokens_per_s": 50.0}, {"real_tokens": 300, "tokens_per_s": 100.0}]
+    >>> combine_limits([g], 400)[0]           # 100/50 + 300/100 = 5 s for 400 tokens
+    80.0
+    """
+    rates = [max(p[i]["tokens_per_s"] for p in passes) for i in range(len(passes[0]))]
+    seconds = sum(g["real_tokens"] / r for g, r in zip(passes[0], rates))
+    return real_tokens / seconds, rates
 
 
 def worker_main(config_path: str) -> int:
@@ -457,7 +564,8 @@ def worker_main(config_path: str) -> int:
         job = json.load(fh)
     cfg = Config.from_dict(job["config"])
     if job["strategy"] == "limit":
-        result = run_limit(cfg, job.get("state_file"))
+        result = run_limit(cfg, job.get("state_file"), cache_dir=job.get("cache_dir"),
+                           name=job.get("name", "limit"))
     else:
         s = job["strategy"]
         strategy = Strategy(s["kind"], tuple(s["sizes"]) if s["sizes"] else None)

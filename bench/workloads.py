@@ -23,10 +23,12 @@ Model = Literal["gru", "lstm", "attention", "filter-mlp"]
 Mode = Literal["train", "infer"]
 Source = Literal["pydoc", "file", "lognormal", "uniform", "bimodal"]
 Dist = Literal["lognormal", "uniform", "bimodal"]
+Warmup = Literal["background", "blocking"]
 
 MODELS: tuple[str, ...] = typing.get_args(Model)
 MODES: tuple[str, ...] = typing.get_args(Mode)
 DISTS: tuple[str, ...] = typing.get_args(Dist)
+WARMUPS: tuple[str, ...] = typing.get_args(Warmup)
 
 # The padded time axis is never below 2: ``loss_fn`` predicts byte t+1 from byte t, so it slices
 # ``tokens[:, :-1]`` and needs T >= 2 (a 1-byte example is padded to 2 and contributes no
@@ -66,8 +68,9 @@ class Config:
     heads: int = 4
     learning_rate: float = 1e-3
     buckets: int = 8                  # polyexec's Optimal.fit max_buckets
-    limit_reps: int = 3               # timed calls per limit shape, at least
-    limit_seconds: float = 1.0        # ... and at least this long (doubling the calls)
+    limit_rounds: int = 3             # timed chunks per limit shape; the fastest one counts
+    limit_seconds: float = 1.0        # the chunks of a shape last this long together
+    warmup: str = "background"        # polyexec: "background" or "blocking" warmup
 
     def __post_init__(self):
         check_option("Config", "model", self.model, MODELS)
@@ -79,12 +82,13 @@ class Config:
             raise ValueError(f"Config: give exactly one of batch_size / max_tokens; got "
                              f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
         for name, minimum in (("cap", MIN_T), ("epochs", 2), ("num_examples", 1), ("hidden", 1),
-                              ("embed", 1), ("heads", 1), ("buckets", 1), ("limit_reps", 1)):
+                              ("embed", 1), ("heads", 1), ("buckets", 1), ("limit_rounds", 1)):
             _check_int(name, getattr(self, name), minimum)
         for name, minimum in (("batch_size", 1), ("max_tokens", 1), ("steps", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum)
         _check_int("seed", self.seed, 0)
+        check_option("Config", "warmup", self.warmup, WARMUPS)
         if not self.limit_seconds >= 0:
             raise ValueError(f"Config: limit_seconds must be >= 0, got {self.limit_seconds}")
         if self.max_tokens is not None and self.max_tokens < self.cap:

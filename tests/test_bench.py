@@ -11,8 +11,8 @@ import pytest
 
 from bench import report
 from bench.cli import config_from_args, build_parser, main
-from bench.strategies import (Strategy, padded_shape, parse_strategies, random_batches, schedule,
-                              t_policy)
+from bench.strategies import (BackgroundWarmup, Strategy, combine_limits, padded_batch,
+                              padded_shape, parse_strategies, schedule, t_policy)
 from bench.workloads import Config, load_data, read_lengths_file
 
 ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-cached"
@@ -99,6 +99,57 @@ def test_every_example_once_per_epoch(kind, batching):
                     assert len(idx) * t <= cfg.max_tokens
 
 
+def test_padded_batch_rows_and_lengths():
+    data = load_data(Config(source="uniform", num_examples=10, cap=32, batch_size=4, seed=2))
+    idx = np.array([3, 7])
+    tokens, lengths = padded_batch(data, idx, 4, 32)
+    assert tokens.shape == (4, 32) and lengths.tolist() == [*data.lengths[idx].tolist(), 0, 0]
+    assert np.array_equal(tokens[:2], data.tokens[idx]) and not tokens[2:].any()
+
+
+class _FakeBucketed:
+    """Stands in for a Bucketed: warmup of a bucket returns when the test releases it."""
+
+    def __init__(self):
+        import threading
+        self.release = {}
+        self.threading = threading
+
+    def warmup(self, *fixed, sizes, max_workers):
+        (combo,) = sizes
+        key = (combo["B"], combo["T"])
+        self.release.setdefault(key, self.threading.Event()).wait(10)
+
+
+def test_background_warmup_picks_ready_buckets_within_twice_the_size():
+    import time
+    f = _FakeBucketed()
+    for key in [(8, 256), (8, 64), (8, 128)]:
+        f.release[key] = f.threading.Event()
+    warm = BackgroundWarmup(f, (), [(8, 256), (8, 64), (8, 128)])
+    assert warm.shape_for(8, 64) == (8, 64)          # nothing ready: run (and compile) its own
+    f.release[(8, 256)].set()
+    deadline = time.time() + 5
+    while warm.shape_for(8, 128) != (8, 256) and time.time() < deadline:
+        time.sleep(0.01)
+    assert warm.shape_for(8, 128) == (8, 256)        # 2x its size: upgraded
+    assert warm.shape_for(8, 64) == (8, 64)          # 4x: waits for its own instead
+    warm.mark_ready((8, 64))
+    assert warm.shape_for(8, 64) == (8, 64)
+    assert warm.shape_for(8, 100) == (8, 100)        # 256 > 2 x 100: its own
+    f.release[(8, 64)].set()
+    f.release[(8, 128)].set()
+    warm.join()
+    assert warm.shape_for(8, 100) == (8, 128)
+
+
+def test_combine_limits_takes_the_fastest_pass_per_group():
+    a = [{"real_tokens": 100, "tokens_per_s": 50.0}, {"real_tokens": 300, "tokens_per_s": 300.0}]
+    b = [{"real_tokens": 100, "tokens_per_s": 100.0}, {"real_tokens": 300, "tokens_per_s": 100.0}]
+    limit, rates = combine_limits([a, b], 400)
+    assert rates == [100.0, 300.0] and limit == pytest.approx(400 / (1 + 1))
+
+
 def test_fixed_below_cap_is_rejected_before_any_worker(capsys):
     with pytest.raises(SystemExit, match="largest size 128 is below the cap 256"):
         main(["--quick", "--cap", "256", "--strategies", "fixed:32,128", "--no-progress"])
@@ -153,7 +204,9 @@ def test_filter_mlp_runs_or_says_it_is_missing(tmp_path):
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    argv = ["--quick", "--strategies", ALL, "--json", str(out / "q.json"),
+    # Blocking warmup: every batch runs in its own bucket, so the padding accounting is exact
+    # (the background warmup is exercised by test_quick_train_mode).
+    argv = ["--quick", "--warmup", "blocking", "--strategies", ALL, "--json", str(out / "q.json"),
             "--plot", str(out / "q.png"), "--no-progress"]
     assert main(argv) == 0
     doc = json.loads((out / "q.json").read_text())
@@ -165,6 +218,10 @@ def test_quick_json_matches_the_schema(quick):
     report.validate(doc)
     assert [r["strategy"] for r in doc["results"]] == [s.name for s in parse_strategies(ALL)]
     assert (out / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Two limit passes (before and after the strategies); the limit takes each group's fastest.
+    passes = doc["workload"]["limit"]["passes"]
+    assert len(passes) == 2
+    assert doc["limit_tokens_per_s"] >= max(p["limit_tokens_per_s"] for p in passes) * (1 - 1e-9)
 
 
 def _schedule_shapes(cfg, name):
@@ -239,5 +296,24 @@ def test_quick_train_mode(tmp_path):
     assert by["pad-max"]["compiles"] == 1
     assert 1 <= by["polyexec"]["compiles"] <= 2
     per = doc["workload"]["per_strategy"]
+    assert per["polyexec"]["warmup"] == "background"
+    # Batches that ran in a larger compiled bucket while theirs compiled cost padding (at most
+    # twice their own bucket), never a result.
+    cfg = config_from_args(build_parser().parse_args(
+        ["--quick", "--mode", "train", "--steps", "3", "--buckets", "2"]))
+    _, _, shapes, real = _schedule_shapes(cfg, "polyexec")
+    own = real / sum(b * t for b, t in shapes)
+    assert own / 2 <= by["polyexec"]["padding_efficiency"] <= own * (1 + 1e-9)
+    if per["polyexec"]["upgraded_batches"] == 0:
+        assert by["polyexec"]["padding_efficiency"] == pytest.approx(own)
     # Same random batches, same Adam steps: padding to the cap and exact shapes agree.
     np.testing.assert_allclose(per["pad-max"]["final_loss"], per["exact"]["final_loss"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bench", "bench.workloads", "bench.strategies", "bench.report",
+                                  "bench.cli"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
