@@ -284,7 +284,10 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
         "note": ("every strategy runs every example once per epoch; "
                  + (f"{', '.join(grouped)} visit them in length-grouped batches "
                     "(buckets.batch_plan), the others in one shared random order"
-                    if grouped else "all strategies share one random order")),
+                    if grouped else "all strategies share one random order")
+                 + ("" if cfg.max_tokens is None else
+                    f"; under --max-tokens random batches are cut per strategy, so that rows x "
+                    f"its padded length stays within {cfg.max_tokens}")),
         "limit": {"method": "per length group (Optimal.fit buckets), batches of rows all of "
                             "the group's mean length (every row real), plain jax.jit compiled "
                             "before timing, fastest chunk of calls; two passes (before and "

@@ -125,18 +125,16 @@ def t_policy(strategy: Strategy, cfg: Config, data: Data) -> buckets.BucketPolic
     return None
 
 
-def max_rows(cfg: Config) -> int:
-    """The most rows a batch can have."""
-    if cfg.batch_size is not None:
-        return cfg.batch_size
-    return buckets.batch_size_for(MIN_T, cfg.max_tokens)
-
-
-def b_sizes(cfg: Config) -> list[int]:
-    """Row buckets: the batch size itself, or powers of two under a token budget."""
+def b_sizes(strategy: Strategy, cfg: Config) -> list[int]:
+    """Row buckets: the batch size itself; under a token budget, ``max_tokens // cap`` for
+    pad-max (its batches are always that many rows, one shape) and powers of two for the rest
+    (grouped batches use ``buckets.batch_size_for(bucket, max_tokens)``, a power of two)."""
     if cfg.batch_size is not None:
         return [cfg.batch_size]
-    return list(buckets.Geometric(1, max_rows(cfg)).sizes) if max_rows(cfg) > 1 else [1]
+    if strategy.kind == "pad-max":
+        return [cfg.max_tokens // cfg.cap]
+    top = buckets.batch_size_for(MIN_T, cfg.max_tokens)
+    return list(buckets.Geometric(1, top).sizes) if top > 1 else [1]
 
 
 def _bucket(sizes, n: int) -> int:
@@ -185,13 +183,23 @@ def schedule(strategy: Strategy, cfg: Config, data: Data, policy) -> list[list[n
 
 
 def padded_shape(strategy: Strategy, cfg: Config, policy, rows: int, longest: int) -> tuple[int, int]:
-    """(rows, time) a batch actually runs at under ``strategy``."""
+    """(rows, time) a batch of ``rows`` examples, the longest ``longest``, runs at.
+
+    With ``batch_size`` every strategy pads the rows to it (one row shape). Under a token
+    budget: exact runs its exact shape; pad-max ``(max_tokens // cap, cap)``; grouped batches
+    pad to their bucket's full batch (``batch_size_for(bucket, max_tokens)`` rows, so a
+    bucket is one shape); pow2/fixed pad the rows to a power of two.
+    """
     t = max(longest, MIN_T)
     if policy is not None:
         t = _bucket(policy.sizes, t)
-    if strategy.kind == "exact" and cfg.max_tokens is not None:
-        return rows, t                              # exact shapes, rows included
-    return _bucket(b_sizes(cfg), rows), t
+    if cfg.batch_size is not None:
+        return cfg.batch_size, t
+    if strategy.kind == "exact":
+        return rows, t
+    if strategy.grouped:
+        return buckets.batch_size_for(t, cfg.max_tokens), t
+    return _bucket(b_sizes(strategy, cfg), rows), t
 
 
 # ------------------------------------------------------------------------------- the worker
@@ -354,11 +362,15 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
             return out, state
     else:
         T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
-        B = px.LengthVar("B", max=max_rows(cfg))
+        rows_buckets = b_sizes(strategy, cfg)
+        B = px.LengthVar("B", max=max(rows_buckets))
         f = px.bucketed(step.fn, in_specs=(None, px.Spec("B T", jnp.int32),
                                            px.Spec("B", jnp.int32, lengths_of="T")),
-                        buckets={T: list(policy.sizes), B: b_sizes(cfg)}, name=strategy.name)
+                        buckets={T: list(policy.sizes), B: rows_buckets}, name=strategy.name)
         state = step.state
+
+        def px_choice(rows, longest):    # the bucket px picks for an unpadded batch
+            return _bucket(rows_buckets, rows), _bucket(policy.sizes, longest)
 
         def call(state, tokens, lengths):
             out = f(state, tokens, lengths)
@@ -387,7 +399,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
             if warm is not None:
                 rows, t = warm.shape_for(rows, t)
                 upgraded += (rows, t) != own
-            if strategy.kind == "exact" or (rows, t) != own:
+            if strategy.kind == "exact" or (rows, t) != px_choice(len(idx), longest):
                 tokens, lengths = padded_batch(data, idx, rows, t)
             else:   # polyexec pads to the bucket itself
                 tokens = data.tokens[idx, :longest]

@@ -317,3 +317,21 @@ def test_docstring_examples(name):
     import importlib
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+
+
+def test_quick_token_budget(tmp_path):
+    """--max-tokens: pad-max is still one shape, a polyexec bucket still one compile."""
+    out = tmp_path / "m.json"
+    assert main(["--quick", "--dist", "bimodal", "--max-tokens", "2048", "--buckets", "3",
+                 "--strategies", "pad-max,exact,polyexec", "--json", str(out),
+                 "--no-progress"]) == 0
+    doc = report.validate(json.loads(out.read_text()))
+    by = {r["strategy"]: r for r in doc["results"]}
+    assert by["pad-max"]["compiles"] == 1
+    assert 1 <= by["polyexec"]["compiles"] <= 3
+    cfg = config_from_args(build_parser().parse_args(
+        ["--quick", "--dist", "bimodal", "--max-tokens", "2048", "--buckets", "3"]))
+    _, _, shapes, _ = _schedule_shapes(cfg, "exact")
+    assert by["exact"]["compiles"] == len(set(shapes))     # (rows, length) pairs
+    # Under a budget random batches are cut at each strategy's padded length, so they differ.
+    assert "cut per strategy" in doc["workload"]["note"]
