@@ -34,7 +34,7 @@ def test_cli_runs_end_to_end_without_a_cache(tmp_path):
     out = run_cli([*TINY, "--no-cache", "--metrics", str(tmp_path / "m.jsonl")], tmp_path)
     for section in ["corpus: 150 sentences", "cap 64:", "padding efficiency",
                     "polymorphism: plan.reshaping_is_impossible = False", "warmup: 4 buckets",
-                    "epoch 1: train loss", "validation loss:", "nats/char", "train step buckets:",
+                    "epoch 1: train loss", "validation loss:", "nats/char", "train step buckets",
                     "tokens/s", "samples (each stops"]:
         assert section in out, f"missing {section!r} in:\n{out}"
     # --no-cache: nothing written to the default cache folder
