@@ -146,12 +146,7 @@ class Bucketed:
         if isinstance(plan, _partition.PartitionedPlan):
             return _partition.run(self, plan, call, bucket)
         executable = self._executable(plan, call, bucket)
-        flat = list(call.arrays)
-        real = padded = 0
-        for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
-            flat.append(_layout.pad(arr, spec, dtype, bucket))
-            real += int(np.prod(arr.shape))
-            padded += int(np.prod(_layout.bucket_shape(spec, bucket)))
+        flat, real, padded = _layout.pad_inputs(call, bucket)
         flat += [np.int32(call.sizes[v.name]) for v in plan.variables]
         out_leaves = executable(*flat)
         self._record(self._key(plan, bucket), calls=1, real_elements=real, padded_elements=padded)

@@ -214,6 +214,18 @@ def pad(arr: Any, spec: Spec, dtype: np.dtype, bucket: Mapping[str, int]) -> Any
     return np.pad(host, widths, mode="constant", constant_values=np.asarray(spec.pad, dtype))
 
 
+def pad_inputs(call: BoundCall, bucket: Mapping[str, int]) -> tuple[list[Any], int, int]:
+    """The call's array leaves followed by its Spec'd leaves padded to ``bucket``, plus the real
+    and padded element counts (for the stats)."""
+    flat = list(call.arrays)
+    real = padded = 0
+    for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
+        flat.append(pad(arr, spec, dtype, bucket))
+        real += int(np.prod(arr.shape))
+        padded += int(np.prod(bucket_shape(spec, bucket)))
+    return flat, real, padded
+
+
 def unpad(arr: Any, spec: Spec, sizes: Mapping[str, int]) -> np.ndarray:
     """Slice an output back to the real sizes (on the host, for the same reason as `pad`)."""
     host = np.asarray(arr)

@@ -472,12 +472,7 @@ def _fit(buffer: np.ndarray, axis: int, size: int, fill) -> np.ndarray:
 def run(runner, plan: PartitionedPlan, call: _layout.BoundCall, bucket: Mapping[str, int]):
     """One call: the segments in order, each at its bucket, counts read on the host between."""
     sizes, bucket = dict(call.sizes), dict(bucket)
-    base = list(call.arrays)
-    real = padded = 0
-    for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
-        base.append(_layout.pad(arr, spec, dtype, bucket))
-        real += int(np.prod(arr.shape))
-        padded += int(np.prod(_layout.bucket_shape(spec, bucket)))
+    base, real, padded = _layout.pad_inputs(call, bucket)
     handed: list[Any] = []
     for seg in plan.segments:
         executable = runner._executable(seg, call, bucket)
