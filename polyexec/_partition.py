@@ -43,7 +43,8 @@ from . import _dynamic, _layout
 from ._context import ConcreteSizeRequested, describe_frame, user_frame
 from ._errors import LengthOverflowError, PolyexecError, PolymorphismError, SpecError
 from ._plan import (_SHAPE_ERRORS, Intermediate, Plan, _about_symbolic_dims, _evaluate,
-                    _fmt_shape, _walk, _where, flat_program, input_avals, trace_symbolic)
+                    _fmt_shape, _walk, _where, flat_program, input_avals, program_lines,
+                    trace_symbolic)
 from ._vars import LengthVar, Spec, bucket_sizes, symbolic_dims
 
 
@@ -248,9 +249,7 @@ class PartitionedPlan(Plan):
             for path, aval, live in zip(seg.input_paths, seg.exported.in_avals, seg.live_inputs):
                 lines.append(f"    {path:<30} {_fmt_shape(aval)}{'' if live else '   (unused)'}")
             lines.append("  program:")
-            for i, eqn in enumerate(_walk(seg.jaxpr.jaxpr)):
-                shapes = " ".join(_fmt_shape(v.aval) for v in eqn.outvars)
-                lines.append(f"    {i:>4} {eqn.primitive.name:<22} {shapes:<24} {_where(eqn)}")
+            lines += program_lines(seg.jaxpr, indent="    ")
             if seg.cut is not None:
                 lines.append(f"  CUT at {seg.cut.describe()}")
             lines.append("  outputs:")

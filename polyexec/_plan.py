@@ -119,6 +119,15 @@ def _evaluate(shape, env: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(int(d._evaluate(env)) if export.is_symbolic_dim(d) else int(d) for d in shape)
 
 
+def program_lines(jaxpr, indent: str) -> list[str]:
+    """One line per equation of a (symbolic) program: index, primitive, shapes, user line."""
+    lines = []
+    for i, eqn in enumerate(_walk(jaxpr.jaxpr)):
+        shapes = " ".join(_fmt_shape(v.aval) for v in eqn.outvars)
+        lines.append(f"{indent}{i:>4} {eqn.primitive.name:<22} {shapes:<24} {_where(eqn)}")
+    return lines
+
+
 def _fmt_shape(aval) -> str:
     dims = ",".join(str(d) for d in getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", None)
@@ -217,9 +226,7 @@ class Plan:
             lines.append(f"  {path:<28} {_fmt_shape(aval)}")
         if self.jaxpr is not None:
             lines.append("program:")
-            for i, eqn in enumerate(_walk(self.jaxpr.jaxpr)):
-                shapes = " ".join(_fmt_shape(v.aval) for v in eqn.outvars)
-                lines.append(f"  {i:>4} {eqn.primitive.name:<22} {shapes:<24} {_where(eqn)}")
+            lines += program_lines(self.jaxpr, indent="  ")
         lines.append("outputs:")
         for path, aval in zip(self.out_paths, self.exported.out_avals):
             lines.append(f"  out{path:<25} {_fmt_shape(aval)}")
