@@ -41,7 +41,7 @@ import numpy as np
 
 import polyexec as px
 from examples.rnn.model import CharLM, loss_fn
-from polyexec._plan import input_avals
+
 
 
 def _seconds(fn):
@@ -52,7 +52,7 @@ def _seconds(fn):
 
 def add_bucket_from_plan(plan, batch: int, t: int) -> dict:
     """Exactly the executor's compile of a new bucket (`Bucketed._compile`)."""
-    avals = input_avals(plan.signature, plan.variables, {"B": batch, "T": t})
+    avals = plan.bucket_avals({"B": batch, "T": t})
     lowered, lower_s = _seconds(lambda: jax.jit(plan.exported.call).lower(*avals))
     compiled, compile_s = _seconds(lowered.compile)
     return {"trace_s": 0.0, "lower_s": lower_s, "compile_s": compile_s,

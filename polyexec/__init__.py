@@ -13,25 +13,32 @@
 [100.0, 7.0, 0.0]
 >>> f.plan.reshaping_is_impossible
 False
+
+The private modules are the pipeline's stages, each importing only the ones before it:
+``_errors`` -> ``_spec`` (LengthVar, Spec, what names mean) -> ``_bind`` (validate arguments,
+read sizes, pad) -> ``_context`` / ``_ops`` / ``_dynamic`` (what a traced function may call)
+-> ``_trace`` (the one symbolic trace) -> ``_logical`` (rewrite to logical lengths) ->
+``_serialize`` (plan files) -> ``_plan`` (the plan value) -> ``_segments`` (plans of functions
+with data-dependent sizes; `trace`) -> ``_cache`` (compile accounting, persistent cache) ->
+``_executor`` (`bucketed`: caches and runs).
 """
 
-from ._compile import disable_persistent_cache, enable_persistent_cache, forbid_compiles
+from ._cache import disable_persistent_cache, enable_persistent_cache, forbid_compiles
 from ._context import max_length, valid_length
-from ._errors import (CompileError, LengthOverflowError, PolyexecError, PolymorphismError,
-                      SpecError)
 from ._dynamic import compact, loop_until, nonzero, partition
+from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
+                      PolymorphismError, SpecError)
 from ._executor import Bucketed, BucketStats, Stats, bucketed
-from ._partition import CutPoint, PartitionedPlan, Segment
 from ._ops import arange_like, broadcast_like, reshape_like, sequence_mask
 from ._plan import Intermediate, Plan
-from ._trace import trace
-from ._vars import LengthVar, Spec
+from ._segments import CutPoint, PartitionedPlan, Segment, trace
+from ._spec import LengthVar, Spec
 
 __all__ = [
     "LengthVar", "Spec", "bucketed", "Bucketed", "trace", "Plan", "Intermediate",
     "Stats", "BucketStats", "valid_length", "max_length", "sequence_mask", "reshape_like",
     "broadcast_like", "arange_like", "forbid_compiles", "enable_persistent_cache",
-    "disable_persistent_cache", "PolyexecError", "SpecError", "LengthOverflowError",
-    "PolymorphismError", "CompileError", "compact", "nonzero", "loop_until", "partition",
-    "PartitionedPlan", "Segment", "CutPoint",
+    "disable_persistent_cache", "PolyexecError", "SpecError", "OptionError",
+    "LengthOverflowError", "PolymorphismError", "CompileError", "compact", "nonzero",
+    "loop_until", "partition", "PartitionedPlan", "Segment", "CutPoint",
 ]

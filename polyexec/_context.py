@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ._errors import PolyexecError
-from ._vars import LengthVar
+from ._spec import LengthVar
 
 _STATE = threading.local()
 
@@ -111,7 +111,7 @@ _LIBRARY_DIRS = tuple(
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 
 
-def _is_library(filename: str) -> bool:
+def is_library(filename: str) -> bool:
     path = os.path.abspath(filename)
     in_stdlib = path.startswith(_STDLIB_DIR) and "site-packages" not in path
     return path.startswith(_LIBRARY_DIRS) or in_stdlib or filename.startswith("<frozen")
@@ -119,7 +119,7 @@ def _is_library(filename: str) -> bool:
 
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of user code in an exception's traceback."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _is_library(f.filename)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not is_library(f.filename)]
     return frames[-1] if frames else None
 
 

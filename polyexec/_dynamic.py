@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -28,7 +28,7 @@ from jax import lax
 
 from . import _context
 from ._errors import PolyexecError, SpecError
-from ._vars import _REGISTRY, LengthVar
+from ._spec import LengthVar
 
 try:  # equations made inside these ops are attributed to the user's call line (plan.describe)
     from jax._src import source_info_util as _source_info
@@ -76,6 +76,7 @@ class Context:
     mode: Literal["partition", "bounded"]
     injected: list[Injected]
     input_names: frozenset[str] = frozenset()     # the variables bound by the input shapes
+    variables: Mapping[str, LengthVar] = dataclasses.field(default_factory=dict)  # all the call knows
     top: Any = None                       # the trace the bucketed function itself runs in
     points: list[tuple[str, str]] = dataclasses.field(default_factory=list)   # (name, where)
     counts: dict[str, Any] = dataclasses.field(default_factory=dict)          # bounded mode
@@ -110,7 +111,7 @@ class active:
 def _caller() -> str:
     """``file:line: `code``` of the innermost user frame calling into polyexec."""
     for frame in reversed(traceback.extract_stack()[:-1]):
-        if not _context._is_library(frame.filename):
+        if not _context.is_library(frame.filename):
             return _context.describe_frame(frame)
     return "<unknown location>"
 
@@ -118,10 +119,11 @@ def _caller() -> str:
 def _resolve(length: LengthVar | str, fn: str) -> LengthVar:
     if isinstance(length, LengthVar):
         return length
-    if isinstance(length, str) and length in _REGISTRY:
-        return _REGISTRY[length]
-    raise SpecError(f"{fn}: length={length!r} must be a LengthVar (or the name of one defined "
-                    f"with px.LengthVar({length!r}, max=...)); it names the data-dependent size")
+    ctx = current()
+    if isinstance(length, str) and ctx is not None and length in ctx.variables:
+        return ctx.variables[length]
+    raise SpecError(f"{fn}: length: expected a LengthVar (or the name of one the bucketed call "
+                    f"was given, e.g. in out_specs or buckets), received {length!r}")
 
 
 def _scalar_count(count: Any, fn: str):

@@ -1,4 +1,10 @@
-"""`bucketed`: validate, pick a bucket, pad, run the bucket's compiled program, slice back."""
+"""Stage 7, executor: `bucketed` caches plans and executables and runs them.
+
+Per call: bind the arguments (validate, read the sizes), pick each variable's bucket, get the
+plan of the call's signature (traced once, cached), get each segment's executable at the bucket
+(compiled once, single-flight, LRU), pad, run, slice back. Nothing here traces or rewrites a
+program: that is `plan_function`'s job, and a plan never changes once made.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,16 @@ from typing import Any
 
 import jax
 import numpy as np
+from rich.progress import Progress
 
-from . import _layout, _partition
-from ._compile import compiles_forbidden
-from ._errors import CompileError, PolymorphismError, SpecError
-from ._plan import Plan, _TraceCounter, check_size_independence, flat_program, input_avals, trace_symbolic
-from ._vars import LengthVar, Spec, bucket_sizes, resolve_vars
+from . import _bind
+from ._cache import compiles_forbidden
+from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
+                      PolymorphismError, SpecError, check_bool, check_int)
+from ._plan import Plan
+from ._segments import PartitionedPlan, Segment, plan_function
+from ._spec import LengthVar, Spec, bucket_sizes, call_variables
+from ._trace import SHAPE_ERRORS, TraceCounter, evaluate_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +79,19 @@ class Stats:
         return "\n".join(rows)
 
 
-def _spec_leaves(tree: Any) -> list[Spec]:
-    return [s for s in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Spec))
-            if isinstance(s, Spec)]
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    executable: Any
+    out_tree: Any            # per bucket: the slow path's program may differ in structure
+    out_paths: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+    """A plan read from a file, run without the code that made it."""
+
+    plan: Plan
+    constants: tuple[Any, ...]
 
 
 class Bucketed:
@@ -81,82 +101,91 @@ class Bucketed:
                  buckets: Mapping[LengthVar | str, Any] | None = None, *, strict: bool = False,
                  donate_argnums: Sequence[int] = (), max_cached: int = 64,
                  check_sizes: bool = False, name: str | None = None,
-                 in_shardings: Sequence[Any] | None = None, partition: bool = True):
-        if not isinstance(in_specs, (tuple, list)):
-            raise SpecError(f"bucketed: in_specs must be a tuple with one entry per positional "
-                            f"argument (a Spec, None, or a pytree of them), got {in_specs!r}")
-        if max_cached < 1:
-            raise ValueError(f"bucketed: max_cached must be >= 1, got {max_cached}")
-        self.fn = fn
+                 in_shardings: Sequence[Any] | None = None, partition: bool = True,
+                 masking: bool = True, variables: Sequence[LengthVar] = ()):
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        where = f"bucketed({self.name})"
+        if not isinstance(in_specs, (tuple, list)):
+            raise SpecError(f"{where}: in_specs: expected a tuple with one entry per positional "
+                            f"argument (a Spec, None, or a pytree of them), received {in_specs!r}")
+        self.fn = fn
         self.in_specs = tuple(in_specs)
         self.out_specs = out_specs
-        self.strict = strict
-        self.donate_argnums = tuple(donate_argnums)
-        self.max_cached = max_cached
-        self.check_sizes = check_sizes
-        if not isinstance(partition, bool):
-            raise SpecError(f"bucketed: partition must be True or False, received {partition!r}")
+        self.strict = check_bool(strict, f"{where}: strict")
+        self.check_sizes = check_bool(check_sizes, f"{where}: check_sizes")
         # Data-dependent sizes (px.compact(..., length=K)): cut the program there and re-bucket
         # what follows (True), or run it all as one program at the upper bound (False).
-        self.partition = partition
+        self.partition = check_bool(partition, f"{where}: partition")
+        # The logical-length rewrite (padding never changes a result); False for code that
+        # masks by itself and wants no overhead.
+        self.masking = check_bool(masking, f"{where}: masking")
+        self.max_cached = check_int(max_cached, f"{where}: max_cached", min=1)
+        self.donate_argnums = tuple(check_int(i, f"{where}: donate_argnums", min=0)
+                                    for i in donate_argnums)
         # One jax.sharding.Sharding (or None) per positional argument, applied to every array
         # leaf of it; the executables are compiled for them (data parallel: batch inputs
         # sharded over a Mesh, parameters replicated) and host-padded inputs are placed by them.
         if in_shardings is not None and len(in_shardings) != len(self.in_specs):
-            raise SpecError(f"bucketed: in_shardings needs one entry per positional argument "
-                            f"({len(self.in_specs)}), received {len(in_shardings)}")
+            raise OptionError(f"{where}: in_shardings: expected one entry per positional "
+                              f"argument ({len(self.in_specs)}), received {len(in_shardings)}")
         self.in_shardings = None if in_shardings is None else tuple(in_shardings)
-
-        buckets = dict(buckets or {})
-        explicit = {k.name: k for k in buckets if isinstance(k, LengthVar)}
-        # Input variables are bound by input shapes; the others (named by out_specs, or by a
-        # LengthVar key of `buckets`) are data-dependent sizes that a partition point defines.
-        self._input_names = list(dict.fromkeys(
-            [n for s in _spec_leaves(self.in_specs) for n in s.var_names]
-            + [s.lengths_of for s in _spec_leaves(self.in_specs) if s.lengths_of]))
-        names = list(dict.fromkeys(
-            self._input_names + [n for s in _spec_leaves(out_specs) for n in s.var_names]
-            + list(explicit)))
-        self.variables = resolve_vars(names, explicit)
-        policies = {}
-        for key, policy in buckets.items():
-            name = key.name if isinstance(key, LengthVar) else key
-            if name not in self.variables:
-                raise SpecError(f"bucketed({self.name}): buckets names {name!r}, which no Spec uses; "
-                                f"valid: {', '.join(self.variables) or 'none'}")
-            policies[name] = policy
-        self._policies = policies
-        self.bucket_sizes = {n: bucket_sizes(v, policies.get(n)) for n, v in self.variables.items()}
+        resolved = call_variables(self.in_specs, out_specs, buckets, variables, where)
+        self.variables = dict(resolved.variables)
+        self._input_names = resolved.inputs
+        self._policies = resolved.policies
+        # Bucket sizes are checked now (a bad policy fails here, not at the first call); those
+        # of data-dependent variables that only a plan defines are made when first asked.
+        self._sizes: dict[str, tuple[int, ...]] = {
+            n: bucket_sizes(v, self._policies.get(n)) for n, v in self.variables.items()}
 
         self._lock = threading.Lock()
-        self._counter = _TraceCounter()
-        self._plans: dict[_layout.Signature, concurrent.futures.Future] = {}
+        self._counter = TraceCounter()
+        self._plans: dict[_bind.Signature, concurrent.futures.Future] = {}
         self._executables: collections.OrderedDict = collections.OrderedDict()
         self._stats: dict[tuple, BucketStats] = {}
-        self._latest_plan: Plan | None = None
+        self._latest_plan: Plan | PartitionedPlan | None = None
         self._warned = False
+        self._loaded: _Loaded | None = None
+
+    @classmethod
+    def from_plan(cls, plan: Plan, buckets: Mapping[LengthVar | str, Any] | None = None,
+                  **options) -> "Bucketed":
+        """Run a plan loaded by `Plan.load`: call it with its Spec'd inputs (and, unless it was
+        saved with its constants, its fixed arrays first, in flattened order). Outputs are cut
+        to their symbolic shapes at the real sizes."""
+        if plan.exported is None:
+            raise PolymorphismError(plan.reason or f"plan {plan.name} holds no program")
+        in_specs = [s if isinstance(s, Spec) else None for s in plan.input_specs]
+        by_name = {v.name: v for v in plan.variables}
+        runner = cls(None, in_specs, None,
+                     {by_name[k] if isinstance(k, str) else k: p for k, p in (buckets or {}).items()},
+                     name=plan.name, variables=plan.variables, **options)
+        runner._loaded = _Loaded(plan, tuple(plan.constants or ()))
+        return runner
 
     # -- public -------------------------------------------------------------------------------
 
     def __call__(self, *args):
-        call = _layout.bind(args, self.in_specs, self.variables)
-        bucket = {n: self._bucket_for(n, s) for n, s in call.sizes.items()}
+        offset = 0
+        if self._loaded is not None:
+            args, offset = self._loaded.constants + tuple(args), len(self._loaded.constants)
+        call = _bind.bind(args, self.in_specs, self.variables, offset)
         plan = self._plan(call.signature)
-        if isinstance(plan, _partition.PartitionedPlan):
-            return _partition.run(self, plan, call, bucket)
-        executable = self._executable(plan, call, bucket)
-        flat, real, padded = _layout.pad_inputs(call, bucket)
+        bucket = {n: self.bucket_for(n, s, plan) for n, s in call.sizes.items()}
+        if isinstance(plan, PartitionedPlan):
+            return self._run_segments(plan, call, bucket)
+        compiled = self.executable(plan, bucket, call)
+        flat, real, padded = _bind.pad_inputs(call, bucket)
         flat += [np.int32(call.sizes[v.name]) for v in plan.variables]
-        out_leaves = executable(*flat)
-        self._record(self._key(plan, bucket), calls=1, real_elements=real, padded_elements=padded)
-        return self._unflatten(plan, out_leaves, call.sizes)
+        out_leaves = compiled.executable(*flat)
+        self.record(plan, bucket, real_elements=real, padded_elements=padded)
+        return self._unflatten(compiled.out_tree, plan, out_leaves, call.sizes)
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> Plan | PartitionedPlan:
         """The plan of the latest call (tracing it now when no argument lacks a Spec)."""
         if self._latest_plan is None:
-            if any(s is None for s in self.in_specs) or not all(isinstance(s, Spec) for s in self.in_specs):
+            if not all(isinstance(s, Spec) for s in self.in_specs):
                 raise SpecError(f"{self.name}.plan: call the function or warmup(...) first — "
                                 f"arguments without a Spec decide the plan")
             self._plan(self._example_call(()).signature)
@@ -172,109 +201,34 @@ class Bucketed:
         """How many times Python ran the user function (tracing)."""
         return self._counter.count
 
-    def warmup(self, *args, sizes: Sequence[Mapping[str, int]] | None = None,
-               max_workers: int | None = None, progress: bool = False) -> list[dict[str, int]]:
-        """Compile buckets ahead of time on parallel threads; return the buckets compiled.
+    def bucket_sizes(self, name: str, plan: Plan | PartitionedPlan | None = None) -> tuple[int, ...]:
+        """The sizes variable ``name`` compiles at: its policy's, plus the sizes a plan needs as
+        boundaries (a reshaping-impossible plan that compares ``T == c``)."""
+        with self._lock:
+            sizes = self._sizes.get(name)
+            if sizes is None:
+                var = self.variables.get(name) or next(
+                    v for v in getattr(plan, "dynamic", ()) if v.name == name)
+                sizes = self._sizes[name] = bucket_sizes(var, self._policies.get(name))
+        extra = getattr(plan, "split_sizes", {}).get(name, ())
+        if extra:
+            var = self.variables[name]
+            sizes = tuple(sorted(set(sizes) | {s for s in extra if var.min <= s <= var.max}))
+        return sizes
 
-        ``args`` are the arguments without a Spec (e.g. the model), in order — or a full
-        example call. ``sizes`` lists buckets as ``{name: size}`` dicts (default: every
-        combination of every variable's bucket sizes).
-        """
-        call = self._example_call(args)
-        plan = self._plan(call.signature)
-        if sizes is None:
-            names = list(self._input_names)
-            combos = [dict(zip(names, c))
-                      for c in itertools.product(*(self.bucket_sizes[n] for n in names))]
-        else:
-            combos = [{n: self._bucket_for(n, int(s)) for n, s in d.items()} for d in sizes]
-        # A partitioned plan compiles each segment, later ones also per data-dependent bucket.
-        jobs = (_partition.warmup_jobs(self, plan, combos)
-                if isinstance(plan, _partition.PartitionedPlan) else [(plan, c) for c in combos])
-        combos = [combo for _, combo in jobs]
-        workers = max_workers or min(len(combos), os.cpu_count() or 1) or 1
-        bar = _progress(progress, f"compiling {self.name}", len(combos))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self._executable, p, call, combo) for p, combo in jobs]
-            for future in concurrent.futures.as_completed(futures):
-                future.result()
-                bar.advance()
-        bar.close()
-        return combos
-
-    # -- internals ----------------------------------------------------------------------------
-
-    def _bucket_for(self, name: str, size: int) -> int:
-        sizes = self.bucket_sizes[name]
+    def bucket_for(self, name: str, size: int, plan: Plan | PartitionedPlan | None = None) -> int:
+        """The smallest bucket of ``name`` that holds ``size``."""
+        sizes = self.bucket_sizes(name, plan)
         i = bisect.bisect_left(sizes, size)
         if i == len(sizes):
-            raise SpecError(f"{name}={size} is above the largest bucket {sizes[-1]}")
+            raise LengthOverflowError(f"{name}={size} is above the largest bucket {sizes[-1]}")
         return sizes[i]
 
-    def _example_call(self, args: Sequence[Any]) -> _layout.BoundCall:
-        """Bind either a full example call or only the non-Spec arguments, with dummy
-        (all-pad, smallest-size) arrays standing in for the Spec arguments."""
-        if len(args) == len(self.in_specs):
-            return _layout.bind(args, self.in_specs, self.variables)
-        fixed = [i for i, s in enumerate(self.in_specs) if s is None]
-        if len(args) != len(fixed):
-            raise SpecError(f"{self.name}.warmup: pass the {len(fixed)} argument(s) without a Spec "
-                            f"(in_specs positions {fixed}) or a full example call of "
-                            f"{len(self.in_specs)} arguments; received {len(args)}")
-        given = iter(args)
-        full = []
-        for i, spec in enumerate(self.in_specs):
-            if spec is None:
-                full.append(next(given))
-            elif isinstance(spec, Spec):
-                if spec.dtype is None:
-                    raise SpecError(f"{self.name}.warmup: in_specs[{i}] = {spec} has no dtype; give "
-                                    f"it one or pass a full example call")
-                shape = tuple(self.variables[d].min if isinstance(d, str) else d for d in spec.dims)
-                full.append(np.zeros(shape, spec.dtype))
-            else:
-                raise SpecError(f"{self.name}.warmup: in_specs[{i}] is a pytree of Specs; pass a "
-                                f"full example call")
-        return _layout.bind(full, self.in_specs, self.variables)
-
-    def _plan(self, signature: _layout.Signature) -> Plan:
-        with self._lock:
-            future = self._plans.get(signature)
-            owner = future is None
-            if owner:
-                future = self._plans[signature] = concurrent.futures.Future()
-        if owner:
-            try:
-                plan = self._trace(signature)
-            except BaseException as e:
-                with self._lock:
-                    del self._plans[signature]
-                future.set_exception(e)
-                raise
-            future.set_result(plan)
-        plan = future.result()
-        self._latest_plan = plan
-        if plan.reshaping_is_impossible:
-            if self.strict:
-                raise PolymorphismError(plan.reason)
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"{self.name} is not shape-polymorphic, so it is retraced and "
-                              f"compiled per bucket: {plan.reason}", stacklevel=3)
-        return plan
-
-    def _trace(self, signature: _layout.Signature) -> Plan:
-        # A plain Plan, or a PartitionedPlan when the function defines data-dependent sizes.
-        plan = _partition.trace(self, signature)
-        if self.check_sizes and not isinstance(plan, _partition.PartitionedPlan):
-            plan = check_size_independence(plan, self.fn, self._counter, self.bucket_sizes)
-        return plan
-
-    def _key(self, plan: Plan, bucket: Mapping[str, int]) -> tuple:
-        return tuple((v.name, bucket[v.name]) for v in plan.variables)
-
-    def _executable(self, plan: Plan, call: _layout.BoundCall, bucket: Mapping[str, int]):
-        key = (id(plan), self._key(plan, bucket))
+    def executable(self, segment: Plan | Segment, bucket: Mapping[str, int],
+                   call: _bind.BoundCall) -> _Compiled:
+        """The compiled program of one plan or segment at one bucket: compiled once (the
+        threads asking at the same time wait for the one compile), kept LRU."""
+        key = (id(segment), self._key(segment, bucket))
         with self._lock:
             future = self._executables.get(key)
             owner = future is None
@@ -289,16 +243,119 @@ class Bucketed:
         if owner:
             try:
                 start = time.perf_counter()
-                executable = self._compile(plan, call, bucket)
+                compiled = self._compile(segment, call, bucket)
                 seconds = time.perf_counter() - start
             except BaseException as e:
                 with self._lock:
                     self._executables.pop(key, None)
                 future.set_exception(e)
                 raise
-            future.set_result(executable)
-            self._record(key[1], compiles=1, compile_seconds=seconds)
+            future.set_result(compiled)
+            self._add(key[1], compiles=1, compile_seconds=seconds)
         return future.result()
+
+    def record(self, segment: Plan | Segment, bucket: Mapping[str, int], **counts) -> None:
+        """Count one call of ``segment`` at ``bucket`` (and its real/padded elements)."""
+        self._add(self._key(segment, bucket), calls=1, **counts)
+
+    def warmup(self, *args, sizes: Sequence[Mapping[str, int]] | None = None,
+               max_workers: int | None = None, progress: bool = False) -> list[dict[str, int]]:
+        """Compile buckets ahead of time on parallel threads; return the buckets compiled.
+
+        ``args`` are the arguments without a Spec (e.g. the model), in order — or a full
+        example call. ``sizes`` lists buckets as ``{name: size}`` dicts (default: every
+        combination of every variable's bucket sizes).
+        """
+        call = self._example_call(args)
+        plan = self._plan(call.signature)
+        if sizes is None:
+            names = list(self._input_names)
+            combos = [dict(zip(names, c))
+                      for c in itertools.product(*(self.bucket_sizes(n, plan) for n in names))]
+        else:
+            combos = [{n: self.bucket_for(n, int(s), plan) for n, s in d.items()} for d in sizes]
+        jobs = self._warmup_jobs(plan, combos)
+        workers = max_workers or min(len(jobs), os.cpu_count() or 1) or 1
+        bar = _progress(progress, f"compiling {self.name}", len(jobs))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(self.executable, seg, combo, call) for seg, combo in jobs]
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+                bar.advance()
+        bar.close()
+        return [combo for _, combo in jobs]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _example_call(self, args: Sequence[Any]) -> _bind.BoundCall:
+        """Bind either a full example call or only the non-Spec arguments, with zeros at each
+        variable's minimum standing in for the Spec arguments."""
+        if self._loaded is not None:
+            args = self._loaded.constants + tuple(args)
+        if len(args) != len(self.in_specs):
+            args = _bind.example_args(self.in_specs, self.variables, args, f"{self.name}.warmup")
+        return _bind.bind(args, self.in_specs, self.variables)
+
+    def _plan(self, signature: _bind.Signature) -> Plan | PartitionedPlan:
+        with self._lock:
+            future = self._plans.get(signature)
+            owner = future is None
+            if owner:
+                future = self._plans[signature] = concurrent.futures.Future()
+        if owner:
+            try:
+                plan = self._make_plan(signature)
+            except BaseException as e:
+                with self._lock:
+                    del self._plans[signature]
+                future.set_exception(e)
+                raise
+            future.set_result(plan)
+        plan = future.result()
+        self._latest_plan = plan
+        self._verdict(plan)
+        return plan
+
+    def _make_plan(self, signature: _bind.Signature) -> Plan | PartitionedPlan:
+        if self._loaded is not None:
+            return self._check_loaded(signature)
+        return plan_function(self.fn, signature, self.variables, self._input_names,
+                             self.out_specs, self._counter, name=self.name,
+                             partition=self.partition, masking=self.masking,
+                             check_sizes=self.check_sizes,
+                             bucket_sizes={n: self.bucket_sizes(n) for n in self._input_names})
+
+    def _check_loaded(self, signature: _bind.Signature) -> Plan:
+        plan = self._loaded.plan
+        expected = [s for s in plan.input_specs if not isinstance(s, Spec)]
+        for path, (shape, dtype), want in zip(signature.leaf_paths("array"),
+                                              signature.array_avals, expected):
+            if (tuple(shape), np.dtype(dtype)) != (tuple(want[0]), np.dtype(want[1])):
+                raise SpecError(f"{path}: expected {np.dtype(want[1]).name}{list(want[0])}, "
+                                f"received {np.dtype(dtype).name}{list(shape)}")
+        return plan
+
+    def _verdict(self, plan: Plan | PartitionedPlan) -> None:
+        """Never silent: a plan that cannot guarantee a result warns once, or raises (strict)."""
+        if plan.reshaping_is_impossible:
+            message = (f"{self.name} is not shape-polymorphic, so it is retraced and compiled per "
+                       f"bucket: {plan.reason}")
+            reason = plan.reason
+        elif self.masking and not plan.padding_safe:
+            message = (f"{self.name} is not padding-safe, so padding may change its result: "
+                       f"{plan.padding_reason}")
+            reason = plan.padding_reason
+        else:
+            return
+        if self.strict:
+            raise PolymorphismError(reason)
+        with self._lock:
+            warn, self._warned = not self._warned, True
+        if warn:
+            warnings.warn(message, stacklevel=4)
+
+    def _key(self, segment: Plan | Segment, bucket: Mapping[str, int]) -> tuple:
+        return tuple((v.name, bucket[v.name]) for v in segment.live_variables)
 
     def _evict(self) -> None:
         while len(self._executables) > self.max_cached:
@@ -307,38 +364,115 @@ class Bucketed:
                 break
             self._executables.pop(oldest)
 
-    def _compile(self, plan: Plan, call: _layout.BoundCall, bucket: Mapping[str, int]):
-        avals = plan.bucket_avals(bucket)
+    def _compile(self, segment: Plan | Segment, call: _bind.BoundCall,
+                 bucket: Mapping[str, int]) -> _Compiled:
+        avals = segment.bucket_avals(bucket)
         if self.in_shardings is not None:
             avals = [aval if arg >= len(self.in_shardings) or self.in_shardings[arg] is None else
                      jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=self.in_shardings[arg])
                      for aval, arg in zip(avals, call.arg_index)] + avals[len(call.arg_index):]
         donate = tuple(i for i, arg in enumerate(call.arg_index[:len(call.arrays)])
-                       if arg in self.donate_argnums and plan.can_donate)
-        if plan.exported is not None:
-            program = plan.exported.call
-        else:  # the slow path: Python runs again for this bucket, with max_length answered
-            cell: list = []
-            program = flat_program(self.fn, plan.signature, [v.name for v in plan.variables],
-                                   dict(bucket), self._counter, cell)
-        lowered = jax.jit(program, donate_argnums=donate).lower(*avals)
-        if plan.exported is None:
-            plan.out_tree, plan.out_paths = cell
-        return lowered.compile()
+                       if arg in self.donate_argnums and segment.can_donate)
+        program, cell = segment.program_at(bucket, self._counter)
+        try:
+            lowered = jax.jit(program, donate_argnums=donate).lower(*avals)
+        except SHAPE_ERRORS as e:
+            if segment.exported is not None:
+                raise
+            # The slow path: code that only works at some sizes (a reshape that divides for
+            # some T) fails at this bucket. Say where, and why it was retraced.
+            raise PolymorphismError(f"{self.name} at bucket {dict(bucket)}: {type(e).__name__}: "
+                                    f"{e}; it was retraced per bucket because {segment.reason}"
+                                    ) from None
+        return _Compiled(lowered.compile(), cell[0], tuple(cell[1]))
 
-    def _record(self, key: tuple, **increments) -> None:
+    def _add(self, key: tuple, **increments) -> None:
         with self._lock:
             current = self._stats.get(key) or BucketStats(key)
             self._stats[key] = dataclasses.replace(
                 current, **{k: getattr(current, k) + v for k, v in increments.items()})
 
-    def _unflatten(self, plan: Plan, leaves: Sequence[Any], sizes: Mapping[str, int]):
+    def _unflatten(self, out_tree, plan, leaves: Sequence[Any], sizes: Mapping[str, int]):
+        if self._loaded is not None:
+            # Each output is cut to its symbolic shape evaluated at the real sizes (``T - 1`` at
+            # T=5 is 4), so no padding leaks out of a loaded plan.
+            env = {n: int(s) for n, s in sizes.items()}
+            out = []
+            for leaf, aval in zip(leaves, plan.exported.out_avals):
+                real = evaluate_shape(aval.shape, env)
+                out.append(leaf if real == tuple(leaf.shape) else
+                           np.asarray(leaf)[tuple(slice(0, n) for n in real)])
+            return out[0] if len(out) == 1 else tuple(out)
         if self.out_specs is not None:
-            specs = _layout.spec_per_leaf(self.out_specs, jax.tree_util.tree_unflatten(
-                plan.out_tree, list(range(len(leaves)))), "out_specs")
-            leaves = [leaf if spec is _layout.FIXED else _layout.unpad(leaf, spec, sizes)
+            specs = _bind.spec_per_leaf(self.out_specs, jax.tree_util.tree_unflatten(
+                out_tree, list(range(len(leaves)))), "out_specs")
+            leaves = [leaf if spec is _bind.FIXED else _bind.unpad(leaf, spec, sizes)
                       for leaf, spec in zip(leaves, specs)]
-        return jax.tree_util.tree_unflatten(plan.out_tree, list(leaves))
+        return jax.tree_util.tree_unflatten(out_tree, list(leaves))
+
+    # -- partitioned plans ----------------------------------------------------------------------
+
+    def _run_segments(self, plan: PartitionedPlan, call: _bind.BoundCall,
+                      bucket: Mapping[str, int]):
+        """One call: the segments in order, each at its bucket, counts read on the host between."""
+        sizes, bucket = dict(call.sizes), dict(bucket)
+        base, real, padded = _bind.pad_inputs(call, bucket)
+        handed: list[Any] = []
+        for seg in plan.segments:
+            compiled = self.executable(seg, bucket, call)
+            flat = base + handed + [np.int32(sizes[v.name]) for v in seg.variables]
+            outputs = compiled.executable(*seg.feed(flat, bucket))
+            self.record(seg, bucket, real_elements=real, padded_elements=padded)
+            if seg.cut is None:
+                break
+            cut = seg.cut
+            count = int(outputs[-1])           # the host synchronisation: the op decides its size
+            values = [np.asarray(v) for v in outputs[:-1]]
+            limit = min(v.shape[a] for v, a in zip(values, cut.axes) if a is not None)
+            if not 0 <= count <= limit:
+                raise PolyexecError(f"{cut.where}: count {count} is outside [0, {limit}], the "
+                                    f"size of the values buffer")
+            if count > cut.var.max:
+                raise LengthOverflowError(f"{cut.where}: data-dependent size {cut.var.name} = "
+                                          f"{count} is above {cut.var.name}'s max={cut.var.max} "
+                                          f"({cut.var})")
+            size = self.bucket_for(cut.var.name, count, plan)
+            sizes[cut.var.name], bucket[cut.var.name] = count, size
+            real = padded = 0
+            for v, a, fill in zip(values, cut.axes, cut.fills):
+                if a is None:
+                    handed.append(v)
+                    continue
+                shape = list(v.shape)
+                shape[a] = size
+                # The first `size` entries, padded with the fill if the buffer is shorter.
+                handed.append(_bind.pad_to(v[(slice(None),) * a + (slice(0, size),)], shape, fill))
+                rest = int(np.prod(v.shape)) // max(v.shape[a], 1)
+                real += count * rest
+                padded += size * rest
+        n_user = len(outputs) - len(seg.count_names)
+        for name, count in zip(seg.count_names, outputs[n_user:]):
+            sizes[name] = int(count)
+        return self._unflatten(compiled.out_tree, plan, list(outputs[:n_user]), sizes)
+
+    def _warmup_jobs(self, plan: Plan | PartitionedPlan, combos: Sequence[Mapping[str, int]]):
+        """(segment, bucket) pairs to compile: each segment at every given input bucket combined
+        with every bucket of its data-dependent variables (or the ones named in ``combos``)."""
+        if isinstance(plan, Plan):
+            return [(plan, combo) for combo in combos]
+        jobs, seen = [], set()
+        for seg in plan.segments:
+            live = [v.name for v in seg.live_variables]
+            for combo in combos:
+                fixed = {n: combo[n] for n in live if n in combo}
+                free = [n for n in live if n not in combo]
+                for values in itertools.product(*(self.bucket_sizes(n, plan) for n in free)):
+                    sizes = {**fixed, **dict(zip(free, values))}
+                    key = (id(seg), tuple(sorted(sizes.items())))
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((seg, sizes))
+        return jobs
 
 
 class _NoBar:
@@ -351,7 +485,6 @@ class _NoBar:
 
 class _RichBar:
     def __init__(self, description: str, total: int):
-        from rich.progress import Progress
         self._progress = Progress(transient=True)
         self._task = self._progress.add_task(description, total=total)
         self._progress.start()
@@ -376,33 +509,40 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
     are static), binds every `LengthVar` from the input shapes, picks the smallest bucket that
     fits, pads the inputs (``Spec.pad``), runs that bucket's executable — compiled once from the
     one exported program, with no Python retrace — and slices outputs with a Spec back to the
-    real sizes (as NumPy arrays).
+    real sizes (as NumPy arrays). The program is rewritten once so every operation computes over
+    the real lengths: padding never changes a result (see `Plan.padding_safe`).
 
-    Options: ``strict`` (raise `PolymorphismError` instead of falling back), ``donate_argnums``,
+    Spec names resolve against the LengthVars the call is given (in the Specs, as ``buckets``
+    keys, in ``variables=``), else those visible where ``bucketed`` is called.
+
+    Options: ``strict`` (raise `PolymorphismError` instead of falling back or warning),
+    ``masking`` (default True: the logical-length rewrite; False runs the program over the
+    padded sizes as written, for code that masks by itself), ``donate_argnums``,
     ``max_cached`` (executables kept, LRU), ``check_sizes`` (also run the two-size
-    independence check: two extra Python traces), ``name``, ``partition`` (default True: a
-    function with data-dependent sizes, ``px.compact(..., length=K)``, is cut there and the
-    rest runs at the bucket of ``K``; False: one program at the upper bound — see
+    independence check: two extra Python traces), ``name``, ``variables``, ``partition``
+    (default True: a function with data-dependent sizes, ``px.compact(..., length=K)``, is cut
+    there and the rest runs at the bucket of ``K``; False: one program at the upper bound — see
     `PartitionedPlan`), ``in_shardings`` (one ``jax.sharding.Sharding`` or None per positional
     argument, for all its arrays: each bucket is compiled for them and host-padded inputs are
-    placed by them — e.g. a model replicated and the batch split over a Mesh; values handed
-    between the segments of a partitioned program are placed by XLA).
+    placed by them — e.g. a model replicated and the batch split over a Mesh). A `Plan` read by
+    `Plan.load` runs through ``bucketed(plan)`` (`Bucketed.from_plan`).
 
     >>> import jax.numpy as jnp, numpy as np, polyexec as px
     >>> T = px.LengthVar("T", min=1, max=256)
-    >>> def total(x, n):   # x: (B, T) padded with 0
-    ...     return jnp.sum(x, axis=1) * n
     >>> B = px.LengthVar("B", max=8)
-    >>> f = px.bucketed(total, in_specs=(px.Spec("B T", jnp.float32), None),
+    >>> def mean_over_time(x, n):   # plain code: no mask, yet the padding never counts
+    ...     return jnp.mean(x, axis=1) * n
+    >>> f = px.bucketed(mean_over_time, in_specs=(px.Spec("B T", jnp.float32), None),
     ...                 out_specs=px.Spec("B"), buckets={T: [16, 64, 256]})
     >>> f(np.ones((2, 5), np.float32), 2.0).tolist()
-    [10.0, 10.0]
-    >>> f.stats.compiles, f.traces
-    (1, 1)
+    [2.0, 2.0]
+    >>> f.stats.compiles, f.traces, f.plan.padding_safe
+    (1, 1, True)
     """
     if isinstance(fn, Plan):
-        from ._serialize import bucketed_plan
-        return bucketed_plan(fn, buckets=buckets, **options)
+        return Bucketed.from_plan(fn, buckets=buckets, **options)
     if in_specs is None:
-        raise SpecError("bucketed: in_specs is required (one Spec or None per positional argument)")
+        raise SpecError("bucketed: in_specs: expected one Spec or None per positional argument, "
+                        "received None")
     return Bucketed(fn, in_specs, out_specs, buckets, **options)
+

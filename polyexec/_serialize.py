@@ -2,7 +2,8 @@
 
 Layout: MAGIC, an 8-byte little-endian header length, a JSON header, then the payload (the
 exported program and any constants). The header carries the payload's SHA-256, so a truncated or
-corrupted file is rejected before its bytes reach the flatbuffer parser.
+corrupted file is rejected before its bytes reach the flatbuffer parser. This module knows
+bytes and fields, not plans: `Plan.save`/`Plan.load` call it.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax import export
 
-from ._errors import PolyexecError, SpecError
-from ._vars import LengthVar, Spec
+from ._errors import PolyexecError
+from ._spec import LengthVar, Spec
 
 MAGIC = b"POLYEXEC-PLAN\x00"
 FORMAT = 1
@@ -29,24 +30,23 @@ def _jsonable(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
-def save_plan(plan, path) -> None:
-    if plan.exported is None:
-        raise PolyexecError(f"cannot save plan {plan.name}: reshaping is impossible, so there is "
-                            f"no size-independent program ({plan.reason})")
-    program = bytes(plan.exported.serialize())
+def save(path, *, name: str, exported: Any, variables: Sequence[LengthVar],
+         input_paths: Sequence[str], input_specs: Sequence[Any], out_paths: Sequence[str],
+         constants: Sequence[Any], padding_reason: str | None) -> None:
+    program = bytes(exported.serialize())
     sections = [program]
-    constants = []
+    stored = []
     offset = len(program)
-    for leaf in plan.constants or ():
+    for leaf in constants:
         data = np.ascontiguousarray(np.asarray(leaf))
         raw = data.tobytes()
-        constants.append({"offset": offset, "length": len(raw), "dtype": data.dtype.str,
-                          "shape": list(data.shape)})
+        stored.append({"offset": offset, "length": len(raw), "dtype": data.dtype.str,
+                       "shape": list(data.shape)})
         sections.append(raw)
         offset += len(raw)
     payload = b"".join(sections)
     inputs = []
-    for p, spec in zip(plan.input_paths, plan.input_specs):
+    for p, spec in zip(input_paths, input_specs):
         if isinstance(spec, Spec):
             inputs.append({"path": p, "dims": [str(d) for d in spec.dims],
                            "dtype": None if spec.dtype is None else spec.dtype.str,
@@ -54,10 +54,10 @@ def save_plan(plan, path) -> None:
         else:
             inputs.append({"path": p, "shape": list(spec[0]), "dtype": np.dtype(spec[1]).str})
     header = {
-        "format": FORMAT, "name": plan.name, "jax": jax.__version__,
-        "variables": [{"name": v.name, "min": v.min, "max": v.max} for v in plan.variables],
-        "inputs": inputs, "outputs": list(plan.out_paths),
-        "program": {"offset": 0, "length": len(program)}, "constants": constants,
+        "format": FORMAT, "name": name, "jax": jax.__version__,
+        "variables": [{"name": v.name, "min": v.min, "max": v.max} for v in variables],
+        "inputs": inputs, "outputs": list(out_paths), "padding_reason": padding_reason,
+        "program": {"offset": 0, "length": len(program)}, "constants": stored,
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
     blob = json.dumps(header).encode()
@@ -71,9 +71,8 @@ def _corrupt(path, why: str) -> PolyexecError:
     return PolyexecError(f"{path} is not a valid polyexec plan file: {why}")
 
 
-def load_plan(path):
-    from ._plan import Plan
-
+def load(path) -> dict[str, Any]:
+    """The fields of the `Plan` stored in ``path``, checked; `PolyexecError` for a bad file."""
     with open(path, "rb") as f:
         data = f.read()
     if not data.startswith(MAGIC):
@@ -109,7 +108,7 @@ def load_plan(path):
         raise _corrupt(path, f"unreadable program ({type(e).__name__}: "
                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     try:
-        variables = [LengthVar._unregistered(v["name"], v["min"], v["max"]) for v in header["variables"]]
+        variables = [LengthVar(v["name"], min=v["min"], max=v["max"]) for v in header["variables"]]
         specs, paths = [], []
         for item in header["inputs"]:
             paths.append(item["path"])
@@ -120,60 +119,11 @@ def load_plan(path):
                 specs.append((tuple(item["shape"]), np.dtype(item["dtype"])))
         constants = [np.frombuffer(payload, np.dtype(c["dtype"]), int(np.prod(c["shape"])),
                                    c["offset"]).reshape(c["shape"]) for c in header["constants"]]
-    except (KeyError, TypeError, ValueError) as e:
+        fields = dict(name=header["name"], variables=tuple(variables), exported=exported,
+                      input_paths=tuple(paths), input_specs=tuple(specs),
+                      out_paths=tuple(header["outputs"]),
+                      padding_reason=header.get("padding_reason"),
+                      constants=tuple(constants) or None)
+    except (KeyError, TypeError, ValueError, PolyexecError) as e:
         raise _corrupt(path, f"inconsistent header ({type(e).__name__}: {e})") from None
-    out_tree = jax.tree_util.tree_structure(tuple(range(len(exported.out_avals))))
-    return Plan(name=header["name"], variables=variables, signature=None, exported=exported,
-                jaxpr=None, reason=None, out_tree=out_tree, out_paths=header["outputs"],
-                input_paths=paths, input_specs=specs, constants=constants or None)
-
-
-def bucketed_plan(plan, buckets=None, **options):
-    """A bucketed executor for a loaded plan: Spec inputs padded, outputs whose symbolic dims are
-    plain variables sliced back."""
-    from ._executor import Bucketed
-    from ._layout import Signature
-
-    specs = list(plan.input_specs)
-    in_specs = [s if isinstance(s, Spec) else None for s in specs]
-    constants = list(plan.constants or ())
-    policies = {v: (buckets or {}).get(v, (buckets or {}).get(v.name)) for v in plan.variables}
-
-    class LoadedBucketed(Bucketed):
-        def __call__(self, *args):
-            expected = len(specs) - len(constants)
-            if len(args) != expected:
-                raise SpecError(f"plan {plan.name}: expected {expected} positional arguments, "
-                                f"received {len(args)}")
-            try:
-                out = super().__call__(*constants, *args)
-            except SpecError as e:
-                # The stored constants are prepended: name the caller's own argument positions.
-                shifted = re.sub(r"\bargs\[(\d+)\]",
-                                 lambda m: f"args[{int(m.group(1)) - len(constants)}]", str(e))
-                raise type(e)(shifted) from None
-            return out[0] if len(out) == 1 else out
-
-        def _trace(self, signature: Signature):
-            expected = [s for s in specs if not isinstance(s, Spec)]
-            for path, (shape, dtype), want in zip(signature.leaf_paths("array"),
-                                                  signature.array_avals, expected):
-                if (tuple(shape), np.dtype(dtype)) != (tuple(want[0]), np.dtype(want[1])):
-                    raise SpecError(f"{path}: expected {np.dtype(want[1]).name}{list(want[0])}, "
-                                    f"received {np.dtype(dtype).name}{list(shape)}")
-            plan.signature = signature
-            return plan
-
-        def _unflatten(self, plan, leaves, sizes):
-            # Each output is cut to its symbolic shape evaluated at the real sizes (``T - 1`` at
-            # T=5 is 4), so no padding leaks out of a loaded plan.
-            env = {n: int(s) for n, s in sizes.items()}
-            out = []
-            for leaf, aval in zip(leaves, plan.exported.out_avals):
-                real = tuple(int(d._evaluate(env)) if export.is_symbolic_dim(d) else int(d)
-                             for d in aval.shape)
-                out.append(leaf if real == tuple(leaf.shape) else
-                           np.asarray(leaf)[tuple(slice(0, n) for n in real)])
-            return tuple(out)
-
-    return LoadedBucketed(plan, in_specs, None, policies, name=plan.name, **options)
+    return fields

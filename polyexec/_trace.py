@@ -1,56 +1,348 @@
-"""`px.trace`: the symbolic trace alone, with the full polymorphism check."""
+"""Stage 3, trace: run the user's function once over symbolic lengths and export its program.
+
+Pure functions, no executor: `export_symbolic` returns the `Traced` program or the reason it
+cannot be size-independent (naming the user's line); `trace_at` is the slow path, one trace at
+concrete bucket sizes. Both go through `flat_program`, the user function as a function of flat
+arrays ``[array leaves..., Spec'd leaves..., real size of each variable...]``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+import itertools
+import linecache
+import os
+import re
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
+import numpy as np
+from jax import export
+from jax._src import source_info_util
+from jax._src.export import shape_poly
 
-from ._plan import Plan, flat_program, input_avals
-from ._vars import Spec
+from ._bind import Signature
+from ._context import ConcreteSizeRequested, binding, describe_frame, is_library, user_frame
+from ._errors import PolyexecError
+from ._spec import LengthVar, symbolic_dims
+
+# Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
+# `int(T)`/`range(T)` (TypeError), `if T > 10` (InconclusiveDimensionOperation), broadcasting
+# against a literal maximum (TypeError/ValueError), indexing with one (IndexError), an op that
+# jax.export cannot lower over a symbolic size (NotImplementedError: FFT).
+# jax.export and jax core each define an InconclusiveDimensionOperation (unrelated classes):
+# `int(T)` raises the first, a reshape to a literal size (`x.reshape(-1, 16)`) the second.
+SHAPE_ERRORS = (shape_poly.InconclusiveDimensionOperation,
+                jax.errors.InconclusiveDimensionOperation,
+                jax.errors.ConcretizationTypeError, TypeError, ValueError, IndexError,
+                NotImplementedError)
 
 
-def trace(fn: Callable, *args_or_specs: Any, buckets=None, check_sizes: bool = True) -> Plan:
-    """Trace ``fn`` once over symbolic lengths and return its `Plan`, without compiling.
+class TraceCounter:
+    """How many times Python ran the user function (thread-safe)."""
 
-    Each argument is either a `Spec` (a length-polymorphic array) or a concrete value (a model,
-    a constant: its arrays keep their shapes and are stored with the plan by `Plan.save`). With
-    ``check_sizes`` the plan is also traced at two concrete sizes and compared, catching code
-    that branches on a size (``if x.shape[1] == 1024``) although the symbolic trace passed.
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
 
-    >>> import jax.numpy as jnp, polyexec as px
-    >>> T = px.LengthVar("T", min=2, max=512)
-    >>> def bad(x):
-    ...     return x * jnp.arange(512)[: x.shape[0]]
-    >>> plan = px.trace(bad, px.Spec("T", jnp.float32))
-    >>> plan.reshaping_is_impossible
-    True
-    """
-    from ._executor import Bucketed
+    def bump(self):
+        with self._lock:
+            self.count += 1
 
-    in_specs = tuple(a if isinstance(a, Spec) else None for a in args_or_specs)
-    runner = Bucketed(fn, in_specs, buckets=buckets, check_sizes=check_sizes,
-                      name=getattr(fn, "__name__", None))
-    fixed = [a for a in args_or_specs if not isinstance(a, Spec)]
-    call = runner._example_call(fixed)
-    plan = runner._trace(call.signature)
-    if plan.reshaping_is_impossible:
-        # A genuine bug fails at every concrete size: raise it rather than call it
-        # non-polymorphic. Code written for the maximum (`x + jnp.zeros(1024)`, a reshape to a
-        # literal size) fails at the smallest bucket but works at the largest: that is the
-        # non-polymorphic case, so try both before deciding.
-        smallest = {n: s[0] for n, s in runner.bucket_sizes.items()}
-        largest = {n: s[-1] for n, s in runner.bucket_sizes.items()}
-        for i, sizes in enumerate([smallest] if smallest == largest else [smallest, largest]):
-            run = flat_program(fn, call.signature, [v.name for v in plan.variables], sizes,
-                               runner._counter, [])
-            try:
-                jax.jit(run).trace(*input_avals(call.signature, plan.variables, sizes))
-                break
-            except Exception as e:
-                first = first if i else e
-        else:
-            raise first
-    plan.constants = tuple(call.arrays)
-    return plan
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Traced:
+    """One exported program: its symbolic jaxpr, its `Exported`, and its output structure."""
+
+    exported: Any
+    jaxpr: Any
+    out_tree: Any
+    out_paths: tuple[str, ...]
+    avals: tuple[Any, ...]       # the symbolic input avals: their scope is the program's
+
+
+def flat_program(fn: Callable, signature: Signature, var_names: Sequence[str],
+                 bucket: Mapping[str, int] | None, counter: TraceCounter, out_cell: list):
+    """``fn`` as a function of flat arrays: [array leaves..., poly leaves..., real sizes...].
+    Each trace writes ``(out_tree, out_paths)`` into ``out_cell``."""
+    n_arrays = len(signature.array_avals)
+    n_poly = len(signature.poly)
+
+    def run(*flat):
+        counter.bump()
+        arrays, poly, valid = flat[:n_arrays], flat[n_arrays:n_arrays + n_poly], flat[n_arrays + n_poly:]
+        sources = {"array": iter(arrays), "poly": iter(poly), "static": iter(signature.statics)}
+        leaves = [next(sources[kind]) for kind in signature.kinds]
+        args = jax.tree_util.tree_unflatten(signature.treedef, leaves)
+        with binding(dict(zip(var_names, valid)), bucket):
+            out = fn(*args)
+        keyed, out_tree = jax.tree_util.tree_flatten_with_path(out)
+        for keypath, leaf in keyed:
+            if not isinstance(leaf, (jax.Array, np.ndarray)) and not hasattr(leaf, "aval"):
+                raise PolyexecError(f"output out{jax.tree_util.keystr(keypath)}: expected an "
+                                    f"array, received {type(leaf).__name__}")
+        out_cell[:] = [out_tree, tuple(jax.tree_util.keystr(k) for k, _ in keyed)]
+        return tuple(leaf for _, leaf in keyed)
+
+    run.__name__ = getattr(fn, "__name__", "fn")
+    return run
+
+
+def input_avals(signature: Signature, variables: Sequence[LengthVar], sizes: Mapping[str, Any]):
+    """Avals of the flat program's inputs; ``sizes`` maps names to ints or symbolic dims."""
+    avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in signature.array_avals]
+    for spec, dtype in signature.poly:
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.dims)
+        avals.append(jax.ShapeDtypeStruct(shape, dtype))
+    avals += [jax.ShapeDtypeStruct((), np.int32) for _ in variables]
+    return avals
+
+
+# -- reading a jaxpr --------------------------------------------------------------------------
+
+
+def where(eqn) -> str:
+    """``file:line: `code``` of the user line that made an equation."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return "<unknown>"
+    line = linecache.getline(frame.file_name, frame.start_line).strip()
+    return f"{frame.file_name}:{frame.start_line}" + (f": `{line}`" if line else "")
+
+
+def sub_jaxprs(eqn) -> Iterator[Any]:
+    for value in eqn.params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                yield item
+
+
+def walk(jaxpr) -> Iterator[Any]:
+    """Every equation, depth first, sub-programs (scan bodies, branches) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from walk(sub)
+
+
+def evaluate_shape(shape, env: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(int(d._evaluate(env)) if export.is_symbolic_dim(d) else int(d) for d in shape)
+
+
+# -- undecidable size comparisons ---------------------------------------------------------------
+
+# JAX answers a symbolic `==` it cannot decide with False (`__eq__` may not raise: hashing uses
+# it), so `if x.shape[0] == 20:` silently takes the `else` branch for every size. While
+# polyexec traces, user-code comparisons go through `_probe_eq`, which records the undecided
+# ones; the plan is then reshaping-impossible with the line named.
+_PROBE = threading.local()
+_PROBE_LOCK = threading.Lock()
+_PROBE_DEPTH = 0
+_ORIGINAL_EQ = shape_poly._DimExpr.__eq__
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    where: str
+    text: str              # e.g. "T == 20"
+    name: str | None       # the variable, when one variable is compared with a constant
+    constant: int | None
+
+
+def _undecided(diff) -> bool:
+    for decided in (lambda: diff >= 1, lambda: diff <= -1):
+        try:
+            if decided():
+                return False
+        except shape_poly.InconclusiveDimensionOperation:
+            pass
+    return True
+
+
+def _probe_eq(self, other):
+    result = _ORIGINAL_EQ(self, other)
+    records = getattr(_PROBE, "records", None)
+    if result or records is None:
+        return result
+    caller = sys._getframe(1)
+    if caller.f_code.co_name == "__ne__" and is_library(caller.f_code.co_filename):
+        caller = caller.f_back
+    if is_library(caller.f_code.co_filename):
+        return result   # JAX's own comparisons (caches, shape rules) are not the user's branch
+    if isinstance(other, shape_poly._DimExpr) and self.scope is not other.scope:
+        return result
+    if not isinstance(other, shape_poly._DimExpr) and not isinstance(other, (int, np.integer)):
+        return result
+    diff = self - other
+    if not export.is_symbolic_dim(diff) or not _undecided(diff):
+        return result
+    line = linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()
+    text = f"{self} == {other}"
+    single = [str(self)] if re.fullmatch(r"[A-Za-z_]\w*", str(self)) else []
+    records.append(Comparison(
+        f"{caller.f_code.co_filename}:{caller.f_lineno}" + (f": `{line}`" if line else ""), text,
+        single[0] if single and isinstance(other, (int, np.integer)) else None,
+        int(other) if single and isinstance(other, (int, np.integer)) else None))
+    return result
+
+
+@contextlib.contextmanager
+def _comparisons_recorded(records: list) -> Iterator[None]:
+    global _PROBE_DEPTH
+    with _PROBE_LOCK:
+        if _PROBE_DEPTH == 0:
+            shape_poly._DimExpr.__eq__ = _probe_eq
+        _PROBE_DEPTH += 1
+    previous = getattr(_PROBE, "records", None)
+    _PROBE.records = records
+    try:
+        yield
+    finally:
+        _PROBE.records = previous
+        with _PROBE_LOCK:
+            _PROBE_DEPTH -= 1
+            if _PROBE_DEPTH == 0:
+                shape_poly._DimExpr.__eq__ = _ORIGINAL_EQ
+
+
+# -- the symbolic trace -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """Why a function cannot be traced once for all sizes. ``split_sizes``: sizes that must be
+    bucket boundaries for the per-bucket fallback to take the branches the exact sizes take
+    (from undecidable ``T == c`` comparisons)."""
+
+    reason: str
+    split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+
+def export_symbolic(fn: Callable, signature: Signature, variables: Sequence[LengthVar],
+                    counter: TraceCounter) -> Traced | Failed:
+    """The one symbolic trace of ``fn``; see `export_program`."""
+    cell: list = []
+    run = flat_program(fn, signature, [v.name for v in variables], None, counter, cell)
+    avals = input_avals(signature, variables, symbolic_dims(variables))
+    return export_program(run, avals, [v.name for v in variables], cell)
+
+
+def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str],
+                   cell: list) -> Traced | Failed:
+    """Export a flat program over symbolic avals. A failure that needs a concrete size, or a
+    size comparison JAX cannot decide, gives `Failed` with the user's line; any other exception
+    is a bug in the function and propagates. ``cell`` receives (out_tree, out_paths)."""
+    jitted = jax.jit(run)
+    comparisons: list[Comparison] = []
+    try:
+        with _comparisons_recorded(comparisons):
+            exported = export.export(jitted)(*avals)
+    except ConcreteSizeRequested as e:
+        line = linecache.getline(e.filename, e.lineno).strip()
+        return Failed(f"{e.filename}:{e.lineno}: `{line}`: px.max_length({e.name!r}) needs the "
+                      f"concrete bucket size")
+    except SHAPE_ERRORS as e:
+        if not about_symbolic_dims(e, names):
+            raise  # an ordinary bug in the function, not a polymorphism problem
+        return Failed(failure_reason(e))
+    if comparisons:
+        first = comparisons[0]
+        splits: dict[str, set[int]] = {}
+        for c in comparisons:
+            if c.name is not None:
+                splits.setdefault(c.name, set()).update({c.constant - 1, c.constant})
+        return Failed(f"{first.where}: `{first.text}` cannot be decided for every size (JAX's "
+                      f"symbolic == answers False), so the branch depends on the size",
+                      {n: tuple(sorted(s)) for n, s in splits.items()})
+    # jit caches the trace above, so this reads the jaxpr without running Python again.
+    jaxpr = jitted.trace(*avals).jaxpr
+    return Traced(exported, jaxpr, cell[0], cell[1], tuple(avals))
+
+
+def failure_reason(error: BaseException) -> str:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{describe_frame(user_frame(error))}: {type(error).__name__}: {message}"
+
+
+def about_symbolic_dims(error: BaseException, names: Sequence[str]) -> bool:
+    if isinstance(error, SHAPE_ERRORS[:3]):
+        return True
+    # A symbolic dim meeting Python code (`[0.0] * T` -> _DimExpr.__rmul__) can fail with a
+    # message that names neither the dim nor symbolic shapes; the raising frames still show it.
+    if any(f.filename.endswith(("shape_poly.py",)) and f"{os.sep}export{os.sep}" in f.filename
+           for f in traceback.extract_tb(error.__traceback__)):
+        return True
+    text = str(error)
+    return ("_DimExpr" in text or "symbolic" in text.lower()
+            or any(re.search(rf"\b{re.escape(n)}\b", text) for n in names))
+
+
+def export_flat(run: Callable, avals: Sequence[Any]) -> tuple[Any, Any]:
+    """``(exported, jaxpr)`` of an already-flat program (the logical rewrite of a traced one)."""
+    jitted = jax.jit(run)
+    exported = export.export(jitted)(*avals)
+    return exported, jitted.trace(*avals).jaxpr
+
+
+# -- concrete traces ----------------------------------------------------------------------------
+
+
+def trace_at(fn: Callable, signature: Signature, variables: Sequence[LengthVar],
+             sizes: Mapping[str, int], counter: TraceCounter) -> tuple[Callable, list]:
+    """The slow path's program at concrete sizes: ``(flat program, out cell)``; the cell holds
+    ``(out_tree, out_paths)`` once the program has been traced."""
+    cell: list = []
+    return flat_program(fn, signature, [v.name for v in variables], dict(sizes), counter, cell), cell
+
+
+def concrete_jaxpr(fn, signature, variables, sizes, counter):
+    run, cell = trace_at(fn, signature, variables, sizes, counter)
+    jaxpr = jax.jit(run).trace(*input_avals(signature, variables, sizes)).jaxpr
+    return jaxpr, cell
+
+
+def size_dependence(fn: Callable, signature: Signature, variables: Sequence[LengthVar],
+                    out_avals: Sequence[Any], out_paths: Sequence[str], counter: TraceCounter,
+                    bucket_sizes: Mapping[str, Sequence[int]]) -> str | None:
+    """Trace at two concrete sizes and compare: the outputs must have the shapes the symbolic
+    program predicts, and the two programs must be the same sequence of operations. Returns
+    the reason when they differ: code that branches on a size (``if T > 1000``) although the
+    symbolic trace passed."""
+    names = [v.name for v in variables]
+    # Not the very smallest bucket: JAX special-cases dims of size 1 (a `T - 1` axis at T=2
+    # turns take_along_axis's gather into a reshape), which would flag every `x[:, :-1]` model.
+    floor = {v.name: max(4, v.min + 3) for v in variables}
+    small = {n: next((s for s in bucket_sizes[n] if s >= floor[n]), bucket_sizes[n][-1])
+             for n in names}
+    large = {n: bucket_sizes[n][-1] for n in names}
+    programs = []
+    for sizes in (small, large):
+        jaxpr, _ = concrete_jaxpr(fn, signature, variables, sizes, counter)
+        predicted = [evaluate_shape(a.shape, sizes) for a in out_avals]
+        for path, shape, var in zip(out_paths, predicted, jaxpr.jaxpr.outvars):
+            actual = tuple(var.aval.shape)
+            if actual != shape:
+                producer = next((e for e in walk(jaxpr.jaxpr) if var in e.outvars), None)
+                at = where(producer) if producer is not None else "<unknown>"
+                return (f"{at}: output out{path} has shape {actual} at {fmt_sizes(sizes)}, but "
+                        f"the symbolic program predicts {shape}")
+        programs.append(list(walk(jaxpr.jaxpr)))
+    for a, b in itertools.zip_longest(*programs):
+        if a is None or b is None or a.primitive != b.primitive:
+            culprit = b if b is not None else a
+            return (f"{where(culprit)}: the program at {fmt_sizes(large)} differs from the one at "
+                    f"{fmt_sizes(small)} ({a.primitive if a else 'nothing'} vs "
+                    f"{b.primitive if b else 'nothing'}): the code branches on a size")
+    return None
+
+
+def fmt_sizes(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())

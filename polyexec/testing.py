@@ -40,7 +40,8 @@ except ImportError as e:  # the runtime does not need hypothesis; only this modu
 
 from ._context import binding
 from ._executor import Bucketed, bucketed
-from ._vars import LengthVar, Spec, resolve_vars
+from ._errors import OptionError
+from ._spec import LengthVar, Spec, resolve_vars
 
 __all__ = ["sizes", "size_dicts", "arrays", "lengths", "assert_bucket_transparent",
            "TransparencyReport"]
@@ -49,7 +50,7 @@ __all__ = ["sizes", "size_dicts", "arrays", "lengths", "assert_bucket_transparen
 def _var(var: LengthVar | str) -> LengthVar:
     if isinstance(var, LengthVar):
         return var
-    return resolve_vars([var], {})[var]
+    return resolve_vars([var], (), "polyexec.testing")[var]
 
 
 def sizes(var: LengthVar | str, *, min: int | None = None, max: int | None = None):
@@ -68,8 +69,8 @@ def sizes(var: LengthVar | str, *, min: int | None = None, max: int | None = Non
     lo = var.min if min is None else min
     hi = var.max if max is None else max
     if not var.min <= lo <= hi <= var.max:
-        raise ValueError(f"sizes({var}): min={lo}, max={hi} must satisfy "
-                         f"{var.min} <= min <= max <= {var.max}")
+        raise OptionError(f"sizes({var}): expected {var.min} <= min <= max <= {var.max}, "
+                          f"received min={lo}, max={hi}")
     return st.integers(lo, hi)
 
 
@@ -101,14 +102,15 @@ def _default_elements(dtype: np.dtype):
         return st.booleans()
     if dtype.kind == "c":
         return st.complex_numbers(max_magnitude=1, width=8 * dtype.itemsize)
-    raise TypeError(f"no default elements for dtype {dtype}; pass elements=...")
+    raise OptionError(f"arrays: expected a dtype with default elements (bool, int, float, "
+                      f"complex) or elements=..., received {dtype}")
 
 
 def _shape(spec: Spec, size_of: Mapping[str, int]) -> tuple[int, ...]:
     missing = [d for d in spec.var_names if d not in size_of]
     if missing:
-        raise ValueError(f"arrays({spec}): sizes has no entry for {', '.join(missing)} "
-                         f"(received {dict(size_of)})")
+        raise OptionError(f"arrays({spec}): sizes: expected an entry for "
+                          f"{', '.join(missing)}, received {dict(size_of)}")
     return tuple(size_of[d] if isinstance(d, str) else d for d in spec.dims)
 
 
@@ -151,8 +153,8 @@ def lengths(batch: int, max_len: int, *, min_len: int = 0):
     >>> check()
     """
     if not 0 <= min_len <= max_len:
-        raise ValueError(f"lengths: need 0 <= min_len <= max_len, got min_len={min_len}, "
-                         f"max_len={max_len}")
+        raise OptionError(f"lengths: expected 0 <= min_len <= max_len, received "
+                          f"min_len={min_len}, max_len={max_len}")
     return hnp.arrays(np.int32, (int(batch),), elements=st.integers(min_len, max_len))
 
 
@@ -247,14 +249,14 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
     in_specs = tuple(in_specs)
     fixed_positions = [i for i, s in enumerate(in_specs) if s is None]
     if len(fixed_args) != len(fixed_positions):
-        raise ValueError(f"assert_bucket_transparent: in_specs has {len(fixed_positions)} "
-                         f"None entries (positions {fixed_positions}), so fixed_args needs that "
-                         f"many values; received {len(fixed_args)}")
+        raise OptionError(f"assert_bucket_transparent: fixed_args: expected "
+                          f"{len(fixed_positions)} values (in_specs is None at positions "
+                          f"{fixed_positions}), received {len(fixed_args)}")
     elements = dict(elements or {})
     unknown = sorted(set(elements) - (set(range(len(in_specs))) - set(fixed_positions)))
     if unknown:
-        raise ValueError(f"assert_bucket_transparent: elements names argument(s) {unknown}, "
-                         f"which have no Spec")
+        raise OptionError(f"assert_bucket_transparent: elements: expected positions of "
+                          f"arguments with a Spec, received {unknown}")
 
     values = bucketed(fn, in_specs, out_specs, buckets)
     # Sizes are drawn for the variables the inputs bind (not for sizes an output or a

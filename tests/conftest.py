@@ -4,10 +4,7 @@ import os
 
 import jax
 import numpy as np
-import pytest
 from hypothesis import settings
-
-from polyexec import _vars
 
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True, database=None,
                           print_blob=True)
@@ -24,13 +21,3 @@ def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-5):
     for (path, a), (_, e) in zip(a_leaves, e_leaves):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
                                    err_msg=f"leaf {jax.tree_util.keystr(path)}")
-
-
-@pytest.fixture(autouse=True)
-def _restore_length_var_registry():
-    """Specs resolve names through the process-wide LengthVar registry: the variables these
-    tests (and the docstring examples they run) define must not leak into other test modules."""
-    saved = dict(_vars._REGISTRY)
-    yield
-    _vars._REGISTRY.clear()
-    _vars._REGISTRY.update(saved)

@@ -136,21 +136,23 @@ def test_non_array_input_is_rejected():
 # -- errors when declaring ---------------------------------------------------------------------
 
 def test_spec_naming_an_unknown_variable():
-    px.LengthVar("T", max=16)
+    T = px.LengthVar("T", max=16)
     with pytest.raises(px.SpecError) as info:
         px.bucketed(lambda x: x, in_specs=(px.Spec("T Unknown_Q", jnp.float32),))
-    assert str(info.value).startswith("Spec names unknown length variable 'Unknown_Q'; define it "
-                                      "with px.LengthVar('Unknown_Q', max=...). Known: ")
-    with pytest.raises(px.SpecError, match="^Spec names unknown length variable 'Unknown_R'"):
+    assert str(info.value).startswith("bucketed(<lambda>): Spec name 'Unknown_Q': expected a "
+                                      "LengthVar named 'Unknown_Q' given to this call")
+    assert "Unknown_Q = px.LengthVar('Unknown_Q', max=...); received none (known: T)" in str(info.value)
+    with pytest.raises(px.SpecError, match="^bucketed.<lambda>.: Spec name 'Unknown_R'"):
         px.bucketed(lambda x, n: x, in_specs=(px.Spec("T"), px.Spec("T", lengths_of="Unknown_R")))
 
 
 def test_buckets_naming_a_variable_no_spec_uses():
-    px.LengthVar("T", max=16)
-    px.LengthVar("B", max=4)
+    T = px.LengthVar("T", max=16)
+    B = px.LengthVar("B", max=4)
     with pytest.raises(px.SpecError) as info:
         px.bucketed(lambda x: x, in_specs=(px.Spec("T"),), buckets={"B": [2, 4]}, name="f")
-    assert str(info.value) == "bucketed(f): buckets names 'B', which no Spec uses; valid: T"
+    assert str(info.value) == ("bucketed(f): buckets: expected keys among the variables the Specs "
+                               "use (T), received 'B'")
 
 
 @pytest.mark.parametrize("policy", ["64", 5, [8, "x"], [0.5]], ids=repr)
@@ -158,24 +160,24 @@ def test_bucket_sizes_must_be_ints(policy):
     T = px.LengthVar("T", max=64)
     with pytest.raises(px.SpecError) as info:
         px.bucketed(lambda x: x, in_specs=(px.Spec("T"),), buckets={T: policy})
-    assert str(info.value) == (f"buckets for 'T' must be a bucket policy (with .sizes) or a list "
-                               f"of ints, got {policy!r}")
+    assert str(info.value) == (f"buckets for 'T': expected a bucket policy (with .sizes) or a "
+                               f"list of ints, received {policy!r}")
 
 
 def test_in_specs_must_be_a_tuple():
-    px.LengthVar("T", max=16)
-    with pytest.raises(px.SpecError, match=r"^bucketed: in_specs must be a tuple with one entry "
-                                           r"per positional argument"):
+    T = px.LengthVar("T", max=16)
+    with pytest.raises(px.SpecError, match=r"^bucketed\(<lambda>\): in_specs: expected a tuple with "
+                                           r"one entry per positional argument"):
         px.bucketed(lambda x: x, px.Spec("T"))
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: px.LengthVar("T", min=0, max=8), "LengthVar('T'): min must be >= 1, got 0"),
-    (lambda: px.LengthVar("T", min=9, max=8), "LengthVar('T'): max=8 is below min=9"),
-    (lambda: px.LengthVar("T", max=8.5), "LengthVar('T'): max must be an int, got 8.5"),
-    (lambda: px.LengthVar("2T", max=8), "LengthVar name must be an identifier, got '2T'"),
+    (lambda: px.LengthVar("T", min=0, max=8), "LengthVar('T'): min: expected >= 1, received 0"),
+    (lambda: px.LengthVar("T", min=9, max=8), "LengthVar('T'): max: expected >= min=9, received 8"),
+    (lambda: px.LengthVar("T", max=8.5), "LengthVar('T'): max: expected an int, received 8.5"),
+    (lambda: px.LengthVar("2T", max=8), "LengthVar: name: expected an identifier, received '2T'"),
     (lambda: px.Spec("B T-1"),
-     "Spec dims 'B T-1': 'T-1' is neither a length-variable name nor an int"),
+     "Spec dims 'B T-1': expected length-variable names, LengthVars or ints, received 'T-1'"),
 ], ids=["min", "max<min", "float max", "name", "dims"])
 def test_declaration_errors(make, message):
     with pytest.raises(px.SpecError) as info:

@@ -127,9 +127,9 @@ def test_warmup_with_a_model_argument_then_calls_compile_nothing():
         x = np.ones((3, 20, 3), np.float32)
         out = f(weight, x)
     np.testing.assert_allclose(out, x @ weight, rtol=1e-5)
-    with pytest.raises(px.SpecError, match=r"project.warmup: pass the 1 argument\(s\) without a "
+    with pytest.raises(px.SpecError, match=r"project.warmup: expected the 1 argument\(s\) without a "
                                            r"Spec \(in_specs positions \[0\]\) or a full example "
-                                           r"call of 2 arguments; received 3"):
+                                           r"call of 2 arguments, received 3"):
         f.warmup(weight, weight, weight)
 
 

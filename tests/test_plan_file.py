@@ -17,7 +17,7 @@ import pytest
 import polyexec as px
 from examples.rnn.model import CharLM, loss_fn
 from polyexec._context import binding
-from polyexec._plan import _walk
+from polyexec._trace import walk as _walk
 
 MAGIC = b"POLYEXEC-PLAN\x00"
 
@@ -36,8 +36,8 @@ def _exact(fn, sizes, *args):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    px.LengthVar("T", min=2, max=32)
-    px.LengthVar("B", max=4)
+    T = px.LengthVar("T", min=2, max=32)
+    B = px.LengthVar("B", max=4)
     model = CharLM(cell="gru", embed=4, hidden=8, key=jax.random.PRNGKey(3))
     plan = px.trace(forward, model, px.Spec("B T", jnp.int32),
                     px.Spec("B", jnp.int32, lengths_of="T"))
@@ -129,7 +129,7 @@ def test_loaded_plan_in_process_matches_and_checks_its_inputs(saved):
 
 
 def test_non_polymorphic_plan_cannot_be_saved(tmp_path):
-    px.LengthVar("T", min=2, max=32)
+    T = px.LengthVar("T", min=2, max=32)
     plan = px.trace(lambda x: x * int(x.shape[0]), px.Spec("T", jnp.float32))
     with pytest.raises(px.PolyexecError, match=r"cannot save plan <lambda>: reshaping is "
                                                r"impossible, so there is no size-independent "
@@ -242,8 +242,8 @@ def mixed(w, x, lengths):
 
 
 def _mixed_plan():
-    px.LengthVar("T", min=2, max=64)
-    px.LengthVar("B", max=8)
+    T = px.LengthVar("T", min=2, max=64)
+    B = px.LengthVar("B", max=8)
     w = np.linspace(-1, 1, 15, dtype=np.float32).reshape(3, 5)
     plan = px.trace(mixed, w, px.Spec("B T 3", jnp.float32),
                     px.Spec("B", jnp.int32, lengths_of="T"))
@@ -296,7 +296,7 @@ def test_describe_shows_the_symbolic_program():
 
 
 def test_describe_of_a_non_polymorphic_plan_gives_the_reason():
-    px.LengthVar("T", min=2, max=32)
+    T = px.LengthVar("T", min=2, max=32)
     plan = px.trace(lambda x: x * int(x.shape[0]), px.Spec("T", jnp.float32))
     assert plan.describe().startswith("Plan <lambda>: RESHAPING IMPOSSIBLE — ")
     assert plan.reason in plan.describe()

@@ -121,7 +121,7 @@ EXAMPLES = 12
 
 
 def _check(fn, in_specs, **kw):
-    _vars(32)
+    T, B = _vars(32)
     report = pxt.assert_bucket_transparent(fn, in_specs, buckets={"T": [8, 16, 32], "B": [4]},
                                            max_examples=EXAMPLES, **TOL, **kw)
     assert report.values.traces == 1

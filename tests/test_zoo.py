@@ -115,7 +115,7 @@ POLYMORPHIC = [masked_mean, masked_softmax, running_sum, differences, project, g
 
 @pytest.mark.parametrize("fn", POLYMORPHIC, ids=lambda f: f.__name__)
 def test_polymorphic_functions_trace_once_for_all_sizes(fn):
-    _vars()
+    T, B = _vars()
     plan = px.trace(fn, *_poly_args(fn.__name__))
     assert not plan.reshaping_is_impossible, plan.reason
     assert plan.reason is None
@@ -221,7 +221,7 @@ def where(reason: str) -> tuple[str, int]:
 
 @pytest.mark.parametrize("fn", NOT_POLYMORPHIC, ids=lambda f: f.__name__)
 def test_non_polymorphic_functions_are_caught_at_the_right_line(fn):
-    _vars()
+    T, B = _vars()
     plan = px.trace(fn, X())
     assert plan.reshaping_is_impossible, f"{fn.__name__} was called polymorphic"
     assert plan.exported is None and plan.jaxpr is None
@@ -236,20 +236,20 @@ def test_zoo_size():
 
 
 def test_max_length_reason_names_the_call():
-    _vars()
+    T, B = _vars()
     plan = px.trace(asks_max_length, X())
     assert "px.max_length('T') needs the concrete bucket size" in plan.reason
 
 
 def test_equality_branch_needs_the_two_size_check():
-    _vars()
+    T, B = _vars()
     assert not px.trace(branch_on_equality, X(), check_sizes=False).reshaping_is_impossible
     reason = px.trace(branch_on_equality, X()).reason
     assert "the code branches on a size" in reason and "T=1024" in reason
 
 
 def test_genuine_bug_is_raised_not_called_non_polymorphic():
-    _vars()
+    T, B = _vars()
 
     def wrong_axis(x):
         return x @ jnp.ones((3, 3))   # (B, T) @ (3, 3): wrong at every size except T=3

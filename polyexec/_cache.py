@@ -1,4 +1,11 @@
-"""Compile accounting: `forbid_compiles`, and the switch for JAX's persistent compile cache."""
+"""Compile accounting and caching: the one XLA compile counter, `forbid_compiles`, and the
+switch for JAX's persistent compile cache.
+
+The executor counts compiled *buckets*; the counter here counts what XLA actually did (from
+``jax.monitoring``), which tells a cold persistent cache (every bucket an XLA compile) from a
+warm one (every bucket a disk load). JAX reports ``backend_compile_duration`` around
+compile-or-load-from-cache, so real compiles are those events minus the cache hits.
+"""
 
 from __future__ import annotations
 
@@ -15,15 +22,45 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
 _forbid_depth = 0
 _seen: list[str] = []
+_counts = {"backend_compiles": 0, "backend_seconds": 0.0, "cache_hits": 0, "cache_writes": 0}
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
+                 "/jax/compilation_cache/cache_misses": "cache_writes"}
 
 
-def _listener(event: str, duration: float, **_: object) -> None:
-    if event == _BACKEND_COMPILE and _forbid_depth:
-        with _lock:
+def _on_duration(event: str, duration: float, **_: object) -> None:
+    if event != _BACKEND_COMPILE:
+        return
+    with _lock:
+        _counts["backend_compiles"] += 1
+        _counts["backend_seconds"] += duration
+        if _forbid_depth:
             _seen.append(f"an XLA compile of {duration:.3f} s")
 
 
-jax.monitoring.register_event_duration_secs_listener(_listener)
+def _on_event(event: str, **_: object) -> None:
+    key = _CACHE_EVENTS.get(event)
+    if key:
+        with _lock:
+            _counts[key] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+
+def xla_events() -> dict:
+    """Process-wide counts so far: backend compiles (and their seconds), cache hits, writes."""
+    with _lock:
+        return dict(_counts)
+
+
+def xla_events_since(before: dict) -> dict:
+    """Counts since ``before`` (a `xla_events` snapshot), with ``xla_compiles`` = compiles not
+    served from the persistent cache."""
+    now = xla_events()
+    out = {k: now[k] - before[k] for k in now}
+    out["xla_compiles"] = out["backend_compiles"] - out["cache_hits"]
+    return out
 
 
 def compiles_forbidden() -> bool:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ._errors import LengthOverflowError, SpecError
-from ._vars import LengthVar, Spec
+from ._spec import LengthVar, Spec
 
 
 class _Fixed:
@@ -74,8 +74,22 @@ class BoundCall:
     arg_index: list[int]             # per flat array/poly leaf: which positional argument
 
 
-def _path(keypath) -> str:
+def _path(keypath, offset: int = 0) -> str:
+    if offset:   # arguments the caller did not pass (a loaded plan's stored constants)
+        first, rest = keypath[0], keypath[1:]
+        return f"args[{first.idx - offset}]" + jax.tree_util.keystr(tuple(rest))
     return "args" + jax.tree_util.keystr(keypath)
+
+
+def _lists_as_arrays(args: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, ...]:
+    """A (nested) Python list given where a Spec expects an array is one array, not a pytree
+    of scalars: read it as NumPy would, so errors speak of its rank, not of ``args[0][0][0]``."""
+    out = []
+    for i, (arg, spec) in enumerate(zip(args, specs)):
+        if isinstance(spec, Spec) and isinstance(arg, (list, tuple)):
+            arg = _as_array(arg, f"args[{i}]")
+        out.append(arg)
+    return tuple(out)
 
 
 def _as_array(leaf: Any, path: str) -> Any:
@@ -96,12 +110,14 @@ def _dtype_kind(dtype: np.dtype) -> str:
         dtype.kind, dtype.name)
 
 
-def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, LengthVar]) -> BoundCall:
-    """Validate ``args`` against ``in_specs`` and read every length variable's size."""
+def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, LengthVar],
+         offset: int = 0) -> BoundCall:
+    """Validate ``args`` against ``in_specs`` and read every length variable's size. The first
+    ``offset`` arguments are not the caller's (errors count positions after them)."""
     if len(args) != len(in_specs):
-        raise SpecError(f"expected {len(in_specs)} positional arguments (one per in_specs entry), "
-                        f"received {len(args)}")
-    args = tuple(args)
+        raise SpecError(f"expected {len(in_specs) - offset} positional arguments (one per "
+                        f"in_specs entry), received {len(args) - offset}")
+    args = _lists_as_arrays(args, in_specs)
     specs = spec_per_leaf(tuple(in_specs), args, "in_specs")
     keyed, treedef = jax.tree_util.tree_flatten_with_path(args)
     kinds, statics, arrays, array_avals, poly, poly_sig, paths, arg_index = [], [], [], [], [], [], [], []
@@ -110,7 +126,7 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
     where: dict[str, str] = {}
 
     for (keypath, leaf), spec in zip(keyed, specs):
-        path = _path(keypath)
+        path = _path(keypath, offset)
         paths.append(path)
         top = keypath[0].idx
         if spec is FIXED:
@@ -162,13 +178,13 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
         poly_sig.append((spec, target))
         poly_arg_index.append(top)
 
-    _check_lengths(keyed, specs, poly, sizes, where, variables)
+    _check_lengths(keyed, specs, poly, sizes, where, variables, offset)
     signature = Signature(treedef, tuple(kinds), tuple(statics), tuple(array_avals),
                           tuple(poly_sig), tuple(paths))
     return BoundCall(signature, arrays, poly, sizes, arg_index + poly_arg_index)
 
 
-def _check_lengths(keyed, specs, poly, sizes, where, variables) -> None:
+def _check_lengths(keyed, specs, poly, sizes, where, variables, offset) -> None:
     """Arrays marked ``lengths_of=T`` must hold values in ``[0, T]``."""
     poly_iter = iter(poly)
     for (keypath, _), spec in zip(keyed, specs):
@@ -179,20 +195,20 @@ def _check_lengths(keyed, specs, poly, sizes, where, variables) -> None:
             continue
         name = spec.lengths_of
         if name not in variables:
-            raise SpecError(f"{_path(keypath)}: lengths_of={name!r} names no length variable of "
+            raise SpecError(f"{_path(keypath, offset)}: lengths_of={name!r} names no length variable of "
                             f"this function (known: {', '.join(variables)})")
         values = np.asarray(arr)
         bad = np.argwhere(values < 0)
         if bad.size:
             idx = tuple(int(i) for i in bad[0])
-            raise SpecError(f"{_path(keypath)}{list(idx)} = {values[idx]}: lengths of {name!r} "
+            raise SpecError(f"{_path(keypath, offset)}{list(idx)} = {values[idx]}: lengths of {name!r} "
                             f"must be >= 0")
         limit = sizes.get(name, variables[name].max)
         bad = np.argwhere(values > limit)
         if bad.size:
             idx = tuple(int(i) for i in bad[0])
             source = where.get(name, f"{name}'s max")
-            raise SpecError(f"{_path(keypath)}{list(idx)} = {values[idx]}: lengths of {name!r} "
+            raise SpecError(f"{_path(keypath, offset)}{list(idx)} = {values[idx]}: lengths of {name!r} "
                             f"must be <= {source} = {limit}")
 
 
@@ -200,30 +216,88 @@ def bucket_shape(spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(sizes[d] if isinstance(d, str) else d for d in spec.dims)
 
 
-def pad(arr: Any, spec: Spec, dtype: np.dtype, bucket: Mapping[str, int]) -> Any:
-    """Pad ``arr`` with ``spec.pad`` up to the bucket's shape.
+def pad_to(arr: Any, shape: Sequence[int], fill: Any, dtype: Any = None) -> np.ndarray:
+    """``arr`` padded at the end of each axis with ``fill`` up to ``shape`` — the one padder of
+    polyexec (inputs up to a bucket, training batches, values handed across a partition cut).
 
     Padding happens on the host with NumPy: padding a device array with jnp.pad would compile
     one small XLA program per exact input shape — the very recompilation bucketing avoids.
+
+    >>> pad_to(np.array([[1, 2]]), (2, 3), fill=0).tolist()
+    [[1, 2, 0], [0, 0, 0]]
     """
+    host = np.asarray(arr, dtype)
+    if tuple(host.shape) == tuple(shape):
+        return host
+    widths = [(0, t - s) for s, t in zip(host.shape, shape)]
+    return np.pad(host, widths, mode="constant", constant_values=np.asarray(fill, host.dtype))
+
+
+def pad(arr: Any, spec: Spec, dtype: np.dtype, bucket: Mapping[str, int]) -> Any:
+    """Pad ``arr`` with ``spec.pad`` up to the bucket's shape (device arrays already at the
+    bucket's shape are passed through untouched)."""
     target = bucket_shape(spec, bucket)
     if tuple(arr.shape) == target:
         return arr
-    host = np.asarray(arr, dtype)
-    widths = [(0, t - s) for s, t in zip(host.shape, target)]
-    return np.pad(host, widths, mode="constant", constant_values=np.asarray(spec.pad, dtype))
+    return pad_to(arr, target, spec.pad, dtype)
 
 
 def pad_inputs(call: BoundCall, bucket: Mapping[str, int]) -> tuple[list[Any], int, int]:
     """The call's array leaves followed by its Spec'd leaves padded to ``bucket``, plus the real
-    and padded element counts (for the stats)."""
+    and padded element counts of the Spec'd leaves (for the stats).
+
+    Real elements are honest about per-example lengths: along a variable that a ``lengths_of``
+    input describes (``tokens: "B T"`` with ``lengths: "B"``, lengths_of T), an array counts
+    ``sum(lengths)`` rows of T, not ``B * T``. The lengths arrays themselves are not counted.
+    """
     flat = list(call.arrays)
     real = padded = 0
+    lengths = {spec.lengths_of: (spec.dims, np.asarray(arr))
+               for arr, (spec, _) in zip(call.poly, call.signature.poly) if spec.lengths_of}
     for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
         flat.append(pad(arr, spec, dtype, bucket))
-        real += int(np.prod(arr.shape))
         padded += int(np.prod(bucket_shape(spec, bucket)))
+        if spec.lengths_of:
+            continue
+        real += _real_elements(spec, tuple(arr.shape), lengths)
     return flat, real, padded
+
+
+def _real_elements(spec: Spec, shape: tuple[int, ...], lengths: Mapping[str, Any]) -> int:
+    for name, (dims, values) in lengths.items():
+        n = len(dims)
+        # The lengths array must index this array's leading axes, and T must follow them.
+        if name in spec.dims and tuple(spec.dims[:n]) == tuple(dims) and spec.dims.index(name) >= n:
+            axis = spec.dims.index(name)
+            rest = int(np.prod([s for i, s in enumerate(shape) if i >= n and i != axis]))
+            return int(np.minimum(values, shape[axis]).sum()) * rest
+    return int(np.prod(shape))
+
+
+def example_args(in_specs: Sequence[Any], variables: Mapping[str, LengthVar],
+                 fixed: Sequence[Any], where: str) -> list[Any]:
+    """A full call from the arguments without a Spec, with zeros at each variable's minimum
+    standing in for the Spec'd ones (what `warmup` and `px.trace` trace with)."""
+    positions = [i for i, s in enumerate(in_specs) if s is None]
+    if len(fixed) != len(positions):
+        raise SpecError(f"{where}: expected the {len(positions)} argument(s) without a Spec "
+                        f"(in_specs positions {positions}) or a full example call of "
+                        f"{len(in_specs)} arguments, received {len(fixed)}")
+    given = iter(fixed)
+    full = []
+    for i, spec in enumerate(in_specs):
+        if spec is None:
+            full.append(next(given))
+        elif isinstance(spec, Spec):
+            if spec.dtype is None:
+                raise SpecError(f"{where}: in_specs[{i}] = {spec}: expected a dtype (or pass a "
+                                f"full example call), received none")
+            full.append(np.zeros(tuple(variables[d].min if isinstance(d, str) else d
+                                       for d in spec.dims), spec.dtype))
+        else:
+            raise SpecError(f"{where}: in_specs[{i}] is a pytree of Specs; expected a full "
+                            f"example call")
+    return full
 
 
 def unpad(arr: Any, spec: Spec, sizes: Mapping[str, int]) -> np.ndarray:

@@ -1,0 +1,267 @@
+"""Length variables, specs and their translation to `jax.export` symbolic shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import jax
+import numpy as np
+from jax import export
+
+from ._errors import OptionError, SpecError, is_int
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthVar:
+    """A named dynamic dimension, e.g. the sequence length ``T``.
+
+    ``min``/``max`` become symbolic constraints of the one trace (``T >= 2`` is what lets
+    ``x[:, :-1]`` trace), and bound every size the executor accepts. ``buckets`` is the default
+    bucket policy for this variable: a `buckets` policy or a list of sizes (MIGraphX's
+    "optimals"); without one, powers of two up to ``max`` are used.
+
+    >>> import polyexec as px
+    >>> T = px.LengthVar("T", min=2, max=1024)
+    >>> T
+    LengthVar('T', min=2, max=1024)
+    """
+
+    name: str
+    min: int = 1
+    max: int = dataclasses.field(default=None)  # type: ignore[assignment]
+    buckets: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+    def __init__(self, name: str, *, min: int = 1, max: int, buckets: Any = None):
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise SpecError(f"LengthVar: name: expected an identifier, received {name!r}")
+        for label, value in (("min", min), ("max", max)):
+            if not is_int(value):
+                raise SpecError(f"LengthVar({name!r}): {label}: expected an int, received {value!r}")
+        if min < 1:
+            # jax.export symbolic dimensions are always >= 1; an empty sequence is a batch row
+            # with length 0 in a lengths array, not a dimension of size 0.
+            raise SpecError(f"LengthVar({name!r}): min: expected >= 1, received {min}")
+        if max < min:
+            raise SpecError(f"LengthVar({name!r}): max: expected >= min={min}, received {max}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "min", int(min))
+        object.__setattr__(self, "max", int(max))
+        object.__setattr__(self, "buckets", buckets)
+
+    def __repr__(self) -> str:
+        return f"LengthVar({self.name!r}, min={self.min}, max={self.max})"
+
+    def constraints(self) -> list[str]:
+        out = [f"{self.name} <= {self.max}"]
+        if self.min > 1:
+            out.append(f"{self.name} >= {self.min}")
+        return out
+
+
+Dim = Union[str, int, LengthVar]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The shape of one length-polymorphic array: dims, optional dtype, and the pad value.
+
+    ``dims`` is a string of variable names and integers (``"B T 64"``) or a sequence of
+    `LengthVar`, names and ints. Inputs are padded with ``pad`` up to their bucket; outputs with
+    a Spec are sliced back to the real sizes. ``lengths_of`` marks an array of per-example
+    lengths along that variable: its values are checked to lie in ``[0, size]``.
+
+    >>> import jax.numpy as jnp, polyexec as px
+    >>> px.Spec("B T", jnp.int32, pad=0).dims
+    ('B', 'T')
+    """
+
+    dims: tuple[str | int, ...]
+    dtype: Any = None
+    pad: Any = 0
+    lengths_of: str | None = None
+    # The LengthVar objects the Spec was given (in dims or lengths_of): they define their names
+    # for every call that uses this Spec.
+    variables: tuple[LengthVar, ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+    def __init__(self, dims: str | Sequence[Dim], dtype: Any = None, *, pad: Any = 0,
+                 lengths_of: str | LengthVar | None = None):
+        parsed = _parse_dims(dims)
+        given = [d for d in ([] if isinstance(dims, str) else list(dims)) + [lengths_of]
+                 if isinstance(d, LengthVar)]
+        object.__setattr__(self, "dims", parsed)
+        object.__setattr__(self, "dtype", None if dtype is None else np.dtype(dtype))
+        object.__setattr__(self, "pad", pad)
+        if isinstance(lengths_of, LengthVar):
+            lengths_of = lengths_of.name
+        object.__setattr__(self, "lengths_of", lengths_of)
+        object.__setattr__(self, "variables", tuple(dict.fromkeys(given)))
+
+    @property
+    def var_names(self) -> tuple[str, ...]:
+        return tuple(d for d in self.dims if isinstance(d, str))
+
+    def __repr__(self) -> str:
+        dt = "" if self.dtype is None else f", {self.dtype.name}"
+        return f"Spec({' '.join(map(str, self.dims))!r}{dt}, pad={self.pad!r})"
+
+
+def _parse_dims(dims: str | Sequence[Dim]) -> tuple[str | int, ...]:
+    items = dims.replace(",", " ").split() if isinstance(dims, str) else list(dims)
+    out: list[str | int] = []
+    for item in items:
+        if isinstance(item, LengthVar):
+            out.append(item.name)
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            out.append(int(item))
+        elif isinstance(item, str) and item.isdigit():
+            out.append(int(item))
+        elif isinstance(item, str) and _NAME.match(item):
+            out.append(item)
+        else:
+            raise SpecError(f"Spec dims {dims!r}: expected length-variable names, LengthVars or "
+                            f"ints, received {item!r}")
+    return tuple(out)
+
+
+def spec_leaves(tree: Any) -> list[Spec]:
+    return [s for s in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Spec))
+            if isinstance(s, Spec)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallVariables:
+    """The length variables of one bucketed function, resolved once when it is made.
+
+    ``inputs`` are bound by input shapes (and ``lengths_of``); the rest of ``variables`` are
+    data-dependent sizes that a partition point defines (named by out_specs or buckets)."""
+
+    variables: Mapping[str, LengthVar]
+    inputs: tuple[str, ...]
+    policies: Mapping[str, Any]
+
+
+def call_variables(in_specs: Any, out_specs: Any, buckets: Mapping[Any, Any] | None,
+                   variables: Sequence[LengthVar], where: str) -> CallVariables:
+    buckets = dict(buckets or {})
+    for var in variables:
+        if not isinstance(var, LengthVar):
+            raise OptionError(f"{where}: variables: expected LengthVars, received {var!r}")
+    in_leaves, out_leaves = spec_leaves(in_specs), spec_leaves(out_specs)
+    given = ([v for s in in_leaves + out_leaves for v in s.variables] + list(variables)
+             + [k for k in buckets if isinstance(k, LengthVar)])
+    inputs = list(dict.fromkeys([n for s in in_leaves for n in s.var_names]
+                                + [s.lengths_of for s in in_leaves if s.lengths_of]))
+    names = list(dict.fromkeys(inputs + [n for s in out_leaves for n in s.var_names]
+                               + [v.name for v in given]))
+    resolved = resolve_vars(names, given, where)
+    policies = {}
+    for key, policy in buckets.items():
+        name = key.name if isinstance(key, LengthVar) else key
+        if name not in resolved:
+            raise SpecError(f"{where}: buckets: expected keys among the variables the Specs use "
+                              f"({', '.join(resolved) or 'none'}), received {name!r}")
+        policies[name] = policy
+    return CallVariables(resolved, tuple(inputs), policies)
+
+
+def resolve_vars(names: Sequence[str], given: Sequence[LengthVar], where: str) -> dict[str, LengthVar]:
+    """What each Spec name means for one call, decided locally.
+
+    A name resolves to the LengthVar of that name among ``given`` (the LengthVars the call was
+    handed: inside its Specs, as ``buckets`` keys, in ``variables=``), else among the LengthVars
+    visible where the call was made (the caller's local, then global names). Nothing is
+    process-wide: a later ``LengthVar("T")`` changes nothing about a function that exists.
+    """
+    named: dict[str, LengthVar] = {}
+    for var in given:
+        other = named.setdefault(var.name, var)
+        if other != var:
+            raise SpecError(f"{where}: two different LengthVars are named {var.name!r}: {other} and "
+                            f"{var}; give one of them another name")
+    missing = [n for n in names if n not in named]
+    if missing:
+        scopes = _visible_length_vars()
+        for name in missing:
+            # Local names shadow global ones.
+            found = next((scope[name] for scope in scopes if name in scope), [])
+            if len(found) > 1:
+                raise SpecError(f"{where}: Spec name {name!r} is ambiguous here ({found[0]} and "
+                                f"{found[1]} are both in scope); pass the LengthVar itself, "
+                                f"e.g. px.Spec(({name}, ...)) or variables=[{name}]")
+            if not found:
+                raise SpecError(
+                    f"{where}: Spec name {name!r}: expected a LengthVar named {name!r} given to "
+                    f"this call (in a Spec, a buckets key or variables=) or defined where it is "
+                    f"made, e.g. {name} = px.LengthVar({name!r}, max=...); received none "
+                    f"(known: {', '.join(sorted(named)) or 'none'})")
+            named[name] = found[0]
+    return {n: named[n] for n in dict.fromkeys(list(names))}
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _visible_length_vars() -> list[dict[str, list[LengthVar]]]:
+    """The LengthVars bound to names in the first frame outside polyexec: its locals, then its
+    globals, each as {LengthVar name: the distinct LengthVars of that name}."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return []
+    scopes = []
+    for names in (frame.f_locals, frame.f_globals):
+        found: dict[str, list[LengthVar]] = {}
+        for value in list(names.values()):
+            if isinstance(value, LengthVar) and value not in found.get(value.name, []):
+                found.setdefault(value.name, []).append(value)
+        scopes.append(found)
+    return scopes
+
+
+def symbolic_dims(variables: Sequence[LengthVar]) -> dict[str, Any]:
+    """One `jax.export` symbolic scope holding every variable with its bounds as constraints."""
+    if not variables:
+        return {}
+    constraints = [c for v in variables for c in v.constraints()]
+    dims = export.symbolic_shape(", ".join(v.name for v in variables), constraints=constraints)
+    return {v.name: d for v, d in zip(variables, dims)}
+
+
+def default_bucket_sizes(var: LengthVar) -> tuple[int, ...]:
+    """Powers of two from ``min`` up to ``max`` (``max`` itself always included)."""
+    sizes = []
+    size = 1
+    while size < var.max:
+        if size >= var.min:
+            sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (var.max,)
+
+
+def bucket_sizes(var: LengthVar, policy: Any = None) -> tuple[int, ...]:
+    """The sorted sizes a variable is compiled at: the policy's sizes within bounds, plus max."""
+    policy = var.buckets if policy is None else policy
+    if policy is None:
+        return default_bucket_sizes(var)
+    raw = getattr(policy, "sizes", policy)
+    try:
+        # Only ints: a string would iterate into digits, a float be truncated without a word.
+        if isinstance(raw, (str, bytes)) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in raw):
+            raise TypeError
+        sizes = sorted({int(s) for s in raw})
+    except TypeError:
+        raise SpecError(
+            f"buckets for {var.name!r}: expected a bucket policy (with .sizes) or a list of "
+            f"ints, received {policy!r}") from None
+    # A bucket below min is never used; above max it would compile for sizes no input can have.
+    sizes = [s for s in sizes if var.min <= s < var.max]
+    return tuple(sizes) + (var.max,)
