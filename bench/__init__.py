@@ -14,6 +14,8 @@ fraction of the limit measured in the same run:
   ``buckets.batch_plan``, buckets compiled ahead of need (in the background by default);
 - ``polyexec-cached``: the same in a second process that finds every bucket in the
   persistent compile cache the ``polyexec`` process filled.
+- ``polyexec-nomask``: ``polyexec`` with the executor's logical-length rewrite off
+  (``px.bucketed(..., masking=False)``), so what the rewrite costs shows side by side.
 
 Every strategy runs every example once per epoch, random-batch strategies in one shared
 order; grouped strategies visit the same examples in length-grouped batches. Each strategy

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from polyexec._errors import OptionError
+
 from . import report
 from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, combine_limits,
                          parse_strategies, t_policy, worker_main)
@@ -88,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("run and output")
     o.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help="comma list of pad-max, exact, pow2, fixed:S1,S2,..., polyexec, "
-                        f"polyexec-cached (default {DEFAULT_STRATEGIES})")
+                        "polyexec-cached, polyexec-nomask (polyexec with the logical-length "
+                        f"rewrite off: what it costs) (default {DEFAULT_STRATEGIES})")
     o.add_argument("--quick", action="store_true",
                    help="a tiny workload (inference, hidden 16, cap 512, 6 batches of 8 per "
                         "epoch) that runs every strategy in about a minute; explicit flags win")
@@ -187,7 +190,6 @@ def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
             bar.update(task, completed=event["done"])
 
     with tempfile.TemporaryDirectory(prefix="polyexec-bench-") as tmp, bar:
-        cache_dir = os.path.join(tmp, "xla-cache")
         limit_cache = os.path.join(tmp, "xla-cache-limit")
         # The limit worker creates the initial weights and writes them; the others read them.
         state_file = os.path.join(tmp, "initial_state.eqx")
@@ -197,8 +199,8 @@ def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
         results = []
         for s in strategies:
             job = {"strategy": {"kind": s.kind, "sizes": list(s.sizes) if s.sizes else None},
-                   "name": s.name, "config": cfg.to_dict(),
-                   "cache_dir": cache_dir if s.grouped else None, "state_file": state_file}
+                   "name": s.name, "config": cfg.to_dict(), "state_file": state_file,
+                   "cache_dir": os.path.join(tmp, s.cache_folder) if s.cache_folder else None}
             results.append(run_worker(job, tmp, on_event))
         # A second pass after the strategies (programs from its own compile cache): the load
         # other processes put on the machine drifts over minutes, and the limit is the fastest
@@ -307,19 +309,22 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
-    if args.model == "filter-mlp":
-        return run_filter_mlp(args)
+    # A bad flag is a one-line usage error (exit status 2), like argparse's own, before any
+    # worker starts: bad values raise OptionError, a missing --lengths-file an OSError.
     try:
+        if args.model == "filter-mlp":
+            return run_filter_mlp(args)
         cfg = config_from_args(args)
         strategies = parse_strategies(args.strategies)
         data = load_data(cfg)
-        for s in strategies:     # bad fixed sizes fail here, before any worker starts
+        for s in strategies:     # bad fixed sizes fail here
             t_policy(s, cfg, data)
-    except (ValueError, TypeError, OSError) as e:
-        raise SystemExit(f"polyexec-bench: {e}") from None
+    except (OptionError, OSError) as e:
+        parser.error(str(e))
 
     console = _console()
     console.print(f"[bold]{cfg.model} {cfg.mode}[/]: {data.description}; cap {cfg.cap} "

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from polyexec._errors import PolyexecError
+
 RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
     "strategy": str,
     "compiles": int,
@@ -28,7 +30,7 @@ RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
 TOP_KEYS = ("workload", "limit_tokens_per_s", "results")
 
 
-class SchemaError(ValueError):
+class SchemaError(PolyexecError, ValueError):
     """The benchmark JSON does not have the documented shape; the message names the path."""
 
 
@@ -42,14 +44,14 @@ def validate(doc: Any) -> Any:
         raise SchemaError(f"{path}: {msg}")
 
     if not isinstance(doc, dict):
-        fail("$", f"expected an object, got {type(doc).__name__}")
+        fail("$", f"expected an object, received {type(doc).__name__}")
     if set(doc) != set(TOP_KEYS):
-        fail("$", f"expected exactly the keys {list(TOP_KEYS)}, got {sorted(doc)}")
+        fail("$", f"expected exactly the keys {list(TOP_KEYS)}, received {sorted(doc)}")
     if not isinstance(doc["workload"], dict):
         fail("$.workload", "expected an object")
     limit = doc["limit_tokens_per_s"]
     if not _is_number(limit) or not limit > 0:
-        fail("$.limit_tokens_per_s", f"expected a finite number > 0, got {limit!r}")
+        fail("$.limit_tokens_per_s", f"expected a finite number > 0, received {limit!r}")
     if not isinstance(doc["results"], list) or not doc["results"]:
         fail("$.results", "expected a non-empty list")
     seen = set()
@@ -64,17 +66,17 @@ def validate(doc: Any) -> Any:
         for key, kind in RESULT_KEYS.items():
             value = row[key]
             if isinstance(value, bool) or not isinstance(value, kind):
-                fail(f"{path}.{key}", f"expected {_kind_name(kind)}, got {value!r}")
+                fail(f"{path}.{key}", f"expected {_kind_name(kind)}, received {value!r}")
             if kind is not str and (not _is_number(value) or value < 0):
-                fail(f"{path}.{key}", f"expected a finite number >= 0, got {value!r}")
+                fail(f"{path}.{key}", f"expected a finite number >= 0, received {value!r}")
         if not 0 < row["padding_efficiency"] <= 1:
-            fail(f"{path}.padding_efficiency", f"expected a value in (0, 1], got "
+            fail(f"{path}.padding_efficiency", f"expected a value in (0, 1], received "
                                                f"{row['padding_efficiency']!r}")
         for which in ("cold", "warm"):
             expected = row[f"tokens_per_s_{which}"] / limit
             if not math.isclose(row[f"fraction_of_limit_{which}"], expected, rel_tol=1e-6):
                 fail(f"{path}.fraction_of_limit_{which}",
-                     f"expected tokens_per_s_{which} / limit_tokens_per_s = {expected!r}, got "
+                     f"expected tokens_per_s_{which} / limit_tokens_per_s = {expected!r}, received "
                      f"{row[f'fraction_of_limit_{which}']!r}")
         if row["strategy"] in seen:
             fail(f"{path}.strategy", f"{row['strategy']!r} appears twice")
@@ -154,6 +156,11 @@ def summary_lines(doc: dict) -> list[str]:
             lines.append(f"polyexec vs {other}: {p['tokens_per_s_warm'] / o['tokens_per_s_warm']:.2f}x "
                          f"warm, {p['tokens_per_s_cold'] / o['tokens_per_s_cold']:.2f}x cold "
                          f"(goal {goal:.0f}x)")
+    n = by.get("polyexec-nomask")
+    if n:
+        lines.append(f"polyexec-nomask (the logical-length rewrite off): polyexec runs at "
+                     f"{p['tokens_per_s_warm'] / n['tokens_per_s_warm']:.2f}x its warm "
+                     f"throughput, {p['compile_s']:.1f} s of compiles against {n['compile_s']:.1f} s")
     c = by.get("polyexec-cached")
     if c:
         lines.append(f"polyexec-cached (a second process on the persistent compile cache): "

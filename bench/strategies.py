@@ -21,12 +21,20 @@ import time
 import typing
 from typing import Any, Literal
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import buckets
-from .workloads import MIN_T, Config, Data, build_step, load_data
+import polyexec as px
+from polyexec._bind import pad_to
+from polyexec._cache import xla_events, xla_events_since
+from polyexec._errors import OptionError
+from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
-StrategyKind = Literal["pad-max", "exact", "pow2", "fixed", "polyexec", "polyexec-cached"]
+StrategyKind = Literal["pad-max", "exact", "pow2", "fixed", "polyexec", "polyexec-cached",
+                       "polyexec-nomask"]
 KINDS: tuple[str, ...] = typing.get_args(StrategyKind)
 DEFAULT_STRATEGIES = "pad-max,exact,pow2,polyexec,polyexec-cached"
 
@@ -47,7 +55,23 @@ class Strategy:
     @property
     def grouped(self) -> bool:
         """Length-grouped batches (the same examples per epoch, grouped by bucket)."""
-        return self.kind in ("polyexec", "polyexec-cached")
+        return self.kind in ("polyexec", "polyexec-cached", "polyexec-nomask")
+
+    @property
+    def masking(self) -> bool:
+        """The executor's logical-length rewrite: off for ``polyexec-nomask``, which is there to
+        measure what the rewrite costs, side by side with ``polyexec``."""
+        return self.kind != "polyexec-nomask"
+
+    @property
+    def cache_folder(self) -> str | None:
+        """The persistent compile cache a grouped strategy runs on (a folder of the run's
+        temporary directory). ``polyexec-cached`` reads the one ``polyexec`` fills;
+        ``polyexec-nomask`` compiles other programs and gets its own, so it finds nothing of
+        ``polyexec``'s and its compile counts compare."""
+        if not self.grouped:
+            return None
+        return "xla-cache-nomask" if not self.masking else "xla-cache"
 
     @property
     def batching(self) -> str:
@@ -67,14 +91,16 @@ def parse_strategies(text: str) -> list[Strategy]:
         nonlocal fixed
         if fixed is not None:
             if not fixed:
-                raise ValueError("--strategies: 'fixed:' needs sizes, e.g. fixed:16,64,256,1024")
+                raise OptionError("--strategies: 'fixed:' expected sizes, e.g. "
+                                  "fixed:16,64,256,1024, received none")
             out.append(Strategy("fixed", tuple(sorted(set(fixed)))))
             fixed = None
 
     for raw in text.split(","):
         token = raw.strip()
         if not token:
-            raise ValueError(f"--strategies: empty entry in {text!r}")
+            raise OptionError(f"--strategies: expected a strategy between every two commas, "
+                              f"received an empty entry in {text!r}")
         if token.isdigit() and fixed is not None:
             fixed.append(int(token))
             continue
@@ -82,24 +108,28 @@ def parse_strategies(text: str) -> list[Strategy]:
         if token.startswith("fixed:"):
             first = token[len("fixed:"):].strip()
             if not first.isdigit():
-                raise ValueError(f"--strategies: fixed sizes must be integers, got {first!r} in "
-                                 f"{token!r} (e.g. fixed:16,64,256,1024)")
+                raise OptionError(f"--strategies: fixed sizes: expected integers (e.g. "
+                                  f"fixed:16,64,256,1024), received {first!r} in {token!r}")
             fixed = [int(first)]
         elif token in KINDS and token != "fixed":
             out.append(Strategy(token))
         else:
-            raise ValueError(f"--strategies: unknown strategy {token!r}; valid: "
-                             f"{', '.join(k if k != 'fixed' else 'fixed:S1,S2,...' for k in KINDS)}")
+            raise OptionError(f"--strategies: expected one of "
+                              f"{', '.join(k if k != 'fixed' else 'fixed:S1,S2,...' for k in KINDS)}; "
+                              f"received unknown strategy {token!r}")
     close_fixed()
     names = [s.name for s in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise ValueError(f"--strategies: {', '.join(sorted(dup))} given twice")
+        raise OptionError(f"--strategies: expected each strategy once, received "
+                          f"{', '.join(sorted(dup))} given twice")
     if any(s.kind == "fixed" and min(s.sizes) < MIN_T for s in out):
-        raise ValueError(f"--strategies: fixed sizes must be >= {MIN_T} (the loss needs T >= 2)")
+        raise OptionError(f"--strategies: fixed sizes: expected sizes >= {MIN_T} (the loss needs "
+                          f"T >= 2), received {', '.join(s.name for s in out if s.kind == 'fixed')}")
     if "polyexec-cached" in names and "polyexec" not in names:
-        raise ValueError("--strategies: polyexec-cached reuses the compile cache that the "
-                         "polyexec strategy fills; list polyexec too")
+        raise OptionError("--strategies: expected polyexec beside polyexec-cached (which reuses "
+                          "the compile cache polyexec fills; list polyexec too), received "
+                          "polyexec-cached alone")
     # polyexec-cached must run after polyexec (it reads the cache polyexec writes).
     out.sort(key=lambda s: s.kind == "polyexec-cached")
     return out
@@ -117,8 +147,9 @@ def t_policy(strategy: Strategy, cfg: Config, data: Data) -> buckets.BucketPolic
         return buckets.Geometric(MIN_T, cfg.cap)
     if strategy.kind == "fixed":
         if max(strategy.sizes) < cfg.cap:
-            raise ValueError(f"--strategies {strategy.name}: the largest size {max(strategy.sizes)} "
-                             f"is below the cap {cfg.cap}; add a size >= {cfg.cap}")
+            raise OptionError(f"--strategies {strategy.name}: expected a largest size >= the cap "
+                              f"{cfg.cap}, received largest size {max(strategy.sizes)} (add a "
+                              f"size >= {cfg.cap})")
         return buckets.Fixed(strategy.sizes)
     if strategy.grouped:
         return buckets.Optimal.fit(data.padded_lengths, max_buckets=cfg.buckets)
@@ -205,34 +236,6 @@ def padded_shape(strategy: Strategy, cfg: Config, policy, rows: int, longest: in
 # ------------------------------------------------------------------------------- the worker
 
 
-class _Counters:
-    """XLA compile events of this process, from jax.monitoring (counted, not inferred)."""
-
-    def __init__(self):
-        import jax
-
-        self.seconds = 0.0
-        self.backend_compiles = 0
-        self.cache_hits = 0
-        self.active = False
-        jax.monitoring.register_event_duration_secs_listener(self._duration)
-        jax.monitoring.register_event_listener(self._event)
-
-    def _duration(self, event: str, duration: float, **_: Any) -> None:
-        if not self.active:
-            return
-        if event in ("/jax/core/compile/jaxpr_trace_duration",
-                     "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                     "/jax/core/compile/backend_compile_duration"):
-            self.seconds += duration
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.backend_compiles += 1
-
-    def _event(self, event: str, **_: Any) -> None:
-        if self.active and event == "/jax/compilation_cache/cache_hits":
-            self.cache_hits += 1
-
-
 def emit(kind: str, **payload: Any) -> None:
     """One event line for the orchestrating process (it drives the progress bar)."""
     sys.stdout.write(EVENT_PREFIX + json.dumps({"event": kind, **payload}) + "\n")
@@ -246,18 +249,48 @@ def peak_rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-def _split_state(step):
-    import equinox as eqx
-    return eqx.partition(step.state, eqx.is_array)
+class ExactJit:
+    """Plain ``jax.jit`` of the step at each exact input shape, the way the ``exact`` strategy
+    and the limit run it: every new shape is traced, lowered and compiled (jit's ahead-of-time
+    API, so the seconds are measured, not inferred) and its executable kept; calls run it.
+
+    The state's arrays are the jitted argument and everything else is closed over, so the
+    state's static leaves never become inputs.
+    """
+
+    def __init__(self, step: Step):
+        self.step = step
+        self.state, self._static = eqx.partition(step.state, eqx.is_array)
+        self.traces = 0
+        self.compile_seconds = 0.0
+        self._executables: dict[tuple, Any] = {}
+        self._jitted = jax.jit(self._call)
+
+    def _call(self, params, tokens, lengths):
+        self.traces += 1                 # Python runs only when jit traces
+        return self.step.fn(eqx.combine(params, self._static), tokens, lengths)
+
+    @property
+    def compiles(self) -> int:
+        return len(self._executables)
+
+    def __call__(self, state, tokens, lengths) -> tuple[Any, Any]:
+        """``(loss, state after the step)``, the state as arrays only."""
+        key = (tokens.shape, lengths.shape)
+        executable = self._executables.get(key)
+        if executable is None:
+            start = time.perf_counter()
+            executable = self._jitted.lower(state, tokens, lengths).compile()
+            self.compile_seconds += time.perf_counter() - start
+            self._executables[key] = executable
+        loss, state = self.step.loss_and_state(executable(state, tokens, lengths), state)
+        return loss, eqx.filter(state, eqx.is_array)
 
 
 def padded_batch(data: Data, idx: np.ndarray, rows: int, t: int) -> tuple[np.ndarray, np.ndarray]:
     """Examples ``idx`` as a (rows, t) token array and (rows,) lengths; extra rows have length 0."""
-    tokens = np.zeros((rows, t), np.int32)
-    tokens[:len(idx)] = data.tokens[idx, :t]
-    lengths = np.zeros(rows, np.int32)
-    lengths[:len(idx)] = data.lengths[idx]
-    return tokens, lengths
+    return (pad_to(data.tokens[idx, :t], (rows, t), 0),
+            pad_to(data.lengths[idx], (rows,), 0, np.int32))
 
 
 def _combos_by_need(strategy, cfg, data, policy, epochs) -> list[tuple[int, int]]:
@@ -322,61 +355,44 @@ class BackgroundWarmup:
             raise self._error
 
 
+def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy):
+    """``step`` through ``px.bucketed`` with the strategy's (B, T) buckets."""
+    rows = b_sizes(strategy, cfg)
+    T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
+    B = px.LengthVar("B", max=max(rows))
+    return px.bucketed(step.fn, in_specs=(None, px.Spec((B, T), jnp.int32),
+                                          px.Spec((B,), jnp.int32, lengths_of=T)),
+                       buckets={T: list(policy.sizes), B: rows}, name=strategy.name,
+                       masking=strategy.masking)
+
+
 def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = None,
                  state_file: str | None = None) -> dict:
     """Run ``strategy`` for every epoch in this process; return its measurements."""
-    import jax
-    import jax.numpy as jnp
-
-    import polyexec as px
-
     if strategy.grouped:
         if cache_dir is None:
-            raise ValueError(f"{strategy.name}: needs the persistent cache folder")
+            raise OptionError(f"{strategy.name}: cache_dir: expected the persistent cache "
+                              f"folder, received None")
         px.enable_persistent_cache(cache_dir)
 
     data = load_data(cfg)
     policy = t_policy(strategy, cfg, data)
     epochs = schedule(strategy, cfg, data, policy)
     step = build_step(cfg, state_file)
-    counters = _Counters()
     emit("start", strategy=strategy.name, total=sum(len(e) for e in epochs))
 
-    traces = [0]
     if strategy.kind == "exact":
-        import equinox as eqx
-        params, static = _split_state(step)
-
-        def exact_step(params, tokens, lengths):
-            traces[0] += 1                       # Python runs only when jit traces
-            return step.fn(eqx.combine(params, static), tokens, lengths)
-
-        jitted = jax.jit(exact_step)
-        state = params
-
-        def call(state, tokens, lengths):
-            out = jitted(state, tokens, lengths)
-            if step.updates_state:
-                loss, new = out
-                return loss, eqx.filter(new, eqx.is_array)
-            return out, state
+        call = exact = ExactJit(step)
+        state = exact.state
     else:
-        T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
-        rows_buckets = b_sizes(strategy, cfg)
-        B = px.LengthVar("B", max=max(rows_buckets))
-        f = px.bucketed(step.fn, in_specs=(None, px.Spec("B T", jnp.int32),
-                                           px.Spec("B", jnp.int32, lengths_of="T")),
-                        buckets={T: list(policy.sizes), B: rows_buckets}, name=strategy.name)
+        f = bucketed_step(strategy, cfg, step, policy)
         state = step.state
-
-        def px_choice(rows, longest):    # the bucket px picks for an unpadded batch
-            return _bucket(rows_buckets, rows), _bucket(policy.sizes, longest)
+        rows_buckets = b_sizes(strategy, cfg)
 
         def call(state, tokens, lengths):
-            out = f(state, tokens, lengths)
-            return out if step.updates_state else (out, state)
+            return step.loss_and_state(f(state, tokens, lengths), state)
 
-    counters.active = True
+    before = xla_events()
     real = padded = upgraded = 0
     epoch_seconds, epoch_tokens, losses = [], [], []
     done = 0
@@ -399,9 +415,10 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
             if warm is not None:
                 rows, t = warm.shape_for(rows, t)
                 upgraded += (rows, t) != own
-            if strategy.kind == "exact" or (rows, t) != px_choice(len(idx), longest):
+            if strategy.kind == "exact" or (rows, t) != (_bucket(rows_buckets, len(idx)),
+                                                         _bucket(policy.sizes, longest)):
                 tokens, lengths = padded_batch(data, idx, rows, t)
-            else:   # polyexec pads to the bucket itself
+            else:   # the bucket px picks for the unpadded batch: it pads to it itself
                 tokens = data.tokens[idx, :longest]
                 lengths = data.lengths[idx].astype(np.int32)
             loss, state = call(state, tokens, lengths)
@@ -418,20 +435,16 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
         epoch_seconds.append(time.perf_counter() - start)
         epoch_tokens.append(data.real_tokens)
         losses.append(float(loss))
-    counters.active = False
+    events = xla_events_since(before)
 
     if strategy.kind == "exact":
-        compiles = jitted._cache_size()
-        compile_s = counters.seconds
-        n_traces = traces[0]
-        n_buckets = compiles
+        compiles, compile_s, n_traces, n_buckets = (exact.compiles, exact.compile_seconds,
+                                                    exact.traces, exact.compiles)
     else:
-        stats = f.stats
         # A persistent-cache hit builds the executable without running XLA: not a compile.
-        compiles = stats.compiles - counters.cache_hits
-        compile_s = stats.compile_seconds
-        n_traces = f.traces
-        n_buckets = len(policy.sizes)
+        compiles, compile_s, n_traces, n_buckets = (f.stats.compiles - events["cache_hits"],
+                                                    f.stats.compile_seconds, f.traces,
+                                                    len(policy.sizes))
     warm_tokens, warm_seconds = sum(epoch_tokens[1:]), sum(epoch_seconds[1:])
     return {
         "strategy": strategy.name,
@@ -446,8 +459,8 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
         # extras for the table and the plot (not part of the JSON results)
         "bucket_count": int(n_buckets),
         "buckets": list(policy.sizes) if policy is not None else None,
-        "cache_hits": counters.cache_hits,
-        "backend_compiles": counters.backend_compiles,
+        "cache_hits": events["cache_hits"],
+        "backend_compiles": events["backend_compiles"],
         "upgraded_batches": upgraded,
         "warmup": cfg.warmup if strategy.grouped else None,
         "distinct_shapes": len({padded_shape(strategy, cfg, policy, len(i),
@@ -497,24 +510,13 @@ def run_limit(cfg: Config, state_file: str | None = None, *, cache_dir: str | No
     ``cache_dir``: a persistent compile cache shared by the limit passes only, so the pass
     after the strategies loads its programs instead of compiling them again.
     """
-    import equinox as eqx
-    import jax
-
-    import polyexec as px
-
     if cache_dir is not None:
         px.enable_persistent_cache(cache_dir)
     data = load_data(cfg)
-    step = build_step(cfg, state_file)
     groups = limit_shapes(cfg, data)
     emit("start", strategy=name, total=len(groups))
-    params, static = _split_state(step)
-
-    def limit_step(params, tokens, lengths):
-        return step.fn(eqx.combine(params, static), tokens, lengths)
-
-    jitted = jax.jit(limit_step)
-    state = params
+    step = ExactJit(build_step(cfg, state_file))
+    state = step.state
     out_groups = []
     for i, g in enumerate(groups):
         rows, t = g["rows"], g["length"]
@@ -523,14 +525,10 @@ def run_limit(cfg: Config, state_file: str | None = None, *, cache_dir: str | No
         tokens = data.tokens[np.resize(g["members"], rows), :t]
         lengths = np.full(rows, t, np.int32)
 
-        def once(state):
-            out = jitted(state, tokens, lengths)
-            return (out[0], eqx.filter(out[1], eqx.is_array)) if step.updates_state else (out, state)
-
         def chunk(n, state):
             start = time.perf_counter()
             for _ in range(n):
-                loss, state = once(state)
+                loss, state = step(state, tokens, lengths)
             jax.block_until_ready((loss, state))
             return time.perf_counter() - start, state
 

@@ -17,7 +17,16 @@ import os
 import typing
 from typing import Any, Literal
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+import polyexec as px
+from examples.rnn.model import CharLM, loss_fn
+from polyexec._errors import OptionError, check_int, check_option
+from polyexec.training import TrainState, train_step_fn
 
 Model = Literal["gru", "lstm", "attention", "filter-mlp"]
 Mode = Literal["train", "infer"]
@@ -27,6 +36,7 @@ Warmup = Literal["background", "blocking"]
 
 MODELS: tuple[str, ...] = typing.get_args(Model)
 MODES: tuple[str, ...] = typing.get_args(Mode)
+SOURCES: tuple[str, ...] = typing.get_args(Source)
 DISTS: tuple[str, ...] = typing.get_args(Dist)
 WARMUPS: tuple[str, ...] = typing.get_args(Warmup)
 
@@ -34,14 +44,6 @@ WARMUPS: tuple[str, ...] = typing.get_args(Warmup)
 # ``tokens[:, :-1]`` and needs T >= 2 (a 1-byte example is padded to 2 and contributes no
 # prediction). Real-token counts always use the true lengths.
 MIN_T = 2
-
-
-def check_option(where: str, name: str, value: Any, options: tuple[str, ...]) -> str:
-    """``value`` if it is one of ``options``; else a ValueError that lists them."""
-    if not isinstance(value, str) or value not in options:
-        raise ValueError(f"{where}: {name} must be one of {', '.join(map(repr, options))}; "
-                         f"got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,30 +75,33 @@ class Config:
     warmup: str = "background"        # polyexec: "background" or "blocking" warmup
 
     def __post_init__(self):
-        check_option("Config", "model", self.model, MODELS)
-        check_option("Config", "mode", self.mode, MODES)
-        check_option("Config", "source", self.source, typing.get_args(Source))
+        for name, options in (("model", MODELS), ("mode", MODES), ("source", SOURCES),
+                              ("warmup", WARMUPS)):
+            check_option(getattr(self, name), options, f"Config: {name}")
         if self.source == "file" and not self.lengths_file:
-            raise ValueError("Config: source='file' needs lengths_file")
+            raise OptionError(f"Config: lengths_file: expected a path with source='file', "
+                              f"received {self.lengths_file!r}")
         if (self.batch_size is None) == (self.max_tokens is None):
-            raise ValueError(f"Config: give exactly one of batch_size / max_tokens; got "
-                             f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
-        for name, minimum in (("cap", MIN_T), ("epochs", 2), ("num_examples", 1), ("hidden", 1),
-                              ("embed", 1), ("heads", 1), ("buckets", 1), ("limit_rounds", 1)):
-            _check_int(name, getattr(self, name), minimum)
-        for name, minimum in (("batch_size", 1), ("max_tokens", 1), ("steps", 1)):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum)
-        _check_int("seed", self.seed, 0)
-        check_option("Config", "warmup", self.warmup, WARMUPS)
+            raise OptionError(f"Config: expected exactly one of batch_size / max_tokens, received "
+                              f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
+        for name, minimum, optional in (
+                ("cap", MIN_T, False), ("epochs", 2, False), ("num_examples", 1, False),
+                ("hidden", 1, False), ("embed", 1, False), ("heads", 1, False),
+                ("buckets", 1, False), ("limit_rounds", 1, False), ("seed", 0, False),
+                ("batch_size", 1, True), ("max_tokens", 1, True), ("steps", 1, True)):
+            check_int(getattr(self, name), f"Config: {name}", min=minimum, optional=optional)
+        if not self.learning_rate > 0:
+            raise OptionError(f"Config: learning_rate: expected a number > 0, received "
+                              f"{self.learning_rate!r}")
         if not self.limit_seconds >= 0:
-            raise ValueError(f"Config: limit_seconds must be >= 0, got {self.limit_seconds}")
+            raise OptionError(f"Config: limit_seconds: expected a number >= 0, received "
+                              f"{self.limit_seconds!r}")
         if self.max_tokens is not None and self.max_tokens < self.cap:
-            raise ValueError(f"Config: max_tokens={self.max_tokens} is below cap={self.cap}: a "
-                             f"batch must hold at least one capped example")
+            raise OptionError(f"Config: max_tokens: expected at least cap={self.cap} (a batch "
+                              f"must hold one capped example), received {self.max_tokens}")
         if self.model == "attention" and self.hidden % self.heads:
-            raise ValueError(f"Config: attention needs hidden divisible by heads; got "
-                             f"hidden={self.hidden}, heads={self.heads}")
+            raise OptionError(f"Config: hidden: expected a multiple of heads={self.heads} for "
+                              f"attention, received {self.hidden}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,14 +109,6 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**d)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"Config: {name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"Config: {name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 # ------------------------------------------------------------------------------------- data
@@ -148,14 +145,14 @@ def read_lengths_file(path: str) -> np.ndarray:
             try:
                 value = int(text)
             except ValueError:
-                raise ValueError(f"--lengths-file {path}: line {number}: expected an integer "
-                                 f"length, got {text!r}") from None
+                raise OptionError(f"--lengths-file {path}: line {number}: expected an integer "
+                                  f"length, received {text!r}") from None
             if value < 1:
-                raise ValueError(f"--lengths-file {path}: line {number}: lengths must be >= 1, "
-                                 f"got {value}")
+                raise OptionError(f"--lengths-file {path}: line {number}: expected a length >= 1, "
+                                  f"received {value}")
             out.append(value)
     if not out:
-        raise ValueError(f"--lengths-file {path}: no lengths in the file")
+        raise OptionError(f"--lengths-file {path}: expected at least one length, received none")
     return np.asarray(out, np.int64)
 
 
@@ -167,7 +164,7 @@ def synthetic_lengths(dist: str, n: int, cap: int, rng: np.random.Generator) -> 
     - ``bimodal``: 70% short (normal, mean 32, sd 8), 30% long (normal, mean cap/2, sd cap/10):
       padding short examples to the long mode is what pad-to-max pays.
     """
-    check_option("synthetic_lengths", "dist", dist, DISTS)
+    check_option(dist, DISTS, "synthetic_lengths: dist")
     if dist == "lognormal":
         raw = np.rint(rng.lognormal(mean=math.log(100.0), sigma=1.0, size=n))
     elif dist == "uniform":
@@ -227,87 +224,82 @@ def load_data(cfg: Config) -> Data:
 # ------------------------------------------------------------------------------ the models
 
 
-def _attention_lm():
-    """Build the AttentionLM class lazily: the orchestrating process never imports JAX."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
+class AttentionLM(eqx.Module):
+    """One pre-LayerNorm causal transformer encoder layer over bytes; (T,) -> (T, 256).
 
-    import polyexec as px
+    Causal attention means a real position never sees a later (padding) position, so
+    padding the end of a sequence changes no real logit: `loss_fn`'s mask is all the
+    masking it needs. Attention scores are (heads, T, T): cost quadratic in length.
+    Positions are sinusoidal, computed from the input's own length (no table of a
+    maximum length, which would make the trace reshaping-impossible).
+    """
 
-    class AttentionLM(eqx.Module):
-        """One pre-LayerNorm causal transformer encoder layer over bytes; (T,) -> (T, 256).
+    embed: eqx.nn.Embedding
+    ln1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.LayerNorm
+    mlp_in: eqx.nn.Linear
+    mlp_out: eqx.nn.Linear
+    ln_f: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+    dim: int = eqx.field(static=True)
 
-        Causal attention means a real position never sees a later (padding) position, so
-        padding the end of a sequence changes no real logit: `loss_fn`'s mask is all the
-        masking it needs. Attention scores are (heads, T, T): cost quadratic in length.
-        Positions are sinusoidal, computed from the input's own length (no table of a
-        maximum length, which would make the trace reshaping-impossible).
-        """
+    def __init__(self, *, dim: int, heads: int, key):
+        k = jax.random.split(key, 5)
+        self.dim = dim
+        self.embed = eqx.nn.Embedding(256, dim, key=k[0])
+        self.ln1, self.ln2, self.ln_f = (eqx.nn.LayerNorm(dim) for _ in range(3))
+        self.attn = eqx.nn.MultiheadAttention(heads, dim, key=k[1])
+        self.mlp_in = eqx.nn.Linear(dim, 4 * dim, key=k[2])
+        self.mlp_out = eqx.nn.Linear(4 * dim, dim, key=k[3])
+        self.head = eqx.nn.Linear(dim, 256, key=k[4])
 
-        embed: eqx.nn.Embedding
-        ln1: eqx.nn.LayerNorm
-        attn: eqx.nn.MultiheadAttention
-        ln2: eqx.nn.LayerNorm
-        mlp_in: eqx.nn.Linear
-        mlp_out: eqx.nn.Linear
-        ln_f: eqx.nn.LayerNorm
-        head: eqx.nn.Linear
-        dim: int = eqx.field(static=True)
-
-        def __init__(self, *, dim: int, heads: int, key):
-            k = jax.random.split(key, 5)
-            self.dim = dim
-            self.embed = eqx.nn.Embedding(256, dim, key=k[0])
-            self.ln1, self.ln2, self.ln_f = (eqx.nn.LayerNorm(dim) for _ in range(3))
-            self.attn = eqx.nn.MultiheadAttention(heads, dim, key=k[1])
-            self.mlp_in = eqx.nn.Linear(dim, 4 * dim, key=k[2])
-            self.mlp_out = eqx.nn.Linear(4 * dim, dim, key=k[3])
-            self.head = eqx.nn.Linear(dim, 256, key=k[4])
-
-        def __call__(self, tokens):
-            pos = px.arange_like(tokens).astype(jnp.float32)
-            half = self.dim // 2
-            freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
-            angle = pos[:, None] * freq[None, :]
-            enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
-            x = jax.vmap(self.embed)(tokens)
-            x = x.at[:, :2 * half].add(enc)
-            causal = pos[:, None] >= pos[None, :]
-            h = jax.vmap(self.ln1)(x)
-            x = x + self.attn(h, h, h, mask=causal)
-            h = jax.vmap(self.ln2)(x)
-            x = x + jax.vmap(lambda v: self.mlp_out(jax.nn.gelu(self.mlp_in(v))))(h)
-            return jax.vmap(lambda v: self.head(self.ln_f(v)))(x)
-
-    return AttentionLM
+    def __call__(self, tokens):
+        pos = px.arange_like(tokens).astype(jnp.float32)
+        half = self.dim // 2
+        freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+        angle = pos[:, None] * freq[None, :]
+        enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
+        x = jax.vmap(self.embed)(tokens)
+        x = x.at[:, :2 * half].add(enc)
+        causal = pos[:, None] >= pos[None, :]
+        h = jax.vmap(self.ln1)(x)
+        x = x + self.attn(h, h, h, mask=causal)
+        h = jax.vmap(self.ln2)(x)
+        x = x + jax.vmap(lambda v: self.mlp_out(jax.nn.gelu(self.mlp_in(v))))(h)
+        return jax.vmap(lambda v: self.head(self.ln_f(v)))(x)
 
 
 def build_model(cfg: Config):
     """The initial model for ``cfg`` (the same weights in every process: key from the seed)."""
-    import jax
-
-    from examples.rnn.model import CharLM
-
     key = jax.random.PRNGKey(cfg.seed)
     if cfg.model in ("gru", "lstm"):
         return CharLM(cell=cfg.model, embed=cfg.embed, hidden=cfg.hidden, key=key)
     if cfg.model == "attention":
-        return _attention_lm()(dim=cfg.hidden, heads=cfg.heads, key=key)
-    raise ValueError(f"build_model: {cfg.model!r} is not a sequence model")
+        return AttentionLM(dim=cfg.hidden, heads=cfg.heads, key=key)
+    raise OptionError(f"build_model: model: expected one of 'gru', 'lstm', 'attention', "
+                      f"received {cfg.model!r}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Step:
     """The benchmarked step ``fn(state, tokens, lengths)``.
 
-    Train: ``state = (model, adam_state)``, returns ``(loss, new_state)`` (value_and_grad + an
-    optax Adam update). Infer: ``state = model``, returns the loss only.
+    Train: `polyexec.training.train_step_fn` -- the very step `polyexec.training.fit` runs
+    (value_and_grad + an optax Adam update) -- over a `TrainState`, returning ``(new state,
+    metrics)``. Infer: ``state`` is the model and ``fn`` the loss.
     """
 
     fn: Any
     state: Any
     updates_state: bool
+
+    def loss_and_state(self, out: Any, state: Any) -> tuple[Any, Any]:
+        """The loss and the state after a call that returned ``out`` and was given ``state``."""
+        if self.updates_state:
+            new_state, metrics = out
+            return metrics["loss"], new_state
+        return out, state
 
 
 def build_step(cfg: Config, state_file: str | None = None) -> Step:
@@ -317,18 +309,11 @@ def build_step(cfg: Config, state_file: str | None = None) -> Step:
     load each costs an XLA compile of ~0.2-1.5 s, ~10 s per process in all), and otherwise
     created and written there, so every worker process starts from the very same weights.
     """
-    import equinox as eqx
-    import optax
-
-    from examples.rnn.model import loss_fn
-
     optimizer = optax.adam(cfg.learning_rate)
 
     def initial_state():
         model = build_model(cfg)
-        if cfg.mode == "infer":
-            return model
-        return model, optimizer.init(eqx.filter(model, eqx.is_array))
+        return model if cfg.mode == "infer" else TrainState.create(model, optimizer)
 
     if state_file is not None and os.path.exists(state_file):
         state = eqx.tree_deserialise_leaves(state_file, eqx.filter_eval_shape(initial_state))
@@ -336,17 +321,6 @@ def build_step(cfg: Config, state_file: str | None = None) -> Step:
         state = initial_state()
         if state_file is not None:
             eqx.tree_serialise_leaves(state_file, state)
-
     if cfg.mode == "infer":
-        def infer_step(model, tokens, lengths):
-            return loss_fn(model, tokens, lengths)
-
-        return Step(infer_step, state, updates_state=False)
-
-    def train_step(state, tokens, lengths):
-        model, opt_state = state
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens, lengths)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return loss, (eqx.apply_updates(model, updates), opt_state)
-
-    return Step(train_step, state, updates_state=True)
+        return Step(loss_fn, state, updates_state=False)
+    return Step(train_step_fn(loss_fn, optimizer), state, updates_state=True)

@@ -7,7 +7,6 @@ global step, so at step s all replicas run the same bucket -- the same compiled 
 
 from __future__ import annotations
 
-import numbers
 import typing
 from typing import Iterator, Literal, NamedTuple
 
@@ -46,22 +45,23 @@ def batch_size_for(bucket_size: int, max_tokens: int) -> int:
 def _check_option(where: str, name: str, value, options: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in options:
         raise ValueError(
-            f"{where}: {name} must be one of {', '.join(repr(o) for o in options)}; got {value!r}"
+            f"{where}: {name}: expected one of {', '.join(repr(o) for o in options)}, "
+            f"received {value!r}"
         )
     return value
 
 
 def _check_bool(where: str, name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
+        raise TypeError(f"{where}: {name}: expected True or False, received {value!r}")
     return bool(value)
 
 
 def _check_batching(where: str, batch_size, max_tokens) -> tuple[int | None, int | None]:
     if (batch_size is None) == (max_tokens is None):
         raise ValueError(
-            f"{where}: pass exactly one of batch_size= (examples per batch) or max_tokens= "
-            f"(bucket_size * examples per batch); got batch_size={batch_size!r}, "
+            f"{where}: expected exactly one of batch_size= (examples per batch) or max_tokens= "
+            f"(bucket_size * examples per batch), received batch_size={batch_size!r}, "
             f"max_tokens={max_tokens!r}"
         )
     if batch_size is not None:
@@ -147,7 +147,8 @@ def batch_plan(
     S = _check_int(where, "num_shards", num_shards, minimum=1)
     shard_index = _check_int(where, "shard_index", shard_index, minimum=0)
     if shard_index >= S:
-        raise ValueError(f"{where}: shard_index must be in [0, num_shards={S}), got {shard_index}")
+        raise ValueError(f"{where}: shard_index: expected an int in [0, num_shards={S}), "
+                         f"received {shard_index}")
     overflow = _check_option(where, "overflow", overflow, _OVERFLOW_OPTIONS)
     arr = _lengths_array(lengths, where=where)
     policy = as_policy(policy)

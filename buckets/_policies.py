@@ -13,7 +13,7 @@ import numbers
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable, Union
+from typing import Iterable
 
 import numpy as np
 
@@ -49,14 +49,11 @@ class BucketOverflowError(ValueError):
         self.length = int(length)
         self.largest = int(largest)
         self.index = None if index is None else int(index)
-        if index is None:
-            msg = f"length {self.length} is above the largest bucket size {self.largest}"
-        else:
-            msg = (
-                f"example {self.index} has length {self.length}, above the largest bucket "
-                f"size {self.largest}; pass overflow='truncate' or 'exact', or use a policy "
-                f"whose largest size covers it"
-            )
+        msg = (f"expected a length <= {self.largest} (the largest bucket size), received "
+               f"{self.length}")
+        if index is not None:
+            msg = (f"example {self.index}: {msg}; pass overflow='truncate' or 'exact', or use a "
+                   f"policy whose largest size covers it")
         super().__init__(msg)
 
     def __reduce__(self):  # keep it picklable (multiprocessing data loaders)
@@ -69,10 +66,11 @@ class BucketOverflowError(ValueError):
 def _check_int(where: str, name: str, value, *, minimum: int) -> int:
     # bool is an int subclass: reject it, True as a size is always a bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{where}: {name}: expected an int, received {type(value).__name__} "
+                        f"{value!r}")
     value = int(value)
     if value < minimum:
-        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{where}: {name}: expected an int >= {minimum}, received {value}")
     return value
 
 
@@ -80,23 +78,24 @@ def _lengths_array(lengths, *, where: str, name: str = "lengths", minimum: int =
     """``lengths`` as a 1-D int64 array, or a ValueError/TypeError naming the argument."""
     arr = np.asarray(lengths)
     if arr.ndim != 1:
-        raise ValueError(f"{where}: {name} must be a 1-D sequence of ints, got shape {arr.shape}")
+        raise ValueError(f"{where}: {name}: expected a 1-D sequence of ints, received shape "
+                         f"{arr.shape}")
     if arr.size == 0:
-        raise ValueError(f"{where}: {name} is empty; need at least one length")
+        raise ValueError(f"{where}: {name}: expected at least one length, received none")
     if arr.dtype.kind not in "iu":
         # No silent float->int rounding: a float length usually means a unit mix-up.
         raise TypeError(
-            f"{where}: {name} must hold integers, got dtype {arr.dtype}"
+            f"{where}: {name}: expected integers, received dtype {arr.dtype}"
             f" (cast with np.asarray({name}, dtype=np.int64) if that is what you mean)"
         )
     if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and arr.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{where}: {name} has a value above int64: {arr.max()}")
+        raise ValueError(f"{where}: {name}: expected values within int64, received {arr.max()}")
     arr = arr.astype(np.int64, copy=False)
     bad = np.flatnonzero(arr < minimum)
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"{where}: {name}[{i}] = {int(arr[i])}; lengths must be >= {minimum}"
+            f"{where}: {name}[{i}]: expected a length >= {minimum}, received {int(arr[i])}"
             f" ({bad.size} such value{'s' if bad.size > 1 else ''})"
         )
     return arr
@@ -104,12 +103,13 @@ def _lengths_array(lengths, *, where: str, name: str = "lengths", minimum: int =
 
 def _normalise_sizes(where: str, sizes) -> tuple[int, ...]:
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
-        raise TypeError(f"{where}: sizes must be a sequence of ints, got {type(sizes).__name__}")
+        raise TypeError(f"{where}: sizes: expected a sequence of ints, received "
+                        f"{type(sizes).__name__}")
     out = []
     for i, s in enumerate(sizes):
         out.append(_check_int(where, f"sizes[{i}]", s, minimum=1))
     if not out:
-        raise ValueError(f"{where}: sizes is empty; need at least one bucket size")
+        raise ValueError(f"{where}: sizes: expected at least one bucket size, received none")
     # Sorted and de-duplicated so that equal policies compare (and hash) equal.
     return tuple(sorted(set(out)))
 
@@ -179,7 +179,7 @@ def as_policy(x) -> BucketPolicy:
         return Fixed(tuple(x.tolist() if isinstance(x, np.ndarray) else x))
     raise TypeError(
         f"as_policy: expected a bucket policy (Fixed, Geometric, MultipleOf, Optimal) or a "
-        f"list of sizes, got {type(x).__name__} {x!r}"
+        f"list of sizes, received {type(x).__name__} {x!r}"
     )
 
 
@@ -223,17 +223,19 @@ class Geometric(BucketPolicy):
         lo = _check_int("Geometric", "min", self.min, minimum=1)
         hi = _check_int("Geometric", "max", self.max, minimum=1)
         if hi < lo:
-            raise ValueError(f"Geometric: max must be >= min, got min={lo}, max={hi}")
+            raise ValueError(f"Geometric: max: expected max >= min={lo}, received {hi}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, numbers.Real):
-            raise TypeError(f"Geometric: ratio must be a number > 1, got {self.ratio!r}")
+            raise TypeError(f"Geometric: ratio: expected a number > 1, received {self.ratio!r}")
         ratio = float(self.ratio)
         if not math.isfinite(ratio) or ratio <= 1.0:
-            raise ValueError(f"Geometric: ratio must be a finite number > 1, got {self.ratio!r}")
+            raise ValueError(f"Geometric: ratio: expected a finite number > 1, received "
+                             f"{self.ratio!r}")
         steps = math.log(hi / lo) / math.log(ratio) if hi > lo else 0.0
         if steps > _MAX_SIZES:
             raise ValueError(
-                f"Geometric: ratio={ratio!r} is so close to 1 that min={lo}..max={hi} would "
-                f"need ~{int(steps)} steps; use a larger ratio (e.g. 1.1 or 2.0)"
+                f"Geometric: ratio: expected a ratio far enough from 1 for min={lo}..max={hi}, "
+                f"received ratio={ratio!r}, which would need ~{int(steps)} steps; use a larger "
+                f"ratio (e.g. 1.1 or 2.0)"
             )
         sizes = []
         i = 0
@@ -278,8 +280,8 @@ class MultipleOf(BucketPolicy):
         n = -(-hi // k)
         if n > _MAX_SIZES:
             raise ValueError(
-                f"MultipleOf: k={k}, max={hi} would make {n} buckets (limit {_MAX_SIZES}); "
-                f"use a larger k"
+                f"MultipleOf: k: expected at most {_MAX_SIZES} buckets up to max={hi}, received "
+                f"k={k}, which would make {n}; use a larger k"
             )
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "max", hi)
@@ -343,11 +345,12 @@ class Optimal(BucketPolicy):
         if compile_cost is not None:
             if isinstance(compile_cost, bool) or not isinstance(compile_cost, numbers.Real):
                 raise TypeError(
-                    f"{where}: compile_cost must be a number >= 0 (padded elements one compile "
-                    f"is worth), got {type(compile_cost).__name__} {compile_cost!r}"
+                    f"{where}: compile_cost: expected a number >= 0 (padded elements one "
+                    f"compile is worth), received {type(compile_cost).__name__} {compile_cost!r}"
                 )
             if not math.isfinite(float(compile_cost)) or compile_cost < 0:
-                raise ValueError(f"{where}: compile_cost must be finite and >= 0, got {compile_cost!r}")
+                raise ValueError(f"{where}: compile_cost: expected a finite number >= 0, received "
+                                 f"{compile_cost!r}")
             lam = Fraction(compile_cost)  # exact: a float is a dyadic rational
         if max_buckets is None and lam is None:
             max_buckets = DEFAULT_MAX_BUCKETS
@@ -356,7 +359,8 @@ class Optimal(BucketPolicy):
         D = values.size
         if int(values[-1]) * int(arr.size) >= 2**62:
             # int64 DP below; this would need lengths ~1e9 with ~1e9 examples.
-            raise ValueError(f"{where}: max(lengths) * len(lengths) is too large for int64 arithmetic")
+            raise ValueError(f"{where}: lengths: expected max(lengths) * len(lengths) < 2**62 "
+                             f"(int64 arithmetic), received {int(values[-1])} * {int(arr.size)}")
         if lam is None:
             if max_buckets >= D:
                 return cls(tuple(values.tolist()))

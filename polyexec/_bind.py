@@ -256,9 +256,9 @@ def pad_inputs(call: BoundCall, bucket: Mapping[str, int]) -> tuple[list[Any], i
                for arr, (spec, _) in zip(call.poly, call.signature.poly) if spec.lengths_of}
     for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
         flat.append(pad(arr, spec, dtype, bucket))
-        padded += int(np.prod(bucket_shape(spec, bucket)))
         if spec.lengths_of:
             continue
+        padded += int(np.prod(bucket_shape(spec, bucket)))
         real += _real_elements(spec, tuple(arr.shape), lengths)
     return flat, real, padded
 

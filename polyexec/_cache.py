@@ -18,6 +18,11 @@ import jax
 
 from ._errors import CompileError
 
+try:  # a private hook; without it the config switch alone applies (see _reset_jax_cache)
+    from jax._src import compilation_cache as _compilation_cache
+except ImportError:
+    _compilation_cache = None
+
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
 _forbid_depth = 0
@@ -130,8 +135,5 @@ def _reset_jax_cache() -> None:
     # JAX opens the cache folder once, at the first compile of the process, and ignores later
     # changes of jax_compilation_cache_dir: without this reset, enabling the cache after any
     # compile, switching folders, or disabling it silently keeps writing to the first folder.
-    try:
-        from jax._src import compilation_cache
-        compilation_cache.reset_cache()
-    except (ImportError, AttributeError):  # a JAX without the private hook: config alone
-        pass
+    if _compilation_cache is not None:
+        _compilation_cache.reset_cache()

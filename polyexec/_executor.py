@@ -168,6 +168,10 @@ class Bucketed:
     def __call__(self, *args):
         offset = 0
         if self._loaded is not None:
+            expected = len(self.in_specs) - len(self._loaded.constants)
+            if len(args) != expected:
+                raise SpecError(f"plan {self.name}: expected {expected} positional arguments, "
+                                f"received {len(args)}")
             args, offset = self._loaded.constants + tuple(args), len(self._loaded.constants)
         call = _bind.bind(args, self.in_specs, self.variables, offset)
         plan = self._plan(call.signature)

@@ -224,14 +224,20 @@ def logical_export(traced: Traced, names: Sequence[str], masking: bool) -> tuple
         return traced.exported, "masking=False: the program runs over the padded sizes as written"
     if not names:
         return traced.exported, None
-    logical = _logical.rewrite(traced.jaxpr, names)
-    if logical.unsupported:
-        first = logical.unsupported[0]
-        more = len(logical.unsupported) - 1
-        return traced.exported, (f"{first.where}: {first.primitive}: {first.detail}"
-                                 + (f" (and {more} more)" if more else ""))
-    exported, _ = export_flat(logical.fn, traced.avals)
-    return exported, None
+    try:
+        logical = _logical.rewrite(traced.jaxpr, names)
+        if not logical.unsupported:
+            exported, _ = export_flat(logical.fn, traced.avals)
+            return exported, None
+    except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
+        culprit = getattr(e, "equation", None)
+        at = f"{where(culprit)}: {culprit.primitive.name}: " if culprit is not None else ""
+        return traced.exported, (f"{at}the logical rewrite failed ({type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    first = logical.unsupported[0]
+    more = len(logical.unsupported) - 1
+    return traced.exported, (f"{first.where}: {first.primitive}: {first.detail}"
+                             + (f" (and {more} more)" if more else ""))
 
 
 def build_plan(fn: Callable, signature: Signature, variables: Sequence[LengthVar],

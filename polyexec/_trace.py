@@ -252,6 +252,13 @@ def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str],
     except SHAPE_ERRORS as e:
         if not about_symbolic_dims(e, names):
             raise  # an ordinary bug in the function, not a polymorphism problem
+        if user_frame(e) is None:
+            # Raised while lowering (jax.export cannot lower FFT over a symbolic length): the
+            # trace itself succeeded, so the equation the message names gives the line.
+            culprit = _equation_named_in(jitted, avals, str(e))
+            if culprit is not None:
+                return Failed(f"{where(culprit)}: {culprit.primitive.name}: "
+                              f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")
         return Failed(failure_reason(e))
     if comparisons:
         first = comparisons[0]
@@ -265,6 +272,16 @@ def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str],
     # jit caches the trace above, so this reads the jaxpr without running Python again.
     jaxpr = jitted.trace(*avals).jaxpr
     return Traced(exported, jaxpr, cell[0], cell[1], tuple(avals))
+
+
+def _equation_named_in(jitted, avals, message: str):
+    try:
+        jaxpr = jitted.trace(*avals).jaxpr
+    except Exception:  # noqa: BLE001 - only a better line is at stake
+        return None
+    text = message.lower()
+    return next((e for e in walk(jaxpr.jaxpr) if re.search(rf"\b{e.primitive.name}\b", text)),
+                None)
 
 
 def failure_reason(error: BaseException) -> str:
@@ -281,7 +298,7 @@ def about_symbolic_dims(error: BaseException, names: Sequence[str]) -> bool:
            for f in traceback.extract_tb(error.__traceback__)):
         return True
     text = str(error)
-    return ("_DimExpr" in text or "symbolic" in text.lower()
+    return ("_DimExpr" in text or "symbolic" in text.lower() or "polymorphism" in text.lower()
             or any(re.search(rf"\b{re.escape(n)}\b", text) for n in names))
 
 

@@ -308,7 +308,7 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
                 is_leaf=lambda x: isinstance(x, Spec))
             args.append(data.draw(_tree_strategy(strategies), label=f"args[{i}]"))
         items = tuple(sorted(size_of.items()))
-        bucket = {n: values._bucket_for(n, s) for n, s in size_of.items()}
+        bucket = {n: values.bucket_for(n, s) for n, s in size_of.items()}
         _compare(values(*args), jit_reference(items, *args), "values", size_of, bucket, rtol, atol)
         if grads is not None:
             _compare(grads(*args), jit_grad_reference(items, *args), "gradients", size_of, bucket,

@@ -160,13 +160,13 @@ def test_batches_yields_the_plans_indices():
     got = list(buckets.batches(lengths, [4, 16], batch_size=2, seed=9))
     assert [g.tolist() for g in got] == [b.indices.tolist() for b in plan]
     assert all(g.dtype == np.int64 for g in got)
-    with pytest.raises(ValueError, match="batch_plan: pass exactly one of"):
+    with pytest.raises(ValueError, match="batch_plan: expected exactly one of"):
         buckets.batches(lengths, [4, 16])  # raised at the call, not at the first next()
 
 
 def test_overflow_modes():
     lengths = [3, 20, 4, 30, 20]
-    with pytest.raises(BucketOverflowError, match=r"example 1 has length 20, above the largest bucket size 16") as info:
+    with pytest.raises(BucketOverflowError, match=r"example 1: expected a length <= 16 \(the largest bucket size\), received 20") as info:
         buckets.batch_plan(lengths, [8, 16], batch_size=4)
     assert isinstance(info.value, ValueError) and (info.value.index, info.value.length) == (1, 20)
 
@@ -208,21 +208,21 @@ def test_overflow_modes_keep_every_example(lengths, num_shards, overflow):
 
 
 @pytest.mark.parametrize("kwargs, exc, message", [
-    (dict(), ValueError, r"batch_plan: pass exactly one of batch_size= .* or max_tokens="),
-    (dict(batch_size=2, max_tokens=8), ValueError, r"pass exactly one of batch_size="),
-    (dict(batch_size=0), ValueError, r"batch_plan: batch_size must be >= 1, got 0"),
-    (dict(batch_size=2.0), TypeError, r"batch_plan: batch_size must be an int, got float"),
-    (dict(max_tokens=-5), ValueError, r"batch_plan: max_tokens must be >= 1, got -5"),
+    (dict(), ValueError, r"batch_plan: expected exactly one of batch_size= .* or max_tokens="),
+    (dict(batch_size=2, max_tokens=8), ValueError, r"expected exactly one of batch_size="),
+    (dict(batch_size=0), ValueError, r"batch_plan: batch_size: expected an int >= 1, received 0"),
+    (dict(batch_size=2.0), TypeError, r"batch_plan: batch_size: expected an int, received float"),
+    (dict(max_tokens=-5), ValueError, r"batch_plan: max_tokens: expected an int >= 1, received -5"),
     (dict(batch_size=2, overflow="clip"), ValueError,
-     r"batch_plan: overflow must be one of 'error', 'truncate', 'exact'; got 'clip'"),
-    (dict(batch_size=2, num_shards=0), ValueError, r"num_shards must be >= 1, got 0"),
+     r"batch_plan: overflow: expected one of 'error', 'truncate', 'exact', received 'clip'"),
+    (dict(batch_size=2, num_shards=0), ValueError, r"num_shards: expected an int >= 1, received 0"),
     (dict(batch_size=2, num_shards=2, shard_index=2), ValueError,
-     r"shard_index must be in \[0, num_shards=2\), got 2"),
-    (dict(batch_size=2, shard_index=-1), ValueError, r"shard_index must be >= 0, got -1"),
-    (dict(batch_size=2, seed=-1), ValueError, r"seed must be >= 0, got -1"),
-    (dict(batch_size=2, epoch=1.5), TypeError, r"epoch must be an int"),
-    (dict(batch_size=2, shuffle="yes"), TypeError, r"shuffle must be True or False, got 'yes'"),
-    (dict(batch_size=2, drop_remainder=None), TypeError, r"drop_remainder must be True or False"),
+     r"shard_index: expected an int in \[0, num_shards=2\), received 2"),
+    (dict(batch_size=2, shard_index=-1), ValueError, r"shard_index: expected an int >= 0, received -1"),
+    (dict(batch_size=2, seed=-1), ValueError, r"seed: expected an int >= 0, received -1"),
+    (dict(batch_size=2, epoch=1.5), TypeError, r"epoch: expected an int"),
+    (dict(batch_size=2, shuffle="yes"), TypeError, r"shuffle: expected True or False, received 'yes'"),
+    (dict(batch_size=2, drop_remainder=None), TypeError, r"drop_remainder: expected True or False"),
 ])
 def test_batching_errors(kwargs, exc, message):
     with pytest.raises(exc, match=message):
@@ -230,9 +230,9 @@ def test_batching_errors(kwargs, exc, message):
 
 
 def test_bad_lengths_and_policy():
-    with pytest.raises(ValueError, match=r"batch_plan: lengths\[2\] = -3; lengths must be >= 0"):
+    with pytest.raises(ValueError, match=r"batch_plan: lengths\[2\]: expected a length >= 0, received -3"):
         buckets.batch_plan([1, 2, -3], [4], batch_size=2)
-    with pytest.raises(ValueError, match="batch_plan: lengths is empty"):
+    with pytest.raises(ValueError, match="batch_plan: lengths: expected at least one length"):
         buckets.batch_plan([], [4], batch_size=2)
     with pytest.raises(TypeError, match="as_policy: expected a bucket policy"):
         buckets.batch_plan([1], "4,8", batch_size=2)

@@ -9,13 +9,14 @@ import math
 import numpy as np
 import pytest
 
+import polyexec as px
 from bench import report
 from bench.cli import config_from_args, build_parser, main
 from bench.strategies import (BackgroundWarmup, Strategy, combine_limits, padded_batch,
                               padded_shape, parse_strategies, schedule, t_policy)
 from bench.workloads import Config, load_data, read_lengths_file
 
-ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-cached"
+ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-nomask,polyexec-cached"
 RANDOM = ("pad-max", "exact", "pow2", "fixed:64,160,512")
 
 
@@ -29,27 +30,31 @@ def test_parse_strategies_fixed_sizes_and_order():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("pad-max,bogus", "unknown strategy 'bogus'; valid: pad-max, exact, pow2"),
-    ("fixed:", "fixed sizes must be integers"),
-    ("pad-max,pad-max", "pad-max given twice"),
+    ("pad-max,bogus", "expected one of pad-max, exact, pow2, .*, polyexec-nomask; received "
+                      "unknown strategy 'bogus'"),
+    ("fixed:", "fixed sizes: expected integers .*, received ''"),
+    ("pad-max,pad-max", "expected each strategy once, received pad-max given twice"),
     ("polyexec-cached", "list polyexec too"),
-    ("fixed:1,8", "must be >= 2"),
-    ("pad-max,,exact", "empty entry"),
+    ("fixed:1,8", "fixed sizes: expected sizes >= 2 .*, received fixed:1,8"),
+    ("pad-max,,exact", "received an empty entry"),
 ])
 def test_parse_strategies_rejects(text, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(px.OptionError, match=message):
         parse_strategies(text)
 
 
-def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="model must be one of 'gru', 'lstm'"):
-        Config(model="rnn")
-    with pytest.raises(ValueError, match="exactly one of batch_size / max_tokens"):
-        Config(batch_size=None)
-    with pytest.raises(ValueError, match="epochs must be >= 2"):
-        Config(epochs=1)
-    with pytest.raises(ValueError, match="max_tokens=100 is below cap=1024"):
-        Config(batch_size=None, max_tokens=100)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model="rnn"), "Config: model: expected one of 'gru', 'lstm', .*, received 'rnn'"),
+    (dict(batch_size=None), "expected exactly one of batch_size / max_tokens"),
+    (dict(epochs=1), "Config: epochs: expected an int >= 2, received 1"),
+    (dict(hidden=2.0), "Config: hidden: expected an int >= 1, received 2.0"),
+    (dict(learning_rate=0.0), "Config: learning_rate: expected a number > 0, received 0.0"),
+    (dict(batch_size=None, max_tokens=100),
+     "Config: max_tokens: expected at least cap=1024 .*, received 100"),
+])
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(px.OptionError, match=message):
+        Config(**kwargs)
 
 
 def test_lengths_file_errors_name_the_line(tmp_path):
@@ -57,10 +62,10 @@ def test_lengths_file_errors_name_the_line(tmp_path):
     path.write_text("# comment\n12\n\n7\n")
     assert read_lengths_file(str(path)).tolist() == [12, 7]
     path.write_text("12\nabc\n")
-    with pytest.raises(ValueError, match="line 2: expected an integer length, got 'abc'"):
+    with pytest.raises(px.OptionError, match="line 2: expected an integer length, received 'abc'"):
         read_lengths_file(str(path))
     path.write_text("3\n0\n")
-    with pytest.raises(ValueError, match="line 2: lengths must be >= 1"):
+    with pytest.raises(px.OptionError, match="line 2: expected a length >= 1, received 0"):
         read_lengths_file(str(path))
 
 
@@ -150,9 +155,21 @@ def test_combine_limits_takes_the_fastest_pass_per_group():
     assert rates == [100.0, 300.0] and limit == pytest.approx(400 / (1 + 1))
 
 
-def test_fixed_below_cap_is_rejected_before_any_worker(capsys):
-    with pytest.raises(SystemExit, match="largest size 128 is below the cap 256"):
-        main(["--quick", "--cap", "256", "--strategies", "fixed:32,128", "--no-progress"])
+@pytest.mark.parametrize("argv, message", [
+    (["--cap", "256", "--strategies", "fixed:32,128"],
+     "expected a largest size >= the cap 256, received largest size 128"),
+    (["--strategies", "polyexec,bogus"], "received unknown strategy 'bogus'"),
+    (["--epochs", "1"], "Config: epochs: expected an int >= 2, received 1"),
+    (["--lr", "-1"], "Config: learning_rate: expected a number > 0, received -1.0"),
+    (["--lengths-file", "/nonexistent/lengths.txt"], "No such file or directory"),
+])
+def test_bad_flags_are_one_line_usage_errors_before_any_worker(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--quick", "--no-progress", *argv])
+    assert exit_.value.code == 2
+    *usage, error = capsys.readouterr().err.strip().splitlines()
+    assert usage[0].startswith("usage: polyexec-bench")
+    assert error.startswith("polyexec-bench: error: ") and message in error
 
 
 def test_quick_preset_and_explicit_flags():
@@ -257,6 +274,22 @@ def test_quick_compile_counts_fit_each_strategy(quick):
 
     _, _, shapes, _ = _schedule_shapes(cfg, "pow2")
     assert by["pow2"]["compiles"] == len(set(shapes)) and by["pow2"]["traces"] == 1
+
+
+def test_quick_polyexec_nomask_runs_beside_polyexec(quick):
+    """The same grouped batches and buckets with the logical-length rewrite off: its own compile
+    cache (nothing of polyexec's found), the same padding, and the same loss (the loss masks
+    by the lengths itself, so the rewrite changes no value)."""
+    doc, _, _ = quick
+    by = {r["strategy"]: r for r in doc["results"]}
+    extra = doc["workload"]["per_strategy"]
+    assert by["polyexec-nomask"]["compiles"] == by["polyexec"]["compiles"] >= 1
+    assert extra["polyexec-nomask"]["cache_hits"] == 0
+    assert by["polyexec-nomask"]["traces"] == 1
+    nomask, masked = by["polyexec-nomask"], by["polyexec"]
+    assert nomask["padding_efficiency"] == pytest.approx(masked["padding_efficiency"])
+    np.testing.assert_allclose(extra["polyexec-nomask"]["final_loss"],
+                               extra["polyexec"]["final_loss"], rtol=2e-5)
 
 
 def test_quick_padding_efficiency(quick):

@@ -169,7 +169,7 @@ def test_bucket_for_and_sizes_invariants(policy, n):
         assert all(s < n for s in sizes if s < b)  # the smallest that fits
         assert policy.assign([n]).tolist() == [b]
     else:
-        with pytest.raises(BucketOverflowError, match=rf"length {n} is above the largest bucket size {sizes[-1]}"):
+        with pytest.raises(BucketOverflowError, match=rf"expected a length <= {sizes[-1]} \(the largest bucket size\), received {n}"):
             policy.bucket_for(n)
 
 
@@ -218,14 +218,14 @@ def test_as_policy():
     assert buckets.as_policy(np.array([8, 16])) == Fixed((8, 16))
     g = Geometric(2, 16)
     assert buckets.as_policy(g) is g
-    with pytest.raises(TypeError, match="as_policy: expected a bucket policy .* or a list of sizes, got str"):
+    with pytest.raises(TypeError, match="as_policy: expected a bucket policy .* or a list of sizes, received str"):
         buckets.as_policy("16,32")
 
 
 def test_padding_efficiency():
     assert Fixed([4, 8]).padding_efficiency([2, 4, 8]) == 14 / 16
     assert Fixed([10]).padding_efficiency(np.array([10, 10])) == 1.0
-    with pytest.raises(BucketOverflowError, match="example 1 has length 9, above the largest bucket size 8"):
+    with pytest.raises(BucketOverflowError, match=r"example 1: expected a length <= 8 \(the largest bucket size\), received 9"):
         Fixed([4, 8]).padding_efficiency([2, 9])
 
 
@@ -233,31 +233,31 @@ def test_padding_efficiency():
 
 
 @pytest.mark.parametrize("call, exc, message", [
-    (lambda: Optimal.fit([]), ValueError, r"Optimal.fit: lengths is empty"),
-    (lambda: Optimal.fit([3, 0, 2]), ValueError, r"Optimal.fit: lengths\[1\] = 0; lengths must be >= 1"),
-    (lambda: Optimal.fit([3, -1]), ValueError, r"lengths\[1\] = -1"),
-    (lambda: Optimal.fit([[1, 2]]), ValueError, r"lengths must be a 1-D sequence of ints, got shape \(1, 2\)"),
-    (lambda: Optimal.fit([1.5, 2.0]), TypeError, r"lengths must hold integers, got dtype float64"),
-    (lambda: Optimal.fit([1, 2], max_buckets=0), ValueError, r"Optimal.fit: max_buckets must be >= 1, got 0"),
-    (lambda: Optimal.fit([1, 2], max_buckets=2.0), TypeError, r"max_buckets must be an int, got float"),
-    (lambda: Optimal.fit([1, 2], max_buckets=True), TypeError, r"max_buckets must be an int, got bool"),
-    (lambda: Optimal.fit([1, 2], compile_cost=-1), ValueError, r"compile_cost must be finite and >= 0, got -1"),
-    (lambda: Optimal.fit([1, 2], compile_cost=float("inf")), ValueError, r"compile_cost must be finite"),
-    (lambda: Optimal.fit([1, 2], compile_cost="1s"), TypeError, r"compile_cost must be a number >= 0"),
-    (lambda: Geometric(1, 10, ratio=1.0), ValueError, r"Geometric: ratio must be a finite number > 1, got 1.0"),
-    (lambda: Geometric(1, 10, ratio=0.5), ValueError, r"ratio must be a finite number > 1"),
-    (lambda: Geometric(1, 10**9, ratio=1 + 1e-9), ValueError, r"ratio=.* is so close to 1"),
-    (lambda: Geometric(10, 5), ValueError, r"Geometric: max must be >= min, got min=10, max=5"),
-    (lambda: Geometric(0, 5), ValueError, r"Geometric: min must be >= 1, got 0"),
-    (lambda: Geometric(1.5, 5), TypeError, r"Geometric: min must be an int, got float 1.5"),
-    (lambda: MultipleOf(0, 5), ValueError, r"MultipleOf: k must be >= 1, got 0"),
-    (lambda: MultipleOf(1, 10**9), ValueError, r"MultipleOf: k=1, max=1000000000 would make"),
-    (lambda: Fixed([]), ValueError, r"Fixed: sizes is empty"),
-    (lambda: Fixed([8, 0]), ValueError, r"Fixed: sizes\[1\] must be >= 1, got 0"),
-    (lambda: Fixed([8, "16"]), TypeError, r"Fixed: sizes\[1\] must be an int, got str"),
-    (lambda: Fixed(16), TypeError, r"Fixed: sizes must be a sequence of ints, got int"),
-    (lambda: Fixed([4]).bucket_for(-1), ValueError, r"Fixed.bucket_for: n must be >= 0, got -1"),
-    (lambda: Fixed([4]).bucket_for(5), BucketOverflowError, r"length 5 is above the largest bucket size 4"),
+    (lambda: Optimal.fit([]), ValueError, r"Optimal.fit: lengths: expected at least one length, received none"),
+    (lambda: Optimal.fit([3, 0, 2]), ValueError, r"Optimal.fit: lengths\[1\]: expected a length >= 1, received 0"),
+    (lambda: Optimal.fit([3, -1]), ValueError, r"lengths\[1\]: expected a length >= 1, received -1"),
+    (lambda: Optimal.fit([[1, 2]]), ValueError, r"lengths: expected a 1-D sequence of ints, received shape \(1, 2\)"),
+    (lambda: Optimal.fit([1.5, 2.0]), TypeError, r"lengths: expected integers, received dtype float64"),
+    (lambda: Optimal.fit([1, 2], max_buckets=0), ValueError, r"Optimal.fit: max_buckets: expected an int >= 1, received 0"),
+    (lambda: Optimal.fit([1, 2], max_buckets=2.0), TypeError, r"max_buckets: expected an int, received float"),
+    (lambda: Optimal.fit([1, 2], max_buckets=True), TypeError, r"max_buckets: expected an int, received bool"),
+    (lambda: Optimal.fit([1, 2], compile_cost=-1), ValueError, r"compile_cost: expected a finite number >= 0, received -1"),
+    (lambda: Optimal.fit([1, 2], compile_cost=float("inf")), ValueError, r"compile_cost: expected a finite number"),
+    (lambda: Optimal.fit([1, 2], compile_cost="1s"), TypeError, r"compile_cost: expected a number >= 0"),
+    (lambda: Geometric(1, 10, ratio=1.0), ValueError, r"Geometric: ratio: expected a finite number > 1, received 1.0"),
+    (lambda: Geometric(1, 10, ratio=0.5), ValueError, r"ratio: expected a finite number > 1"),
+    (lambda: Geometric(1, 10**9, ratio=1 + 1e-9), ValueError, r"received ratio=.*, which would need ~\d+ steps"),
+    (lambda: Geometric(10, 5), ValueError, r"Geometric: max: expected max >= min=10, received 5"),
+    (lambda: Geometric(0, 5), ValueError, r"Geometric: min: expected an int >= 1, received 0"),
+    (lambda: Geometric(1.5, 5), TypeError, r"Geometric: min: expected an int, received float 1.5"),
+    (lambda: MultipleOf(0, 5), ValueError, r"MultipleOf: k: expected an int >= 1, received 0"),
+    (lambda: MultipleOf(1, 10**9), ValueError, r"MultipleOf: k: expected at most 100000 buckets up to max=1000000000, received k=1"),
+    (lambda: Fixed([]), ValueError, r"Fixed: sizes: expected at least one bucket size, received none"),
+    (lambda: Fixed([8, 0]), ValueError, r"Fixed: sizes\[1\]: expected an int >= 1, received 0"),
+    (lambda: Fixed([8, "16"]), TypeError, r"Fixed: sizes\[1\]: expected an int, received str"),
+    (lambda: Fixed(16), TypeError, r"Fixed: sizes: expected a sequence of ints, received int"),
+    (lambda: Fixed([4]).bucket_for(-1), ValueError, r"Fixed.bucket_for: n: expected an int >= 0, received -1"),
+    (lambda: Fixed([4]).bucket_for(5), BucketOverflowError, r"expected a length <= 4 \(the largest bucket size\), received 5"),
 ])
 def test_errors_name_the_argument(call, exc, message):
     with pytest.raises(exc, match=message):
@@ -299,9 +299,9 @@ def test_report_with_token_budget():
     r = buckets.report([10] * 7 + [100] * 3, Fixed([16, 128]), max_tokens=256)
     assert [(b.size, b.batch_size, b.batches) for b in r.buckets] == [(16, 16, 1), (128, 2, 2)]
     assert "batch size" in str(r)
-    with pytest.raises(ValueError, match="report: pass exactly one of batch_size="):
+    with pytest.raises(ValueError, match="report: expected exactly one of batch_size="):
         buckets.report([1], [4], batch_size=2, max_tokens=8)
-    with pytest.raises(BucketOverflowError, match="example 0 has length 9"):
+    with pytest.raises(BucketOverflowError, match="example 0: expected a length <= "):
         buckets.report([9], [4])
 
 
@@ -338,7 +338,7 @@ def test_corpus_lengths_cap_counts_and_keeps_alignment():
     sentences = [b"ab", b"x" * 10, "é".encode(), b"y" * 4]
     lens, n_capped = buckets.corpus.lengths(sentences, cap=4)
     assert lens.tolist() == [2, 4, 2, 4] and n_capped == 1  # exactly cap is not capped
-    with pytest.raises(ValueError, match="corpus.lengths: cap must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="corpus.lengths: cap: expected an int >= 1, received 0"):
         buckets.corpus.lengths(sentences, cap=0)
 
 

@@ -66,13 +66,14 @@ LOADER = textwrap.dedent("""
     import polyexec as px
 
     plan = px.Plan.load(sys.argv[1])
+    run = px.bucketed(plan)
     data = np.load(sys.argv[2])
     out = {}
     for i in range(int(data["n"])):
-        loss, logits, diffs = plan(data[f"tokens{i}"], data[f"lengths{i}"])
+        loss, logits, diffs = run(data[f"tokens{i}"], data[f"lengths{i}"])
         out[f"loss{i}"], out[f"logits{i}"], out[f"diffs{i}"] = loss, logits, diffs
-    out["compiles"] = plan._runner.stats.compiles
-    out["traces"] = plan._runner.traces
+    out["compiles"] = run.stats.compiles
+    out["traces"] = run.traces
     np.savez(sys.argv[3], **out)
     print("loaded", plan, "model code imported:",
           any(m.startswith("examples") for m in sys.modules))
@@ -110,21 +111,22 @@ def test_loaded_plan_in_process_matches_and_checks_its_inputs(saved):
     model, plan, path = saved
     loaded = px.Plan.load(path)
     assert [(v.name, v.min, v.max) for v in loaded.variables] == [("B", 1, 4), ("T", 2, 32)]
+    run = px.Bucketed.from_plan(loaded)
     tokens, lengths = _batch(np.random.default_rng(1), 3, 9)
-    loss, logits, diffs = loaded(tokens, lengths)
+    loss, logits, diffs = run(tokens, lengths)
     ref = _exact(jax.jit(forward), {"B": 3, "T": 9}, model, tokens, lengths)
     np.testing.assert_allclose(loss, ref[0], rtol=1e-5)
     np.testing.assert_allclose(logits, ref[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(px.LengthOverflowError) as info:
-        loaded(np.zeros((2, 33), np.int32), np.zeros(2, np.int32))
+        run(np.zeros((2, 33), np.int32), np.zeros(2, np.int32))
     # Paths count the caller's arguments (tokens, lengths), not the stored model arrays.
     assert str(info.value) == ("args[0].shape[1] = 33 is above T's max=32 "
                                "(LengthVar('T', min=2, max=32))")
     with pytest.raises(px.SpecError) as info:
-        loaded(tokens, np.full(3, 10, np.int32))
+        run(tokens, np.full(3, 10, np.int32))
     assert str(info.value) == "args[1][0] = 10: lengths of 'T' must be <= args[0].shape[1] = 9"
     with pytest.raises(px.SpecError) as info:
-        loaded(tokens)
+        run(tokens)
     assert str(info.value) == "plan forward: expected 2 positional arguments, received 1"
 
 
@@ -282,7 +284,8 @@ def test_describe_shows_the_symbolic_program():
     _, plan = _mixed_plan()
     text = plan.describe()
     lines = text.splitlines()
-    assert lines[0] == "Plan mixed: size-independent, traced once over B in [1, 8], T in [2, 64]"
+    assert lines[0].startswith("Plan mixed: size-independent, traced once over B in [1, 8], "
+                               "T in [2, 64]; ")
     assert lines[1] == "inputs:"
     assert lines[2].split() == ["args[0]", "float32[3,5]"]
     assert lines[3].split() == ["args[1]", "float32[B,T,3]"]

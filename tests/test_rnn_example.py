@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from examples.rnn import data as corpus_data
+import polyexec as px
+from examples.rnn import data as corpus_data, train
 from examples.rnn.generate import STOP_BYTES, generate, sample
 from examples.rnn.model import CharLM
 
@@ -60,11 +61,42 @@ def test_cli_second_run_loads_every_bucket_from_the_persistent_cache(tmp_path):
     assert os.listdir(cache)
 
 
-def test_cli_rejects_a_bad_bucket_spec(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "examples.rnn.train", "--buckets", "square:3"],
+def test_cli_rejects_a_bad_flag_with_one_line_and_no_traceback():
+    """The command itself, as a user runs it (the in-process cases below cover the rest)."""
+    proc = subprocess.run([sys.executable, "-m", "examples.rnn.train", "--cap", "-5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "expected one of optimal[:K], pow2, fixed:S1,S2,..., multiple:K" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    *usage, error = proc.stderr.strip().splitlines()
+    assert usage[0].startswith("usage: python -m examples.rnn.train")
+    assert error == ("python -m examples.rnn.train: error: argument --cap: expected an int >= 2 "
+                     "or 0 (no cap), received '-5'")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--limit", "0"], "argument --limit: expected an int >= 2, received '0'"),
+    (["--epochs", "-1"], "argument --epochs: expected an int >= 0, received '-1'"),
+    (["--hidden", "0"], "argument --hidden: expected an int >= 1, received '0'"),
+    (["--lr", "0"], "argument --lr: expected a number > 0, received '0'"),
+    (["--sample-len", "3"], "argument --sample-len: expected an int >= 5, received '3'"),
+    (["--buckets", "square:3"],
+     "argument --buckets: expected one of optimal[:K], pow2, fixed:S1,S2,..., multiple:K, "
+     "received 'square:3'"),
+    (["--buckets", "optimal:x"], "argument --buckets: 'optimal:x': expected K an int >= 1"),
+    (["--buckets", "fixed:8,0"], "argument --buckets: 'fixed:8,0': Fixed: sizes[1]: expected"),
+    (["--no-cache", "--cache-dir", "x"], "argument --cache-dir: not allowed with argument --no-cache"),
+    # Found out after parsing, by the code that knows: still one line.
+    (["--limit", "40", "--cap", "64", "--buckets", "fixed:8"],
+     "--buckets: expected a largest bucket >= the longest training sentence"),
+    (["--limit", "40", "--cap", "64", "--hidden", "4", "--embed", "4", "--devices", "64"],
+     "fit: devices: expected an int from 1 to"),
+])
+def test_cli_bad_flags_are_one_line_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    *_, error = err.strip().splitlines()
+    assert error.startswith("python -m examples.rnn.train: error: ") and message in error, err
 
 
 def test_corpus_split_is_deterministic_and_capped():
@@ -103,5 +135,5 @@ def test_sampler_stops_at_a_sentence_end_and_respects_the_bound():
         buf = np.asarray(buf)
         for r, n in enumerate(plens):
             assert (buf[r, n:expected[r]] == byte).all() and (buf[r, :n] == ord("x")).all()
-    with pytest.raises(ValueError, match="every prompt needs 1 to 47 bytes"):
+    with pytest.raises(px.OptionError, match="prompts: expected 1 to 47 bytes each"):
         generate(model, [b""], max_len=48)

@@ -169,7 +169,7 @@ def test_max_steps_stops_and_resumes_to_the_same_result(tmp_path, fit_args):
 def test_resume_refuses_a_different_run(tmp_path, fit_args):
     data = random_sentences(12, 16, seed=5)
     training.fit(tiny_model(), loss_fn, data, checkpoint_dir=tmp_path, max_steps=1, **fit_args)
-    with pytest.raises(ValueError, match="seed: checkpoint 3, now 4"):
+    with pytest.raises(px.OptionError, match="seed: checkpoint 3, now 4"):
         training.fit(tiny_model(), loss_fn, data, checkpoint_dir=tmp_path,
                      **{**fit_args, "seed": 4})
 
@@ -181,7 +181,7 @@ def test_checkpoint_roundtrip_and_mismatch(tmp_path):
     assert meta == {"step": 7, "epoch": 1, "position": 2}
     assert_trees_close(restored, state, rtol=0, atol=0)
     other = training.TrainState.create(CharLM(embed=4, hidden=9, key=jax.random.PRNGKey(0)), OPT)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(px.OptionError, match="does not match"):
         training.load_checkpoint(path, like=other)
     for step in range(8, 13):
         training.save_checkpoint(tmp_path, state, {"step": step}, keep=2)
@@ -189,21 +189,77 @@ def test_checkpoint_roundtrip_and_mismatch(tmp_path):
         "step-000000011.ckpt", "step-000000012.ckpt"]
 
 
+# -- the executor's own accounting, and a compile cache the user configured ----------------------
+
+EFFICIENCY_DATA = random_sentences(22, 24, seed=6)
+
+
+@pytest.fixture(scope="module")
+def fit_in_a_users_cache(tmp_path_factory):
+    """One epoch of fit(cache=False) in a process whose user turned JAX's persistent compile
+    cache on themselves (the ``jax.config.update`` a user writes)."""
+    folder = str(tmp_path_factory.mktemp("users-cache"))
+    jax.config.update("jax_compilation_cache_dir", folder)
+    try:
+        result = training.fit(tiny_model(), loss_fn, EFFICIENCY_DATA, optimizer=OPT, epochs=1,
+                              batch_size=4, buckets=[8, 24], cache=False, verbose=False)
+        configured = jax.config.jax_compilation_cache_dir
+    finally:
+        px.disable_persistent_cache()
+    return result, folder, configured
+
+
+def test_epoch_padding_efficiency_is_the_train_steps_own_stats(fit_in_a_users_cache):
+    result, _, _ = fit_in_a_users_cache
+    (epoch,) = result.epochs()
+    stats = result.train_step.stats
+    assert epoch["padding_efficiency"] == pytest.approx(stats.padding_efficiency, rel=1e-12)
+    # Both are the real tokens over the cells of the (B, T) buckets the steps ran at: fit hands
+    # the executor unpadded batches, so it is the executor that counts the padding. (When fit
+    # padded batches itself, the executor's column read 1.000.)
+    steps = [r for r in result.history if r["kind"] == "step"]
+    assert sum(r["tokens"] for r in steps) == sum(map(len, EFFICIENCY_DATA))
+    cells = sum(b * t for b, t in (r["bucket"] for r in steps))
+    assert stats.padding_efficiency == pytest.approx(epoch["tokens"] / cells, rel=1e-12)
+    assert stats.padding_efficiency < 0.9
+    ran = {frozenset({("B", b), ("T", t)}) for b, t in (r["bucket"] for r in steps)}
+    assert {frozenset(k) for k, b in stats.buckets.items() if b.calls} == ran
+
+
+def test_cache_false_leaves_a_compile_cache_the_user_configured(fit_in_a_users_cache):
+    _, folder, configured = fit_in_a_users_cache
+    assert configured == folder
+
+
 # -- bad input fails before anything compiles --------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, data, message", [
-    ({"batch_size": 4, "max_tokens": 64}, None, "one of batch_size= or max_tokens="),
-    ({"epochs": -1}, None, "epochs must be an int >= 0"),
-    ({"buckets": [4, 8]}, None, r"data\[\d+\] has length \d+, above the largest bucket 8"),
+    ({"batch_size": 4, "max_tokens": 64}, None, "expected one of batch_size= or max_tokens="),
+    ({"epochs": -1}, None, "fit: epochs: expected an int >= 0, received -1"),
+    ({"max_steps": 0}, None, "fit: max_steps: expected an int >= 1 or None, received 0"),
+    ({"shuffle": "yes"}, None, "fit: shuffle: expected one of True, False, received 'yes'"),
+    ({"masking": 1}, None, "fit: masking: expected one of True, False, received 1"),
+    ({"cache": 3}, None, "fit: cache: expected None, True, False or a path, received 3"),
+    ({"callbacks": [3]}, None, "fit: callbacks: expected a sequence of callables"),
+    ({"buckets": 0}, None, "fit: buckets: expected an int >= 1, received 0"),
+    ({"buckets": "8,16"}, None, "fit: buckets: as_policy: expected a bucket policy"),
+    ({"buckets": [4, 8]}, None,
+     r"fit: data\[\d+\]: expected a length <= 8 \(the largest bucket of .*\), received length \d+"),
+    ({"optimizer": "adam"}, None, "optimizer: expected an optax.GradientTransformation"),
+    ({"eval_fn": 3, "validation": [b"abc"]}, None, "fit: eval_fn: expected None or a callable"),
+    ({}, "abc", "fit: data: expected a sequence of examples"),
+    ({}, [], "fit: data: expected at least one example, received an empty list"),
     ({}, [np.zeros((2, 3), np.int32)], r"data\[0\]: expected a 1-D sequence"),
     ({}, [np.zeros(3, np.float32)], r"data\[0\]: expected integer token ids"),
-    ({}, [np.zeros(3, np.int32), []], r"data\[1\]: empty example"),
-    ({"devices": 64}, None, "devices=64 but this process has"),
+    ({}, [np.zeros(3, np.int32), []], r"data\[1\]: expected an example of length >= 1, received length 0"),
+    ({"devices": 64}, None, r"fit: devices: expected an int from 1 to \d+ .*, received 64"),
+    ({"devices": []}, None, "fit: devices: expected None, an int or a non-empty list of devices"),
 ])
 def test_bad_arguments_are_rejected_with_a_clear_message(kwargs, data, message):
     data = random_sentences(8, 16, seed=0) if data is None else data
-    with pytest.raises((ValueError, TypeError), match=message):
-        training.fit(tiny_model(), loss_fn, data, optimizer=OPT, cache=False, verbose=False, **kwargs)
+    kwargs = {"optimizer": OPT, "cache": False, **kwargs}
+    with pytest.raises(px.OptionError, match=message):
+        training.fit(tiny_model(), loss_fn, data, verbose=False, **kwargs)
 
 
 # -- training lowers the validation loss -------------------------------------------------------

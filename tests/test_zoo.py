@@ -161,11 +161,11 @@ def numpy_buffer(x):
 
 
 def branch_on_equality(x):
-    # The symbolic trace passes (`T == 1024` is simply False symbolically): only the two-size
-    # check catches that the program at T=1024 has an extra multiplication.
+    # JAX answers the symbolic `T == 1024` with False; polyexec's probe records that the
+    # comparison could not be decided and names this line.
     y = jnp.tanh(x)
-    if x.shape[1] == 1024:
-        y = y * 2.0  # <- not polymorphic
+    if x.shape[1] == 1024:  # <- not polymorphic
+        y = y * 2.0
     return y
 
 
@@ -241,11 +241,29 @@ def test_max_length_reason_names_the_call():
     assert "px.max_length('T') needs the concrete bucket size" in plan.reason
 
 
-def test_equality_branch_needs_the_two_size_check():
+def test_equality_branch_is_caught_without_the_two_size_check():
     T, B = _vars()
-    assert not px.trace(branch_on_equality, X(), check_sizes=False).reshaping_is_impossible
-    reason = px.trace(branch_on_equality, X()).reason
-    assert "the code branches on a size" in reason and "T=1024" in reason
+    reason = px.trace(branch_on_equality, X(), check_sizes=False).reason
+    assert "`T == 1024` cannot be decided for every size" in reason
+
+
+def test_equal_probe_answers_like_the_exact_size_at_and_around_the_compared_size():
+    T = px.LengthVar("T", max=128)
+
+    def double_at_20(x):
+        return x * 2 if x.shape[0] == 20 else x  # <- compared
+
+    f = px.bucketed(double_at_20, in_specs=(px.Spec("T", jnp.float32),), out_specs=px.Spec("T"),
+                    buckets={T: [8, 32, 128]})
+    with pytest.warns(UserWarning, match="double_at_20 is not shape-polymorphic"):
+        for t in (5, 19, 20, 21, 100):
+            x = np.arange(t, dtype=np.float32)
+            np.testing.assert_array_equal(f(x), double_at_20(x))
+    assert where(f.plan.reason) == (inspect.getsourcefile(double_at_20),
+                                    inspect.getsourcelines(double_at_20)[1] + 1)
+    strict = px.bucketed(double_at_20, in_specs=(px.Spec("T", jnp.float32),), strict=True)
+    with pytest.raises(px.PolymorphismError, match="`T == 20` cannot be decided"):
+        strict(np.ones(20, np.float32))
 
 
 def test_genuine_bug_is_raised_not_called_non_polymorphic():
@@ -308,11 +326,12 @@ def test_bucketed_check_sizes_makes_a_size_branch_correct():
 
     spec = (px.Spec("T", jnp.float32),)
     x = np.ones(64, np.float32)
-    # Without the check the symbolic plan bakes in the `else` branch: wrong at T=64.
-    unchecked = px.bucketed(double_at_max, in_specs=spec, out_specs=px.Spec("T"),
-                            buckets={T: [16, 64]})
-    assert not unchecked.plan.reshaping_is_impossible
-    np.testing.assert_array_equal(unchecked(x), x)
+    # Even without the check, the == probe flags the branch: right at T=64.
+    with pytest.warns(UserWarning, match="double_at_max is not shape-polymorphic"):
+        unchecked = px.bucketed(double_at_max, in_specs=spec, out_specs=px.Spec("T"),
+                                buckets={T: [16, 64]})
+        np.testing.assert_array_equal(unchecked(x), 2 * x)
+    assert unchecked.plan.reshaping_is_impossible
     with pytest.warns(UserWarning, match="double_at_max is not shape-polymorphic"):
         checked = px.bucketed(double_at_max, in_specs=spec, out_specs=px.Spec("T"),
                               buckets={T: [16, 64]}, check_sizes=True)

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from buckets import corpus
+import polyexec as px
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +42,17 @@ def load(*, cap: int | None = 1024, limit: int | None = None, val_fraction: floa
     (100, True)
     """
     if cap is not None and cap < 2:
-        raise ValueError(f"load: cap must be >= 2 (a sentence needs two bytes to predict one), got {cap}")
+        raise px.OptionError(f"load: cap: expected None or an int >= 2 (a sentence needs two bytes "
+                             f"to predict one), received {cap}")
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"load: val_fraction must be in (0, 1), got {val_fraction}")
+        raise px.OptionError(f"load: val_fraction: expected a number in (0, 1), received "
+                             f"{val_fraction}")
     sentences = corpus.pydoc_sentences()
     order = np.random.default_rng(split_seed).permutation(len(sentences))
     if limit is not None:
         if limit < 2:
-            raise ValueError(f"load: limit must be >= 2 (one train and one validation sentence), got {limit}")
+            raise px.OptionError(f"load: limit: expected None or an int >= 2 (one train and one "
+                                 f"validation sentence), received {limit}")
         order = order[:limit]
     chosen = [sentences[i] for i in order]
     capped = sum(len(s) > cap for s in chosen) if cap else 0

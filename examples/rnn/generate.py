@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import polyexec as px
+
 STOP_BYTES = (ord("."), ord("\n"))
 
 
@@ -66,8 +68,8 @@ def generate(model, prompts: Sequence[bytes], *, seed: int = 0, max_len: int = 2
     """Sampled continuations of ``prompts`` (bytes), each ending at a sentence end or at
     ``max_len`` bytes, prompt included."""
     if not prompts or any(not 1 <= len(p) < max_len for p in prompts):
-        raise ValueError(f"generate: every prompt needs 1 to {max_len - 1} bytes, got "
-                         f"{[len(p) for p in prompts]}")
+        raise px.OptionError(f"generate: prompts: expected 1 to {max_len - 1} bytes each, "
+                             f"received lengths {[len(p) for p in prompts]}")
     buf = np.zeros((len(prompts), max_len), np.int32)
     for r, p in enumerate(prompts):
         buf[r, :len(p)] = np.frombuffer(p, np.uint8)

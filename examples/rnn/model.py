@@ -34,7 +34,7 @@ class CharLM(eqx.Module):
     def __init__(self, *, cell: Literal["gru", "lstm"] = "gru", embed: int = 64,
                  hidden: int = 256, key):
         if cell not in ("gru", "lstm"):
-            raise ValueError(f"CharLM: cell must be one of 'gru', 'lstm'; got {cell!r}")
+            raise px.OptionError(f"CharLM: cell: expected one of 'gru', 'lstm', received {cell!r}")
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = eqx.nn.Embedding(VOCAB, embed, key=k1)
         cls = eqx.nn.GRUCell if cell == "gru" else eqx.nn.LSTMCell

@@ -17,6 +17,8 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,71 +42,119 @@ DEFAULTS = dict(cell="gru", epochs=3, hidden=256, embed=64, max_tokens=8192, lr=
 PROMPTS = [b"The ", b"A ", b"If ", b"In "]
 
 
-def parse_buckets(text: str, lengths: np.ndarray):
-    """``optimal[:K]``, ``pow2``, ``fixed:64,128,...`` or ``multiple:K`` -> a bucket policy."""
-    kind, _, arg = text.partition(":")
-    largest = int(lengths.max())
+def _int_flag(minimum: int, *, zero: str | None = None) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum``, or 0 where ``zero`` says what 0 means."""
+    wanted = f"an int >= {minimum}" + (f" or 0 ({zero})" if zero else "")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not (value >= minimum or (zero and value == 0)):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, received {text!r}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
     try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, received {text!r}")
+    return value
+
+
+def buckets_flag(text: str) -> Callable[[np.ndarray], Any]:
+    """``optimal[:K]``, ``pow2``, ``fixed:64,128,...`` or ``multiple:K`` -> a function from the
+    training lengths to a bucket policy (the argparse type of ``--buckets``)."""
+    kind, _, arg = text.partition(":")
+    if kind == "pow2" and not arg:
+        return lambda lengths: buckets.Geometric(2, int(lengths.max()), ratio=2.0)
+    if kind in ("optimal", "multiple") and (arg or kind == "optimal"):
+        if not (arg.isdigit() and int(arg) >= 1) and arg:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected K an int >= 1, received {arg!r}")
+        k = int(arg or 8)
         if kind == "optimal":
-            return buckets.Optimal.fit(lengths, max_buckets=int(arg) if arg else 8)
-        if kind == "pow2":
-            return buckets.Geometric(2, largest, ratio=2.0)
-        if kind == "fixed":
+            return lambda lengths: buckets.Optimal.fit(lengths, max_buckets=k)
+        return lambda lengths: buckets.MultipleOf(k, int(lengths.max()))
+    if kind == "fixed":
+        try:
             policy = buckets.Fixed([int(s) for s in arg.split(",") if s])
-            if policy.largest < largest:
-                raise ValueError(f"the largest bucket {policy.largest} is below the longest "
-                                 f"training sentence ({largest} bytes); add a bucket or lower --cap")
-            return policy
-        if kind == "multiple":
-            return buckets.MultipleOf(int(arg), largest)
-    except ValueError as e:
-        raise SystemExit(f"--buckets {text!r}: {e}")
-    raise SystemExit(f"--buckets {text!r}: expected one of optimal[:K], pow2, fixed:S1,S2,..., "
-                     f"multiple:K")
+        except (TypeError, ValueError) as e:     # buckets' own message names the bad size
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+        return lambda lengths: policy
+    raise argparse.ArgumentTypeError(f"expected one of optimal[:K], pow2, fixed:S1,S2,..., "
+                                     f"multiple:K, received {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.rnn.train", description=__doc__.split("\n")[0])
     p.add_argument("--cell", choices=["gru", "lstm"], default=DEFAULTS["cell"])
-    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
-    p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"])
-    p.add_argument("--embed", type=int, default=DEFAULTS["embed"])
+    p.add_argument("--epochs", type=_int_flag(0), default=DEFAULTS["epochs"])
+    p.add_argument("--hidden", type=_int_flag(1), default=DEFAULTS["hidden"])
+    p.add_argument("--embed", type=_int_flag(1), default=DEFAULTS["embed"])
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--batch-size", type=int, help="sentences per batch (every bucket)")
-    size.add_argument("--max-tokens", type=int,
+    size.add_argument("--batch-size", type=_int_flag(1), help="sentences per batch (every bucket)")
+    size.add_argument("--max-tokens", type=_int_flag(1),
                       help=f"per bucket T, the largest power-of-two B with B*T <= this "
                            f"(default {DEFAULTS['max_tokens']})")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate")
-    p.add_argument("--buckets", default=DEFAULTS["buckets"],
+    p.add_argument("--lr", type=_positive_float, default=DEFAULTS["lr"], help="Adam learning rate")
+    p.add_argument("--buckets", type=buckets_flag, default=DEFAULTS["buckets"],
                    help="optimal[:K] (fitted to the training lengths), pow2, fixed:64,128,..., multiple:K")
-    p.add_argument("--cap", type=int, default=DEFAULTS["cap"],
+    p.add_argument("--cap", type=_int_flag(2, zero="no cap"), default=DEFAULTS["cap"],
                    help="truncate sentences to this many bytes (0: no cap)")
-    p.add_argument("--limit", type=int, help="use only this many sentences (quick runs)")
+    p.add_argument("--limit", type=_int_flag(2), help="use only this many sentences (quick runs)")
     p.add_argument("--checkpoint-dir", help="save checkpoints here and resume from the newest")
-    p.add_argument("--checkpoint-every", type=int, help="also checkpoint every N steps")
-    p.add_argument("--devices", type=int, help="data-parallel over this many local devices (default: all)")
-    p.add_argument("--no-cache", action="store_true", help="turn JAX's persistent compile cache off")
-    p.add_argument("--cache-dir", help="persistent compile cache folder (default ~/.cache/polyexec/xla)")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--checkpoint-every", type=_int_flag(1), help="also checkpoint every N steps")
+    p.add_argument("--devices", type=_int_flag(1),
+                   help="data-parallel over this many local devices (default: all)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--no-cache", action="store_true",
+                       help="no persistent compile cache at all (also not one configured for JAX, "
+                            "e.g. with JAX_COMPILATION_CACHE_DIR)")
+    cache.add_argument("--cache-dir",
+                       help="persistent compile cache folder (default ~/.cache/polyexec/xla)")
+    p.add_argument("--no-masking", action="store_true",
+                   help="turn off the executor's logical-length rewrite (px.bucketed(masking=False)): "
+                        "the loss masks by the lengths itself, so only the speed changes")
+    p.add_argument("--seed", type=_int_flag(0), default=DEFAULTS["seed"])
     p.add_argument("--metrics", help="append metrics as JSON lines to this file")
-    p.add_argument("--samples", type=int, default=len(PROMPTS), help="sentences to sample at the end")
-    p.add_argument("--sample-len", type=int, default=200, help="longest sample, in bytes")
+    p.add_argument("--samples", type=_int_flag(0), default=len(PROMPTS),
+                   help="sentences to sample at the end")
+    p.add_argument("--sample-len", type=_int_flag(max(map(len, PROMPTS)) + 1), default=200,
+                   help="longest sample, in bytes (prompt included)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    for name in ("epochs", "hidden", "embed", "samples", "sample_len"):
-        if getattr(args, name) < (0 if name in ("epochs", "samples") else 1):
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # What argparse cannot check alone (a fixed bucket below the longest sentence, more
+    # devices than there are, a checkpoint of another run) is a px.OptionError from the code
+    # that finds out: a one-line usage error too, never a traceback.
+    try:
+        return run(args)
+    except px.OptionError as e:
+        parser.error(str(e))
+
+
+def run(args: argparse.Namespace) -> dict:
     console = Console(highlight=False)
     started = time.perf_counter()
 
     corpus = corpus_data.load(cap=args.cap or None, limit=args.limit)
     console.print(corpus.describe())
     train_lengths = np.array([len(s) for s in corpus.train])
-    policy = parse_buckets(args.buckets, train_lengths)
+    policy = args.buckets(train_lengths)
+    if policy.largest < train_lengths.max():
+        raise px.OptionError(f"--buckets: expected a largest bucket >= the longest training sentence "
+                             f"({train_lengths.max()} bytes), received {policy.largest}; add a bucket "
+                             f"or lower --cap")
     max_tokens = None if args.batch_size else (args.max_tokens or DEFAULTS["max_tokens"])
     table = buckets.report(train_lengths, policy, batch_size=args.batch_size, max_tokens=max_tokens)
     console.print(table.rich_table())
@@ -115,21 +165,27 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(f"model: {args.cell.upper()} byte LM, embed {args.embed}, hidden {args.hidden}, "
                   f"{n_params:,} parameters")
 
-    # The polymorphism verdict of the loss, from its one symbolic trace (plus the two-size check).
+    # The polymorphism verdict of the loss, from its one symbolic trace (plus the two-size check),
+    # over the run's own B and T.
+    masking = not args.no_masking
     T = px.LengthVar("T", min=2, max=int(max(policy.largest, max(map(len, corpus.validation)))))
-    px.LengthVar("B", max=4096)
-    plan = px.trace(loss_fn, model, px.Spec("B T", jnp.int32), px.Spec("B", jnp.int32))
+    B = px.LengthVar("B", max=args.batch_size or buckets.batch_size_for(policy.sizes[0], max_tokens))
+    plan = px.trace(loss_fn, model, px.Spec((B, T), jnp.int32), px.Spec((B,), jnp.int32),
+                    masking=masking)
     console.print(f"polymorphism: plan.reshaping_is_impossible = {plan.reshaping_is_impossible}"
                   + (f"; reason: {plan.reason}" if plan.reshaping_is_impossible else
                      f" — loss_fn traced once over symbolic B, T in [2, {T.max}] "
-                     f"({len(plan.jaxpr.eqns)} top-level equations), compiled per bucket"))
+                     f"({len(plan.jaxpr.eqns)} top-level equations), compiled per bucket")
+                  + ("" if masking else " | logical-length rewrite off (--no-masking)"))
 
+    if args.no_cache:
+        px.disable_persistent_cache()   # asked for on the command line: off, whoever turned it on
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
     result = training.fit(
         model, loss_fn, corpus.train, optimizer=optimizer, epochs=args.epochs,
         validation=corpus.validation, eval_fn=loss_and_count, batch_size=args.batch_size,
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
-        cache=False if args.no_cache else (args.cache_dir or True),
+        cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         metrics_file=args.metrics, progress=False if args.no_progress else None, console=console)
 
@@ -140,10 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
         console.print(f"validation loss: {val:.4f} nats/char ({val / math.log(2):.4f} bits/char) "
                       f"after {len(epochs)} epoch(s)")
     train_stats, eval_stats = result.train_step.stats, result.eval_step.stats
-    # fit hands the step batches already padded to their (B, T) bucket, so the executor's
-    # efficiency column counts every row as real; the epoch lines above give the true figure.
-    console.print("train step buckets (efficiency as the executor saw it: batches arrive "
-                  "padded by fit; the real padding efficiency is in the epoch lines):")
+    console.print("train step buckets (calls, compiles, and real tokens / padded cells as the "
+                  "executor padded them):")
     console.print(str(train_stats))
     rate = (sum(r["tokens"] for r in epochs) / sum(r["train_seconds"] for r in epochs)
             if epochs else float("nan"))

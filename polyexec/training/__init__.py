@@ -2,8 +2,9 @@
 
 The train step (``jax.value_and_grad`` + optax update, state donated) and the eval step are
 traced once over symbolic lengths and compiled once per length bucket; buckets are fitted to
-the training lengths, compiled ahead of time on parallel threads into JAX's persistent cache,
-and every epoch reports its padding efficiency, compiles and throughput. Checkpoints hold the
+the training lengths, compiled ahead of time on parallel threads (into JAX's persistent
+compile cache with ``cache=True``), and every epoch reports its padding efficiency (the train
+step's own ``stats``), compiles and throughput. Checkpoints hold the
 model, optimiser state, step and data order, so an interrupted run resumes to the same result.
 Data parallel over local devices (and hosts) with ``jax.sharding``.
 
@@ -17,7 +18,7 @@ Data parallel over local devices (and hosts) with ``jax.sharding``.
 >>> data = [np.arange(n) % 5 for n in range(2, 30)]
 >>> result = training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), loss, data,
 ...                       optimizer=optax.adam(1e-2), epochs=2, batch_size=4, buckets=3,
-...                       cache=False, verbose=False)
+...                       verbose=False)
 >>> result.train_step.traces, result.train_step.stats.compiles
 (1, 3)
 

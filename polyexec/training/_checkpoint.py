@@ -17,6 +17,8 @@ from typing import Any
 
 import equinox as eqx
 
+from .._errors import OptionError
+
 MAGIC = b"polyexec-checkpoint-v1"
 _NAME = re.compile(r"^step-(\d{9})\.ckpt$")
 
@@ -56,9 +58,7 @@ def save_checkpoint(directory: str | os.PathLike, state: Any, meta: dict, *, kee
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     step = int(meta["step"])
-    header = json.dumps(meta, sort_keys=True).encode()
-    if b"\n" in header:
-        raise ValueError("save_checkpoint: meta must serialise to one JSON line")
+    header = json.dumps(meta, sort_keys=True).encode()   # one line: json.dumps escapes newlines
     target = _path(directory, step)
     fd, tmp = tempfile.mkstemp(prefix=f".step-{step:09d}.", suffix=".tmp", dir=directory)
     try:
@@ -88,7 +88,8 @@ def read_meta(path: str | os.PathLike) -> dict:
 def _read_header(f, path) -> dict:
     magic = f.readline().rstrip(b"\n")
     if magic != MAGIC:
-        raise ValueError(f"{os.fspath(path)}: not a polyexec checkpoint (first line {magic[:40]!r})")
+        raise OptionError(f"{os.fspath(path)}: expected a polyexec checkpoint (first line "
+                          f"{MAGIC!r}), received first line {magic[:40]!r}")
     return json.loads(f.readline())
 
 
@@ -100,8 +101,9 @@ def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict]:
         try:
             state = eqx.tree_deserialise_leaves(f, like)
         except Exception as e:  # a different model size, optimiser or cell type
-            raise ValueError(f"{os.fspath(path)}: the checkpoint does not match the state's "
-                             f"structure or shapes ({type(e).__name__}: {e})") from e
+            raise OptionError(f"{os.fspath(path)}: expected a checkpoint of the state's structure "
+                              f"and shapes, received one that does not match them "
+                              f"({type(e).__name__}: {e})") from e
     return state, meta
 
 

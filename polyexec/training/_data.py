@@ -1,4 +1,4 @@
-"""Examples, the per-epoch batch order, and host-side padding to exact bucket shapes."""
+"""Examples, the per-epoch batch order, and stacking a batch into arrays on the host."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 
 import buckets as _buckets
+
+from .._bind import pad_to
+from .._errors import OptionError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +34,12 @@ def as_examples(data: Any, where: str) -> Examples:
     """Validate a dataset: a sequence of 1-D integer arrays (or ``bytes``), none empty."""
     if isinstance(data, Examples):
         return data
-    if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) and not isinstance(data, np.ndarray):
-        raise TypeError(f"{where}: expected a sequence of examples (1-D integer arrays or bytes), "
-                        f"received {type(data).__name__}")
+    if isinstance(data, (str, bytes)) or not isinstance(data, (Sequence, np.ndarray)):
+        raise OptionError(f"{where}: expected a sequence of examples (1-D integer arrays or "
+                          f"bytes), received {type(data).__name__}")
     if len(data) == 0:
-        raise ValueError(f"{where}: the dataset is empty")
+        raise OptionError(f"{where}: expected at least one example, received an empty "
+                          f"{type(data).__name__}")
     out = []
     for i, example in enumerate(data):
         if isinstance(example, (bytes, bytearray)):
@@ -43,16 +47,15 @@ def as_examples(data: Any, where: str) -> Examples:
         else:
             arr = np.asarray(example)
             if arr.ndim != 1:
-                raise ValueError(f"{where}[{i}]: expected a 1-D sequence of token ids, received "
-                                 f"shape {arr.shape}")
-            if arr.size == 0:
-                raise ValueError(f"{where}[{i}]: empty example (length 0); drop it first")
-            if arr.dtype.kind not in "iub":
-                raise TypeError(f"{where}[{i}]: expected integer token ids, received dtype "
-                                f"{arr.dtype.name}")
+                raise OptionError(f"{where}[{i}]: expected a 1-D sequence of token ids, received "
+                                  f"shape {arr.shape}")
+            if arr.size and arr.dtype.kind not in "iub":
+                raise OptionError(f"{where}[{i}]: expected integer token ids, received dtype "
+                                  f"{arr.dtype.name}")
             arr = arr.astype(np.int32, copy=False)
         if arr.size == 0:
-            raise ValueError(f"{where}[{i}]: empty example (length 0); drop it first")
+            raise OptionError(f"{where}[{i}]: expected an example of length >= 1, received "
+                              f"length 0; drop it first")
         out.append(arr)
     lengths = np.fromiter((a.size for a in out), np.int64, count=len(out))
     return Examples(tuple(out), lengths)
@@ -64,12 +67,17 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Batching:
-    """How examples become padded batches: the bucket policy and the rows per bucket.
+    """How examples become batches: the bucket policy, the rows per bucket, the time axis.
 
-    Every batch of bucket ``T`` is padded to exactly ``(rows(T), T)``: its remainder batch
-    too, so each length bucket is one compiled shape (a compile costs seconds; the padded rows
-    of one batch per bucket per epoch cost far less). ``rows`` is a multiple of the number of
-    local devices so the batch axis splits evenly over them.
+    Every batch of bucket ``T`` has exactly ``rows(T)`` rows -- its remainder batch too, with
+    zero-length rows -- so each length bucket is one compiled (B, T) shape: a compile costs
+    seconds, the padded rows of one batch per bucket per epoch far less. ``rows`` is a multiple
+    of the number of local devices so the batch axis splits evenly over them.
+
+    The time axis is the batch's own longest example (at least ``min_length``): the executor
+    pads it up to the bucket, so its ``stats`` count that padding (and the zero-length rows)
+    as padding. Across processes the global batch is assembled from equal local shares and
+    must arrive at the bucket's shape, so there the time axis is padded to the bucket here.
     """
 
     policy: Any
@@ -77,6 +85,7 @@ class Batching:
     max_tokens: int | None
     shuffle: bool
     seed: int
+    min_length: int = 2
     device_multiple: int = 1
     num_shards: int = 1          # processes (multi-host): each takes its part of every step
     shard_index: int = 0
@@ -99,23 +108,35 @@ class Batching:
             shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch,
             num_shards=self.num_shards, shard_index=self.shard_index)
 
+    def stack(self, examples: Examples, batch: _buckets.Batch,
+              pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """``batch`` as ``(tokens (rows, length) int32, lengths (rows,) int32)`` (see above)."""
+        if self.num_shards > 1:
+            length = batch.bucket_size
+        else:
+            length = max(int(examples.lengths[batch.indices].max()), self.min_length)
+        return pad_batch(examples, batch.indices, self.rows(batch.bucket_size), length, pad_id)
+
 
 def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,
               pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens (rows, length) int32, lengths (rows,) int32)``; extra rows have length 0.
+    """``(tokens (rows, length) int32, lengths (rows,) int32)``; rows past the examples have
+    length 0. Padded on the host by the executor's own padder, `pad_to`.
 
-    Padded on the host with NumPy into the exact bucket shape, so the executor neither pads
-    nor compiles anything per exact size.
+    >>> from polyexec.training import as_examples, pad_batch
+    >>> tokens, lengths = pad_batch(as_examples([b"ab", b"c"], "data"), [1, 0], 3, 4, pad_id=0)
+    >>> tokens.tolist(), lengths.tolist()
+    ([[99, 0, 0, 0], [97, 98, 0, 0], [0, 0, 0, 0]], [1, 2, 0])
     """
-    if len(indices) > rows:
-        raise ValueError(f"pad_batch: {len(indices)} examples do not fit {rows} rows")
-    tokens = np.full((rows, length), pad_id, np.int32)
-    lengths = np.zeros((rows,), np.int32)
-    for r, i in enumerate(indices):
-        seq = examples.tokens[int(i)]
-        if seq.size > length:
-            raise ValueError(f"pad_batch: example {int(i)} has length {seq.size}, above the "
-                             f"bucket {length}")
-        tokens[r, :seq.size] = seq
-        lengths[r] = seq.size
-    return tokens, lengths
+    seqs = [examples.tokens[int(i)] for i in indices]
+    if len(seqs) > rows:
+        raise OptionError(f"pad_batch: rows: expected at least {len(seqs)} (one per example), "
+                          f"received {rows}")
+    longest = max((seq.size for seq in seqs), default=0)
+    if longest > length:
+        raise OptionError(f"pad_batch: length: expected at least {longest} (the longest example "
+                          f"of the batch), received {length}")
+    tokens = (np.stack([pad_to(seq, (length,), pad_id, np.int32) for seq in seqs]) if seqs
+              else np.empty((0, length), np.int32))
+    lengths = np.array([seq.size for seq in seqs], np.int32)
+    return pad_to(tokens, (rows, length), pad_id), pad_to(lengths, (rows,), 0)

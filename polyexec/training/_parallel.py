@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .._errors import OptionError, is_int
+
 AXIS = "batch"
 
 
@@ -60,24 +62,26 @@ def data_parallel(devices: int | Sequence[Any] | None = None) -> DataParallel:
     processes = jax.process_count()
     if processes > 1:
         if devices is not None:
-            raise ValueError("fit: devices must be None when running on several processes "
-                             "(jax.distributed): every process's devices join one mesh")
+            raise OptionError(f"fit: devices: expected None when running on several processes "
+                              f"(jax.distributed: every process's devices join one mesh), "
+                              f"received {devices!r}")
         return DataParallel(Mesh(np.array(jax.devices()), (AXIS,)), jax.local_device_count(),
                             processes, jax.process_index())
     local = jax.local_devices()
     if devices is None:
         chosen = local
-    elif isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+    elif is_int(devices):
         if not 1 <= devices <= len(local):
-            raise ValueError(f"fit: devices={devices} but this process has {len(local)} local "
-                             f"device(s) ({local[0].platform}); on CPU, more devices need "
-                             f"XLA_FLAGS=--xla_force_host_platform_device_count=N set before "
-                             f"jax is imported")
+            raise OptionError(f"fit: devices: expected an int from 1 to {len(local)} (the local "
+                              f"{local[0].platform} devices of this process; on CPU, more "
+                              f"devices need XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                              f"set before jax is imported), received {devices}")
         chosen = local[:int(devices)]
-    else:
+    elif isinstance(devices, Sequence) and not isinstance(devices, str) and devices:
         chosen = list(devices)
-        if not chosen:
-            raise ValueError("fit: devices is an empty list")
+    else:
+        raise OptionError(f"fit: devices: expected None, an int or a non-empty list of devices, "
+                          f"received {devices!r}")
     if len(chosen) == 1:
         return DataParallel(None, 1)
     return DataParallel(Mesh(np.array(chosen), (AXIS,)), len(chosen))

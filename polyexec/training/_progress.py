@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
@@ -30,6 +32,18 @@ class RunDisplay:
     def print(self, *objects: Any) -> None:
         if self.verbose:
             self.console.print(*objects)
+
+    @contextlib.contextmanager
+    def task(self, description: str, total: int) -> Iterator[Callable[[], None]]:
+        """A transient bar for ``total`` units of work; yields the function that advances it."""
+        if not self.enabled:
+            yield lambda: None
+            return
+        bar = Progress(TextColumn(description), BarColumn(bar_width=24), MofNCompleteColumn(),
+                       TimeElapsedColumn(), console=self.console, transient=True)
+        task = bar.add_task(description, total=total)
+        with bar:
+            yield lambda: bar.advance(task)
 
     def start_epoch(self, epoch: int, epochs: int, total: int, done: int) -> None:
         if not self.enabled:

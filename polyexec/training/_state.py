@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._errors import OptionError
+
 
 class TrainState(eqx.Module):
     """Everything a train step reads and returns: ``model``, ``opt_state`` and ``step``.
@@ -33,8 +35,9 @@ class TrainState(eqx.Module):
     @classmethod
     def create(cls, model: Any, optimizer: optax.GradientTransformation) -> "TrainState":
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"TrainState.create: optimizer must be an optax.GradientTransformation "
-                            f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}")
+            raise OptionError(f"TrainState.create: optimizer: expected an "
+                              f"optax.GradientTransformation (e.g. optax.adam(1e-3)), received "
+                              f"{type(optimizer).__name__}")
         params = eqx.filter(model, eqx.is_inexact_array)
         return cls(model=model, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
 

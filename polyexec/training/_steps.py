@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._executor import Bucketed, bucketed
-from .._vars import LengthVar, Spec
+from .. import Bucketed, LengthVar, Spec, bucketed
+from .._errors import OptionError
 from ._state import TrainState
 
 # Loss functions see a padded batch: tokens (B, T) and the real lengths (B,).
@@ -75,36 +75,42 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None):
             count = jnp.sum(lengths).astype(jnp.float32)
             return loss_fn(model, tokens, lengths).astype(jnp.float32) * count, count
     else:
-        raise TypeError("eval_step_fn: pass loss_fn or eval_fn")
+        raise OptionError("eval_step_fn: expected loss_fn or eval_fn, received neither")
     return eval_step
 
 
-def length_vars(*, max_length: int, max_batch: int, min_length: int = 2) -> tuple[LengthVar, LengthVar]:
-    """The batch and length variables ``B`` and ``T`` of a training run.
+def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
+                   batch_buckets: Sequence[int], min_length: int, pad_id: int,
+                   shardings: tuple | None, check_lengths: bool, masking: bool,
+                   donate_argnums: tuple[int, ...] = ()) -> Bucketed:
+    """``step(state or model, tokens (B, T), lengths (B,))`` compiled once per (B, T) bucket.
 
-    Made outside the global name registry, so a run never redefines a user's own ``"T"``.
-    ``min_length=2`` by default: next-token losses slice ``tokens[:, :-1]``, which needs T >= 2
-    to trace symbolically.
+    ``B`` and ``T`` are this step's own LengthVars, carried by its Specs and keyed in
+    ``buckets``: the Specs resolve against them, never against a ``"T"`` defined elsewhere in
+    the user's process. ``T >= min_length`` (2 by default) is a constraint of the one symbolic
+    trace: next-token losses slice ``tokens[:, :-1]``, which needs T >= 2.
     """
-    return (LengthVar._unregistered("B", 1, int(max_batch)),
-            LengthVar._unregistered("T", int(min_length), int(max_length)))
-
-
-def _specs(pad_id: int, check_lengths: bool):
-    return (Spec("B T", jnp.int32, pad=pad_id),
-            Spec("B", jnp.int32, lengths_of="T" if check_lengths else None))
+    B = LengthVar("B", max=max(batch_buckets))
+    T = LengthVar("T", min=min_length, max=max(length_buckets))
+    batch = None if shardings is None else shardings[1]
+    return bucketed(step, in_specs=(None, Spec((B, T), jnp.int32, pad=pad_id),
+                                    Spec((B,), jnp.int32, lengths_of=T if check_lengths else None)),
+                    buckets={T: list(length_buckets), B: list(batch_buckets)},
+                    donate_argnums=donate_argnums, name=name, masking=masking,
+                    in_shardings=None if shardings is None else (shardings[0], batch, batch))
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     length_buckets: Sequence[int], batch_buckets: Sequence[int],
                     min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
                     donate: bool = True, check_lengths: bool = True,
-                    return_grads: bool = False) -> Bucketed:
+                    return_grads: bool = False, masking: bool = True) -> Bucketed:
     """`train_step_fn` as a `px.bucketed` function, compiled once per (B, T) bucket.
 
     ``state`` is not length-polymorphic (its arrays keep their shapes) and is donated, so XLA
     updates the parameters and optimiser state in place. ``shardings`` = (state sharding, batch
     sharding) for data parallelism: parameters replicated, the batch axis split over a Mesh.
+    ``masking=False`` turns off the executor's logical-length rewrite (`px.bucketed`).
 
     >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
     >>> from polyexec.training import TrainState, make_train_step
@@ -119,21 +125,19 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     >>> int(state.step), step.stats.compiles, step.plan.reshaping_is_impossible
     (1, 1, False)
     """
-    B, T = length_vars(max_length=max(length_buckets), max_batch=max(batch_buckets),
-                       min_length=min_length)
-    return bucketed(train_step_fn(loss_fn, optimizer, return_grads=return_grads), in_specs=(None, *_specs(pad_id, check_lengths)),
-                    buckets={T: list(length_buckets), B: list(batch_buckets)},
-                    donate_argnums=(0,) if donate else (), name="train_step",
-                    in_shardings=None if shardings is None else (shardings[0], shardings[1], shardings[1]))
+    return _bucketed_step(train_step_fn(loss_fn, optimizer, return_grads=return_grads),
+                          name="train_step", length_buckets=length_buckets,
+                          batch_buckets=batch_buckets, min_length=min_length, pad_id=pad_id,
+                          shardings=shardings, check_lengths=check_lengths, masking=masking,
+                          donate_argnums=(0,) if donate else ())
 
 
 def make_eval_step(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
                    length_buckets: Sequence[int], batch_buckets: Sequence[int],
                    min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
-                   check_lengths: bool = True) -> Bucketed:
+                   check_lengths: bool = True, masking: bool = True) -> Bucketed:
     """`eval_step_fn` as a `px.bucketed` function: ``(model, tokens, lengths) -> (total, count)``."""
-    B, T = length_vars(max_length=max(length_buckets), max_batch=max(batch_buckets),
-                       min_length=min_length)
-    return bucketed(eval_step_fn(loss_fn, eval_fn), in_specs=(None, *_specs(pad_id, check_lengths)),
-                    buckets={T: list(length_buckets), B: list(batch_buckets)}, name="eval_step",
-                    in_shardings=None if shardings is None else (shardings[0], shardings[1], shardings[1]))
+    return _bucketed_step(eval_step_fn(loss_fn, eval_fn), name="eval_step",
+                          length_buckets=length_buckets, batch_buckets=batch_buckets,
+                          min_length=min_length, pad_id=pad_id, shardings=shardings,
+                          check_lengths=check_lengths, masking=masking)

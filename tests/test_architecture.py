@@ -1,0 +1,168 @@
+"""The core's shape: an acyclic import graph, immutable plans, names decided locally."""
+
+import ast
+import dataclasses
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import polyexec as px
+
+PACKAGE = pathlib.Path(px.__file__).parent
+# Imports allowed inside functions: optional dependencies only.
+OPTIONAL = {"hypothesis", "matplotlib"}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> polyexec modules it imports, from the AST (imports inside functions too)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t.startswith("polyexec") and t != name}
+        graph[name] = edges
+    modules = set(graph)
+    return {m: {t for t in edges if t in modules} for m, edges in graph.items()}
+
+
+def find_cycle(graph):
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_import_graph_of_the_core_is_acyclic():
+    graph = import_graph()
+    # Importing the package from its modules would hide a cycle behind __init__: drop only the
+    # edges *into* the package root, which every submodule import passes through.
+    core = {m: {t for t in e if t != "polyexec"} for m, e in graph.items()}
+    assert "polyexec._executor" in core and "polyexec._plan" in core
+    assert find_cycle(core) is None, f"import cycle: {' -> '.join(find_cycle(core))}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_imports_inside_functions_except_optional_dependencies():
+    hidden = []
+    for path in PACKAGE.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                        [a.name for a in node.names]
+                    if not all(n.split(".")[0] in OPTIONAL for n in names):
+                        hidden.append(f"{path.name}:{node.lineno} in {fn.name}: {names}")
+    assert not hidden, hidden
+
+
+def test_plans_refuse_attribute_assignment():
+    T = px.LengthVar("T", max=16)
+    plan = px.trace(lambda x: jnp.cumsum(x), px.Spec("T", jnp.float32))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.reason = "changed"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.out_tree = None
+    K = px.LengthVar("K", max=16)
+
+    def filtered(x):
+        kept, _ = px.compact(x, x > 0, length=K)
+        return kept * 2
+
+    partitioned = px.trace(filtered, px.Spec("T", jnp.float32))
+    assert not isinstance(partitioned, px.Plan)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        partitioned.segments = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        partitioned.segments[0].cut = None
+
+
+def test_slow_path_leaves_its_plan_unchanged():
+    T = px.LengthVar("T", max=32)
+
+    def prefix_sums(x):
+        return jnp.stack([jnp.sum(x[: t + 1]) for t in range(x.shape[0])])
+
+    f = px.bucketed(prefix_sums, in_specs=(px.Spec("T", jnp.float32),), out_specs=px.Spec("T"),
+                    buckets={T: [4, 8, 32]})
+    with pytest.warns(UserWarning, match="not shape-polymorphic"):
+        f(np.ones(3, np.float32))
+    plan = f.plan
+    before = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)}
+    for t in (3, 7, 20):
+        np.testing.assert_allclose(f(np.arange(t, dtype=np.float32)),
+                                   np.cumsum(np.arange(t, dtype=np.float32)))
+    assert f.plan is plan and f.stats.compiles == 3
+    after = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)}
+    assert after == before
+
+
+@pytest.mark.parametrize("order", ["small first", "large first"])
+def test_two_functions_with_the_same_variable_name_and_different_bounds(order):
+    def make(limit):
+        T = px.LengthVar("T", max=limit)
+        return px.bucketed(lambda x: x * 2, in_specs=(px.Spec("T", jnp.float32),),
+                           out_specs=px.Spec("T"))
+
+    limits = [8, 64] if order == "small first" else [64, 8]
+    made = {limit: make(limit) for limit in limits}
+    px.LengthVar("T", max=4)   # a later definition changes nothing that exists
+    np.testing.assert_array_equal(made[64](np.ones(40, np.float32)), np.full(40, 2.0))
+    with pytest.raises(px.LengthOverflowError, match="above T's max=8"):
+        made[8](np.ones(40, np.float32))
+    np.testing.assert_array_equal(made[8](np.ones(8, np.float32)), np.full(8, 2.0))
+
+
+def test_explicit_length_vars_win_over_the_callers_scope():
+    T = px.LengthVar("T", max=8)       # noqa: F841 - in scope, but not the one given
+    wide = px.LengthVar("T", max=128)
+    f = px.bucketed(lambda x: x + 1, in_specs=(px.Spec([wide], jnp.float32),),
+                    out_specs=px.Spec("T"))
+    np.testing.assert_array_equal(f(np.zeros(100, np.float32)), np.ones(100))
+
+
+def test_a_name_in_scope_twice_is_ambiguous():
+    def make():
+        short, long = px.LengthVar("T", max=8), px.LengthVar("T", max=64)  # noqa: F841
+        return px.bucketed(lambda x: x, in_specs=(px.Spec("T"),))
+
+    with pytest.raises(px.SpecError, match="Spec name 'T' is ambiguous here"):
+        make()
