@@ -226,25 +226,21 @@ class _Ctx:
             ctx = ctx.parent
         return None
 
-    def length(self, d):
-        """The logical length of a dimension: an int, or an int32 scalar tracer."""
+    def _cached(self, table: str, d, compute):
         if not _is_sym(d):
             return int(d)
-        value = self._lookup("_lengths", d)
+        value = self._lookup(table, d)
         if value is None:
-            value = lax.convert_element_type(d._evaluate(self.sizes), np.int32)
-            self._lengths[d] = value
+            value = getattr(self, table)[d] = lax.convert_element_type(compute(d), np.int32)
         return value
+
+    def length(self, d):
+        """The logical length of a dimension: an int, or an int32 scalar tracer."""
+        return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
 
     def physical(self, d):
         """The bucket size of a dimension as a value (``dim_as_value``, not rewritten)."""
-        if not _is_sym(d):
-            return int(d)
-        value = self._lookup("_physical", d)
-        if value is None:
-            value = lax.convert_element_type(_core.dimension_as_value(d), np.int32)
-            self._physical[d] = value
-        return value
+        return self._cached("_physical", d, _core.dimension_as_value)
 
 
 class _Recorder:
