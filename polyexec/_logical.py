@@ -46,8 +46,9 @@ Rules (`_RULES`)
   a logical start would not fit physically; scattered rows and window elements beyond a logical
   length are dropped, made the combiner's identity, or (plain scatter, update slice) overwritten
   back with the operand, so they never land in a logical position.
-- ``reshape``: passes through when it keeps each length axis' logical block a prefix (one length
-  axis, same constant row count before it: ``(T, 4) <-> (4*T,)``); any other reshape (e.g.
+- ``reshape``: passes through when it keeps each length axis' logical block a prefix (only unit
+  axes added or removed; or one length axis, same constant row count before it:
+  ``(T, 4) <-> (4*T,)``); any other reshape (e.g.
   ``(B, T, H) -> (B*T, H)``) is a gather that lays out the logical elements row-major.
 - ``scan`` with a symbolic ``length``: an iteration counter and a ``select`` on the carry freeze
   it past the logical length (from the logical end when ``reverse=True``); a ``cond`` per step
@@ -998,13 +999,21 @@ def _reshape(ctx, eqn, invals):
 
 
 def _prefix_preserving(src, dst) -> bool:
-    """One length axis on each side, preceded by the same number of constant rows: the
-    logical block of each row is a prefix of it on both sides ((T, 4) <-> (4*T,))."""
+    """Only unit axes added or removed ((B, T-1, 1) <-> (B, T-1)), or one length axis on each
+    side preceded by the same number of constant rows ((T, 4) <-> (4*T,)): either way each
+    position keeps its logical block a prefix."""
+    if _core.definitely_equal_shape([d for d in src if not _is_unit(d)],
+                                    [d for d in dst if not _is_unit(d)]):
+        return True
     s = [a for a, d in enumerate(src) if _is_sym(d)]
     d = [a for a, e in enumerate(dst) if _is_sym(e)]
     if len(s) != 1 or len(d) != 1:
         return False
     return math.prod(src[:s[0]]) == math.prod(dst[:d[0]])
+
+
+def _is_unit(d) -> bool:
+    return not _is_sym(d) and int(d) == 1
 
 
 def _scan(ctx, eqn, invals):

@@ -216,6 +216,7 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
                               grad_argnums: int | Sequence[int] | None = None,
                               elements: Mapping[int, Any] | None = None,
                               max_examples: int | None = None, shrink: bool = True,
+                              masking: bool = True,
                               rtol: float = 1e-5, atol: float = 1e-5) -> TransparencyReport:
     """Property-test that ``px.bucketed(fn, in_specs, out_specs, buckets)`` equals ``fn`` run at
     the exact size, for random sizes within every `LengthVar`'s bounds and random inputs.
@@ -231,7 +232,9 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
     leaf; hypothesis prints the falsifying inputs. ``max_examples`` defaults to the active
     hypothesis profile's. ``shrink=False`` reports the first failing example as found: every
     shrinking step at a new size compiles a new exact-size reference, which for a scanned model
-    can take minutes. Call it from a plain test, not from inside another ``@given``.
+    can take minutes. ``masking=False`` checks the physical program instead (as
+    ``px.bucketed(..., masking=False)`` runs it): code that must mask by hand to be right.
+    Call it from a plain test, not from inside another ``@given``.
 
     >>> import jax.numpy as jnp, polyexec as px
     >>> from polyexec.testing import assert_bucket_transparent
@@ -258,7 +261,7 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
         raise OptionError(f"assert_bucket_transparent: elements: expected positions of "
                           f"arguments with a Spec, received {unknown}")
 
-    values = bucketed(fn, in_specs, out_specs, buckets)
+    values = bucketed(fn, in_specs, out_specs, buckets, masking=masking)
     # Sizes are drawn for the variables the inputs bind (not for sizes an output or a
     # data-dependent op defines).
     is_spec = lambda x: isinstance(x, Spec)  # noqa: E731
@@ -271,7 +274,8 @@ def assert_bucket_transparent(fn: Callable, in_specs: Sequence[Any], *, out_spec
         nums = (grad_argnums,) if isinstance(grad_argnums, int) else tuple(grad_argnums)
         grad_specs = tuple(in_specs[i] for i in nums)
         grads = bucketed(_filter_grad(fn, grad_argnums), in_specs,
-                         grad_specs[0] if isinstance(grad_argnums, int) else grad_specs, buckets)
+                         grad_specs[0] if isinstance(grad_argnums, int) else grad_specs, buckets,
+                         masking=masking)
 
     def reference(size_items, *args):
         # Exact sizes: valid_length is the size itself, and so is max_length.

@@ -151,23 +151,28 @@ def test_stats_count_real_and_padded_elements():
     assert table.splitlines()[-1].split()[:3] == ["total", "3", "2"]
 
 
-def test_pad_value_is_what_the_function_sees_beyond_the_real_length():
+def test_pad_value_is_visible_only_when_masking_is_off():
     T = px.LengthVar("T", max=16)
-    seen = px.bucketed(lambda x: jnp.sum(x), in_specs=(px.Spec("T", jnp.float32, pad=1.5),),
-                       buckets={T: [16]})
-    # 5 real ones + 11 positions of padding at 1.5: the padding is visible to unmasked code.
-    assert float(seen(np.ones(5, np.float32))) == pytest.approx(5 + 11 * 1.5)
+    spec = px.Spec("T", jnp.float32, pad=1.5)
+    logical = px.bucketed(lambda x: jnp.sum(x), in_specs=(spec,), buckets={T: [16]})
+    physical = px.bucketed(lambda x: jnp.sum(x), in_specs=(spec,), buckets={T: [16]},
+                           masking=False)
+    # 5 real ones + 11 positions of padding at 1.5: only the unmasked program sees the padding.
+    assert float(logical(np.ones(5, np.float32))) == 5.0
+    assert float(physical(np.ones(5, np.float32))) == pytest.approx(5 + 11 * 1.5)
 
 
-def test_valid_length_is_the_real_size_not_the_bucket():
+@pytest.mark.parametrize("masking, shape_seen", [(True, 21), (False, 32)])
+def test_valid_length_is_the_real_size_and_shape_follows_masking(masking, shape_seen):
     T = px.LengthVar("T", max=64)
 
     def lengths_seen(x):
         return px.valid_length(T) + 0 * x.shape[0], jnp.asarray(x.shape[0])
 
-    f = px.bucketed(lengths_seen, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [32, 64]})
-    real, padded = f(np.zeros(21, np.float32))
-    assert (int(real), int(padded)) == (21, 32)
+    f = px.bucketed(lengths_seen, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [32, 64]},
+                    masking=masking)
+    real, shape = f(np.zeros(21, np.float32))
+    assert (int(real), int(shape)) == (21, shape_seen)
 
 
 def test_max_cached_evicts_least_recently_used_bucket():

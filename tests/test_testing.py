@@ -102,7 +102,7 @@ def test_lengths():
 
 # -- assert_bucket_transparent must be able to fail ---------------------------------------------
 
-def unmasked_mean(x):  # averages the padding in: wrong whenever T is not a bucket size
+def unmasked_mean(x):  # averages the padding in, unless polyexec masks: masking=False
     return jnp.mean(x, axis=1)
 
 
@@ -112,7 +112,7 @@ def test_detects_a_function_that_padding_changes():
                                              r"differ at out"):
         pxt.assert_bucket_transparent(unmasked_mean, (px.Spec("B T", jnp.float32),),
                                       out_specs=px.Spec("B"), buckets={"T": [16, 40]},
-                                      max_examples=10, shrink=False)
+                                      max_examples=10, shrink=False, masking=False)
 
 
 def test_detects_an_output_left_padded():
@@ -138,12 +138,23 @@ def test_detects_gradients_that_padding_changes_when_values_do_not():
     w = np.float32(2.0)
     # Values alone pass...
     pxt.assert_bucket_transparent(sqrt_loss, specs, fixed_args=(w,), elements=positive,
-                                  buckets={"T": [16, 40]}, max_examples=8)
+                                  buckets={"T": [16, 40]}, max_examples=8, masking=False)
     # ...the gradient with respect to w does not.
     with pytest.raises(AssertionError, match=r"bucketed gradients at sizes .* differ at out"):
         pxt.assert_bucket_transparent(sqrt_loss, specs, fixed_args=(w,), elements=positive,
                                       grad_argnums=1, buckets={"T": [16, 40]}, max_examples=8,
-                                      shrink=False)
+                                      shrink=False, masking=False)
+
+
+def test_the_same_functions_pass_when_polyexec_masks():
+    T, B = _vars()
+    pxt.assert_bucket_transparent(unmasked_mean, (px.Spec("B T", jnp.float32),),
+                                  out_specs=px.Spec("B"), buckets={"T": [16, 40]},
+                                  max_examples=6)
+    pxt.assert_bucket_transparent(sqrt_loss, (px.Spec("T", jnp.float32), None),
+                                  fixed_args=(np.float32(2.0),),
+                                  elements={0: st.floats(0.125, 1.0, width=32)},
+                                  grad_argnums=1, buckets={"T": [16, 40]}, max_examples=6)
 
 
 def test_reference_answers_valid_length_and_max_length_with_the_exact_size():

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import rich.console
 
 import buckets as _buckets
 
@@ -332,8 +333,7 @@ def _configure_cache(cache: bool | str | None) -> None:
 def _interactive(console) -> bool:
     if console is not None:
         return bool(console.is_terminal)
-    from rich.console import Console
-    return Console().is_terminal
+    return rich.console.Console().is_terminal
 
 
 # -- resume ---------------------------------------------------------------------------------------
