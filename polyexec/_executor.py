@@ -397,21 +397,25 @@ class Bucketed:
                 current, **{k: getattr(current, k) + v for k, v in increments.items()})
 
     def _unflatten(self, out_tree, plan, leaves: Sequence[Any], sizes: Mapping[str, int]):
-        if self._loaded is not None:
-            # Each output is cut to its symbolic shape evaluated at the real sizes (``T - 1`` at
-            # T=5 is 4), so no padding leaks out of a loaded plan.
-            env = {n: int(s) for n, s in sizes.items()}
-            out = []
-            for leaf, aval in zip(leaves, plan.exported.out_avals):
-                real = evaluate_shape(aval.shape, env)
-                out.append(leaf if real == tuple(leaf.shape) else
-                           np.asarray(leaf)[tuple(slice(0, n) for n in real)])
-            return out[0] if len(out) == 1 else tuple(out)
+        """The outputs as the exact-size call returns them: each leaf cut to its symbolic shape
+        evaluated at the real sizes (``T - 1`` at T=5 is 4), or by ``out_specs`` when given.
+        A reshaping-impossible plan has no symbolic shapes: without ``out_specs`` its outputs
+        keep the bucket's size (its verdict has said so)."""
         if self.out_specs is not None:
             specs = _bind.spec_per_leaf(self.out_specs, jax.tree_util.tree_unflatten(
                 out_tree, list(range(len(leaves)))), "out_specs")
             leaves = [leaf if spec is _bind.FIXED else _bind.unpad(leaf, spec, sizes)
                       for leaf, spec in zip(leaves, specs)]
+        elif plan.segments[-1].exported is not None:
+            env = {n: int(s) for n, s in sizes.items()}
+            avals = plan.segments[-1].exported.out_avals
+            # Sliced on the host, like inputs are padded there: slicing a device array would
+            # compile one small program per distinct real size.
+            leaves = [leaf if evaluate_shape(aval.shape, env) == tuple(leaf.shape) else
+                      np.asarray(leaf)[tuple(slice(0, n) for n in evaluate_shape(aval.shape, env))]
+                      for leaf, aval in zip(leaves, avals)]
+        if self._loaded is not None:
+            return leaves[0] if len(leaves) == 1 else tuple(leaves)
         return jax.tree_util.tree_unflatten(out_tree, list(leaves))
 
     # -- partitioned plans ----------------------------------------------------------------------
@@ -512,8 +516,9 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
     are not length-polymorphic such as a model: their arrays keep their own shapes, other leaves
     are static), binds every `LengthVar` from the input shapes, picks the smallest bucket that
     fits, pads the inputs (``Spec.pad``), runs that bucket's executable — compiled once from the
-    one exported program, with no Python retrace — and slices outputs with a Spec back to the
-    real sizes (as NumPy arrays). The program is rewritten once so every operation computes over
+    one exported program, with no Python retrace — and cuts every output back to its exact-size
+    shape (its symbolic shape at the real sizes; ``out_specs`` overrides per output; cut
+    outputs are NumPy arrays). The program is rewritten once so every operation computes over
     the real lengths: padding never changes a result (see `Plan.padding_safe`).
 
     Spec names resolve against the LengthVars the call is given (in the Specs, as ``buckets``

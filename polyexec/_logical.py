@@ -31,7 +31,7 @@ Rules (`_RULES`)
   reduced length axis is replaced by the reduction's identity (``reduce``: its init value).
 - ``cumsum``/``cumprod``/``cummax``/``cummin``/``cumlogsumexp``: forward ones read only a prefix
   and pass through; ``reverse=True`` ones start from the logical end (tail -> identity).
-- ``rev``: a gather of ``t - 1 - i``.
+- ``rev``: a gather of ``t - 1 - i``; ``tile`` of a length axis: a gather of ``i mod t``.
 - ``sort`` (``argsort``): an extra leading key "is tail" keeps the tail last; ``top_k``: the
   tail becomes the dtype's lowest value (``top_k`` breaks ties towards the lower index).
 - ``dot_general``: contracted length axes are zeroed on both operands; batch/free axes pass.
@@ -484,12 +484,13 @@ _PASS_THROUGH = frozenset("""
     not or polygamma population_count pow random_gamma_grad real reduce_precision
     regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic
     shift_right_logical sign sin sinh sqrt square sub tan tanh threefry2x32 xor zeta
-    broadcast_in_dim iota squeeze transpose stop_gradient optimization_barrier device_put
+    broadcast_in_dim iota squeeze transpose stack unstack stop_gradient optimization_barrier device_put
     sharding_constraint pvary zeros_like debug_callback debug_print
 """.split())
 # Why the layout ones are safe: broadcast_in_dim maps each output position to the operand
 # position with the same index on a kept axis (or to a size-1 axis); iota's value at a logical
-# position is the same as at the exact size; transpose/squeeze only permute or drop size-1 axes.
+# position is the same as at the exact size; transpose/squeeze only permute or drop size-1 axes;
+# stack/unstack add or remove an axis of constant size (one entry per operand).
 # jax.debug callbacks return nothing the program reads (they may print padding, no more).
 
 
@@ -551,6 +552,22 @@ def _rev(ctx, eqn, invals):
     for a in sym:
         n = x.shape[a]
         x = _take(ctx, x, ctx.length(n) - 1 - _iota((n,), 0), a)
+    return [x]
+
+
+def _tile(ctx, eqn, invals):
+    (x,) = invals
+    reps = eqn.params["reps"]
+    sym = [a for a, r in enumerate(reps) if r != 1 and _is_sym(x.shape[a])]
+    if not sym:
+        return None
+    # Tile the other axes as written, then each length axis as a gather of ``i mod t``: the
+    # copies follow one another at the real length, not the bucket's.
+    x = lax.tile(x, tuple(1 if a in sym else r for a, r in enumerate(reps))) \
+        if any(r != 1 for a, r in enumerate(reps) if a not in sym) else x
+    for a in sym:
+        n = x.shape[a]
+        x = _take(ctx, x, _iota((reps[a] * n,), 0) % ctx.length(n), a)
     return [x]
 
 
@@ -1088,6 +1105,7 @@ _RULES: dict[str, Callable] = {
     "reduce": _reduce,
     **{name: _cumulative for name in _CUMULATIVE_IDENTITY},
     "rev": _rev,
+    "tile": _tile,
     "sort": _sort,
     "top_k": _top_k,
     "dot_general": _dot_general,

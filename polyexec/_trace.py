@@ -232,14 +232,19 @@ def export_symbolic(fn: Callable, signature: Signature, variables: Sequence[Leng
     cell: list = []
     run = flat_program(fn, signature, [v.name for v in variables], None, counter, cell)
     avals = input_avals(signature, variables, symbolic_dims(variables))
-    return export_program(run, avals, [v.name for v in variables], cell)
+    return export_program(run, avals, [v.name for v in variables], cell,
+                          {v.name: v.max for v in variables})
 
 
-def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str],
-                   cell: list) -> Traced | Failed:
+def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cell: list,
+                   concrete: Mapping[str, int] | None = None) -> Traced | Failed:
     """Export a flat program over symbolic avals. A failure that needs a concrete size, or a
     size comparison JAX cannot decide, gives `Failed` with the user's line; any other exception
-    is a bug in the function and propagates. ``cell`` receives (out_tree, out_paths)."""
+    is a bug in the function and propagates. ``cell`` receives (out_tree, out_paths).
+
+    Some failures do not say they are about sizes (NumPy's ``table[:x.shape[0]]`` raises a
+    plain TypeError): with ``concrete`` sizes, an error that a trace at those sizes does not
+    raise counts as a polymorphism failure too."""
     jitted = jax.jit(run)
     comparisons: list[Comparison] = []
     try:
@@ -250,14 +255,15 @@ def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str],
         return Failed(f"{e.filename}:{e.lineno}: `{line}`: px.max_length({e.name!r}) needs the "
                       f"concrete bucket size")
     except SHAPE_ERRORS as e:
-        if not about_symbolic_dims(e, names):
+        if not (about_symbolic_dims(e, names) or _traces_at(run, avals, concrete)):
             raise  # an ordinary bug in the function, not a polymorphism problem
         if user_frame(e) is None:
             # Raised while lowering (jax.export cannot lower FFT over a symbolic length): the
             # trace itself succeeded, so the equation the message names gives the line.
             culprit = _equation_named_in(jitted, avals, str(e))
             if culprit is not None:
-                return Failed(f"{where(culprit)}: {culprit.primitive.name}: "
+                eqn, line = culprit
+                return Failed(f"{line}: {eqn.primitive.name}: "
                               f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")
         return Failed(failure_reason(e))
     if comparisons:
@@ -274,14 +280,40 @@ def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str],
     return Traced(exported, jaxpr, cell[0], cell[1], tuple(avals))
 
 
-def _equation_named_in(jitted, avals, message: str):
+def _traces_at(run: Callable, avals: Sequence[Any], sizes: Mapping[str, int] | None) -> bool:
+    if sizes is None:
+        return False
+    concrete = [jax.ShapeDtypeStruct(evaluate_shape(a.shape, sizes), a.dtype) for a in avals]
+    try:
+        jax.eval_shape(run, *concrete)
+    except Exception:  # noqa: BLE001 - it fails at a concrete size too: the original error stands
+        return False
+    return True
+
+
+def _equation_named_in(jitted, avals, message: str) -> tuple[Any, str] | None:
+    """The equation whose primitive the message names, and its user line: its own, or that of
+    the innermost enclosing call (``jnp.fft.rfft`` is itself jitted: the ``fft`` inside it was
+    made by JAX's code, the call to it by the user's)."""
     try:
         jaxpr = jitted.trace(*avals).jaxpr
     except Exception:  # noqa: BLE001 - only a better line is at stake
         return None
     text = message.lower()
-    return next((e for e in walk(jaxpr.jaxpr) if re.search(rf"\b{e.primitive.name}\b", text)),
-                None)
+
+    def search(program, outer: str):
+        for eqn in program.eqns:
+            line = where(eqn)
+            line = outer if line == "<unknown>" else line
+            if re.search(rf"\b{eqn.primitive.name}\b", text):
+                return eqn, line
+            for sub in sub_jaxprs(eqn):
+                found = search(sub, line)
+                if found is not None:
+                    return found
+        return None
+
+    return search(jaxpr.jaxpr, "<unknown>")
 
 
 def failure_reason(error: BaseException) -> str:

@@ -203,8 +203,8 @@ def _compare(actual, expected, what: str, size_of: Mapping[str, int], bucket: Ma
         if a.shape != e.shape:
             raise AssertionError(
                 f"bucketed {what} {where}: out{jax.tree_util.keystr(path)} has shape {a.shape}, "
-                f"the exact-size run gives {e.shape} (give the output an out_specs Spec so it "
-                f"is sliced back to the real sizes)")
+                f"the exact-size run gives {e.shape} (its out_specs Spec, or the plan's symbolic "
+                f"output shape, does not cut it back to the real sizes)")
         np.testing.assert_allclose(
             a, e, rtol=rtol, atol=atol,
             err_msg=f"bucketed {what} {where} differ at out{jax.tree_util.keystr(path)}")

@@ -137,3 +137,26 @@ def test_sampler_stops_at_a_sentence_end_and_respects_the_bound():
             assert (buf[r, n:expected[r]] == byte).all() and (buf[r, :n] == ord("x")).all()
     with pytest.raises(px.OptionError, match="prompts: expected 1 to 47 bytes each"):
         generate(model, [b""], max_len=48)
+
+
+def test_masking_on_and_off_give_the_same_validation_loss():
+    """The example's loss masks by ``lengths`` itself, so the logical rewrite must change
+    nothing: the same training run with it on and off ends at the same validation loss."""
+    import optax
+
+    from examples.rnn.model import loss_and_count, loss_fn
+    from polyexec import training
+
+    corpus = corpus_data.load(cap=48, limit=120)
+    results = {}
+    for masking in (True, False):
+        model = CharLM(embed=8, hidden=16, key=jax.random.PRNGKey(0))
+        results[masking] = training.fit(
+            model, loss_fn, corpus.train, validation=corpus.validation, eval_fn=loss_and_count,
+            optimizer=optax.adam(1e-2), epochs=1, batch_size=16, buckets=[24, 48], cache=False,
+            verbose=False, seed=0, masking=masking)
+    on, off = results[True], results[False]
+    assert on.train_step.plan.padding_safe and on.val_loss > 0
+    np.testing.assert_allclose(on.val_loss, off.val_loss, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(on.model), jax.tree_util.tree_leaves(off.model)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
