@@ -254,7 +254,16 @@ def pad_inputs(call: BoundCall, bucket: Mapping[str, int]) -> tuple[list[Any], i
     real = padded = 0
     lengths = {spec.lengths_of: (spec.dims, np.asarray(arr))
                for arr, (spec, _) in zip(call.poly, call.signature.poly) if spec.lengths_of}
-    for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
+    for arr, (spec, dtype), path in zip(call.poly, call.signature.poly,
+                                        call.signature.leaf_paths("poly")):
+        if (isinstance(arr, jax.Array) and not arr.is_fully_addressable
+                and tuple(arr.shape) != bucket_shape(spec, bucket)):
+            raise SpecError(
+                f"{path}: a global array spanning several processes, of shape "
+                f"{tuple(arr.shape)}, must already have its bucket's shape "
+                f"{bucket_shape(spec, bucket)}: inputs are padded on the host, where no process "
+                f"holds it whole. Pass process-local arrays, or pad each process's rows to the "
+                f"bucket before forming the global array (as polyexec.training.fit does)")
         flat.append(pad(arr, spec, dtype, bucket))
         if spec.lengths_of:
             continue

@@ -178,8 +178,8 @@ class Bucketed:
         bucket = {n: self.bucket_for(n, s, plan) for n, s in call.sizes.items()}
         if isinstance(plan, PartitionedPlan):
             return self._run_segments(plan, call, bucket)
+        flat, real, padded = _bind.pad_inputs(call, bucket)    # before compiling: it may refuse
         compiled = self.executable(plan, bucket, call)
-        flat, real, padded = _bind.pad_inputs(call, bucket)
         flat += [np.int32(call.sizes[v.name]) for v in plan.variables]
         out_leaves = compiled.executable(*flat)
         self.record(plan, bucket, real_elements=real, padded_elements=padded)

@@ -314,3 +314,19 @@ def test_persistent_cache_writes_compiled_buckets_and_reads_them_back(tmp_path,
                            buckets={T: [16, 64]})
     make_new(np.ones(3, np.float32))
     assert len(os.listdir(folder)) == count
+
+
+def test_a_global_array_not_at_its_bucket_shape_is_refused_before_compiling(monkeypatch):
+    """A multi-process array cannot be padded on any one host: the error names the argument.
+    (Its real form needs several processes; here every array claims to span them.)"""
+    from jax._src.array import ArrayImpl
+
+    T = px.LengthVar("T", max=64)
+    f = px.bucketed(lambda x: x * 2, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [8, 64]})
+    monkeypatch.setattr(ArrayImpl, "is_fully_addressable", property(lambda self: False))
+    with pytest.raises(px.SpecError, match=r"args\[0\]: a global array spanning several "
+                                           r"processes, of shape \(5,\), must already have its "
+                                           r"bucket's shape \(8,\)"):
+        f(jnp.ones(5, jnp.float32))
+    assert f.stats.compiles == 0
+    assert f(jnp.ones(8, jnp.float32)).shape == (8,)       # at the bucket's shape it runs

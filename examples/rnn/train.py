@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=_int_flag(1), help="also checkpoint every N steps")
     p.add_argument("--devices", type=_int_flag(1),
                    help="data-parallel over this many local devices (default: all)")
+    multi = p.add_argument_group("more than one process (jax.distributed; see the README)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address; every process passes the same one")
+    multi.add_argument("--num-processes", type=_int_flag(1), help="processes in the run")
+    multi.add_argument("--process-id", type=_int_flag(0), help="this process's index, from 0")
+    multi.add_argument("--heartbeat-timeout", type=_int_flag(1), default=100,
+                       help="seconds after which a silent process counts as dead and the others "
+                            "exit (default 100)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--no-cache", action="store_true",
                        help="no persistent compile cache at all (also not one configured for JAX, "
@@ -134,17 +142,34 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    distributed = [args.coordinator, args.num_processes, args.process_id]
+    if any(x is not None for x in distributed) and None in distributed:
+        parser.error("--coordinator, --num-processes and --process-id go together: give all "
+                     "three, or none (then a cluster environment jax.distributed detects, if any)")
     # What argparse cannot check alone (a fixed bucket below the longest sentence, more
     # devices than there are, a checkpoint of another run) is a px.OptionError from the code
     # that finds out: a one-line usage error too, never a traceback.
     try:
+        processes = training.initialize_distributed(
+            args.coordinator, args.num_processes, args.process_id,
+            heartbeat_timeout=args.heartbeat_timeout)
         return run(args)
     except px.OptionError as e:
         parser.error(str(e))
+    except jax.errors.JaxRuntimeError as e:
+        if processes == 1:
+            raise
+        # A collective whose peer died: say so in one line; JAX's coordination service then
+        # ends this process too (its own log lines follow).
+        print(f"{parser.prog}: error: process {jax.process_index()} of {processes}: a "
+              f"collective failed ({str(e).splitlines()[0]}); another process of the run has "
+              f"probably died: see its output", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def run(args: argparse.Namespace) -> dict:
-    console = Console(highlight=False)
+    # One voice: in a multi-process run only process 0 reports (errors still reach stderr).
+    console = Console(highlight=False, quiet=jax.process_index() != 0)
     started = time.perf_counter()
 
     corpus = corpus_data.load(cap=args.cap or None, limit=args.limit)

@@ -29,7 +29,7 @@ See `fit` for checkpoints, data parallelism (including multi-host with
 from ._checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 from ._data import Examples, as_examples, pad_batch
 from ._fit import FitResult, StepInfo, StopTraining, evaluate, fit
-from ._parallel import DataParallel, data_parallel
+from ._parallel import DataParallel, data_parallel, initialize_distributed
 from ._state import TrainState
 from ._steps import eval_step_fn, make_eval_step, make_train_step, train_step_fn
 
@@ -37,5 +37,5 @@ __all__ = [
     "fit", "FitResult", "StepInfo", "StopTraining", "evaluate",
     "TrainState", "train_step_fn", "eval_step_fn", "make_train_step", "make_eval_step",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
-    "DataParallel", "data_parallel", "Examples", "as_examples", "pad_batch",
+    "DataParallel", "data_parallel", "initialize_distributed", "Examples", "as_examples", "pad_batch",
 ]

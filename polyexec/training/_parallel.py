@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax._src import xla_bridge
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -49,6 +50,37 @@ class DataParallel:
             return local
         global_shape = (local.shape[0] * self.processes, *local.shape[1:])
         return jax.make_array_from_process_local_data(self.batch, local, global_shape)
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, *, heartbeat_timeout: int = 100) -> int:
+    """Join a multi-process run (``jax.distributed.initialize``) and return the process count.
+
+    With the three arguments, this process joins the run whose process 0 listens at
+    ``coordinator`` (``"host:port"``); without them, JAX's own detection decides
+    (``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, Slurm, Open MPI,
+    Kubernetes, Cloud TPU), and outside any cluster the run is one process (returns 1). Call it
+    before anything else uses JAX (afterwards, with no arguments, it only reports the count). CPU processes exchange gradients over gloo, GPUs over NCCL,
+    TPUs over their interconnect. A process silent for ``heartbeat_timeout`` seconds counts as
+    dead, and the coordination service then ends the others with an error (they never hang).
+
+    >>> from polyexec.training import initialize_distributed
+    >>> initialize_distributed()          # no cluster here: one process
+    1
+    """
+    if jax.distributed.is_initialized():
+        return jax.process_count()
+    if coordinator is None and xla_bridge.backends_are_initialized():
+        # Too late to join anything (JAX is in use): what this process is, it stays.
+        return jax.process_count()
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   heartbeat_timeout_seconds=heartbeat_timeout)
+    except ValueError as e:
+        if coordinator is None and "coordinator_address should be defined" in str(e):
+            return 1        # no flags and no cluster environment: a single process
+        raise OptionError(f"jax.distributed: {e}") from e
+    return jax.process_count()
 
 
 def data_parallel(devices: int | Sequence[Any] | None = None) -> DataParallel:

@@ -1,0 +1,105 @@
+"""Training across processes on JAX's distributed runtime: two processes on localhost (one CPU
+device each, gradients all-reduced over gloo) against one process on the same data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 8 rows per process: the two-process global batch is the one-process run's 16 rows.
+TINY = ["--limit", "150", "--hidden", "16", "--embed", "8", "--cap", "64", "--buckets",
+        "optimal:2", "--samples", "0", "--no-progress"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HOME=str(tmp_path / "home"),
+               XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env.pop("XLA_FLAGS", None)          # one CPU device per process
+    env.pop("POLYEXEC_CACHE_DIR", None)
+    return env
+
+
+def _launch(args, tmp_path, name):
+    out = open(tmp_path / f"{name}.out", "w")
+    err = open(tmp_path / f"{name}.err", "w")
+    return subprocess.Popen([sys.executable, "-m", "examples.rnn.train", *args], cwd=ROOT,
+                            env=_env(tmp_path), stdout=out, stderr=err)
+
+
+def _two_processes(args, tmp_path, name):
+    port = _free_port()
+    procs = [_launch([*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                      "--process-id", str(i)], tmp_path, f"{name}{i}") for i in range(2)]
+    for i, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (tmp_path / f"{name}{i}.err").read_text()[-3000:]
+    return [(tmp_path / f"{name}{i}.out").read_text() for i in range(2)]
+
+
+def _val_losses(path) -> list[float]:
+    return [r["val_loss"] for r in map(json.loads, open(path)) if r["kind"] == "epoch"]
+
+
+def test_two_processes_train_like_one_and_resume_to_the_same_result(tmp_path):
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    # Two processes, one epoch, checkpointed; then resumed from that checkpoint to two epochs.
+    first, quiet = _two_processes([*TINY, *cache, "--epochs", "1", "--batch-size", "8",
+                                   "--checkpoint-dir", str(tmp_path / "ck"),
+                                   "--metrics", str(tmp_path / "two.jsonl")], tmp_path, "a")
+    _two_processes([*TINY, *cache, "--epochs", "2", "--batch-size", "8",
+                    "--checkpoint-dir", str(tmp_path / "ck"),
+                    "--metrics", str(tmp_path / "two.jsonl")], tmp_path, "b")
+    # One process, the same global batches, two epochs without a break.
+    single = subprocess.run([sys.executable, "-m", "examples.rnn.train", *TINY, *cache,
+                             "--epochs", "2", "--batch-size", "16",
+                             "--metrics", str(tmp_path / "one.jsonl")],
+                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    assert "devices: 2 (cpu" in first and "validation loss:" in first
+    # Only process 0 reports (gloo itself still says it connected).
+    assert "corpus:" not in quiet and "validation loss" not in quiet, quiet
+    two, one = _val_losses(tmp_path / "two.jsonl"), _val_losses(tmp_path / "one.jsonl")
+    assert len(two) == len(one) == 2, (two, one)
+    assert two == pytest.approx(one, abs=2e-3)
+    assert abs(one[1] - one[0]) > 1e-2, "the second epoch must change the loss for this to test"
+    assert len(os.listdir(tmp_path / "ck")) >= 1
+
+
+def test_a_dead_process_ends_the_other_with_a_message(tmp_path):
+    port = _free_port()
+    args = [*TINY, "--epochs", "50", "--batch-size", "8", "--no-cache", "--heartbeat-timeout",
+            "5", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    survivor = _launch([*args, "--process-id", "0"], tmp_path, "p0")
+    victim = _launch([*args, "--process-id", "1"], tmp_path, "p1")
+    try:
+        deadline = time.monotonic() + 240
+        while "warmup:" not in (tmp_path / "p0.out").read_text():      # training starts
+            assert survivor.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        victim.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = survivor.wait(timeout=60)
+        assert code != 0
+        assert time.monotonic() - killed < 30        # the heartbeat timeout is 5 s
+        err = (tmp_path / "p0.err").read_text()
+        assert ("another process of the run has probably died" in err
+                or "heartbeat timeout" in err), err[-3000:]
+    finally:
+        for p in (survivor, victim):
+            if p.poll() is None:
+                p.kill()
