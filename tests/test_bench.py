@@ -356,7 +356,7 @@ def test_quick_token_budget(tmp_path):
     """--max-tokens: pad-max is still one shape, a polyexec bucket still one compile."""
     out = tmp_path / "m.json"
     assert main(["--quick", "--dist", "bimodal", "--max-tokens", "2048", "--buckets", "3",
-                 "--strategies", "pad-max,exact,polyexec", "--json", str(out),
+                 "--strategies", "pad-max,pow2,polyexec", "--json", str(out),
                  "--no-progress"]) == 0
     doc = report.validate(json.loads(out.read_text()))
     by = {r["strategy"]: r for r in doc["results"]}
@@ -364,7 +364,7 @@ def test_quick_token_budget(tmp_path):
     assert 1 <= by["polyexec"]["compiles"] <= 3
     cfg = config_from_args(build_parser().parse_args(
         ["--quick", "--dist", "bimodal", "--max-tokens", "2048", "--buckets", "3"]))
-    _, _, shapes, _ = _schedule_shapes(cfg, "exact")
-    assert by["exact"]["compiles"] == len(set(shapes))     # (rows, length) pairs
+    _, _, shapes, _ = _schedule_shapes(cfg, "pow2")
+    assert by["pow2"]["compiles"] == len(set(shapes))      # (rows, length) pairs
     # Under a budget random batches are cut at each strategy's padded length, so they differ.
     assert "cut per strategy" in doc["workload"]["note"]

@@ -15,8 +15,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 8 rows per process: the two-process global batch is the one-process run's 16 rows.
-TINY = ["--limit", "150", "--hidden", "16", "--embed", "8", "--cap", "64", "--buckets",
-        "optimal:2", "--samples", "0", "--no-progress"]
+# One length bucket: two compiles (train, eval) per run, the resumed run loads them from cache.
+TINY = ["--limit", "120", "--hidden", "16", "--embed", "8", "--cap", "48", "--buckets",
+        "fixed:48", "--samples", "0", "--no-progress"]
 
 
 def _free_port() -> int:
