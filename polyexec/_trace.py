@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.extend.core
+import jax.numpy as jnp
 import numpy as np
 from jax import export
 from jax._src import source_info_util
@@ -83,12 +84,16 @@ def flat_program(fn: Callable, signature: Signature, var_names: Sequence[str],
         with binding(dict(zip(var_names, valid)), bucket):
             out = fn(*args)
         keyed, out_tree = jax.tree_util.tree_flatten_with_path(out)
+        leaves = []
         for keypath, leaf in keyed:
-            if not isinstance(leaf, (jax.Array, np.ndarray)) and not hasattr(leaf, "aval"):
+            if isinstance(leaf, (int, float, complex, np.generic)) or export.is_symbolic_dim(leaf):
+                leaf = jnp.asarray(leaf)    # as jax.jit returns them (``x.shape[0]``: a value)
+            elif not isinstance(leaf, (jax.Array, np.ndarray)) and not hasattr(leaf, "aval"):
                 raise PolyexecError(f"output out{jax.tree_util.keystr(keypath)}: expected an "
-                                    f"array, received {type(leaf).__name__}")
+                                    f"array or a number, received {type(leaf).__name__}")
+            leaves.append(leaf)
         out_cell[:] = [out_tree, tuple(jax.tree_util.keystr(k) for k, _ in keyed)]
-        return tuple(leaf for _, leaf in keyed)
+        return tuple(leaves)
 
     run.__name__ = getattr(fn, "__name__", "fn")
     return run

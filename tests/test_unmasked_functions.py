@@ -66,6 +66,7 @@ CASES = {
     "positions scale": (lambda x: x * jnp.arange(x.shape[0])[:, None], T4, EXACT),
     "divide by length": (lambda x: x / x.shape[0], T4, EXACT),
     "length mod 3": (lambda x: x * (x.shape[0] % 3), T4, EXACT),
+    "length returned in a dict": (lambda x: {"mean": x.mean(0), "n": x.shape[0]}, T4, EXACT),
     "eye matmul": (lambda x: jnp.eye(x.shape[0]) @ x, T4, EXACT),
     "row at argmax": (lambda x: x[jnp.argmax(x[:, 0])], T4, EXACT),
     "every other row": (lambda x: x[::2], T4, EXACT),
@@ -100,6 +101,13 @@ CASES = {
     "grad of rnn": (lambda x: jax.grad(lambda y: _rnn(y)[0].sum())(x), T4, EXACT),
     "grad of layer norm over T": (lambda x: jax.grad(lambda y: (_layer_norm(y.T) ** 2).sum())(x),
                                   T4, EXACT),
+    "conv1d over features": (lambda x: lax.conv_general_dilated(
+        x[None], jnp.ones((3, 4, 4)), (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))[0],
+        T4, EXACT),
+    "hessian-vector product": (lambda x: jax.jvp(jax.grad(lambda y: jnp.sum(jnp.sin(y) ** 2)
+                                                          / y.shape[0]), (x,), (x,))[1], T4, EXACT),
+    "batch loss and weight grad": (lambda x: jax.value_and_grad(
+        lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(jnp.asarray(W)), BT4, EXACT),
     "grad of sort": (lambda x: jax.grad(lambda y: (jnp.sort(y, 0) * jnp.arange(
         y.shape[0])[:, None]).sum())(x), T4, EXACT),
     "remat mean": (lambda x: jax.checkpoint(lambda y: y.mean(0))(x), T4, EXACT),
