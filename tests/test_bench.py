@@ -320,7 +320,9 @@ def test_quick_padding_never_changes_the_loss(quick):
 def test_quick_train_mode(tmp_path):
     """The train step (value_and_grad + Adam) through pad-max, exact and polyexec."""
     out = tmp_path / "t.json"
+    # Timing is not asserted here: the limit is timed as briefly as the CLI allows.
     assert main(["--quick", "--mode", "train", "--steps", "3", "--buckets", "2",
+                 "--limit-rounds", "1", "--limit-seconds", "0.05",
                  "--strategies", "pad-max,exact,polyexec", "--json", str(out),
                  "--no-progress"]) == 0
     doc = report.validate(json.loads(out.read_text()))
