@@ -411,9 +411,10 @@ class Bucketed:
             avals = plan.segments[-1].exported.out_avals
             # Sliced on the host, like inputs are padded there: slicing a device array would
             # compile one small program per distinct real size.
-            leaves = [leaf if evaluate_shape(aval.shape, env) == tuple(leaf.shape) else
-                      np.asarray(leaf)[tuple(slice(0, n) for n in evaluate_shape(aval.shape, env))]
-                      for leaf, aval in zip(leaves, avals)]
+            real = [evaluate_shape(aval.shape, env) for aval in avals]
+            leaves = [leaf if shape == tuple(leaf.shape) else
+                      np.asarray(leaf)[tuple(slice(0, n) for n in shape)]
+                      for leaf, shape in zip(leaves, real)]
         if self._loaded is not None:
             return leaves[0] if len(leaves) == 1 else tuple(leaves)
         return jax.tree_util.tree_unflatten(out_tree, list(leaves))

@@ -564,8 +564,9 @@ def _tile(ctx, eqn, invals):
         return None
     # Tile the other axes as written, then each length axis as a gather of ``i mod t``: the
     # copies follow one another at the real length, not the bucket's.
-    x = lax.tile(x, tuple(1 if a in sym else r for a, r in enumerate(reps))) \
-        if any(r != 1 for a, r in enumerate(reps) if a not in sym) else x
+    fixed = tuple(1 if a in sym else r for a, r in enumerate(reps))
+    if any(r != 1 for r in fixed):
+        x = lax.tile(x, fixed)
     for a in sym:
         n = x.shape[a]
         x = _take(ctx, x, _iota((reps[a] * n,), 0) % ctx.length(n), a)
@@ -898,17 +899,8 @@ def _gather(ctx, eqn, invals):
     if all(b is None for b in bounds):
         return None             # only the indices' batch axes are lengths: per position
     x = _room(ctx, x, p["slice_sizes"], room)
-    mode = p["mode"]
-    fill_mode = mode == lax.GatherScatterMode.FILL_OR_DROP
-    comps, oob = [], None
-    for k, b in enumerate(bounds):
-        c = idx[..., k]
-        if b is not None:
-            if fill_mode:
-                bad = (c < 0) | (c > b)
-                oob = bad if oob is None else oob | bad
-            c = jnp.clip(c, 0, b).astype(c.dtype)
-        comps.append(c)
+    fill_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+    comps, oob = _bounded_indices(idx, bounds, check=fill_mode, clamp=True)
     idx = jnp.stack(comps, axis=-1) if comps else idx
     (out,) = _bind_with(eqn, [x, idx])
     if oob is not None:
@@ -922,6 +914,23 @@ def _gather(ctx, eqn, invals):
         mask = lax.broadcast_in_dim(oob, out.shape, batch_dims)
         out = lax.select(mask, _full(out.shape, fill, out.dtype), out)
     return [out]
+
+
+def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
+    """The index components of ``idx`` (its last axis) against their logical upper bounds
+    (None: unbounded): each clamped into ``[0, b]`` with ``clamp``; with ``check``, also where
+    any component falls outside (None when nothing is checked)."""
+    comps, outside = [], None
+    for k, b in enumerate(bounds):
+        c = idx[..., k]
+        if b is not None:
+            if check:
+                bad = (c < 0) | (c > b)
+                outside = bad if outside is None else outside | bad
+            if clamp:
+                c = jnp.clip(c, 0, b).astype(c.dtype)
+        comps.append(c)
+    return comps, outside
 
 
 _SCATTER_IDENTITY = {"scatter-add": lambda dt: 0, "scatter-sub": lambda dt: 0,
@@ -960,17 +969,7 @@ def _scatter(ctx, eqn, invals):
     # drop rows beyond the updates' logical lengths by sending them out of bounds.
     drop_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
     big = np.array(jnp.iinfo(idx.dtype).max, idx.dtype)
-    drop = None
-    comps = []
-    for k, b in enumerate(bounds):
-        c = idx[..., k]
-        if b is not None:
-            if drop_mode:
-                bad = (c < 0) | (c > b)
-                drop = bad if drop is None else drop | bad
-            else:
-                c = jnp.clip(c, 0, b).astype(c.dtype)
-        comps.append(c)
+    comps, drop = _bounded_indices(idx, bounds, check=drop_mode, clamp=not drop_mode)
     batch_shape = idx.shape[:-1]
     for j in rows:
         bad = _iota(batch_shape, j) >= ctx.length(batch_shape[j])

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     # What argparse cannot check alone (a fixed bucket below the longest sentence, more
     # devices than there are, a checkpoint of another run) is a px.OptionError from the code
     # that finds out: a one-line usage error too, never a traceback.
+    processes = 1
     try:
         processes = training.initialize_distributed(
             args.coordinator, args.num_processes, args.process_id,
