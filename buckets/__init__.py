@@ -16,7 +16,8 @@ Optimal(sizes=(7, 31, 120))
 """
 
 from . import corpus
-from ._batching import Batch, Overflow, batch_plan, batch_size_for, batches
+from ._batching import Batch, Overflow, PartialRows, batch_plan, batch_size_for, batches
+from ._cost import Auto, CostModel, Prediction, predict
 from ._policies import (
     BucketOverflowError,
     BucketPolicy,
@@ -29,20 +30,25 @@ from ._policies import (
 from ._stats import BucketRow, Report, report
 
 __all__ = [
+    "Auto",
     "Batch",
     "BucketOverflowError",
     "BucketPolicy",
     "BucketRow",
+    "CostModel",
     "Fixed",
     "Geometric",
     "MultipleOf",
     "Optimal",
     "Overflow",
+    "PartialRows",
+    "Prediction",
     "Report",
     "as_policy",
     "batch_plan",
     "batch_size_for",
     "batches",
     "corpus",
+    "predict",
     "report",
 ]

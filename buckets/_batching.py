@@ -8,23 +8,29 @@ global step, so at step s all replicas run the same bucket -- the same compiled 
 from __future__ import annotations
 
 import typing
+from collections.abc import Collection
 from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
 from ._policies import BucketOverflowError, _check_int, _lengths_array, as_policy
 
-__all__ = ["Batch", "Overflow", "batch_plan", "batch_size_for", "batches"]
+__all__ = ["Batch", "Overflow", "PartialRows", "batch_plan", "batch_size_for", "batches"]
 
 Overflow = Literal["error", "truncate", "exact"]
 _OVERFLOW_OPTIONS: tuple[str, ...] = typing.get_args(Overflow)
+PartialRows = Literal["full", "exact"]
+_PARTIAL_OPTIONS: tuple[str, ...] = typing.get_args(PartialRows)
 
 
 class Batch(NamedTuple):
-    """One batch of a plan: the bucket size to pad to, and the example indices (int64)."""
+    """One batch of a plan: the bucket size to pad to, the example indices (int64), and the
+    rows every shard pads this step's batch to (its compiled shape is ``(rows, bucket_size)``).
+    """
 
     bucket_size: int
     indices: np.ndarray
+    rows: int
 
 
 def batch_size_for(bucket_size: int, max_tokens: int) -> int:
@@ -91,8 +97,9 @@ def batch_plan(
     num_shards: int = 1,
     shard_index: int = 0,
     overflow: Overflow = "error",
+    partial_rows: PartialRows | Collection[int] | None = None,
 ) -> list[Batch]:
-    """This shard's batches for one epoch, each as ``Batch(bucket_size, indices)``.
+    """This shard's batches for one epoch, each as ``Batch(bucket_size, indices, rows)``.
 
     Examples are grouped by bucket (``policy.bucket_for(length)``; a plain list of sizes is
     accepted as ``Fixed(sizes)``), shuffled within each bucket, cut into batches, and the
@@ -120,6 +127,14 @@ def batch_plan(
       or fewer examples than shards in it.
     With one shard every batch is non-empty and examples never change bucket.
 
+    ``partial_rows`` -- the rows a bucket's last, partial step is padded to (``Batch.rows``;
+    one compiled shape per distinct ``(rows, bucket_size)``): ``"full"`` pads it to the full
+    batch (no extra shape, wasted rows), ``"exact"`` gives it just the rows its largest shard
+    needs (one more shape per bucket with a remainder, no wasted rows), a collection of bucket
+    sizes does ``"exact"`` for those only. Default: the policy's own choice (`Auto` decides it
+    by cost), else ``"full"``. The count of examples per bucket is the same every epoch, so
+    these shapes are too.
+
     ``drop_remainder=True`` drops, per bucket, the examples that do not fill a complete
     global step (fewer than ``num_shards * b`` per bucket, chosen at random when shuffling);
     every batch then has exactly ``b`` examples. Nothing else is ever dropped.
@@ -132,8 +147,11 @@ def batch_plan(
     move up to the next over-long length as above).
 
     >>> plan = batch_plan([3, 9, 4, 10, 2], [4, 16], batch_size=2, shuffle=False)
-    >>> [(b.bucket_size, b.indices.tolist()) for b in plan]
-    [(4, [0, 2]), (4, [4]), (16, [1, 3])]
+    >>> [(b.bucket_size, b.indices.tolist(), b.rows) for b in plan]
+    [(4, [0, 2], 2), (4, [4], 2), (16, [1, 3], 2)]
+    >>> [b.rows for b in batch_plan([3, 9, 4, 10, 2], [4, 16], batch_size=2, shuffle=False,
+    ...                             partial_rows="exact")]
+    [2, 1, 2]
     >>> [(b.bucket_size, b.indices.tolist()) for b in
     ...  batch_plan([3, 9, 4, 10, 2], [4, 16], max_tokens=16, shuffle=False)]
     [(4, [0, 2, 4]), (16, [1]), (16, [3])]
@@ -152,12 +170,28 @@ def batch_plan(
     overflow = _check_option(where, "overflow", overflow, _OVERFLOW_OPTIONS)
     arr = _lengths_array(lengths, where=where)
     policy = as_policy(policy)
+    exact = _exact_sizes(where, policy, partial_rows)
 
     steps = _global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
-                          drop_remainder, S, overflow)
+                          drop_remainder, S, overflow, exact)
     if S == 1:
-        return [Batch(size, idx) for size, idx in steps]
-    return [Batch(size, idx[_shard_slice(idx.size, S, shard_index)]) for size, idx in steps]
+        return [Batch(size, idx, rows) for size, idx, rows in steps]
+    return [Batch(size, idx[_shard_slice(idx.size, S, shard_index)], rows)
+            for size, idx, rows in steps]
+
+
+def _exact_sizes(where: str, policy, partial_rows) -> frozenset[int] | bool:
+    """The bucket sizes whose partial step gets exact rows, or True for all of them."""
+    if partial_rows is None:
+        partial_rows = getattr(policy, "partial_rows", "full")
+    if isinstance(partial_rows, str):
+        if _check_option(where, "partial_rows", partial_rows, _PARTIAL_OPTIONS) == "exact":
+            return True
+        return frozenset()
+    if not isinstance(partial_rows, Collection):
+        raise TypeError(f"{where}: partial_rows: expected 'full', 'exact' or a collection of "
+                        f"bucket sizes, received {type(partial_rows).__name__} {partial_rows!r}")
+    return frozenset(_check_int(where, "partial_rows[]", s, minimum=1) for s in partial_rows)
 
 
 def batches(
@@ -173,6 +207,7 @@ def batches(
     num_shards: int = 1,
     shard_index: int = 0,
     overflow: Overflow = "error",
+    partial_rows: PartialRows | Collection[int] | None = None,
 ) -> Iterator[np.ndarray]:
     """The example indices (int64 arrays) of ``batch_plan(...)``'s batches, in order.
 
@@ -185,14 +220,14 @@ def batches(
     plan = batch_plan(
         lengths, policy, batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle,
         seed=seed, epoch=epoch, drop_remainder=drop_remainder, num_shards=num_shards,
-        shard_index=shard_index, overflow=overflow,
+        shard_index=shard_index, overflow=overflow, partial_rows=partial_rows,
     )
     return iter([b.indices for b in plan])
 
 
 def _global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
-                  drop_remainder, S, overflow) -> list[tuple[int, np.ndarray]]:
-    """All shards' steps: (bucket_size, indices of the whole global step)."""
+                  drop_remainder, S, overflow, exact=frozenset()) -> list[tuple[int, np.ndarray, int]]:
+    """All shards' steps: (bucket_size, indices of the whole global step, rows per shard)."""
     sizes = np.asarray(policy.sizes, dtype=np.int64)
     largest = int(sizes[-1])
     over = arr > largest
@@ -213,6 +248,7 @@ def _global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
     ends = np.append(starts[1:], arr.size)
 
     steps: list[tuple[int, np.ndarray]] = []
+    rows_of: dict[int, int] = {}        # bucket size -> full rows per shard
     carry = np.empty(0, dtype=np.int64)
     n_groups = group_sizes.size
     for g in range(n_groups):
@@ -229,6 +265,7 @@ def _global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
             b = batch_size
         else:
             b = batch_size_for(size, max_tokens)
+        rows_of[size] = b
         step = S * b
         full, r = divmod(pool.size, step)
         cut = full * step
@@ -253,4 +290,10 @@ def _global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
     if rng is not None and len(steps) > 1:
         perm = rng.permutation(len(steps))
         steps = [steps[i] for i in perm]
-    return [(size, idx.astype(np.int64, copy=False)) for size, idx in steps]
+
+    def rows(size: int, n: int) -> int:
+        # A full step's ceil(n / S) is the full b, so "exact" only changes partial steps.
+        return -(-n // S) if exact is True or size in exact else rows_of[size]
+
+    return [(size, idx.astype(np.int64, copy=False), max(rows(size, idx.size), 1))
+            for size, idx in steps]

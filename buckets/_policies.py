@@ -178,7 +178,7 @@ def as_policy(x) -> BucketPolicy:
     if isinstance(x, (list, tuple, np.ndarray, range)):
         return Fixed(tuple(x.tolist() if isinstance(x, np.ndarray) else x))
     raise TypeError(
-        f"as_policy: expected a bucket policy (Fixed, Geometric, MultipleOf, Optimal) or a "
+        f"as_policy: expected a bucket policy (Auto, Fixed, Geometric, MultipleOf, Optimal) or a "
         f"list of sizes, received {type(x).__name__} {x!r}"
     )
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._batching import _check_batching, batch_size_for
+from ._batching import _check_batching, _exact_sizes, _global_steps, batch_size_for
 from ._policies import BucketOverflowError, _lengths_array, as_policy
 
 __all__ = ["BucketRow", "Report", "report"]
@@ -33,9 +33,9 @@ class BucketRow:
 class Report:
     """Padding and compile statistics of a policy on some lengths; ``str()`` is a table.
 
-    ``padding_efficiency`` = real_tokens / padded_tokens, where padding is along the length
-    axis only: rows a short final batch would need to reach a fixed batch shape are not
-    counted (they depend on the executor, not on the policy).
+    ``padding_efficiency`` = real_tokens / padded_tokens. With a batch size (or token
+    budget) ``padded_tokens`` counts the cells of the batches `batch_plan` makes -- the rows a
+    partial batch is padded to included (``partial_rows``); without one, the length axis only.
     """
 
     policy: str
@@ -97,7 +97,8 @@ class Report:
         return table
 
 
-def report(lengths, policy, *, batch_size: int | None = None, max_tokens: int | None = None) -> Report:
+def report(lengths, policy, *, batch_size: int | None = None, max_tokens: int | None = None,
+           partial_rows=None) -> Report:
     """Padding efficiency, compiles and a per-bucket table for ``policy`` on ``lengths``.
 
     Lengths above the policy's largest bucket raise BucketOverflowError (cap or truncate
@@ -127,14 +128,21 @@ def report(lengths, policy, *, batch_size: int | None = None, max_tokens: int | 
     which = np.searchsorted(sizes, arr, side="left")
     examples = np.bincount(which, minlength=sizes.size)
     real = np.bincount(which, weights=arr, minlength=sizes.size)
+    batched = batch_size is not None or max_tokens is not None
+    cells, steps = {}, {}
+    if batched:
+        for size, idx, r in _global_steps(arr, policy, batch_size, max_tokens, False, 0, 0, False,
+                                          1, "error", _exact_sizes(where, policy, partial_rows)):
+            cells[size] = cells.get(size, 0) + r * size
+            steps[size] = steps.get(size, 0) + 1
     rows = []
     for k in np.flatnonzero(examples):
         size, n, rt = int(sizes[k]), int(examples[k]), int(real[k])
-        b = None if batch_size is None and max_tokens is None else (
+        b = None if not batched else (
             batch_size if batch_size is not None else batch_size_for(size, max_tokens))
-        rows.append(BucketRow(size=size, examples=n, real_tokens=rt, padded_tokens=size * n,
-                              efficiency=rt / (size * n), batch_size=b,
-                              batches=None if b is None else -(-n // b)))
+        padded = cells[size] if batched else size * n
+        rows.append(BucketRow(size=size, examples=n, real_tokens=rt, padded_tokens=padded,
+                              efficiency=rt / padded, batch_size=b, batches=steps.get(size)))
     real_total = int(arr.sum())
     padded_total = sum(r.padded_tokens for r in rows)
     return Report(

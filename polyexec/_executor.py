@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures
+import copy
 import dataclasses
 import itertools
 import os
@@ -288,6 +289,33 @@ class Bucketed:
                 bar.advance()
         bar.close()
         return [combo for _, combo in jobs]
+
+    def with_buckets(self, buckets: Mapping[LengthVar | str, Any]) -> "Bucketed":
+        """This function at other bucket sizes, sharing its trace, compiled buckets and stats.
+
+        Nothing is traced again, and a bucket both compile at is compiled once: for sizes
+        chosen after a first compile (`polyexec.training.fit` measures one bucket, then picks
+        the others by predicted cost). Variables not in ``buckets`` keep their sizes.
+
+        >>> import jax.numpy as jnp, numpy as np, polyexec as px
+        >>> T = px.LengthVar("T", max=64)
+        >>> f = px.bucketed(lambda x: x * 2, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [64]})
+        >>> g = f.with_buckets({T: [8, 64]})
+        >>> g(np.ones(5, np.float32)).shape, g.traces, g.bucket_sizes("T"), f.bucket_sizes("T")
+        ((5,), 1, (8, 64), (64,))
+        """
+        where = f"{self.name}.with_buckets"
+        policies = dict(self._policies)
+        for key, policy in dict(buckets).items():
+            name = key.name if isinstance(key, LengthVar) else key
+            if name not in self.variables:
+                raise SpecError(f"{where}: buckets: expected keys among the variables the Specs "
+                                f"use ({', '.join(self.variables)}), received {name!r}")
+            policies[name] = policy
+        sizes = {n: bucket_sizes(v, policies.get(n)) for n, v in self.variables.items()}
+        other = copy.copy(self)     # shares the lock, trace counter, plans, executables, stats
+        other._policies, other._sizes = policies, sizes
+        return other
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -314,7 +314,11 @@ def test_report_rich_table():
     assert isinstance(table, Table) and table.row_count == 3
     console = Console(width=120, record=True, file=io.StringIO())
     console.print(table)
-    assert "0.542" in console.export_text()  # 13 / 24
+    # 13 real tokens in 2x4 + 2x16 cells: the lone example of bucket 16 pads a second row.
+    assert "0.325" in console.export_text()
+    assert buckets.report([1, 3, 9], [4, 16]).padding_efficiency == 13 / 24  # length axis only
+    assert buckets.report([1, 3, 9], [4, 16], batch_size=2,
+                          partial_rows="exact").padding_efficiency == 13 / 24
 
 
 # ----------------------------------------------------------------------------- corpus, docs

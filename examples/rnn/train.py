@@ -38,7 +38,7 @@ from .model import CharLM, loss_and_count, loss_fn
 # there, so three epochs of the ~400k training bytes take ~2 min, plus ~45 s for the 16 bucket
 # compiles on a cold persistent cache (~4 s warm); 1.47 nats/char on validation.
 DEFAULTS = dict(cell="gru", epochs=3, hidden=256, embed=64, max_tokens=8192, lr=3e-3,
-                buckets="optimal:8", cap=1024, seed=0)
+                buckets="auto", cap=1024, seed=0)
 PROMPTS = [b"The ", b"A ", b"If ", b"In "]
 
 
@@ -69,9 +69,12 @@ def _positive_float(text: str) -> float:
 
 
 def buckets_flag(text: str) -> Callable[[np.ndarray], Any]:
-    """``optimal[:K]``, ``pow2``, ``fixed:64,128,...`` or ``multiple:K`` -> a function from the
-    training lengths to a bucket policy (the argparse type of ``--buckets``)."""
+    """``auto``, ``optimal[:K]``, ``pow2``, ``fixed:64,128,...`` or ``multiple:K`` -> a function
+    from the training lengths to a bucket policy, or to ``"auto"`` (`fit` chooses by cost)
+    -- the argparse type of ``--buckets``."""
     kind, _, arg = text.partition(":")
+    if text == "auto":
+        return lambda lengths: "auto"
     if kind == "pow2" and not arg:
         return lambda lengths: buckets.Geometric(2, int(lengths.max()), ratio=2.0)
     if kind in ("optimal", "multiple") and (arg or kind == "optimal"):
@@ -87,7 +90,7 @@ def buckets_flag(text: str) -> Callable[[np.ndarray], Any]:
         except (TypeError, ValueError) as e:     # buckets' own message names the bad size
             raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
         return lambda lengths: policy
-    raise argparse.ArgumentTypeError(f"expected one of optimal[:K], pow2, fixed:S1,S2,..., "
+    raise argparse.ArgumentTypeError(f"expected one of auto, optimal[:K], pow2, fixed:S1,S2,..., "
                                      f"multiple:K, received {text!r}")
 
 
@@ -104,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                            f"(default {DEFAULTS['max_tokens']})")
     p.add_argument("--lr", type=_positive_float, default=DEFAULTS["lr"], help="Adam learning rate")
     p.add_argument("--buckets", type=buckets_flag, default=DEFAULTS["buckets"],
-                   help="optimal[:K] (fitted to the training lengths), pow2, fixed:64,128,..., multiple:K")
+                   help="auto (default: the (length x rows) set with the least predicted time for "
+                        "this run, from one measured compile and step), optimal[:K] (K buckets "
+                        "fitted to the training lengths), pow2, fixed:64,128,..., multiple:K")
     p.add_argument("--cap", type=_int_flag(2, zero="no cap"), default=DEFAULTS["cap"],
                    help="truncate sentences to this many bytes (0: no cap)")
     p.add_argument("--limit", type=_int_flag(2), help="use only this many sentences (quick runs)")
@@ -177,13 +182,11 @@ def run(args: argparse.Namespace) -> dict:
     console.print(corpus.describe())
     train_lengths = np.array([len(s) for s in corpus.train])
     policy = args.buckets(train_lengths)
-    if policy.largest < train_lengths.max():
+    if policy != "auto" and policy.largest < train_lengths.max():
         raise px.OptionError(f"--buckets: expected a largest bucket >= the longest training sentence "
                              f"({train_lengths.max()} bytes), received {policy.largest}; add a bucket "
                              f"or lower --cap")
     max_tokens = None if args.batch_size else (args.max_tokens or DEFAULTS["max_tokens"])
-    table = buckets.report(train_lengths, policy, batch_size=args.batch_size, max_tokens=max_tokens)
-    console.print(table.rich_table())
 
     model = CharLM(cell=args.cell, embed=args.embed, hidden=args.hidden,
                    key=jax.random.PRNGKey(args.seed))
@@ -194,8 +197,9 @@ def run(args: argparse.Namespace) -> dict:
     # The polymorphism verdict of the loss, from its one symbolic trace (plus the two-size check),
     # over the run's own B and T.
     masking = not args.no_masking
-    T = px.LengthVar("T", min=2, max=int(max(policy.largest, max(map(len, corpus.validation)))))
-    B = px.LengthVar("B", max=args.batch_size or buckets.batch_size_for(policy.sizes[0], max_tokens))
+    longest = max(train_lengths.max(), max(map(len, corpus.validation)))
+    T = px.LengthVar("T", min=2, max=int(longest if policy == "auto" else max(policy.largest, longest)))
+    B = px.LengthVar("B", max=args.batch_size or buckets.batch_size_for(2, max_tokens))
     plan = px.trace(loss_fn, model, px.Spec((B, T), jnp.int32), px.Spec((B,), jnp.int32),
                     masking=masking)
     console.print(f"polymorphism: plan.reshaping_is_impossible = {plan.reshaping_is_impossible}"
@@ -215,6 +219,9 @@ def run(args: argparse.Namespace) -> dict:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         metrics_file=args.metrics, progress=False if args.no_progress else None, console=console)
 
+    console.print(buckets.report(train_lengths, result.policy, batch_size=args.batch_size,
+                                 max_tokens=max_tokens,
+                                 partial_rows=result.partial_rows).rich_table())
     epochs = result.epochs()
     val = result.val_loss
     warm = [r for r in result.history if r["kind"] == "warmup"]

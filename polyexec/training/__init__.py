@@ -1,8 +1,8 @@
 """polyexec.training: fit any equinox model with an optax optimiser through bucketed steps.
 
 The train step (``jax.value_and_grad`` + optax update, state donated) and the eval step are
-traced once over symbolic lengths and compiled once per length bucket; buckets are fitted to
-the training lengths, compiled ahead of time on parallel threads (into JAX's persistent
+traced once over symbolic lengths and compiled once per bucket; the bucket set is chosen by
+predicted run time from one measured compile and step (``buckets="auto"``), compiled ahead of time on parallel threads (into JAX's persistent
 compile cache with ``cache=True``), and every epoch reports its padding efficiency (the train
 step's own ``stats``), compiles and throughput. Checkpoints hold the
 model, optimiser state, step and data order, so an interrupted run resumes to the same result.
@@ -26,6 +26,7 @@ See `fit` for checkpoints, data parallelism (including multi-host with
 ``jax.distributed.initialize()``), metrics files and the persistent compile cache.
 """
 
+from ._auto import measure_cost
 from ._checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 from ._data import Examples, as_examples, pad_batch
 from ._fit import FitResult, StepInfo, StopTraining, evaluate, fit
@@ -35,7 +36,7 @@ from ._steps import eval_step_fn, make_eval_step, make_train_step, train_step_fn
 
 __all__ = [
     "fit", "FitResult", "StepInfo", "StopTraining", "evaluate",
-    "TrainState", "train_step_fn", "eval_step_fn", "make_train_step", "make_eval_step",
+    "TrainState", "measure_cost", "train_step_fn", "eval_step_fn", "make_train_step", "make_eval_step",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
     "DataParallel", "data_parallel", "initialize_distributed", "Examples", "as_examples", "pad_batch",
 ]

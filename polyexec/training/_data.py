@@ -67,12 +67,12 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Batching:
-    """How examples become batches: the bucket policy, the rows per bucket, the time axis.
+    """How examples become batches: the bucket policy, the rows of each batch, the time axis.
 
-    Every batch of bucket ``T`` has exactly ``rows(T)`` rows -- its remainder batch too, with
-    zero-length rows -- so each length bucket is one compiled (B, T) shape: a compile costs
-    seconds, the padded rows of one batch per bucket per epoch far less. ``rows`` is a multiple
-    of the number of local devices so the batch axis splits evenly over them.
+    A bucket's full batches have ``rows(T)`` rows; its last, partial batch has either as many
+    (with zero-length rows) or, for the buckets in ``partial_rows`` (chosen by cost, see
+    `buckets.Auto`), just the rows it needs -- one more compiled shape. Rows are a multiple of
+    the number of local devices so the batch axis splits evenly over them.
 
     The time axis is the batch's own longest example (at least ``min_length``): the executor
     pads it up to the bucket, so its ``stats`` count that padding (and the zero-length rows)
@@ -89,24 +89,37 @@ class Batching:
     device_multiple: int = 1
     num_shards: int = 1          # processes (multi-host): each takes its part of every step
     shard_index: int = 0
+    partial_rows: Any = "full"   # "full", "exact", or the bucket sizes given exact rows
 
     def rows(self, bucket: int) -> int:
+        """The rows of a full batch of length bucket ``bucket`` (this process's share)."""
         b = self.batch_size if self.batch_size is not None else _buckets.batch_size_for(bucket, self.max_tokens)
         return round_up(b, self.device_multiple)
+
+    def batch_rows(self, batch: _buckets.Batch) -> int:
+        return round_up(batch.rows, self.device_multiple)
 
     @property
     def length_buckets(self) -> tuple[int, ...]:
         return tuple(self.policy.sizes)
 
-    def batch_buckets(self, used: Sequence[int] | None = None) -> tuple[int, ...]:
-        return tuple(sorted({self.rows(s) for s in (used or self.length_buckets)}))
-
-    def epoch(self, lengths: np.ndarray, epoch: int, *, shuffle: bool | None = None) -> list:
+    def epoch(self, lengths: np.ndarray, epoch: int, *, shuffle: bool | None = None,
+              partial_rows: Any = None) -> list:
         """This process's batches of one epoch, deterministic in (seed, epoch)."""
         return _buckets.batch_plan(
             lengths, self.policy, batch_size=self.batch_size, max_tokens=self.max_tokens,
             shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch,
-            num_shards=self.num_shards, shard_index=self.shard_index)
+            num_shards=self.num_shards, shard_index=self.shard_index,
+            partial_rows=self.partial_rows if partial_rows is None else partial_rows)
+
+    def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
+        """Every (rows, length bucket) an epoch runs at -- the same every epoch -- and the real
+        tokens each one carries (this process's share)."""
+        out: dict[tuple[int, int], int] = {}
+        for batch in self.epoch(lengths, 0, shuffle=False, partial_rows=partial_rows):
+            key = (self.batch_rows(batch), batch.bucket_size)
+            out[key] = out.get(key, 0) + int(lengths[batch.indices].sum())
+        return out
 
     def stack(self, examples: Examples, batch: _buckets.Batch,
               pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +128,7 @@ class Batching:
             length = batch.bucket_size
         else:
             length = max(int(examples.lengths[batch.indices].max()), self.min_length)
-        return pad_batch(examples, batch.indices, self.rows(batch.bucket_size), length, pad_id)
+        return pad_batch(examples, batch.indices, self.batch_rows(batch), length, pad_id)
 
 
 def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,

@@ -26,6 +26,7 @@ from .. import Bucketed
 from .._cache import enable_persistent_cache, xla_events, xla_events_since
 from .._errors import OptionError, check_bool, check_int, is_int
 from ._checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from ._auto import agree, measure_cost
 from ._data import Batching, Examples, as_examples
 from ._options import FitOptions, check_callable
 from ._parallel import DataParallel, data_parallel
@@ -65,6 +66,8 @@ class FitResult:
     batch_buckets: tuple[int, ...]
     checkpoint: str | None
     stopped_early: bool
+    partial_rows: Any = "full"     # the buckets whose partial batch ran at its own rows
+    prediction: Any = None         # buckets="auto": the predicted cost (`buckets.Prediction`)
 
     @property
     def model(self) -> Any:
@@ -106,11 +109,15 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     padding. The loss must mask by ``lengths`` (``px.sequence_mask``); then padding never
     changes a gradient. ``masking=False`` turns off the executor's logical-length rewrite.
 
-    Buckets: ``buckets=None`` fits eight to the training lengths (``buckets.Optimal.fit``),
-    an int K fits K, or pass a policy (``buckets.Geometric(2, 1024)``) or a list of sizes.
-    ``min_length`` (default 2, for next-token losses that slice ``tokens[:, :-1]``) is the
-    smallest padded length. Every bucket the data uses is compiled before the first step
-    (``warmup``) on parallel threads.
+    Buckets: ``buckets="auto"`` (or None, the default) compiles and times the step once at the
+    largest bucket, then chooses the (length x rows) set with the least predicted time for the
+    epochs to run (`buckets.Auto.fit`: padded cells x step cost + compiles x compile cost; a
+    bucket's partial last batch gets its own rows when that pays) and prints it with its
+    prediction. An int K fits K buckets (``buckets.Optimal.fit``), or pass a policy
+    (``buckets.Geometric(2, 1024)``) or a list of sizes: their partial batches are padded to
+    full rows. ``min_length`` (default 2, for next-token losses that slice ``tokens[:, :-1]``)
+    is the smallest padded length. Every (rows, length) shape the data uses is compiled before
+    the first step (``warmup``) on parallel threads, those carrying the most tokens first.
 
     Compile cache: ``cache=None`` (default) leaves JAX's process-wide compile-cache
     configuration as it is. ``cache=True`` turns on JAX's persistent compile cache in
@@ -173,6 +180,7 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     _configure_cache(options.cache)
     state, position, history, restored = _restore(run, TrainState.create(model, optimizer))
     state = place(state, run.dp.replicated)
+    run = _settle(run, state, position, restored)
     log = MetricsLog(options.metrics_file if run.main else None, history,
                      restored=position if restored else None)
     run.display.print(run.describe())
@@ -191,7 +199,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     return FitResult(state=state, history=log.history, train_step=run.train_step,
                      eval_step=run.eval_step, policy=run.batching.policy,
                      batch_buckets=run.batch_buckets, checkpoint=checkpoint,
-                     stopped_early=stopped)
+                     stopped_early=stopped, partial_rows=run.batching.partial_rows,
+                     prediction=run.prediction)
 
 
 # -- setting up ---------------------------------------------------------------------------------
@@ -199,7 +208,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-    """Everything a `fit` run builds before its first step; fixed for the whole run."""
+    """Everything a `fit` run builds before its first step; fixed for the whole run (with
+    ``buckets="auto"`` the bucket fields are settled once, after resuming, by `_settle`)."""
 
     options: FitOptions
     train: Examples
@@ -208,9 +218,12 @@ class _Run:
     dp: DataParallel
     train_step: Bucketed
     eval_step: Bucketed | None
-    used_train: tuple[int, ...]         # the length buckets the training data uses
-    used_validation: tuple[int, ...]
     display: RunDisplay
+    auto: bool                          # buckets chosen by predicted cost (buckets="auto")
+    # (rows of this process's share, length bucket) -> real tokens of one epoch at that shape
+    train_shapes: dict = dataclasses.field(default_factory=dict)
+    eval_shapes: dict = dataclasses.field(default_factory=dict)
+    prediction: Any = None              # buckets="auto": `buckets.Prediction` of the choice
 
     @property
     def main(self) -> bool:
@@ -218,22 +231,26 @@ class _Run:
         return self.dp.process_index == 0
 
     @property
-    def used(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.used_train) | set(self.used_validation)))
+    def used_train(self) -> tuple[int, ...]:
+        """The length buckets the training data uses."""
+        return tuple(sorted({t for _, t in self.train_shapes}))
 
-    def rows(self, bucket: int) -> int:
-        """Rows of a global batch of length bucket ``bucket``: every process's share."""
-        return self.batching.rows(bucket) * self.dp.processes
+    @property
+    def used(self) -> tuple[int, ...]:
+        return tuple(sorted({t for _, t in (*self.train_shapes, *self.eval_shapes)}))
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:
-        return tuple(r * self.dp.processes for r in self.batching.batch_buckets(self.used))
+        """Rows of the global batches: every process's share."""
+        return tuple(sorted({r * self.dp.processes for r, _ in (*self.train_shapes,
+                                                                  *self.eval_shapes)}))
 
     @property
     def fingerprint(self) -> dict:
-        """What a checkpoint must match to resume: the data and everything deciding its order."""
+        """What a checkpoint must match to resume: the data and everything deciding its order
+        (auto-chosen buckets travel in the checkpoint itself, see `_settle`)."""
         return {"examples": len(self.train), "lengths": self.train.fingerprint(),
-                "buckets": list(self.used), **self.options.fingerprint}
+                "buckets": "auto" if self.auto else list(self.used), **self.options.fingerprint}
 
     def compiles(self) -> tuple[int, float]:
         """Buckets compiled so far by both steps, and their compile seconds."""
@@ -244,10 +261,13 @@ class _Run:
     def describe(self) -> str:
         cache = jax.config.jax_compilation_cache_dir
         mesh = self.dp.mesh is not None
+        P = self.dp.processes
+        rows = {t: sorted({r * P for r, u in self.train_shapes if u == t}) for t in self.used}
         return (f"devices: {self.dp.size} ({jax.devices()[0].platform}"
                 + (f", batch axis split over a {self.dp.size}-device mesh" if mesh else "")
                 + f") | length buckets {list(self.used)} | rows per bucket "
-                + ", ".join(f"T={s}: B={self.rows(s)}" for s in self.used)
+                + ", ".join(f"T={t}: B={'/'.join(map(str, r)) or self.batching.rows(t) * P}"
+                            for t, r in rows.items())
                 + f" | compile cache: {cache or 'off'}")
 
     def describe_trace(self) -> str:
@@ -261,7 +281,8 @@ class _Run:
 def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: Any,
              eval_fn: EvalFn | None, buckets: Any, devices: Any, options: FitOptions, *,
              progress: bool | None, verbose: bool, console: Any) -> _Run:
-    """Check the data, fit the buckets, choose the devices and build the two bucketed steps."""
+    """Check the data, choose the devices and build the two bucketed steps; with explicit
+    buckets, settle them too."""
     check_callable(loss_fn, "fit: loss_fn", "a callable (model, tokens, lengths) -> loss")
     check_callable(eval_fn, "fit: eval_fn", "None or a callable (model, tokens, lengths) -> "
                    "(summed loss, count)", optional=True)
@@ -270,36 +291,104 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     check_bool(verbose, "fit: verbose")
     train = as_examples(data, "fit: data")
     val = as_examples(validation, "fit: validation") if validation is not None else None
-    policy = _resolve_policy(buckets, train, val, options.min_length)
+    auto = buckets is None or (isinstance(buckets, str) and buckets == "auto")
+    policy = None if auto else _resolve_policy(buckets, train, val, options.min_length)
+    top = policy.largest if policy is not None else _longest(train, val, options.min_length)
     dp = data_parallel(devices)
-    batching = Batching(policy, options.batch_size, options.max_tokens, options.shuffle,
-                        options.seed, min_length=options.min_length,
+    batching = Batching(policy or _buckets.Fixed([top]), options.batch_size, options.max_tokens,
+                        options.shuffle, options.seed, min_length=options.min_length,
                         device_multiple=dp.local_devices, num_shards=dp.processes,
                         shard_index=dp.process_index)
-    used_train = tuple(sorted(set(policy.assign(train.lengths).tolist())))
-    used_val = tuple(sorted(set(policy.assign(val.lengths).tolist()))) if val is not None else ()
-    used = sorted(set(used_train) | set(used_val))
-    # Across processes the lengths are a global array no process can read whole: the Specs
-    # cannot check them against T there.
-    step_args = dict(length_buckets=used,
-                     batch_buckets=[r * dp.processes for r in batching.batch_buckets(used)],
+    # The variables' bounds: the longest length, and the most rows any batch can have (the
+    # full rows of the shortest bucket). The sizes within them are settled by `_settle`.
+    shortest = options.min_length if policy is None else policy.sizes[0]
+    P = dp.processes
+    step_args = dict(length_buckets=[top],
+                     batch_buckets=[batching.rows(top) * P, batching.rows(shortest) * P],
                      min_length=options.min_length, pad_id=options.pad_id, shardings=dp.shardings,
-                     check_lengths=dp.processes == 1, masking=options.masking)
+                     check_lengths=P == 1, masking=options.masking)
+    # Across processes the lengths are a global array no process can read whole: the Specs
+    # cannot check them against T there (check_lengths above).
     train_step = make_train_step(loss_fn, optimizer, **step_args)
     eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
     display = RunDisplay(progress=_interactive(console) if progress is None else progress,
                          verbose=verbose and dp.process_index == 0, console=console)
-    return _Run(options, train, val, batching, dp, train_step, eval_step, used_train, used_val,
-                display)
+    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
+    return run if auto else _with_policy(run, policy, "full")
+
+
+def _longest(train: Examples, validation: Examples | None, min_length: int) -> int:
+    return max(int(train.lengths.max()), min_length,
+               int(validation.lengths.max()) if validation is not None else 0)
+
+
+def _with_policy(run: _Run, policy: Any, partial_rows: Any) -> _Run:
+    """``run`` batching by ``policy``, its steps' buckets exactly the shapes its batches use."""
+    batching = dataclasses.replace(run.batching, policy=policy, partial_rows=partial_rows)
+    train_shapes = batching.shapes(run.train.lengths)
+    eval_shapes = (batching.shapes(run.validation.lengths, partial_rows="full")
+                   if run.validation is not None else {})
+    run = dataclasses.replace(run, batching=batching, train_shapes=train_shapes,
+                              eval_shapes=eval_shapes)
+    sizes = {"T": list(run.used), "B": list(run.batch_buckets)}
+    return dataclasses.replace(
+        run, train_step=run.train_step.with_buckets(sizes),
+        eval_step=run.eval_step.with_buckets(sizes) if run.eval_step is not None else None)
+
+
+def _settle(run: _Run, state: TrainState, position: Position, restored: str | None) -> _Run:
+    """``buckets="auto"``: the bucket set with the least predicted time for the epochs still to
+    run (`buckets.Auto.fit`), from one compile and one step measured at the largest bucket.
+
+    A resumed run keeps the choice its checkpoint holds -- the data order depends on it --
+    unless the run was extended (more ``epochs`` than the checkpoint's run planned) and
+    resumes at an epoch boundary: then the rest is chosen again for the new length.
+    """
+    if not run.auto:
+        return run
+    options, batching, P = run.options, run.batching, run.dp.processes
+    saved = read_meta(restored).get("auto_buckets") if restored is not None else None
+    remaining = max(options.epochs - position.epoch, 1)
+    if saved is not None and (saved["epochs"] == options.epochs or position.batch > 0):
+        policy = _buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+        run.display.print(f"buckets (auto): the checkpoint's {list(policy.sizes)}")
+    else:
+        top = batching.policy.largest
+        rows = batching.rows(top)
+        tokens = np.full((rows, top), options.pad_id, np.int32)
+        lengths = np.full(rows, top, np.int32)
+        with run.display.task("measuring one bucket", 1) as advance:
+            cost = measure_cost(run.train_step, state, run.dp.global_batch(tokens),
+                                run.dp.global_batch(lengths), extra_compiles=run.eval_step,
+                                extra_arg=state.model)
+            advance()
+        cost = agree(cost, P)
+        train_lengths = np.maximum(run.train.lengths, options.min_length)
+        policy = _buckets.Auto.fit(train_lengths, cost, epochs=remaining,
+                                   batch_size=options.batch_size, max_tokens=options.max_tokens,
+                                   num_shards=P, row_multiple=batching.device_multiple,
+                                   compiled=[(rows, top)])
+        run.display.print(
+            f"buckets (auto, for {remaining} epoch(s); measured at B={rows * P}, T={top}: compile "
+            f"{cost.compile_seconds:.2f} s, step {cost.step_seconds(rows * P, top):.3f} s): "
+            f"T={list(policy.sizes)}"
+            + (f", partial batches at their own rows for T={list(policy.partial_rows)}"
+               if policy.partial_rows else "")
+            + f"\n  predicted: {policy.prediction.describe()}")
+    run = dataclasses.replace(run, prediction=policy.prediction)
+    return _with_policy(run, _resolve_policy(policy, run.train, run.validation,
+                                             options.min_length), policy.partial_rows)
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
-    """The bucket policy: fitted to the training lengths, floored at ``min_length``, with one
-    more bucket when the longest validation example is above them all."""
+    """The bucket policy: fitted to the training lengths (an int K: ``Optimal.fit`` with K
+    buckets), floored at ``min_length``, with one more bucket when the longest validation
+    example is above them all."""
+    if isinstance(spec, str):
+        raise OptionError(f"fit: buckets: expected 'auto', an int K, a bucket policy or a list of "
+                          f"sizes, received str {spec!r}")
     try:
-        if spec is None:
-            policy = _buckets.Optimal.fit(train.lengths)
-        elif is_int(spec):
+        if is_int(spec):
             policy = _buckets.Optimal.fit(train.lengths,
                                           max_buckets=check_int(spec, "fit: buckets", min=1))
         else:
@@ -364,8 +453,12 @@ def _restore(run: _Run, state: TrainState) -> tuple[TrainState, Position, list[d
 def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> str | None:
     if run.options.checkpoint_dir is None or not run.main:
         return None
-    return save_checkpoint(run.options.checkpoint_dir, state,
-                           position.meta(log.history, run.fingerprint),
+    meta = position.meta(log.history, run.fingerprint)
+    if run.auto:
+        meta["auto_buckets"] = {"sizes": list(run.batching.policy.sizes),
+                                "partial_rows": list(run.batching.partial_rows),
+                                "epochs": run.options.epochs}
+    return save_checkpoint(run.options.checkpoint_dir, state, meta,
                            keep=run.options.keep_checkpoints)
 
 
@@ -373,17 +466,19 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
 
 
 def _warmup(run: _Run, state: TrainState, step: int, log: MetricsLog) -> None:
-    """Compile every (step, bucket) pair the data uses on parallel threads (XLA compiles release
-    the GIL), before the first step."""
-    jobs = [(run.train_step, state, s) for s in run.used_train]
-    if run.eval_step is not None:
-        jobs += [(run.eval_step, state.model, s) for s in run.used_validation]
+    """Compile every (step, shape) pair the data uses on parallel threads (XLA compiles release
+    the GIL) before the first step, the shapes that carry the most tokens first."""
+    P = run.dp.processes
+    jobs = sorted([(tokens, run.train_step, state, rows, t)
+                   for (rows, t), tokens in run.train_shapes.items()]
+                  + [(tokens, run.eval_step, state.model, rows, t)
+                     for (rows, t), tokens in run.eval_shapes.items()], key=lambda j: -j[0])
     workers = run.options.warmup_workers or os.cpu_count() or 1
     before, start = xla_events(), time.perf_counter()
     with run.display.task("compiling buckets", len(jobs)) as advance, \
             concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(f.warmup, arg, sizes=[{"B": run.rows(s), "T": s}], max_workers=1)
-                   for f, arg, s in jobs]
+        futures = [pool.submit(f.warmup, arg, sizes=[{"B": rows * P, "T": t}], max_workers=1)
+                   for _, f, arg, rows, t in jobs]
         for future in concurrent.futures.as_completed(futures):
             future.result()
             advance()
@@ -441,7 +536,7 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
                                     run.dp.global_batch(lengths))
     loss = float(metrics["loss"])
     seconds = time.perf_counter() - start
-    bucket = (run.rows(batch.bucket_size), batch.bucket_size)
+    bucket = (run.batching.batch_rows(batch) * run.dp.processes, batch.bucket_size)
     # The executor pads the batch to `bucket` (see Batching); across processes the other
     # shares' real tokens are estimated by this one's.
     tokens_real = int(lengths.sum()) * run.dp.processes
@@ -466,7 +561,7 @@ def evaluate(eval_step: Bucketed, model: Any, examples: Examples, batching: Batc
              dp: DataParallel, pad_id: int = 0) -> tuple[float, int]:
     """Mean loss over ``examples`` (exact: summed totals over summed counts) and the count."""
     total, count = 0.0, 0.0
-    for batch in batching.epoch(examples.lengths, 0, shuffle=False):
+    for batch in batching.epoch(examples.lengths, 0, shuffle=False, partial_rows="full"):
         tokens, lengths = batching.stack(examples, batch, pad_id)
         t, c = eval_step(model, dp.global_batch(tokens), dp.global_batch(lengths))
         total += float(t)
