@@ -34,10 +34,16 @@ from .workloads import DISTS, MODELS, MODES, WARMUPS, Config, load_data
 
 # --quick: a workload small enough to run every strategy in under a minute on 2 cores (most
 # of that is process start-up and XLA compiles of the train step: ~1-3 s each on CPU).
-QUICK = dict(hidden=16, embed=16, heads=2, cap=512, batch_size=8, steps=6, buckets=4,
+QUICK = dict(hidden=16, embed=16, heads=2, cap=512, batch_size=8, steps=6, buckets="auto",
              limit_rounds=2, limit_seconds=0.3)
-DEFAULTS = dict(hidden=256, embed=64, heads=4, cap=1024, batch_size=32, steps=None, buckets=8,
+DEFAULTS = dict(hidden=256, embed=64, heads=4, cap=1024, batch_size=32, steps=None, buckets="auto",
                 limit_rounds=3, limit_seconds=1.0)
+
+
+def _buckets_flag(text: str) -> int | str:
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected auto or an int K >= 1, received {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--embed", type=int, help="embedding size (gru/lstm)")
     w.add_argument("--heads", type=int, help="attention heads")
     w.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-    w.add_argument("--buckets", type=int, help="polyexec: Optimal.fit max_buckets (default 8)")
+    w.add_argument("--buckets", type=_buckets_flag,
+                   help="polyexec: auto (default: the (length x rows) set with the least predicted "
+                        "time, from one compile and step measured in the cold epoch) or K "
+                        "(Optimal.fit's K buckets, partial batches padded to full rows)")
     w.add_argument("--limit-rounds", type=int, help="timed chunks per limit shape, the fastest "
                                                     "counts (default 3)")
     w.add_argument("--limit-seconds", type=float, help="time each limit shape about this long "
@@ -200,7 +209,8 @@ def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
         for s in strategies:
             job = {"strategy": {"kind": s.kind, "sizes": list(s.sizes) if s.sizes else None},
                    "name": s.name, "config": cfg.to_dict(), "state_file": state_file,
-                   "cache_dir": os.path.join(tmp, s.cache_folder) if s.cache_folder else None}
+                   "cache_dir": os.path.join(tmp, s.cache_folder) if s.cache_folder else None,
+                   "choice_file": os.path.join(tmp, "auto-choice.json")}
             results.append(run_worker(job, tmp, on_event))
         # A second pass after the strategies (programs from its own compile cache): the load
         # other processes put on the machine drifts over minutes, and the limit is the fastest
@@ -280,7 +290,7 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
         "batch_size": cfg.batch_size, "max_tokens": cfg.max_tokens, "epochs": cfg.epochs,
         "steps": cfg.steps, "seed": cfg.seed, "hidden": cfg.hidden, "embed": cfg.embed,
         "heads": cfg.heads if cfg.model == "attention" else None,
-        "learning_rate": cfg.learning_rate, "polyexec_max_buckets": cfg.buckets,
+        "learning_rate": cfg.learning_rate, "polyexec_buckets_option": cfg.buckets,
         "polyexec_buckets": polyexec_buckets,
         "batching": {r["strategy"]: r["batching"] for r in results},
         "note": ("every strategy runs every example once per epoch; "
@@ -299,7 +309,7 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
                   "passes": [{"limit_tokens_per_s": p["limit_tokens_per_s"],
                               "groups": p["groups"]} for p in passes],
                   "jax": passes[0].get("jax"), "device": passes[0].get("device")},
-        "per_strategy": {r["strategy"]: {k: r[k] for k in ("bucket_count", "buckets",
+        "per_strategy": {r["strategy"]: {k: r[k] for k in ("bucket_count", "buckets", "partial_rows",
                                                            "cache_hits", "steps", "warmup",
                                                            "upgraded_batches",
                                                            "epoch_seconds", "final_loss",

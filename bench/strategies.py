@@ -151,9 +151,42 @@ def t_policy(strategy: Strategy, cfg: Config, data: Data) -> buckets.BucketPolic
                               f"{cfg.cap}, received largest size {max(strategy.sizes)} (add a "
                               f"size >= {cfg.cap})")
         return buckets.Fixed(strategy.sizes)
-    if strategy.grouped:
+    if strategy.grouped and cfg.buckets != "auto":   # auto: chosen in the worker (choose_auto)
         return buckets.Optimal.fit(data.padded_lengths, max_buckets=cfg.buckets)
     return None
+
+
+def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
+    """``--buckets auto``: compile and time ``f`` once at the largest length's full batch,
+    then `buckets.Auto.fit` for ``cfg.epochs`` epochs; returns (policy, f at its shapes, the
+    rows it uses).
+
+    The first grouped worker of a run writes its choice to ``path`` and the later ones reuse
+    it, so they compare on the same buckets: ``polyexec-cached`` (the same job run again --
+    timed on a cache hit, a compile would look nearly free) and ``polyexec-nomask``.
+    """
+    from polyexec.training import measure_cost
+    lengths = data.padded_lengths
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        policy = buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+    else:
+        top = int(lengths.max())
+        rows = cfg.batch_size or buckets.batch_size_for(top, cfg.max_tokens)
+        probe = np.resize(np.flatnonzero(lengths == top), rows)
+        tokens, _ = padded_batch(data, probe, rows, top)
+        cost = measure_cost(f, step.state, tokens, np.full(rows, top, np.int32))
+        policy = buckets.Auto.fit(lengths, cost, epochs=cfg.epochs, batch_size=cfg.batch_size,
+                                  max_tokens=cfg.max_tokens, compiled=[(rows, top)])
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"sizes": list(policy.sizes), "partial_rows": list(policy.partial_rows),
+                       "cost": dataclasses.asdict(cost),
+                       "predicted": policy.prediction._asdict()}, fh)
+    plan = buckets.batch_plan(lengths, policy, batch_size=cfg.batch_size,
+                              max_tokens=cfg.max_tokens, shuffle=False)
+    rows_used = sorted({b.rows for b in plan})
+    return policy, f.with_buckets({"T": list(policy.sizes), "B": rows_used}), rows_used
 
 
 def b_sizes(strategy: Strategy, cfg: Config) -> list[int]:
@@ -224,6 +257,8 @@ def padded_shape(strategy: Strategy, cfg: Config, policy, rows: int, longest: in
     t = max(longest, MIN_T)
     if policy is not None:
         t = _bucket(policy.sizes, t)
+    if strategy.grouped and t in getattr(policy, "partial_rows", ()):
+        return rows, t        # a partial batch at its own rows (Auto chose it); full ones are full
     if cfg.batch_size is not None:
         return cfg.batch_size, t
     if strategy.kind == "exact":
@@ -293,19 +328,19 @@ def padded_batch(data: Data, idx: np.ndarray, rows: int, t: int) -> tuple[np.nda
             pad_to(data.lengths[idx], (rows,), 0, np.int32))
 
 
-def _combos_by_need(strategy, cfg, data, policy, epochs) -> list[tuple[int, int]]:
-    """The (B, T) buckets a run uses, in the order its batches first need them."""
-    order: dict[tuple[int, int], None] = {}
+def _combos_by_benefit(strategy, cfg, data, policy, epochs) -> list[tuple[int, int]]:
+    """The (B, T) buckets a run uses, those that will carry the most real tokens first."""
+    tokens: dict[tuple[int, int], int] = {}
     for ep in epochs:
         for idx in ep:
-            order.setdefault(padded_shape(strategy, cfg, policy, len(idx),
-                                          int(data.lengths[idx].max())), None)
-    return list(order)
+            shape = padded_shape(strategy, cfg, policy, len(idx), int(data.lengths[idx].max()))
+            tokens[shape] = tokens.get(shape, 0) + int(data.lengths[idx].sum())
+    return sorted(tokens, key=lambda shape: -tokens[shape])
 
 
 class BackgroundWarmup:
     """Compile a bucketed function's (B, T) buckets one after another on a background thread,
-    in the order the batches first need them, while the caller trains.
+    those carrying the most tokens first, while the caller trains.
 
     A batch whose bucket is not compiled yet runs in a compiled bucket at most ``max_ratio``
     times its size when one is ready (it costs at most that much more compute, against a
@@ -367,7 +402,7 @@ def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy):
 
 
 def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = None,
-                 state_file: str | None = None) -> dict:
+                 state_file: str | None = None, choice_file: str | None = None) -> dict:
     """Run ``strategy`` for every epoch in this process; return its measurements."""
     if strategy.grouped:
         if cache_dir is None:
@@ -376,22 +411,31 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
         px.enable_persistent_cache(cache_dir)
 
     data = load_data(cfg)
+    auto = strategy.grouped and cfg.buckets == "auto"
     policy = t_policy(strategy, cfg, data)
-    epochs = schedule(strategy, cfg, data, policy)
     step = build_step(cfg, state_file)
-    emit("start", strategy=strategy.name, total=sum(len(e) for e in epochs))
 
+    choosing = 0.0
     if strategy.kind == "exact":
         call = exact = ExactJit(step)
         state = exact.state
     else:
-        f = bucketed_step(strategy, cfg, step, policy)
+        f = bucketed_step(strategy, cfg, step, policy or buckets.Fixed([int(data.padded_lengths.max())]))
         state = step.state
         rows_buckets = b_sizes(strategy, cfg)
+        if auto:     # part of the cold epoch's time: measured below, added to it
+            start = time.perf_counter()
+            if choice_file is None:
+                raise OptionError(f"{strategy.name}: choice_file: expected a path with --buckets "
+                                  f"auto, received None")
+            policy, f, rows_buckets = choose_auto(cfg, data, step, f, choice_file)
+            choosing = time.perf_counter() - start
 
         def call(state, tokens, lengths):
             return step.loss_and_state(f(state, tokens, lengths), state)
 
+    epochs = schedule(strategy, cfg, data, policy)
+    emit("start", strategy=strategy.name, total=sum(len(e) for e in epochs))
     before = xla_events()
     real = padded = upgraded = 0
     epoch_seconds, epoch_tokens, losses = [], [], []
@@ -400,7 +444,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
     for e, batches in enumerate(epochs):
         start = time.perf_counter()
         if e == 0 and strategy.grouped:
-            combos = _combos_by_need(strategy, cfg, data, policy, epochs)
+            combos = _combos_by_benefit(strategy, cfg, data, policy, epochs)
             if cfg.warmup == "blocking":
                 # Every (B, T) bucket this run uses, compiled before the first step on parallel
                 # threads: part of the cold epoch's time.
@@ -432,7 +476,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
             warm.join()          # the cold epoch includes every compile; warm epochs none
             warm = None
         jax.block_until_ready((loss, state))
-        epoch_seconds.append(time.perf_counter() - start)
+        epoch_seconds.append(time.perf_counter() - start + (choosing if e == 0 else 0.0))
         epoch_tokens.append(data.real_tokens)
         losses.append(float(loss))
     events = xla_events_since(before)
@@ -459,6 +503,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
         # extras for the table and the plot (not part of the JSON results)
         "bucket_count": int(n_buckets),
         "buckets": list(policy.sizes) if policy is not None else None,
+        "partial_rows": list(getattr(policy, "partial_rows", ())),
         "cache_hits": events["cache_hits"],
         "backend_compiles": events["backend_compiles"],
         "upgraded_batches": upgraded,
@@ -475,11 +520,12 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
 def limit_shapes(cfg: Config, data: Data) -> list[dict]:
     """The shapes the limit is timed at: one per length group.
 
-    The examples are split into groups by ``Optimal.fit(max_buckets=cfg.buckets)`` (tight
+    The examples are split into groups by ``Optimal.fit`` (``cfg.buckets`` or 8 groups: tight
     length ranges); a group of n examples with mean length m is replaced by ceil(n / rows)
     batches of ``rows`` examples all of length m -- every row real, the same real tokens.
     """
-    policy = buckets.Optimal.fit(data.padded_lengths, max_buckets=cfg.buckets)
+    policy = buckets.Optimal.fit(data.padded_lengths,
+                                 max_buckets=8 if cfg.buckets == "auto" else cfg.buckets)
     assign = policy.assign(data.padded_lengths)
     groups = []
     for size in policy.sizes:
@@ -580,6 +626,6 @@ def worker_main(config_path: str) -> int:
         s = job["strategy"]
         strategy = Strategy(s["kind"], tuple(s["sizes"]) if s["sizes"] else None)
         result = run_strategy(strategy, cfg, cache_dir=job.get("cache_dir"),
-                              state_file=job.get("state_file"))
+                              state_file=job.get("state_file"), choice_file=job.get("choice_file"))
     emit("result", result=result)
     return 0

@@ -69,7 +69,7 @@ class Config:
     embed: int = 64
     heads: int = 4
     learning_rate: float = 1e-3
-    buckets: int = 8                  # polyexec's Optimal.fit max_buckets
+    buckets: int | str = "auto"       # polyexec: "auto" (chosen by cost) or Optimal.fit's K
     limit_rounds: int = 3             # timed chunks per limit shape; the fastest one counts
     limit_seconds: float = 1.0        # the chunks of a shape last this long together
     warmup: str = "background"        # polyexec: "background" or "blocking" warmup
@@ -87,9 +87,11 @@ class Config:
         for name, minimum, optional in (
                 ("cap", MIN_T, False), ("epochs", 2, False), ("num_examples", 1, False),
                 ("hidden", 1, False), ("embed", 1, False), ("heads", 1, False),
-                ("buckets", 1, False), ("limit_rounds", 1, False), ("seed", 0, False),
+                ("limit_rounds", 1, False), ("seed", 0, False),
                 ("batch_size", 1, True), ("max_tokens", 1, True), ("steps", 1, True)):
             check_int(getattr(self, name), f"Config: {name}", min=minimum, optional=optional)
+        if self.buckets != "auto":
+            check_int(self.buckets, "Config: buckets (or 'auto')", min=1)
         if not self.learning_rate > 0:
             raise OptionError(f"Config: learning_rate: expected a number > 0, received "
                               f"{self.learning_rate!r}")

@@ -235,6 +235,10 @@ def _fit_by_cost(arr, cost, epochs, batch_size, max_tokens, S, m, free):
         t_exact = np.where(r > 0, t_exact, np.inf)
         use_exact = t_exact < t_full
         total = best[:j] + np.where(use_exact, t_exact, t_full)
+        if j < D:
+            # Fewer leftovers than shards and no full step to rebalance with: batch_plan moves
+            # them up a bucket, so this bucket is never better than merging it upward.
+            total[(r > 0) & (r < S) & ~((full >= 1) & (b >= 2))] = np.inf
         i = int(np.argmin(total))           # the first minimum: ties go to fewer buckets
         best[j], parent[j], split[j] = total[i], i, use_exact[i]
     sizes, exact = [], []

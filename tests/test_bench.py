@@ -7,6 +7,8 @@ import json
 import math
 
 import numpy as np
+
+import buckets
 import pytest
 
 import polyexec as px
@@ -93,6 +95,10 @@ def test_every_example_once_per_epoch(kind, batching):
     data = load_data(cfg)
     strategy = Strategy(kind)
     policy = t_policy(strategy, cfg, data)
+    if kind == "polyexec":   # --buckets auto: chosen in the worker from a measured cost
+        assert policy is None
+        policy = buckets.Auto.fit(data.padded_lengths, buckets.CostModel(0.5, 1e-5), epochs=2,
+                                  batch_size=cfg.batch_size, max_tokens=cfg.max_tokens)
     for epoch in schedule(strategy, cfg, data, policy):
         seen = np.sort(np.concatenate(epoch))
         assert np.array_equal(seen, np.arange(data.lengths.size))
@@ -241,10 +247,13 @@ def test_quick_json_matches_the_schema(quick):
     assert doc["limit_tokens_per_s"] >= max(p["limit_tokens_per_s"] for p in passes) * (1 - 1e-9)
 
 
-def _schedule_shapes(cfg, name):
+def _schedule_shapes(cfg, name, doc=None):
     data = load_data(cfg)
     strategy = parse_strategies(name)[0]
     policy = t_policy(strategy, cfg, data)
+    if policy is None and strategy.grouped:   # --buckets auto: the worker's choice, as reported
+        run = doc["workload"]["per_strategy"][name]
+        policy = buckets.Auto(tuple(run["buckets"]), tuple(run["partial_rows"]))
     epochs = schedule(strategy, cfg, data, policy)
     shapes = [padded_shape(strategy, cfg, policy, len(i), int(data.lengths[i].max()))
               for ep in epochs for i in ep]
@@ -263,14 +272,16 @@ def test_quick_compile_counts_fit_each_strategy(quick):
     assert len(distinct_t) > 2          # the quick workload must exercise exact's weakness
     assert by["exact"]["compiles"] == len(distinct_t) == by["exact"]["traces"]
 
-    _, policy, shapes, _ = _schedule_shapes(cfg, "polyexec")
+    _, policy, shapes, _ = _schedule_shapes(cfg, "polyexec", doc)
     assert extra["polyexec"]["bucket_count"] == len(policy.sizes)
-    assert 1 <= by["polyexec"]["compiles"] <= len(policy.sizes)
-    assert by["polyexec"]["compiles"] == len(set(shapes))
+    # One compile per (rows, length) shape the batches use, plus the one --buckets auto measured
+    # (the largest length's full batch; usually one of them).
+    measured = (cfg.batch_size, max(policy.sizes))
+    assert by["polyexec"]["compiles"] == len(set(shapes) | {measured})
     assert by["polyexec"]["traces"] == 1
-    # The second process finds every bucket in the persistent cache: nothing compiles.
+    # The second process reuses the choice and finds every shape in the persistent cache.
     assert by["polyexec-cached"]["compiles"] == 0
-    assert extra["polyexec-cached"]["cache_hits"] == by["polyexec"]["compiles"]
+    assert extra["polyexec-cached"]["cache_hits"] == len(set(shapes))
 
     _, _, shapes, _ = _schedule_shapes(cfg, "pow2")
     assert by["pow2"]["compiles"] == len(set(shapes)) and by["pow2"]["traces"] == 1
@@ -280,10 +291,12 @@ def test_quick_polyexec_nomask_runs_beside_polyexec(quick):
     """The same grouped batches and buckets with the logical-length rewrite off: its own compile
     cache (nothing of polyexec's found), the same padding, and the same loss (the loss masks
     by the lengths itself, so the rewrite changes no value)."""
-    doc, _, _ = quick
+    doc, _, cfg = quick
     by = {r["strategy"]: r for r in doc["results"]}
     extra = doc["workload"]["per_strategy"]
-    assert by["polyexec-nomask"]["compiles"] == by["polyexec"]["compiles"] >= 1
+    _, _, shapes, _ = _schedule_shapes(cfg, "polyexec", doc)   # polyexec's choice, reused
+    assert extra["polyexec-nomask"]["buckets"] == extra["polyexec"]["buckets"]
+    assert by["polyexec-nomask"]["compiles"] == len(set(shapes)) >= 1
     assert extra["polyexec-nomask"]["cache_hits"] == 0
     assert by["polyexec-nomask"]["traces"] == 1
     nomask, masked = by["polyexec-nomask"], by["polyexec"]
@@ -301,7 +314,7 @@ def test_quick_padding_efficiency(quick):
     assert eff["polyexec"] == pytest.approx(eff["polyexec-cached"])
     # The accounting itself, recomputed from the schedule: real tokens / rows x padded length.
     for name in ("pad-max", "exact", "polyexec"):
-        _, _, shapes, real = _schedule_shapes(cfg, name)
+        _, _, shapes, real = _schedule_shapes(cfg, name, doc)
         assert eff[name] == pytest.approx(real / sum(b * t for b, t in shapes))
     data = load_data(cfg)
     batches = cfg.epochs * math.ceil(data.lengths.size / cfg.batch_size)
