@@ -309,7 +309,8 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
                   "passes": [{"limit_tokens_per_s": p["limit_tokens_per_s"],
                               "groups": p["groups"]} for p in passes],
                   "jax": passes[0].get("jax"), "device": passes[0].get("device")},
-        "per_strategy": {r["strategy"]: {k: r[k] for k in ("bucket_count", "buckets", "partial_rows",
+        "per_strategy": {r["strategy"]: {k: r[k] for k in ("bucket_count", "buckets", "partial_rows", "auto",
+                                                           "choosing_seconds",
                                                            "cache_hits", "steps", "warmup",
                                                            "upgraded_batches",
                                                            "epoch_seconds", "final_loss",
@@ -351,6 +352,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(doc["workload"]["note"])
     for line in report.summary_lines(doc):
         console.print(line)
+    chosen = next((r for r in results if r.get("auto") and not r["auto"].get("reused")), None)
+    if chosen is not None:
+        auto, cost = chosen["auto"], chosen["auto"]["cost"]
+        console.print(f"--buckets auto ({chosen['strategy']}, {chosen['choosing_seconds']:.1f} s of "
+                      f"its cold epoch): compile {cost['compile_seconds']:.2f} s a bucket "
+                      f"(overlapping ones counted at 1/{os.cpu_count() or 1}), "
+                      f"{cost['seconds_per_cell'] * 1e6:.2f} us per padded cell; chose "
+                      f"T={auto['sizes']}" + (f" (partial batches at their own rows for "
+                                               f"T={auto['partial_rows']})" if auto["partial_rows"]
+                                               else "")
+                      + f"; predicted {auto['predicted']['compiles']} compiles, padding "
+                      f"efficiency {auto['predicted_padding_efficiency']:.3f} (rows included)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)

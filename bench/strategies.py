@@ -159,7 +159,7 @@ def t_policy(strategy: Strategy, cfg: Config, data: Data) -> buckets.BucketPolic
 def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
     """``--buckets auto``: compile and time ``f`` once at the largest length's full batch,
     then `buckets.Auto.fit` for ``cfg.epochs`` epochs; returns (policy, f at its shapes, the
-    rows it uses).
+    rows it uses, and the choice as a dict: measured cost, prediction).
 
     The first grouped worker of a run writes its choice to ``path`` and the later ones reuse
     it, so they compare on the same buckets: ``polyexec-cached`` (the same job run again --
@@ -171,22 +171,27 @@ def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
         with open(path, encoding="utf-8") as fh:
             saved = json.load(fh)
         policy = buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+        saved["reused"] = True
     else:
         top = int(lengths.max())
         rows = cfg.batch_size or buckets.batch_size_for(top, cfg.max_tokens)
         probe = np.resize(np.flatnonzero(lengths == top), rows)
         tokens, _ = padded_batch(data, probe, rows, top)
-        cost = measure_cost(f, step.state, tokens, np.full(rows, top, np.int32))
+        # The other compiles overlap: beside training on a background thread, or on parallel
+        # threads (--warmup blocking), one core each.
+        cost = measure_cost(f, step.state, tokens, np.full(rows, top, np.int32),
+                            parallel=os.cpu_count() or 1)
         policy = buckets.Auto.fit(lengths, cost, epochs=cfg.epochs, batch_size=cfg.batch_size,
                                   max_tokens=cfg.max_tokens, compiled=[(rows, top)])
+        saved = {"sizes": list(policy.sizes), "partial_rows": list(policy.partial_rows),
+                 "cost": dataclasses.asdict(cost), "predicted": policy.prediction._asdict(),
+                 "predicted_padding_efficiency": policy.prediction.padding_efficiency}
         with open(path, "w", encoding="utf-8") as fh:
-            json.dump({"sizes": list(policy.sizes), "partial_rows": list(policy.partial_rows),
-                       "cost": dataclasses.asdict(cost),
-                       "predicted": policy.prediction._asdict()}, fh)
+            json.dump(saved, fh)
     plan = buckets.batch_plan(lengths, policy, batch_size=cfg.batch_size,
                               max_tokens=cfg.max_tokens, shuffle=False)
     rows_used = sorted({b.rows for b in plan})
-    return policy, f.with_buckets({"T": list(policy.sizes), "B": rows_used}), rows_used
+    return policy, f.with_buckets({"T": list(policy.sizes), "B": rows_used}), rows_used, saved
 
 
 def b_sizes(strategy: Strategy, cfg: Config) -> list[int]:
@@ -415,7 +420,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
     policy = t_policy(strategy, cfg, data)
     step = build_step(cfg, state_file)
 
-    choosing = 0.0
+    choosing, auto_choice = 0.0, None
     if strategy.kind == "exact":
         call = exact = ExactJit(step)
         state = exact.state
@@ -428,7 +433,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
             if choice_file is None:
                 raise OptionError(f"{strategy.name}: choice_file: expected a path with --buckets "
                                   f"auto, received None")
-            policy, f, rows_buckets = choose_auto(cfg, data, step, f, choice_file)
+            policy, f, rows_buckets, auto_choice = choose_auto(cfg, data, step, f, choice_file)
             choosing = time.perf_counter() - start
 
         def call(state, tokens, lengths):
@@ -504,6 +509,8 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
         "bucket_count": int(n_buckets),
         "buckets": list(policy.sizes) if policy is not None else None,
         "partial_rows": list(getattr(policy, "partial_rows", ())),
+        "auto": auto_choice,             # --buckets auto: the measured cost and the prediction
+        "choosing_seconds": choosing,
         "cache_hits": events["cache_hits"],
         "backend_compiles": events["backend_compiles"],
         "upgraded_batches": upgraded,

@@ -330,3 +330,21 @@ def test_a_global_array_not_at_its_bucket_shape_is_refused_before_compiling(monk
         f(jnp.ones(5, jnp.float32))
     assert f.stats.compiles == 0
     assert f(jnp.ones(8, jnp.float32)).shape == (8,)       # at the bucket's shape it runs
+
+
+def test_with_buckets_shares_the_trace_and_the_compiled_buckets():
+    """Re-bucketing retraces nothing and recompiles no bucket both versions have."""
+    T = px.LengthVar("T", max=64)
+    f = px.bucketed(lambda x: jnp.cumsum(x), in_specs=(px.Spec("T", jnp.float32),),
+                    buckets={T: [64]})
+    x = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(f(x), np.cumsum(x))
+    g = f.with_buckets({"T": [8, 64]})
+    assert g.bucket_sizes("T") == (8, 64) and f.bucket_sizes("T") == (64,)
+    np.testing.assert_array_equal(g(np.arange(40, dtype=np.float32)), np.cumsum(np.arange(40)))
+    assert g.traces == f.traces == 1
+    assert g.stats.compiles == 1                      # T=64 came from f
+    np.testing.assert_array_equal(g(x), np.cumsum(x))
+    assert g.stats.compiles == f.stats.compiles == 2  # T=8 is new; the stats are shared
+    with pytest.raises(px.SpecError, match=r"with_buckets: buckets: expected keys among the variables the Specs use \(T\), received 'B'"):
+        f.with_buckets({"B": [4]})

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+import buckets
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -357,3 +359,62 @@ def test_data_parallel_on_four_cpu_devices_matches_one_device():
     # fit: batch rows rounded up to a multiple of the 4 devices; same validation losses.
     assert out["rows1"] == [6] and out["rows4"] == [8]
     np.testing.assert_allclose(out["fit4"], out["fit1"], rtol=1e-4)
+
+
+# -- buckets="auto": the bucket set chosen by predicted cost -------------------------------------
+
+AUTO_DATA = random_sentences(40, 40, seed=8)
+
+
+@pytest.fixture(scope="module")
+def auto_fit(tmp_path_factory):
+    """Interrupted after 3 steps with a checkpoint, then resumed: the default buckets="auto"."""
+    folder = tmp_path_factory.mktemp("auto")
+    args = dict(optimizer=OPT, epochs=2, batch_size=8, cache=False, verbose=False,
+                checkpoint_dir=folder)
+    part = training.fit(tiny_model(), loss_fn, AUTO_DATA, max_steps=3, **args)
+    rest = training.fit(tiny_model(), loss_fn, AUTO_DATA, **args)
+    return part, rest, args
+
+
+def test_auto_prediction_is_what_the_run_did(auto_fit):
+    """The chosen set's predicted steps, cells and shapes are the ones the epochs ran."""
+    part, _, _ = auto_fit
+    assert isinstance(part.policy, buckets.Auto) and part.prediction is not None
+    assert part.train_step.traces == 1
+    plan = buckets.batch_plan(np.maximum([len(s) for s in AUTO_DATA], 2), part.policy,
+                              batch_size=8, shuffle=False)
+    shapes = {(b.rows, b.bucket_size) for b in plan}
+    assert set(part.prediction.shapes) == shapes
+    assert part.prediction.steps == 2 * len(plan)
+    cells = sum(b.rows * b.bucket_size for b in plan)
+    assert part.prediction.cells == 2 * cells
+    ran = [tuple(r["bucket"]) for r in part.history if r["kind"] == "step"]
+    assert set(ran) <= shapes and len(ran) == 3
+    # Every shape compiled once, plus at most the one measured at the largest bucket.
+    compiled = {tuple(sorted(dict(k).items())) for k, b in part.train_step.stats.buckets.items()
+                if b.compiles}
+    assert {(("B", r), ("T", t)) for r, t in shapes} <= compiled
+    assert len(compiled) <= len(shapes) + 1
+
+
+def test_auto_resume_keeps_the_checkpoints_choice(auto_fit):
+    """A resumed run batches as the interrupted one did (the data order depends on the buckets),
+    and its epochs' padding efficiency, rows included, is the predicted one."""
+    part, rest, _ = auto_fit
+    assert rest.policy.sizes == part.policy.sizes
+    assert rest.partial_rows == part.partial_rows
+    assert [r["epoch"] for r in rest.epochs()] == [0, 1]
+    for record in rest.epochs():
+        assert record["padding_efficiency"] == pytest.approx(
+            part.prediction.padding_efficiency, rel=1e-12)
+
+
+def test_auto_refits_when_the_run_is_extended(auto_fit):
+    """More epochs than the checkpoint's run planned: the rest is chosen again for them."""
+    _, _, args = auto_fit
+    longer = training.fit(tiny_model(), loss_fn, AUTO_DATA, **{**args, "epochs": 3})
+    assert longer.prediction is not None            # measured and chosen again ...
+    assert longer.prediction.steps == len(buckets.batch_plan(
+        np.maximum([len(s) for s in AUTO_DATA], 2), longer.policy, batch_size=8))  # ... for 1 epoch
+    assert [r["epoch"] for r in longer.epochs()] == [0, 1, 2]

@@ -22,12 +22,16 @@ from .. import Bucketed
 
 
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
-                 extra_compiles: Bucketed | None = None, extra_arg: Any = None) -> _buckets.CostModel:
+                 extra_compiles: Bucketed | None = None, extra_arg: Any = None,
+                 parallel: int = 1) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
 
     ``extra_compiles``: a second step compiled at the same shape whose compile seconds are
     added (each length bucket compiles the eval step as well as the train step).
+    ``parallel``: compiles that will run this many at a time (warmup threads on as many cores)
+    cost this fraction of their seconds in wall time: XLA's CPU compile of one program keeps
+    about one core busy.
 
     >>> import equinox as eqx, jax, numpy as np, optax
     >>> from polyexec.training import TrainState, make_train_step, measure_cost
@@ -56,7 +60,8 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
         start = time.perf_counter()
         jax.block_until_ready(step(fresh, tokens, lengths))
         fastest = min(fastest, time.perf_counter() - start)
-    return _buckets.CostModel(compile_seconds=seconds, seconds_per_cell=fastest / (rows * length))
+    return _buckets.CostModel(compile_seconds=seconds / parallel,
+                              seconds_per_cell=fastest / (rows * length))
 
 
 def agree(cost: _buckets.CostModel, processes: int) -> _buckets.CostModel:
