@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         auto, cost = chosen["auto"], chosen["auto"]["cost"]
         console.print(f"--buckets auto ({chosen['strategy']}, {chosen['choosing_seconds']:.1f} s of "
                       f"its cold epoch): compile {cost['compile_seconds']:.2f} s a bucket "
-                      f"(overlapping ones counted at 1/{os.cpu_count() or 1}), "
+                      f"(counted at 1/2 when they overlap training in the background), "
                       f"{cost['seconds_per_cell'] * 1e6:.2f} us per padded cell; chose "
                       f"T={auto['sizes']}" + (f" (partial batches at their own rows for "
                                                f"T={auto['partial_rows']})" if auto["partial_rows"]

@@ -418,3 +418,22 @@ def test_auto_refits_when_the_run_is_extended(auto_fit):
     assert longer.prediction.steps == len(buckets.batch_plan(
         np.maximum([len(s) for s in AUTO_DATA], 2), longer.policy, batch_size=8))  # ... for 1 epoch
     assert [r["epoch"] for r in longer.epochs()] == [0, 1, 2]
+
+
+def test_measure_cost_on_a_cache_hit_reports_the_recorded_cost(tmp_path):
+    """A program loaded from the persistent cache costs what it cost when compiled, not the
+    load's seconds (else a second run would think compiles free and choose other buckets)."""
+    px.enable_persistent_cache(str(tmp_path))
+    try:
+        costs = []
+        for _ in range(2):     # two functions, one program: the second loads it from disk
+            step = training.make_train_step(loss_fn, OPT, length_buckets=[16], batch_buckets=[2])
+            state = training.TrainState.create(tiny_model(), OPT)
+            costs.append(training.measure_cost(step, state, np.zeros((2, 16), np.int32),
+                                               np.full(2, 16, np.int32)))
+            assert step.stats.compiles == 1
+    finally:
+        px.disable_persistent_cache()
+    recorded = json.loads((tmp_path / "polyexec-costs.json").read_text())
+    assert list(recorded.values()) == [[costs[0].compile_seconds, costs[0].seconds_per_cell]]
+    assert costs[1] == costs[0]        # the same cost, hence the same choice of buckets

@@ -362,7 +362,7 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
         with run.display.task("measuring one bucket", 1) as advance:
             cost = measure_cost(run.train_step, state, run.dp.global_batch(tokens),
                                 run.dp.global_batch(lengths), extra_compiles=run.eval_step,
-                                extra_arg=state.model, parallel=_warmup_parallel(options))
+                                extra_arg=state.model)
             advance()
         cost = agree(cost, P)
         train_lengths = np.maximum(run.train.lengths, options.min_length)
@@ -372,8 +372,7 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
                                    compiled=[(rows, top)])
         run.display.print(
             f"buckets (auto, for {remaining} epoch(s); measured at B={rows * P}, T={top}: compile "
-            f"{cost.compile_seconds * _warmup_parallel(options):.2f} s (train + eval; "
-            f"{_warmup_parallel(options)} at a time in the warmup), step "
+            f"{cost.compile_seconds:.2f} s (train + eval), step "
             f"{cost.step_seconds(rows * P, top):.3f} s): "
             f"T={list(policy.sizes)}"
             + (f", partial batches at their own rows for T={list(policy.partial_rows)}"
@@ -382,12 +381,6 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     run = dataclasses.replace(run, prediction=policy.prediction)
     return _with_policy(run, _resolve_policy(policy, run.train, run.validation,
                                              options.min_length), policy.partial_rows)
-
-
-def _warmup_parallel(options: FitOptions) -> int:
-    """How many compiles the warmup runs at a time: its threads, at most one per core."""
-    cores = os.cpu_count() or 1
-    return min(options.warmup_workers or cores, cores) if options.warmup else 1
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
