@@ -79,7 +79,7 @@ def test_cli_rejects_a_bad_flag_with_one_line_and_no_traceback():
     (["--lr", "0"], "argument --lr: expected a number > 0, received '0'"),
     (["--sample-len", "3"], "argument --sample-len: expected an int >= 5, received '3'"),
     (["--buckets", "square:3"],
-     "argument --buckets: expected one of optimal[:K], pow2, fixed:S1,S2,..., multiple:K, "
+     "argument --buckets: expected one of auto, optimal[:K], pow2, fixed:S1,S2,..., multiple:K, "
      "received 'square:3'"),
     (["--buckets", "optimal:x"], "argument --buckets: 'optimal:x': expected K an int >= 1"),
     (["--buckets", "fixed:8,0"], "argument --buckets: 'fixed:8,0': Fixed: sizes[1]: expected"),

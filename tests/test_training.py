@@ -420,6 +420,16 @@ def test_auto_refits_when_the_run_is_extended(auto_fit):
     assert [r["epoch"] for r in longer.epochs()] == [0, 1, 2]
 
 
+def test_auto_choice_is_repeated_by_passing_the_policy(auto_fit):
+    """``buckets=result.policy`` runs the chosen (length x rows) shapes, partial rows included."""
+    part, _, _ = auto_fit
+    again = training.fit(tiny_model(), loss_fn, AUTO_DATA, optimizer=OPT, epochs=1, batch_size=8,
+                         buckets=part.policy, cache=False, verbose=False, max_steps=40)
+    assert again.prediction is None and again.partial_rows == part.partial_rows
+    ran = {tuple(r["bucket"]) for r in again.history if r["kind"] == "step"}
+    assert ran == set(part.prediction.shapes)
+
+
 def test_measure_cost_on_a_cache_hit_reports_the_recorded_cost(tmp_path):
     """A program loaded from the persistent cache costs what it cost when compiled, not the
     load's seconds (else a second run would think compiles free and choose other buckets)."""

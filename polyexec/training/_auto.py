@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 import buckets as _buckets
 
@@ -126,7 +127,6 @@ def agree(cost: _buckets.CostModel, processes: int) -> _buckets.CostModel:
     choice (hence every step's shape) must be the same everywhere."""
     if processes == 1:
         return cost
-    from jax.experimental import multihost_utils
     values = multihost_utils.broadcast_one_to_all(
         np.array([cost.compile_seconds, cost.seconds_per_cell, cost.seconds_per_step]))
     return _buckets.CostModel(*(float(v) for v in np.asarray(values)))

@@ -113,9 +113,10 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     largest bucket, then chooses the (length x rows) set with the least predicted time for the
     epochs to run (`buckets.Auto.fit`: padded cells x step cost + compiles x compile cost; a
     bucket's partial last batch gets its own rows when that pays) and prints it with its
-    prediction. An int K fits K buckets (``buckets.Optimal.fit``), or pass a policy
+    prediction. The choice depends on measured times; ``buckets=result.policy`` of a finished
+    run repeats it exactly. An int K fits K buckets (``buckets.Optimal.fit``), or pass a policy
     (``buckets.Geometric(2, 1024)``) or a list of sizes: their partial batches are padded to
-    full rows. ``min_length`` (default 2, for next-token losses that slice ``tokens[:, :-1]``)
+    full rows (an `Auto` policy's own ``partial_rows`` excepted). ``min_length`` (default 2, for next-token losses that slice ``tokens[:, :-1]``)
     is the smallest padded length. Every (rows, length) shape the data uses is compiled before
     the first step (``warmup``) on parallel threads, those carrying the most tokens first.
 
@@ -314,7 +315,7 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     display = RunDisplay(progress=_interactive(console) if progress is None else progress,
                          verbose=verbose and dp.process_index == 0, console=console)
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
-    return run if auto else _with_policy(run, policy, "full")
+    return run if auto else _with_policy(run, policy, getattr(policy, "partial_rows", "full"))
 
 
 def _longest(train: Examples, validation: Examples | None, min_length: int) -> int:
@@ -379,8 +380,11 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
                if policy.partial_rows else "")
             + f"\n  predicted: {policy.prediction.describe()}")
     run = dataclasses.replace(run, prediction=policy.prediction)
-    return _with_policy(run, _resolve_policy(policy, run.train, run.validation,
-                                             options.min_length), policy.partial_rows)
+    resolved = _resolve_policy(policy, run.train, run.validation, options.min_length)
+    # Kept as an Auto (with a validation-only bucket, if one was added): `buckets=result.policy`
+    # repeats this run's batches exactly, partial rows included.
+    return _with_policy(run, _buckets.Auto(resolved.sizes, policy.partial_rows, policy.prediction),
+                        policy.partial_rows)
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
