@@ -179,7 +179,8 @@ def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
         tokens, _ = padded_batch(data, probe, rows, top)
         # In the background the other compiles overlap training: on 2 cores their wall cost
         # was 1/2-2/3 of their compile seconds. Parallel threads (--warmup blocking) gained
-        # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, 24.5 s in series.
+        # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, ~24.5 s at the
+        # rate of one compile alone.
         overlap = 2 if cfg.warmup == "background" and (os.cpu_count() or 1) >= 2 else 1
         cost = measure_cost(f, step.state, tokens, np.full(rows, top, np.int32), parallel=overlap)
         policy = buckets.Auto.fit(lengths, cost, epochs=cfg.epochs, batch_size=cfg.batch_size,
