@@ -91,7 +91,6 @@ class _Record:
         if self.folder and None not in modules:
             text = "".join(m.mlir_module() for m in modules) + repr(sorted(shape.items()))
             self.key = hashlib.sha256(text.encode()).hexdigest()
-        self.table = self._read() if self.key else {}
 
     @property
     def path(self) -> str:
@@ -99,7 +98,7 @@ class _Record:
 
     @property
     def known(self) -> tuple[float, float] | None:
-        entry = self.table.get(self.key) if self.key else None
+        entry = self._read().get(self.key) if self.key else None
         return None if entry is None else (float(entry[0]), float(entry[1]))
 
     def _read(self) -> dict:

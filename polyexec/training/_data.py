@@ -70,8 +70,8 @@ class Batching:
     """How examples become batches: the bucket policy, the rows of each batch, the time axis.
 
     A bucket's full batches have ``rows(T)`` rows; its last, partial batch has either as many
-    (with zero-length rows) or, for the buckets in ``partial_rows`` (chosen by cost, see
-    `buckets.Auto`), just the rows it needs -- one more compiled shape. Rows are a multiple of
+    (with zero-length rows) or, for the buckets in the policy's ``partial_rows`` (chosen by
+    cost, see `buckets.Auto`), just the rows it needs -- one more compiled shape. Rows are a multiple of
     the number of local devices so the batch axis splits evenly over them.
 
     The time axis is the batch's own longest example (at least ``min_length``): the executor
@@ -89,7 +89,6 @@ class Batching:
     device_multiple: int = 1
     num_shards: int = 1          # processes (multi-host): each takes its part of every step
     shard_index: int = 0
-    partial_rows: Any = "full"   # "full", "exact", or the bucket sizes given exact rows
 
     def rows(self, bucket: int) -> int:
         """The rows of a full batch of length bucket ``bucket`` (this process's share)."""
@@ -110,7 +109,7 @@ class Batching:
             lengths, self.policy, batch_size=self.batch_size, max_tokens=self.max_tokens,
             shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch,
             num_shards=self.num_shards, shard_index=self.shard_index,
-            partial_rows=self.partial_rows if partial_rows is None else partial_rows)
+            partial_rows=partial_rows)
 
     def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
         """Every (rows, length bucket) an epoch runs at -- the same every epoch -- and the real

@@ -116,8 +116,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     prediction. The choice depends on measured times; ``buckets=result.policy`` of a finished
     run repeats it exactly. An int K fits K buckets (``buckets.Optimal.fit``), or pass a policy
     (``buckets.Geometric(2, 1024)``) or a list of sizes: their partial batches are padded to
-    full rows (an `Auto` policy's own ``partial_rows`` excepted). ``min_length`` (default 2, for next-token losses that slice ``tokens[:, :-1]``)
-    is the smallest padded length. Every (rows, length) shape the data uses is compiled before
+    full rows (an `Auto` policy's own ``partial_rows`` excepted). ``min_length`` (default 2,
+    for next-token losses that slice ``tokens[:, :-1]``) is the smallest padded length. Every (rows, length) shape the data uses is compiled before
     the first step (``warmup``) on parallel threads, those carrying the most tokens first.
 
     Compile cache: ``cache=None`` (default) leaves JAX's process-wide compile-cache
@@ -200,7 +200,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     return FitResult(state=state, history=log.history, train_step=run.train_step,
                      eval_step=run.eval_step, policy=run.batching.policy,
                      batch_buckets=run.batch_buckets, checkpoint=checkpoint,
-                     stopped_early=stopped, partial_rows=run.batching.partial_rows,
+                     stopped_early=stopped,
+                     partial_rows=getattr(run.batching.policy, "partial_rows", "full"),
                      prediction=run.prediction)
 
 
@@ -315,7 +316,7 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     display = RunDisplay(progress=_interactive(console) if progress is None else progress,
                          verbose=verbose and dp.process_index == 0, console=console)
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
-    return run if auto else _with_policy(run, policy, getattr(policy, "partial_rows", "full"))
+    return run if auto else _with_policy(run, policy)
 
 
 def _longest(train: Examples, validation: Examples | None, min_length: int) -> int:
@@ -323,9 +324,10 @@ def _longest(train: Examples, validation: Examples | None, min_length: int) -> i
                int(validation.lengths.max()) if validation is not None else 0)
 
 
-def _with_policy(run: _Run, policy: Any, partial_rows: Any) -> _Run:
-    """``run`` batching by ``policy``, its steps' buckets exactly the shapes its batches use."""
-    batching = dataclasses.replace(run.batching, policy=policy, partial_rows=partial_rows)
+def _with_policy(run: _Run, policy: Any) -> _Run:
+    """``run`` batching by ``policy`` (an `Auto` brings its ``partial_rows``), its steps'
+    buckets exactly the shapes its batches use."""
+    batching = dataclasses.replace(run.batching, policy=policy)
     train_shapes = batching.shapes(run.train.lengths)
     eval_shapes = (batching.shapes(run.validation.lengths, partial_rows="full")
                    if run.validation is not None else {})
@@ -383,8 +385,7 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     resolved = _resolve_policy(policy, run.train, run.validation, options.min_length)
     # Kept as an Auto (with a validation-only bucket, if one was added): `buckets=result.policy`
     # repeats this run's batches exactly, partial rows included.
-    return _with_policy(run, _buckets.Auto(resolved.sizes, policy.partial_rows, policy.prediction),
-                        policy.partial_rows)
+    return _with_policy(run, _buckets.Auto(resolved.sizes, policy.partial_rows, policy.prediction))
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
@@ -463,7 +464,7 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
     meta = position.meta(log.history, run.fingerprint)
     if run.auto:
         meta["auto_buckets"] = {"sizes": list(run.batching.policy.sizes),
-                                "partial_rows": list(run.batching.partial_rows),
+                                "partial_rows": list(run.batching.policy.partial_rows),
                                 "epochs": run.options.epochs}
     return save_checkpoint(run.options.checkpoint_dir, state, meta,
                            keep=run.options.keep_checkpoints)
