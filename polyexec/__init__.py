@@ -16,11 +16,12 @@ False
 
 The private modules are the pipeline's stages, each importing only the ones before it:
 ``_errors`` -> ``_spec`` (LengthVar, Spec, what names mean) -> ``_bind`` (validate arguments,
-read sizes, pad) -> ``_context`` / ``_ops`` / ``_dynamic`` (what a traced function may call)
--> ``_trace`` (the one symbolic trace) -> ``_logical`` (rewrite to logical lengths) ->
-``_serialize`` (plan files) -> ``_plan`` (the plan value) -> ``_segments`` (plans of functions
-with data-dependent sizes; `trace`) -> ``_cache`` (compile accounting, persistent cache) ->
-``_executor`` (`bucketed`: caches and runs).
+read sizes, pad) -> ``_convention`` (the one order of a program's flat inputs) -> ``_context``
+/ ``_ops`` / ``_dynamic`` (what a traced function may call) -> ``_trace`` (the one symbolic
+trace) -> ``_logical`` (rewrite to logical lengths) -> ``_serialize`` (plan files) -> ``_plan``
+(the plan value: segments and verdict) -> ``_planner`` (tracing a function into its plan;
+`trace`) -> ``_cache`` (compile accounting, persistent cache) -> ``_executor`` (`bucketed`:
+caches and runs).
 """
 
 from ._cache import disable_persistent_cache, enable_persistent_cache, forbid_compiles
@@ -30,8 +31,8 @@ from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecEr
                       PolymorphismError, SpecError)
 from ._executor import Bucketed, BucketStats, Stats, bucketed
 from ._ops import arange_like, broadcast_like, reshape_like, sequence_mask
-from ._plan import Intermediate, Plan
-from ._segments import CutPoint, PartitionedPlan, Segment, trace
+from ._plan import CutPoint, Intermediate, Plan, Segment, Verdict
+from ._planner import trace
 from ._spec import LengthVar, Spec
 
 __all__ = [
@@ -40,5 +41,5 @@ __all__ = [
     "broadcast_like", "arange_like", "forbid_compiles", "enable_persistent_cache",
     "disable_persistent_cache", "PolyexecError", "SpecError", "OptionError",
     "LengthOverflowError", "PolymorphismError", "CompileError", "compact", "nonzero",
-    "loop_until", "partition", "PartitionedPlan", "Segment", "CutPoint",
+    "loop_until", "partition", "Segment", "CutPoint", "Verdict",
 ]

@@ -60,9 +60,19 @@ class Signature:
     array_avals: tuple[tuple[tuple[int, ...], np.dtype], ...]
     poly: tuple[tuple[Spec, np.dtype], ...]
     paths: tuple[str, ...] = dataclasses.field(compare=False)
+    args: tuple[int, ...] = dataclasses.field(compare=False, default=())  # per leaf: argument
 
     def leaf_paths(self, kind: str) -> list[str]:
         return [p for p, k in zip(self.paths, self.kinds) if k == kind]
+
+    def leaf_args(self, kind: str) -> list[int]:
+        return [a for a, k in zip(self.args, self.kinds) if k == kind]
+
+    def unflatten(self, arrays: Sequence[Any], poly: Sequence[Any]) -> tuple[Any, ...]:
+        """The positional arguments from their array and Spec'd leaves (statics restored)."""
+        sources = {"array": iter(arrays), "poly": iter(poly), "static": iter(self.statics)}
+        return jax.tree_util.tree_unflatten(self.treedef,
+                                            [next(sources[kind]) for kind in self.kinds])
 
 
 @dataclasses.dataclass
@@ -71,7 +81,6 @@ class BoundCall:
     arrays: list[Any]                # the "array" leaves as given
     poly: list[Any]                  # the "poly" leaves, as arrays of the canonical dtype
     sizes: dict[str, int]            # each length variable's real size
-    arg_index: list[int]             # per flat array/poly leaf: which positional argument
 
 
 def _path(keypath, offset: int = 0) -> str:
@@ -120,21 +129,19 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
     args = _lists_as_arrays(args, in_specs)
     specs = spec_per_leaf(tuple(in_specs), args, "in_specs")
     keyed, treedef = jax.tree_util.tree_flatten_with_path(args)
-    kinds, statics, arrays, array_avals, poly, poly_sig, paths, arg_index = [], [], [], [], [], [], [], []
-    poly_arg_index = []
+    kinds, statics, arrays, array_avals, poly, poly_sig, paths, args = [], [], [], [], [], [], [], []
     sizes: dict[str, int] = {}
     where: dict[str, str] = {}
 
     for (keypath, leaf), spec in zip(keyed, specs):
         path = _path(keypath, offset)
         paths.append(path)
-        top = keypath[0].idx
+        args.append(keypath[0].idx)
         if spec is FIXED:
             if isinstance(leaf, (jax.Array, np.ndarray)):
                 kinds.append("array")
                 arrays.append(leaf)
                 array_avals.append((tuple(leaf.shape), canonical_dtype(leaf.dtype)))
-                arg_index.append(top)
             else:
                 try:
                     hash(leaf)
@@ -176,12 +183,11 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
         kinds.append("poly")
         poly.append(arr if received == target else np.asarray(arr, target))
         poly_sig.append((spec, target))
-        poly_arg_index.append(top)
 
     _check_lengths(keyed, specs, poly, sizes, where, variables, offset)
     signature = Signature(treedef, tuple(kinds), tuple(statics), tuple(array_avals),
-                          tuple(poly_sig), tuple(paths))
-    return BoundCall(signature, arrays, poly, sizes, arg_index + poly_arg_index)
+                          tuple(poly_sig), tuple(paths), tuple(args))
+    return BoundCall(signature, arrays, poly, sizes)
 
 
 def _check_lengths(keyed, specs, poly, sizes, where, variables, offset) -> None:
@@ -243,14 +249,14 @@ def pad(arr: Any, spec: Spec, dtype: np.dtype, bucket: Mapping[str, int]) -> Any
 
 
 def pad_inputs(call: BoundCall, bucket: Mapping[str, int]) -> tuple[list[Any], int, int]:
-    """The call's array leaves followed by its Spec'd leaves padded to ``bucket``, plus the real
-    and padded element counts of the Spec'd leaves (for the stats).
+    """The call's Spec'd leaves padded to ``bucket``, plus their real and padded element counts
+    (for the stats).
 
     Real elements are honest about per-example lengths: along a variable that a ``lengths_of``
     input describes (``tokens: "B T"`` with ``lengths: "B"``, lengths_of T), an array counts
     ``sum(lengths)`` rows of T, not ``B * T``. The lengths arrays themselves are not counted.
     """
-    flat = list(call.arrays)
+    flat = []
     real = padded = 0
     lengths = {spec.lengths_of: (spec.dims, np.asarray(arr))
                for arr, (spec, _) in zip(call.poly, call.signature.poly) if spec.lengths_of}

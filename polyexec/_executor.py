@@ -1,8 +1,10 @@
 """Stage 7, executor: `bucketed` caches plans and executables and runs them.
 
 Per call: bind the arguments (validate, read the sizes), pick each variable's bucket, get the
-plan of the call's signature (traced once, cached), get each segment's executable at the bucket
-(compiled once, single-flight, LRU), pad, run, slice back. Nothing here traces or rewrites a
+plan of the call's signature (traced once, cached), then run its segments in order -- each
+one's executable at the bucket (compiled once, single-flight, LRU: `_Executables`), its inputs
+assembled by its `Convention` -- and slice the outputs back. Besides that one run path,
+`Bucketed` keeps statistics (`_Counters`) and warm-up. Nothing here traces or rewrites a
 program: that is `plan_function`'s job, and a plan never changes once made.
 """
 
@@ -29,8 +31,8 @@ from . import _bind
 from ._cache import compiles_forbidden
 from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
                       PolymorphismError, SpecError, check_bool, check_int)
-from ._plan import Plan
-from ._segments import PartitionedPlan, Segment, plan_function
+from ._plan import CutPoint, Plan, Segment
+from ._planner import plan_function
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables
 from ._trace import SHAPE_ERRORS, TraceCounter, evaluate_shape
 
@@ -87,12 +89,68 @@ class _Compiled:
     out_paths: tuple[str, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Loaded:
-    """A plan read from a file, run without the code that made it."""
+class _Executables:
+    """Compiled programs by (segment, bucket): each compiled once -- threads asking at the same
+    time wait for the one compile -- and the least recently used dropped past ``max_cached``."""
 
-    plan: Plan
-    constants: tuple[Any, ...]
+    def __init__(self, max_cached: int):
+        self.max_cached = max_cached
+        self._lock = threading.Lock()
+        self._futures: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: tuple, compile: Callable[[], _Compiled],
+            refuse: Callable[[], None]) -> tuple[_Compiled, float | None]:
+        """The executable and, when this call compiled it, the compile's seconds. ``refuse``
+        runs (and may raise) before a compile starts."""
+        with self._lock:
+            future = self._futures.get(key)
+            owner = future is None
+            if owner:
+                refuse()
+                future = self._futures[key] = concurrent.futures.Future()
+                self._evict()
+            else:
+                self._futures.move_to_end(key)
+        if not owner:
+            return future.result(), None
+        try:
+            start = time.perf_counter()
+            compiled = compile()
+            seconds = time.perf_counter() - start
+        except BaseException as e:
+            with self._lock:
+                self._futures.pop(key, None)
+            future.set_exception(e)
+            raise
+        future.set_result(compiled)
+        return compiled, seconds
+
+    def _evict(self) -> None:
+        while len(self._futures) > self.max_cached:
+            oldest = next(iter(self._futures))
+            if not self._futures[oldest].done():
+                break
+            self._futures.pop(oldest)
+
+
+class _Counters:
+    """Per-bucket statistics and the trace count, shared by a function and its re-bucketed
+    copies (`Bucketed.with_buckets`)."""
+
+    def __init__(self):
+        self.traces = TraceCounter()
+        self._lock = threading.Lock()
+        self._buckets: dict[tuple, BucketStats] = {}
+
+    def add(self, key: tuple, **increments) -> None:
+        with self._lock:
+            current = self._buckets.get(key) or BucketStats(key)
+            self._buckets[key] = dataclasses.replace(
+                current, **{k: getattr(current, k) + v for k, v in increments.items()})
+
+    def snapshot(self) -> Stats:
+        with self._lock:
+            return Stats(self.traces.count, dict(self._buckets))
 
 
 class Bucketed:
@@ -120,7 +178,6 @@ class Bucketed:
         # The logical-length rewrite (padding never changes a result); False for code that
         # masks by itself and wants no overhead.
         self.masking = check_bool(masking, f"{where}: masking")
-        self.max_cached = check_int(max_cached, f"{where}: max_cached", min=1)
         self.donate_argnums = tuple(check_int(i, f"{where}: donate_argnums", min=0)
                                     for i in donate_argnums)
         # One jax.sharding.Sharding (or None) per positional argument, applied to every array
@@ -138,15 +195,16 @@ class Bucketed:
         # of data-dependent variables that only a plan defines are made when first asked.
         self._sizes: dict[str, tuple[int, ...]] = {
             n: bucket_sizes(v, self._policies.get(n)) for n, v in self.variables.items()}
+        # Arguments every call starts with: a loaded plan's stored constants.
+        self._prefix: tuple[Any, ...] = ()
+        self._loaded: Plan | None = None
 
         self._lock = threading.Lock()
-        self._counter = TraceCounter()
         self._plans: dict[_bind.Signature, concurrent.futures.Future] = {}
-        self._executables: collections.OrderedDict = collections.OrderedDict()
-        self._stats: dict[tuple, BucketStats] = {}
-        self._latest_plan: Plan | PartitionedPlan | None = None
+        self._executables = _Executables(check_int(max_cached, f"{where}: max_cached", min=1))
+        self._counters = _Counters()
+        self._latest_plan: Plan | None = None
         self._warned = False
-        self._loaded: _Loaded | None = None
 
     @classmethod
     def from_plan(cls, plan: Plan, buckets: Mapping[LengthVar | str, Any] | None = None,
@@ -161,33 +219,17 @@ class Bucketed:
         runner = cls(None, in_specs, None,
                      {by_name[k] if isinstance(k, str) else k: p for k, p in (buckets or {}).items()},
                      name=plan.name, variables=plan.variables, **options)
-        runner._loaded = _Loaded(plan, tuple(plan.constants or ()))
+        runner._loaded, runner._prefix = plan, tuple(plan.constants or ())
         return runner
 
     # -- public -------------------------------------------------------------------------------
 
     def __call__(self, *args):
-        offset = 0
-        if self._loaded is not None:
-            expected = len(self.in_specs) - len(self._loaded.constants)
-            if len(args) != expected:
-                raise SpecError(f"plan {self.name}: expected {expected} positional arguments, "
-                                f"received {len(args)}")
-            args, offset = self._loaded.constants + tuple(args), len(self._loaded.constants)
-        call = _bind.bind(args, self.in_specs, self.variables, offset)
-        plan = self._plan(call.signature)
-        bucket = {n: self.bucket_for(n, s, plan) for n, s in call.sizes.items()}
-        if isinstance(plan, PartitionedPlan):
-            return self._run_segments(plan, call, bucket)
-        flat, real, padded = _bind.pad_inputs(call, bucket)    # before compiling: it may refuse
-        compiled = self.executable(plan, bucket, call)
-        flat += [np.int32(call.sizes[v.name]) for v in plan.variables]
-        out_leaves = compiled.executable(*flat)
-        self.record(plan, bucket, real_elements=real, padded_elements=padded)
-        return self._unflatten(compiled.out_tree, plan, out_leaves, call.sizes)
+        call = self._bind(args)
+        return self._run(self._plan(call.signature), call)
 
     @property
-    def plan(self) -> Plan | PartitionedPlan:
+    def plan(self) -> Plan:
         """The plan of the latest call (tracing it now when no argument lacks a Spec)."""
         if self._latest_plan is None:
             if not all(isinstance(s, Spec) for s in self.in_specs):
@@ -198,70 +240,35 @@ class Bucketed:
 
     @property
     def stats(self) -> Stats:
-        with self._lock:
-            return Stats(self._counter.count, dict(self._stats))
+        return self._counters.snapshot()
 
     @property
     def traces(self) -> int:
         """How many times Python ran the user function (tracing)."""
-        return self._counter.count
+        return self._counters.traces.count
 
-    def bucket_sizes(self, name: str, plan: Plan | PartitionedPlan | None = None) -> tuple[int, ...]:
+    def bucket_sizes(self, name: str, plan: Plan | None = None) -> tuple[int, ...]:
         """The sizes variable ``name`` compiles at: its policy's, plus the sizes a plan needs as
         boundaries (a reshaping-impossible plan that compares ``T == c``)."""
         with self._lock:
             sizes = self._sizes.get(name)
             if sizes is None:
                 var = self.variables.get(name) or next(
-                    v for v in getattr(plan, "dynamic", ()) if v.name == name)
+                    v for v in (plan.dynamic if plan else ()) if v.name == name)
                 sizes = self._sizes[name] = bucket_sizes(var, self._policies.get(name))
-        extra = getattr(plan, "split_sizes", {}).get(name, ())
+        extra = plan.split_sizes.get(name, ()) if plan is not None else ()
         if extra:
             var = self.variables[name]
             sizes = tuple(sorted(set(sizes) | {s for s in extra if var.min <= s <= var.max}))
         return sizes
 
-    def bucket_for(self, name: str, size: int, plan: Plan | PartitionedPlan | None = None) -> int:
+    def bucket_for(self, name: str, size: int, plan: Plan | None = None) -> int:
         """The smallest bucket of ``name`` that holds ``size``."""
         sizes = self.bucket_sizes(name, plan)
         i = bisect.bisect_left(sizes, size)
         if i == len(sizes):
             raise LengthOverflowError(f"{name}={size} is above the largest bucket {sizes[-1]}")
         return sizes[i]
-
-    def executable(self, segment: Plan | Segment, bucket: Mapping[str, int],
-                   call: _bind.BoundCall) -> _Compiled:
-        """The compiled program of one plan or segment at one bucket: compiled once (the
-        threads asking at the same time wait for the one compile), kept LRU."""
-        key = (id(segment), self._key(segment, bucket))
-        with self._lock:
-            future = self._executables.get(key)
-            owner = future is None
-            if owner:
-                if compiles_forbidden():
-                    raise CompileError(f"{self.name}: bucket {dict(bucket)} is not compiled and "
-                                       f"compiles are forbidden here")
-                future = self._executables[key] = concurrent.futures.Future()
-                self._evict()
-            else:
-                self._executables.move_to_end(key)
-        if owner:
-            try:
-                start = time.perf_counter()
-                compiled = self._compile(segment, call, bucket)
-                seconds = time.perf_counter() - start
-            except BaseException as e:
-                with self._lock:
-                    self._executables.pop(key, None)
-                future.set_exception(e)
-                raise
-            future.set_result(compiled)
-            self._add(key[1], compiles=1, compile_seconds=seconds)
-        return future.result()
-
-    def record(self, segment: Plan | Segment, bucket: Mapping[str, int], **counts) -> None:
-        """Count one call of ``segment`` at ``bucket`` (and its real/padded elements)."""
-        self._add(self._key(segment, bucket), calls=1, **counts)
 
     def warmup(self, *args, sizes: Sequence[Mapping[str, int]] | None = None,
                max_workers: int | None = None, progress: bool = False) -> list[dict[str, int]]:
@@ -283,7 +290,7 @@ class Bucketed:
         workers = max_workers or min(len(jobs), os.cpu_count() or 1) or 1
         bar = _progress(progress, f"compiling {self.name}", len(jobs))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self.executable, seg, combo, call) for seg, combo in jobs]
+            futures = [pool.submit(self._executable, plan, seg, combo) for seg, combo in jobs]
             for future in concurrent.futures.as_completed(futures):
                 future.result()
                 bar.advance()
@@ -313,22 +320,30 @@ class Bucketed:
                                 f"use ({', '.join(self.variables)}), received {name!r}")
             policies[name] = policy
         sizes = {n: bucket_sizes(v, policies.get(n)) for n, v in self.variables.items()}
-        other = copy.copy(self)     # shares the lock, trace counter, plans, executables, stats
+        other = copy.copy(self)     # shares the lock, plans, executables and counters
         other._policies, other._sizes = policies, sizes
         return other
 
-    # -- internals ----------------------------------------------------------------------------
+    # -- planning -------------------------------------------------------------------------------
+
+    def _bind(self, args: Sequence[Any]) -> _bind.BoundCall:
+        expected = len(self.in_specs) - len(self._prefix)
+        if self._loaded is not None and len(args) != expected:   # its in_specs are not the user's
+            raise SpecError(f"plan {self.name}: expected {expected} positional arguments, "
+                            f"received {len(args)}")
+        return _bind.bind(self._prefix + tuple(args), self.in_specs, self.variables,
+                          offset=len(self._prefix))
 
     def _example_call(self, args: Sequence[Any]) -> _bind.BoundCall:
         """Bind either a full example call or only the non-Spec arguments, with zeros at each
         variable's minimum standing in for the Spec arguments."""
-        if self._loaded is not None:
-            args = self._loaded.constants + tuple(args)
+        args = self._prefix + tuple(args)
         if len(args) != len(self.in_specs):
             args = _bind.example_args(self.in_specs, self.variables, args, f"{self.name}.warmup")
         return _bind.bind(args, self.in_specs, self.variables)
 
-    def _plan(self, signature: _bind.Signature) -> Plan | PartitionedPlan:
+    def _plan(self, signature: _bind.Signature) -> Plan:
+        """The plan of a signature: made once (threads asking at the same time wait for it)."""
         with self._lock:
             future = self._plans.get(signature)
             owner = future is None
@@ -348,26 +363,23 @@ class Bucketed:
         self._verdict(plan)
         return plan
 
-    def _make_plan(self, signature: _bind.Signature) -> Plan | PartitionedPlan:
-        if self._loaded is not None:
-            return self._check_loaded(signature)
-        return plan_function(self.fn, signature, self.variables, self._input_names,
-                             self.out_specs, self._counter, name=self.name,
-                             partition=self.partition, masking=self.masking,
-                             check_sizes=self.check_sizes,
-                             bucket_sizes={n: self.bucket_sizes(n) for n in self._input_names})
-
-    def _check_loaded(self, signature: _bind.Signature) -> Plan:
-        plan = self._loaded.plan
-        expected = [s for s in plan.input_specs if not isinstance(s, Spec)]
+    def _make_plan(self, signature: _bind.Signature) -> Plan:
+        if self._loaded is None:
+            return plan_function(self.fn, signature, self.variables, self._input_names,
+                                 self.out_specs, self._counters.traces, name=self.name,
+                                 partition=self.partition, masking=self.masking,
+                                 check_sizes=self.check_sizes,
+                                 bucket_sizes={n: self.bucket_sizes(n) for n in self._input_names})
+        # A loaded plan runs as it is, for the fixed arrays it was traced with.
+        expected = [s for s in self._loaded.input_specs if not isinstance(s, Spec)]
         for path, (shape, dtype), want in zip(signature.leaf_paths("array"),
                                               signature.array_avals, expected):
             if (tuple(shape), np.dtype(dtype)) != (tuple(want[0]), np.dtype(want[1])):
                 raise SpecError(f"{path}: expected {np.dtype(want[1]).name}{list(want[0])}, "
                                 f"received {np.dtype(dtype).name}{list(shape)}")
-        return plan
+        return self._loaded
 
-    def _verdict(self, plan: Plan | PartitionedPlan) -> None:
+    def _verdict(self, plan: Plan) -> None:
         """Never silent: a plan that cannot guarantee a result warns once, or raises (strict)."""
         if plan.reshaping_is_impossible:
             message = (f"{self.name} is not shape-polymorphic, so it is retraced and compiled per "
@@ -386,45 +398,64 @@ class Bucketed:
         if warn:
             warnings.warn(message, stacklevel=4)
 
-    def _key(self, segment: Plan | Segment, bucket: Mapping[str, int]) -> tuple:
-        return tuple((v.name, bucket[v.name]) for v in segment.live_variables)
+    # -- running --------------------------------------------------------------------------------
 
-    def _evict(self) -> None:
-        while len(self._executables) > self.max_cached:
-            oldest = next(iter(self._executables))
-            if not self._executables[oldest].done():
+    def _run(self, plan: Plan, call: _bind.BoundCall):
+        """One call: each segment at its bucket, in order; between two, the count of the
+        data-dependent size is read on the host and the handed values cut to its bucket."""
+        sizes = dict(call.sizes)
+        bucket = {n: self.bucket_for(n, s, plan) for n, s in sizes.items()}
+        poly, real, padded = _bind.pad_inputs(call, bucket)   # before compiling: it may refuse
+        handed: list[Any] = []
+        for segment in plan.segments:
+            compiled = self._executable(plan, segment, bucket)
+            flat = segment.convention.assemble(arrays=call.arrays, poly=poly, handed=handed,
+                                               sizes=sizes)
+            outputs = compiled.executable(*segment.feed(flat, bucket))
+            self._counters.add(self._key(segment, bucket), calls=1, real_elements=real,
+                               padded_elements=padded)
+            if segment.cut is None:
                 break
-            self._executables.pop(oldest)
+            # A segment reads the values of every cut before it.
+            new, real, padded = self._hand_over(plan, segment.cut, outputs, sizes, bucket)
+            handed = handed + new
+        n_user = len(outputs) - len(segment.count_names)
+        for name, count in zip(segment.count_names, outputs[n_user:]):
+            sizes[name] = int(count)
+        return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes)
 
-    def _compile(self, segment: Plan | Segment, call: _bind.BoundCall,
-                 bucket: Mapping[str, int]) -> _Compiled:
-        avals = segment.bucket_avals(bucket)
-        if self.in_shardings is not None:
-            avals = [aval if arg >= len(self.in_shardings) or self.in_shardings[arg] is None else
-                     jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=self.in_shardings[arg])
-                     for aval, arg in zip(avals, call.arg_index)] + avals[len(call.arg_index):]
-        donate = tuple(i for i, arg in enumerate(call.arg_index[:len(call.arrays)])
-                       if arg in self.donate_argnums and segment.can_donate)
-        program, cell = segment.program_at(bucket, self._counter)
-        try:
-            lowered = jax.jit(program, donate_argnums=donate).lower(*avals)
-        except SHAPE_ERRORS as e:
-            if segment.exported is not None:
-                raise
-            # The slow path: code that only works at some sizes (a reshape that divides for
-            # some T) fails at this bucket. Say where, and why it was retraced.
-            raise PolymorphismError(f"{self.name} at bucket {dict(bucket)}: {type(e).__name__}: "
-                                    f"{e}; it was retraced per bucket because {segment.reason}"
-                                    ) from None
-        return _Compiled(lowered.compile(), cell[0], tuple(cell[1]))
+    def _hand_over(self, plan: Plan, cut: CutPoint, outputs: Sequence[Any],
+                   sizes: dict[str, int], bucket: dict[str, int]) -> tuple[list[Any], int, int]:
+        """The values a cut hands to the next segment, cut (or padded) to the bucket of its
+        count; ``sizes`` and ``bucket`` learn the new variable. Returns the values and their
+        real and padded element counts."""
+        count = int(outputs[-1])           # the host synchronisation: the op decides its size
+        values = [np.asarray(v) for v in outputs[:-1]]
+        limit = min(v.shape[a] for v, a in zip(values, cut.axes) if a is not None)
+        if not 0 <= count <= limit:
+            raise PolyexecError(f"{cut.where}: count {count} is outside [0, {limit}], the "
+                                f"size of the values buffer")
+        if count > cut.var.max:
+            raise LengthOverflowError(f"{cut.where}: data-dependent size {cut.var.name} = "
+                                      f"{count} is above {cut.var.name}'s max={cut.var.max} "
+                                      f"({cut.var})")
+        size = self.bucket_for(cut.var.name, count, plan)
+        sizes[cut.var.name], bucket[cut.var.name] = count, size
+        handed, real, padded = [], 0, 0
+        for v, a, fill in zip(values, cut.axes, cut.fills):
+            if a is None:
+                handed.append(v)
+                continue
+            shape = list(v.shape)
+            shape[a] = size
+            # The first `size` entries, padded with the fill if the buffer is shorter.
+            handed.append(_bind.pad_to(v[(slice(None),) * a + (slice(0, size),)], shape, fill))
+            rest = int(np.prod(v.shape)) // max(v.shape[a], 1)
+            real += count * rest
+            padded += size * rest
+        return handed, real, padded
 
-    def _add(self, key: tuple, **increments) -> None:
-        with self._lock:
-            current = self._stats.get(key) or BucketStats(key)
-            self._stats[key] = dataclasses.replace(
-                current, **{k: getattr(current, k) + v for k, v in increments.items()})
-
-    def _unflatten(self, out_tree, plan, leaves: Sequence[Any], sizes: Mapping[str, int]):
+    def _outputs(self, out_tree, segment: Segment, leaves: list[Any], sizes: Mapping[str, int]):
         """The outputs as the exact-size call returns them: each leaf cut to its symbolic shape
         evaluated at the real sizes (``T - 1`` at T=5 is 4), or by ``out_specs`` when given.
         A reshaping-impossible plan has no symbolic shapes: without ``out_specs`` its outputs
@@ -434,69 +465,59 @@ class Bucketed:
                 out_tree, list(range(len(leaves)))), "out_specs")
             leaves = [leaf if spec is _bind.FIXED else _bind.unpad(leaf, spec, sizes)
                       for leaf, spec in zip(leaves, specs)]
-        elif plan.segments[-1].exported is not None:
+        elif segment.exported is not None:
             env = {n: int(s) for n, s in sizes.items()}
-            avals = plan.segments[-1].exported.out_avals
             # Sliced on the host, like inputs are padded there: slicing a device array would
             # compile one small program per distinct real size.
-            real = [evaluate_shape(aval.shape, env) for aval in avals]
+            real = [evaluate_shape(aval.shape, env) for aval in segment.exported.out_avals]
             leaves = [leaf if shape == tuple(leaf.shape) else
                       np.asarray(leaf)[tuple(slice(0, n) for n in shape)]
                       for leaf, shape in zip(leaves, real)]
-        if self._loaded is not None:
-            return leaves[0] if len(leaves) == 1 else tuple(leaves)
-        return jax.tree_util.tree_unflatten(out_tree, list(leaves))
+        return jax.tree_util.tree_unflatten(out_tree, leaves)
 
-    # -- partitioned plans ----------------------------------------------------------------------
+    # -- compiling ------------------------------------------------------------------------------
 
-    def _run_segments(self, plan: PartitionedPlan, call: _bind.BoundCall,
-                      bucket: Mapping[str, int]):
-        """One call: the segments in order, each at its bucket, counts read on the host between."""
-        sizes, bucket = dict(call.sizes), dict(bucket)
-        base, real, padded = _bind.pad_inputs(call, bucket)
-        handed: list[Any] = []
-        for seg in plan.segments:
-            compiled = self.executable(seg, bucket, call)
-            flat = base + handed + [np.int32(sizes[v.name]) for v in seg.variables]
-            outputs = compiled.executable(*seg.feed(flat, bucket))
-            self.record(seg, bucket, real_elements=real, padded_elements=padded)
-            if seg.cut is None:
-                break
-            cut = seg.cut
-            count = int(outputs[-1])           # the host synchronisation: the op decides its size
-            values = [np.asarray(v) for v in outputs[:-1]]
-            limit = min(v.shape[a] for v, a in zip(values, cut.axes) if a is not None)
-            if not 0 <= count <= limit:
-                raise PolyexecError(f"{cut.where}: count {count} is outside [0, {limit}], the "
-                                    f"size of the values buffer")
-            if count > cut.var.max:
-                raise LengthOverflowError(f"{cut.where}: data-dependent size {cut.var.name} = "
-                                          f"{count} is above {cut.var.name}'s max={cut.var.max} "
-                                          f"({cut.var})")
-            size = self.bucket_for(cut.var.name, count, plan)
-            sizes[cut.var.name], bucket[cut.var.name] = count, size
-            real = padded = 0
-            for v, a, fill in zip(values, cut.axes, cut.fills):
-                if a is None:
-                    handed.append(v)
-                    continue
-                shape = list(v.shape)
-                shape[a] = size
-                # The first `size` entries, padded with the fill if the buffer is shorter.
-                handed.append(_bind.pad_to(v[(slice(None),) * a + (slice(0, size),)], shape, fill))
-                rest = int(np.prod(v.shape)) // max(v.shape[a], 1)
-                real += count * rest
-                padded += size * rest
-        n_user = len(outputs) - len(seg.count_names)
-        for name, count in zip(seg.count_names, outputs[n_user:]):
-            sizes[name] = int(count)
-        return self._unflatten(compiled.out_tree, plan, list(outputs[:n_user]), sizes)
+    def _key(self, segment: Segment, bucket: Mapping[str, int]) -> tuple:
+        return tuple((v.name, bucket[v.name]) for v in segment.live_variables)
 
-    def _warmup_jobs(self, plan: Plan | PartitionedPlan, combos: Sequence[Mapping[str, int]]):
+    def _executable(self, plan: Plan, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
+        """The compiled program of one segment at one bucket (counted in the stats when this
+        call compiled it)."""
+        key = self._key(segment, bucket)
+
+        def refuse():
+            if compiles_forbidden():
+                raise CompileError(f"{self.name}: bucket {dict(bucket)} is not compiled and "
+                                   f"compiles are forbidden here")
+
+        compiled, seconds = self._executables.get(
+            (id(segment), key), lambda: self._compile(plan, segment, bucket), refuse)
+        if seconds is not None:
+            self._counters.add(key, compiles=1, compile_seconds=seconds)
+        return compiled
+
+    def _compile(self, plan: Plan, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
+        convention = segment.convention
+        avals = convention.with_shardings(segment.bucket_avals(bucket), self.in_shardings)
+        donate = convention.donated(self.donate_argnums) if segment.can_donate else ()
+        program, cell = plan.program_at(segment, bucket, self._counters.traces)
+        try:
+            lowered = jax.jit(program, donate_argnums=donate).lower(*avals)
+        except SHAPE_ERRORS as e:
+            if segment.exported is not None:
+                raise
+            # The slow path: code that only works at some sizes (a reshape that divides for
+            # some T) fails at this bucket. Say where, and why it was retraced.
+            raise PolymorphismError(f"{self.name} at bucket {dict(bucket)}: {type(e).__name__}: "
+                                    f"{e}; it was retraced per bucket because {plan.reason}"
+                                    ) from None
+        return _Compiled(lowered.compile(), cell[0], tuple(cell[1]))
+
+    def _warmup_jobs(self, plan: Plan, combos: Sequence[Mapping[str, int]]):
         """(segment, bucket) pairs to compile: each segment at every given input bucket combined
         with every bucket of its data-dependent variables (or the ones named in ``combos``)."""
-        if isinstance(plan, Plan):
-            return [(plan, combo) for combo in combos]
+        if plan.mode == "single":
+            return [(plan.segments[0], combo) for combo in combos]
         jobs, seen = [], set()
         for seg in plan.segments:
             live = [v.name for v in seg.live_variables]
@@ -560,7 +581,7 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
     independence check: two extra Python traces), ``name``, ``variables``, ``partition``
     (default True: a function with data-dependent sizes, ``px.compact(..., length=K)``, is cut
     there and the rest runs at the bucket of ``K``; False: one program at the upper bound — see
-    `PartitionedPlan`), ``in_shardings`` (one ``jax.sharding.Sharding`` or None per positional
+    `Plan.segments`), ``in_shardings`` (one ``jax.sharding.Sharding`` or None per positional
     argument, for all its arrays: each bucket is compiled for them and host-padded inputs are
     placed by them — e.g. a model replicated and the batch split over a Mesh). A `Plan` read by
     `Plan.load` runs through ``bucketed(plan)`` (`Bucketed.from_plan`).

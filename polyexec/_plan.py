@@ -1,24 +1,27 @@
-"""Stage 5, plan: the traced program as an immutable value — its verdicts, shapes and text.
+"""Stage 5, plan: a traced function as an immutable value -- its programs, verdicts and text.
 
-`build_plan` runs the stages before it (trace, size check, logical rewrite) and returns a
-frozen `Plan`; nothing changes a plan afterwards. The slow path (reshaping impossible) asks
-`Plan.program_at(bucket)` for a new per-bucket program instead of writing into the plan.
+A `Plan` is a chain of `Segment`s run one after another: one segment for a plain function;
+several when a data-dependent op cuts it (`px.compact(..., length=K)`, see `_planner`). Each
+segment is one symbolic program with its own `Convention`. A plan whose function could not be
+traced size-independently keeps the function and its one segment has no program: each bucket
+retraces it. A plan read from a file is the same type without the function. Nothing changes a
+plan once made.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal
 
 import jax
+import numpy as np
 
-from . import _logical, _serialize
-from ._bind import Signature
-from ._errors import PolymorphismError, SpecError
+from . import _serialize
+from ._convention import Convention
+from ._errors import PolyexecError, PolymorphismError, SpecError
 from ._spec import LengthVar
-from ._trace import (Failed, TraceCounter, Traced, evaluate_shape, export_flat, export_symbolic,
-                     input_avals, trace_at, walk, where)
+from ._trace import TraceCounter, evaluate_shape, trace_at, walk, where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,31 +35,160 @@ class Intermediate:
     segment: int = 0          # which program of a partitioned plan (px.compact(..., length=K))
 
 
-class PlanLike(Protocol):
-    """What `Plan` and `PartitionedPlan` share: the executor and users need only this."""
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a plan can guarantee, each failure naming the user's line.
 
-    name: str
-    variables: tuple[LengthVar, ...]
+    ``reshaping``: why there is no size-independent program (each bucket retraces the
+    function), None when there is one; ``padding``: why padding may change a result (an
+    operation over a length axis without a logical-length rule), None when it cannot;
+    ``split_sizes``: sizes that must be bucket boundaries for the per-bucket retrace to branch
+    as the exact size does (from undecidable ``T == c`` comparisons)."""
+
+    reshaping: str | None = None
+    padding: str | None = None
+    split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def text(self, variables: Sequence[LengthVar]) -> str:
+        if self.reshaping:
+            return f"RESHAPING IMPOSSIBLE — {self.reshaping}"
+        var_text = ", ".join(f"{v.name} in [{v.min}, {v.max}]" for v in variables)
+        padding = ("padding-safe: every operation computes over the real lengths"
+                   if self.padding is None else f"NOT PADDING-SAFE — {self.padding}")
+        return (f"size-independent, traced once over {var_text or 'no length variables'}; "
+                f"{padding}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CutPoint:
+    """Where a segment ends: the partition point that defines ``var``.
+
+    ``shapes`` are the handed-over values' shapes in the cutting segment (the cut axis has the
+    upper bound there); the next segments receive them with ``var`` along ``axes``."""
+
+    index: int
+    var: LengthVar
+    where: str
+    treedef: Any
+    axes: tuple[int | None, ...]
+    fills: tuple[Any, ...]
+    shapes: tuple[tuple[Any, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+
+    def handed(self) -> list[tuple[str, tuple[Any, ...], np.dtype]]:
+        """(path, dims, dtype) of each value as a later segment's input: ``var`` on the cut axis."""
+        return [(f"cut {self.var.name}: values[{i}]",
+                 tuple(self.var.name if a == axis else d for a, d in enumerate(shape)), dtype)
+                for i, (shape, dtype, axis) in enumerate(zip(self.shapes, self.dtypes, self.axes))]
+
+    def describe(self) -> str:
+        return f"{self.where}: defines {self.var.name} in [{self.var.min}, {self.var.max}] = count"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segment:
+    """One program of a plan: exported once, compiled once per bucket of its live variables.
+
+    ``cut`` is the partition point it stops at (None for the last segment); ``inputs_from``
+    the earlier points whose values it takes as extra inputs; ``count_names`` the variables it
+    defines in-program (``partition=False``) and returns counts of, after its outputs.
+    ``exported``/``jaxpr`` are None when reshaping is impossible (the program is retraced per
+    bucket).
+
+    ``live_variables`` are those some shape of the live program depends on: it is compiled
+    once per bucket combination of these alone. The dead ones (typically the input lengths in
+    a segment that only reads what a cut handed over) are pinned at their minimum and their
+    inputs fed placeholders. Without this, the segment after a filter would compile once per
+    (input bucket, kept bucket) pair instead of once per kept bucket.
+    """
+
+    index: int
+    convention: Convention
+    exported: Any
+    jaxpr: Any
+    out_tree: Any
+    out_paths: tuple[str, ...]
+    padding_reason: str | None
+    live_variables: tuple[LengthVar, ...]
+    live_inputs: tuple[bool, ...]
+    cut: CutPoint | None = None
+    inputs_from: tuple[CutPoint, ...] = ()
+    count_names: tuple[str, ...] = ()
 
     @property
-    def segments(self) -> tuple[Any, ...]: ...
-    def shapes(self, **sizes: int) -> list[Intermediate]: ...
-    def describe(self) -> str: ...
+    def variables(self) -> tuple[LengthVar, ...]:
+        return self.convention.variables
+
+    @property
+    def input_paths(self) -> tuple[str, ...]:
+        return self.convention.paths
+
+    @property
+    def pinned(self) -> dict[str, int]:
+        live = {v.name for v in self.live_variables}
+        return {v.name: v.min for v in self.variables if v.name not in live}
+
+    @property
+    def can_donate(self) -> bool:
+        # Every segment but the last is followed by one that reads the same inputs again.
+        return self.cut is None
+
+    def bucket_avals(self, bucket: Mapping[str, int]) -> list[jax.ShapeDtypeStruct]:
+        """The program's input avals at one bucket (what each bucket is compiled for)."""
+        env = {**self.pinned, **{v.name: int(bucket[v.name]) for v in self.live_variables}}
+        if self.exported is None:
+            return self.convention.avals(env)
+        return [jax.ShapeDtypeStruct(evaluate_shape(a.shape, env), a.dtype)
+                for a in self.exported.in_avals]
+
+    def feed(self, flat: Sequence[Any], bucket: Mapping[str, int]) -> list[Any]:
+        """``flat`` with zeros standing in for the inputs this segment never reads (so a dead
+        input's bucket does not make it compile again)."""
+        if all(self.live_inputs):
+            return list(flat)
+        avals = self.bucket_avals(bucket)
+        return [x if live or tuple(np.shape(x)) == a.shape else np.zeros(a.shape, a.dtype)
+                for x, live, a in zip(flat, self.live_inputs, avals)]
+
+    def shapes(self, env: Mapping[str, int]) -> list[Intermediate]:
+        local = {v.name: env[v.name] for v in self.variables}
+        avals = self.exported.in_avals if self.exported is not None else [
+            v.aval for v in self.jaxpr.jaxpr.invars]
+        out = [Intermediate(-1, "input", path, (evaluate_shape(aval.shape, local),), self.index)
+               for path, aval in zip(self.input_paths, avals)]
+        for i, eqn in enumerate(walk(self.jaxpr.jaxpr)):
+            out.append(Intermediate(i, eqn.primitive.name, where(eqn),
+                                    tuple(evaluate_shape(v.aval.shape, local) for v in eqn.outvars),
+                                    self.index))
+        return out
+
+    def describe(self, indent: str) -> list[str]:
+        lines = [f"{indent}inputs:"]
+        for path, aval, live in zip(self.input_paths, self.exported.in_avals, self.live_inputs):
+            lines.append(f"{indent}  {path:<30} {fmt_shape(aval)}{'' if live else '   (unused)'}")
+        if self.jaxpr is not None:
+            lines.append(f"{indent}program:")
+            for i, eqn in enumerate(walk(self.jaxpr.jaxpr)):
+                shapes = " ".join(fmt_shape(v.aval) for v in eqn.outvars)
+                lines.append(f"{indent}  {i:>4} {eqn.primitive.name:<22} {shapes:<24} {where(eqn)}")
+        if self.cut is not None:
+            lines.append(f"{indent}CUT at {self.cut.describe()}")
+        lines.append(f"{indent}outputs:")
+        for path, aval in zip(self.out_paths, self.exported.out_avals):
+            lines.append(f"{indent}  {'out' + path if self.cut is None else path:<30} "
+                         f"{fmt_shape(aval)}")
+        return lines
+
+    def __repr__(self) -> str:
+        end = f"cut at {self.cut.var.name}" if self.cut else "final"
+        return (f"<Segment {self.index}: {end}, variables "
+                f"{[v.name for v in self.live_variables]}>")
 
 
 def fmt_shape(aval) -> str:
     dims = ",".join(str(d) for d in getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", None)
     return f"{dtype.name if dtype is not None else '?'}[{dims}]"
-
-
-def program_lines(jaxpr, indent: str) -> list[str]:
-    """One line per equation of a (symbolic) program: index, primitive, shapes, user line."""
-    lines = []
-    for i, eqn in enumerate(walk(jaxpr.jaxpr)):
-        shapes = " ".join(fmt_shape(v.aval) for v in eqn.outvars)
-        lines.append(f"{indent}{i:>4} {eqn.primitive.name:<22} {shapes:<24} {where(eqn)}")
-    return lines
 
 
 def check_sizes_in(variables: Sequence[LengthVar], sizes: Mapping[str, int], what: str,
@@ -77,130 +209,144 @@ def check_sizes_in(variables: Sequence[LengthVar], sizes: Mapping[str, int], wha
     return {k: int(v) for k, v in sizes.items()}
 
 
+Mode = Literal["single", "partition", "bounded"]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """A function traced once over symbolic lengths, ready to be compiled per bucket.
 
-    ``jaxpr`` is the size-independent program as traced (None when reshaping is impossible);
-    ``exported`` the `jax.export.Exported` every bucket is compiled from — the logical rewrite
-    of ``jaxpr`` when ``padding_safe``. Two verdicts, each naming the user's line:
-    ``reshaping_is_impossible`` / ``reason`` (no size-independent program: the function is
-    retraced per bucket) and ``padding_safe`` / ``padding_reason`` (an operation over a length
-    axis has no logical-length rule, so padding could change its result).
+    ``segments`` are the programs a call runs one after another: one for a plain function,
+    several when a data-dependent op (``px.compact(..., length=K)``) cuts it (``dynamic`` are
+    the variables such ops define; ``mode`` says how: ``"partition"`` re-buckets after each
+    cut, ``"bounded"`` (``partition=False``) runs one program at the upper bound). ``jaxpr`` is
+    the size-independent program as traced and ``exported`` the `jax.export.Exported` every
+    bucket is compiled from -- the logical rewrite of ``jaxpr`` when ``padding_safe`` (the
+    first segment's; None when reshaping is impossible). The `Verdict` says what the plan can
+    guarantee: ``reshaping_is_impossible`` / ``reason`` (no size-independent program: the
+    function is retraced per bucket) and ``padding_safe`` / ``padding_reason``, each naming the
+    user's line.
 
     >>> import jax.numpy as jnp, polyexec as px
     >>> T = px.LengthVar("T", min=2, max=64)
     >>> plan = px.trace(lambda x: jnp.cumsum(x[:-1]), px.Spec("T", jnp.float32))
-    >>> plan.reshaping_is_impossible, plan.padding_safe
-    (False, True)
+    >>> plan.reshaping_is_impossible, plan.padding_safe, len(plan.segments)
+    (False, True, 1)
     >>> plan.shapes(T=10)[-1].shapes
     ((9,),)
     """
 
     name: str
-    variables: tuple[LengthVar, ...]     # whose real sizes the program takes, in input order
-    input_paths: tuple[str, ...]
-    input_specs: tuple[Any, ...]         # per flat input: Spec, or (shape, dtype) if fixed
-    signature: Signature | None = None   # None for a plan loaded from a file
-    exported: Any = None
-    jaxpr: Any = None
-    out_tree: Any = None
-    out_paths: tuple[str, ...] = ()
-    reason: str | None = None
-    padding_reason: str | None = None
-    constants: tuple[Any, ...] | None = None
-    # Sizes that must be bucket boundaries for the slow path to branch as the exact size does.
-    split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    fn: Callable | None = dataclasses.field(default=None, repr=False)   # for the slow path
+    variables: tuple[LengthVar, ...]          # bound by the inputs' shapes, in input order
+    segments: tuple[Segment, ...]
+    verdict: Verdict
+    mode: Mode = "single"
+    dynamic: tuple[LengthVar, ...] = ()       # defined by data-dependent ops
+    constants: tuple[Any, ...] | None = None  # the non-Spec arrays px.trace saw (Plan.save)
+    fn: Callable | None = dataclasses.field(default=None, repr=False)   # None: loaded
+
+    # -- the verdict ----------------------------------------------------------------------------
+
+    reason = property(lambda self: self.verdict.reshaping)
+    reshaping_is_impossible = property(lambda self: self.verdict.reshaping is not None)
+    padding_reason = property(lambda self: self.verdict.padding)
+    padding_safe = property(lambda self: self.verdict.padding is None)
+    split_sizes = property(lambda self: self.verdict.split_sizes)
+
+    # -- the first program and the last one's outputs ---------------------------------------------
+
+    exported = property(lambda self: self.segments[0].exported)
+    jaxpr = property(lambda self: self.segments[0].jaxpr)
+    input_paths = property(lambda self: self.segments[0].convention.paths)
+    input_specs = property(lambda self: self.segments[0].convention.input_specs)
+    out_tree = property(lambda self: self.segments[-1].out_tree)
+    out_paths = property(lambda self: self.segments[-1].out_paths[
+        :len(self.segments[-1].out_paths) - len(self.segments[-1].count_names)])
 
     @property
-    def reshaping_is_impossible(self) -> bool:
-        return self.reason is not None
+    def all_variables(self) -> tuple[LengthVar, ...]:
+        return tuple(self.variables) + tuple(self.dynamic)
 
-    @property
-    def padding_safe(self) -> bool:
-        return self.padding_reason is None
-
-    @property
-    def segments(self) -> tuple["Plan", ...]:
-        """The programs a call runs one after another: this plan alone (see `PartitionedPlan`)."""
-        return (self,)
-
-    @property
-    def live_variables(self) -> tuple[LengthVar, ...]:
-        return self.variables
-
-    can_donate = True
-
-    def bucket_avals(self, bucket: Mapping[str, int]):
-        """The flat program's input avals at one bucket (what each bucket is compiled for)."""
-        if self.exported is None:
-            return input_avals(self.signature, self.variables, bucket)
-        return [jax.ShapeDtypeStruct(evaluate_shape(a.shape, bucket), a.dtype)
-                for a in self.exported.in_avals]
-
-    def program_at(self, bucket: Mapping[str, int], counter: TraceCounter) -> tuple[Callable, list]:
-        """The program to compile for one bucket: the exported one, or (slow path) the user
-        function retraced at the bucket's sizes; the list receives (out_tree, out_paths)."""
-        if self.exported is not None:
-            return self.exported.call, [self.out_tree, self.out_paths]
+    def program_at(self, segment: Segment, bucket: Mapping[str, int],
+                   counter: TraceCounter) -> tuple[Callable, list]:
+        """The program to compile for one segment at one bucket: its exported one, or (slow
+        path) the function retraced at the bucket's sizes; the list receives (out_tree,
+        out_paths)."""
+        if segment.exported is not None:
+            return segment.exported.call, [segment.out_tree, segment.out_paths]
         if self.fn is None:
             raise PolymorphismError(self.reason or f"plan {self.name} holds no program")
-        return trace_at(self.fn, self.signature, self.variables, bucket, counter)
+        return trace_at(self.fn, segment.convention, bucket, counter)
+
+    def _env(self, sizes: Mapping[str, int], what: str) -> dict[str, int]:
+        if self.segments[0].jaxpr is None:
+            raise PolymorphismError(self.reason or "this plan holds no symbolic program")
+        needed = list({v.name: v for s in self.segments for v in s.variables}.values())
+        return check_sizes_in(needed, sizes, f"{self.name}: {what}", optional=self.dynamic)
 
     def shapes(self, **sizes: int) -> list[Intermediate]:
-        """Every intermediate's shape at these sizes, computed from the symbolic program alone
-        (no compiling, no running): inputs first (index -1), then each equation's outputs."""
-        if self.jaxpr is None:
-            raise PolymorphismError(self.reason or "this plan holds no symbolic program")
-        env = check_sizes_in(self.variables, sizes, f"{self.name}: shapes()")
-        out = [Intermediate(-1, "input", path, (evaluate_shape(v.aval.shape, env),))
-               for path, v in zip(self.input_paths, self.jaxpr.jaxpr.invars)]
-        for i, eqn in enumerate(walk(self.jaxpr.jaxpr)):
-            shapes = tuple(evaluate_shape(v.aval.shape, env) for v in eqn.outvars)
-            out.append(Intermediate(i, eqn.primitive.name, where(eqn), shapes))
-        return out
+        """Every intermediate's shape at these sizes -- data-dependent sizes included, e.g.
+        ``shapes(T=100, K=7)`` -- computed from the symbolic programs alone (no compiling, no
+        running): per segment (`Intermediate.segment`), its inputs (index -1), then each
+        equation's outputs."""
+        env = self._env(sizes, "shapes()")
+        return [item for seg in self.segments for item in seg.shapes(env)]
 
     def output_shapes(self, **sizes: int) -> list[tuple[int, ...]]:
-        env = check_sizes_in(self.variables, sizes, f"{self.name}: output_shapes()")
-        return [evaluate_shape(a.shape, env) for a in self.exported.out_avals]
-
-    def verdict(self) -> str:
-        var_text = ", ".join(f"{v.name} in [{v.min}, {v.max}]" for v in self.variables)
-        if self.reason:
-            return f"RESHAPING IMPOSSIBLE — {self.reason}"
-        padding = ("padding-safe: every operation computes over the real lengths"
-                   if self.padding_safe else f"NOT PADDING-SAFE — {self.padding_reason}")
-        return (f"size-independent, traced once over {var_text or 'no length variables'}; "
-                f"{padding}")
+        env = self._env(sizes, "output_shapes()")
+        final = self.segments[-1]
+        local = {v.name: env[v.name] for v in final.variables}
+        return [evaluate_shape(a.shape, local) for a in final.exported.out_avals][:len(self.out_paths)]
 
     def describe(self) -> str:
-        """The program with symbolic shapes, one line per equation, and both verdicts."""
-        lines = [f"Plan {self.name}: {self.verdict()}"]
-        if self.exported is None:
+        """The program(s) with symbolic shapes, one line per equation, and both verdicts; a
+        partitioned plan lists each segment and the user line it is cut at."""
+        inputs = ", ".join(f"{v.name} in [{v.min}, {v.max}]" for v in self.variables)
+        data = ", ".join(f"{v.name} in [{v.min}, {v.max}]" for v in self.dynamic)
+        padding = ("; padding-safe" if self.padding_safe else
+                   f"; NOT PADDING-SAFE — {self.padding_reason}")
+        if self.mode == "single":
+            lines = [f"Plan {self.name}: {self.verdict.text(self.variables)}"]
+            if self.exported is not None:
+                lines += self.segments[0].describe(indent="")
             return "\n".join(lines)
-        lines.append("inputs:")
-        for path, aval in zip(self.input_paths, self.exported.in_avals):
-            lines.append(f"  {path:<28} {fmt_shape(aval)}")
-        if self.jaxpr is not None:
-            lines.append("program:")
-            lines += program_lines(self.jaxpr, indent="  ")
-        lines.append("outputs:")
-        for path, aval in zip(self.out_paths, self.exported.out_avals):
-            lines.append(f"  out{path:<25} {fmt_shape(aval)}")
+        if self.mode == "bounded":
+            head = (f"Plan {self.name}: bounded (partition=False), one program traced once over "
+                    f"{inputs or 'no length variables'}; data-dependent {data} defined in-program, "
+                    f"computed at the upper bound")
+        else:
+            head = (f"Plan {self.name}: partitioned into {len(self.segments)} segments at "
+                    f"{len(self.segments) - 1} data-dependent op(s), each traced once over "
+                    f"symbolic sizes ({inputs or 'no input lengths'}; from data: {data})")
+        lines = [head + padding]
+        for seg in self.segments:
+            names = ", ".join(v.name for v in seg.live_variables) or "no length variables"
+            dead = list(seg.pinned)
+            lines.append(f"segment {seg.index}: compiled per bucket of {names}"
+                         + ("" if seg.index == 0 else
+                            f"; runs at the smallest bucket of {seg.inputs_from[-1].var.name} "
+                            f"holding its count")
+                         + (f"; does not depend on {', '.join(dead)}" if dead else ""))
+            lines += seg.describe(indent="  ")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         verdict = "reshaping impossible" if self.reason else "size-independent"
         padding = "" if self.reason or self.padding_safe else ", not padding-safe"
-        return (f"<Plan {self.name}: {verdict}{padding}, variables "
-                f"{[v.name for v in self.variables]}>")
+        parts = f", {len(self.segments)} segments" if len(self.segments) > 1 else ""
+        dynamic = f", from data {[v.name for v in self.dynamic]}" if self.dynamic else ""
+        return (f"<Plan {self.name}: {verdict}{padding}{parts}, variables "
+                f"{[v.name for v in self.variables]}{dynamic}>")
 
     def save(self, path) -> None:
         """Write the exported program (and constants, if any) to ``path``; see `Plan.load`."""
         if self.exported is None:
             raise PolymorphismError(f"cannot save plan {self.name}: reshaping is impossible, so "
                                     f"there is no size-independent program ({self.reason})")
+        if self.mode != "single":
+            raise PolyexecError(f"cannot save plan {self.name}: saving a plan with data-dependent "
+                                f"sizes ({len(self.segments)} segment(s), {self.mode}) is not "
+                                f"supported; save a function without length= instead")
         _serialize.save(path, name=self.name, exported=self.exported,
                         variables=self.variables, input_paths=self.input_paths,
                         input_specs=self.input_specs, out_paths=self.out_paths,
@@ -213,47 +359,17 @@ class Plan:
         inputs (and, unless the plan was saved with its constants, the fixed arrays first, in
         flattened order)."""
         fields = _serialize.load(path)
-        out_tree = jax.tree_util.tree_structure(tuple(range(len(fields["exported"].out_avals))))
-        return Plan(out_tree=out_tree, **fields)
-
-
-def logical_export(traced: Traced, names: Sequence[str], masking: bool) -> tuple[Any, str | None]:
-    """Stage 4 applied to one traced program: ``(exported, padding_reason)``. The exported
-    program is the logical rewrite, or the traced program with the reason it is not one."""
-    if not masking:
-        return traced.exported, "masking=False: the program runs over the padded sizes as written"
-    if not names:
-        return traced.exported, None
-    try:
-        logical = _logical.rewrite(traced.jaxpr, names)
-        if not logical.unsupported:
-            exported, _ = export_flat(logical.fn, traced.avals)
-            return exported, None
-    except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
-        culprit = getattr(e, "equation", None)
-        at = f"{where(culprit)}: {culprit.primitive.name}: " if culprit is not None else ""
-        return traced.exported, (f"{at}the logical rewrite failed ({type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
-    first = logical.unsupported[0]
-    more = len(logical.unsupported) - 1
-    return traced.exported, (f"{first.where}: {first.primitive}: {first.detail}"
-                             + (f" (and {more} more)" if more else ""))
-
-
-def build_plan(fn: Callable, signature: Signature, variables: Sequence[LengthVar],
-               counter: TraceCounter, *, name: str, masking: bool = True) -> Plan:
-    """Trace ``fn`` once and rewrite it to logical lengths: the `Plan`."""
-    names = [v.name for v in variables]
-    common = dict(name=name, variables=tuple(variables), signature=signature,
-                  input_paths=tuple(signature.leaf_paths("array") + signature.leaf_paths("poly")
-                                    + [f"valid_length({n})" for n in names]),
-                  input_specs=tuple(list(signature.array_avals) + [s for s, _ in signature.poly]),
-                  fn=fn)
-    traced = export_symbolic(fn, signature, variables, counter)
-    if isinstance(traced, Failed):
-        return Plan(reason=traced.reason, split_sizes=traced.split_sizes,
-                    padding_reason="reshaping is impossible: each bucket runs the function as "
-                                   "retraced at the bucket's sizes", **common)
-    exported, padding_reason = logical_export(traced, names, masking)
-    return Plan(exported=exported, jaxpr=traced.jaxpr, out_tree=traced.out_tree,
-                out_paths=traced.out_paths, padding_reason=padding_reason, **common)
+        exported = fields["exported"]
+        n_out = len(exported.out_avals)
+        # Without the Python code the outputs have no structure: one array, or a tuple.
+        out_tree = jax.tree_util.tree_structure(0 if n_out == 1 else tuple(range(n_out)))
+        convention = Convention.stored(fields["input_specs"], fields["input_paths"],
+                                       fields["variables"])
+        segment = Segment(index=0, convention=convention, exported=exported, jaxpr=None,
+                          out_tree=out_tree, out_paths=fields["out_paths"],
+                          padding_reason=fields["padding_reason"],
+                          live_variables=fields["variables"],
+                          live_inputs=(True,) * len(convention.slots))
+        return Plan(name=fields["name"], variables=fields["variables"], segments=(segment,),
+                    verdict=Verdict(padding=fields["padding_reason"]),
+                    constants=fields["constants"])

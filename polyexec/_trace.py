@@ -2,8 +2,8 @@
 
 Pure functions, no executor: `export_symbolic` returns the `Traced` program or the reason it
 cannot be size-independent (naming the user's line); `trace_at` is the slow path, one trace at
-concrete bucket sizes. Both go through `flat_program`, the user function as a function of flat
-arrays ``[array leaves..., Spec'd leaves..., real size of each variable...]``.
+concrete bucket sizes. Both go through `flat_program`, the user function as a function of the
+flat arrays its `Convention` orders.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from jax import export
 from jax._src import source_info_util
 from jax._src.export import shape_poly
 
-from ._bind import Signature
 from ._context import ConcreteSizeRequested, binding, describe_frame, is_library, user_frame
+from ._convention import Convention
 from ._errors import PolyexecError
-from ._spec import LengthVar, symbolic_dims
+from ._spec import symbolic_dims
 
 # Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
 # `int(T)`/`range(T)` (TypeError), `if T > 10` (InconclusiveDimensionOperation), broadcasting
@@ -68,20 +68,20 @@ class Traced:
     avals: tuple[Any, ...]       # the symbolic input avals: their scope is the program's
 
 
-def flat_program(fn: Callable, signature: Signature, var_names: Sequence[str],
-                 bucket: Mapping[str, int] | None, counter: TraceCounter, out_cell: list):
-    """``fn`` as a function of flat arrays: [array leaves..., poly leaves..., real sizes...].
-    Each trace writes ``(out_tree, out_paths)`` into ``out_cell``."""
-    n_arrays = len(signature.array_avals)
-    n_poly = len(signature.poly)
+def flat_program(fn: Callable, convention: Convention, bucket: Mapping[str, int] | None,
+                 counter: TraceCounter, out_cell: list,
+                 inject: Callable[[list], None] | None = None):
+    """``fn`` as a function of its convention's flat arrays. Values handed across a cut go to
+    ``inject`` (the partition context) before ``fn`` runs. Each trace writes
+    ``(out_tree, out_paths)`` into ``out_cell``."""
 
     def run(*flat):
         counter.bump()
-        arrays, poly, valid = flat[:n_arrays], flat[n_arrays:n_arrays + n_poly], flat[n_arrays + n_poly:]
-        sources = {"array": iter(arrays), "poly": iter(poly), "static": iter(signature.statics)}
-        leaves = [next(sources[kind]) for kind in signature.kinds]
-        args = jax.tree_util.tree_unflatten(signature.treedef, leaves)
-        with binding(dict(zip(var_names, valid)), bucket):
+        parts = convention.split(flat)
+        if inject is not None:
+            inject(parts.handed)
+        args = convention.signature.unflatten(parts.arrays, parts.poly)
+        with binding(parts.sizes, bucket):
             out = fn(*args)
         keyed, out_tree = jax.tree_util.tree_flatten_with_path(out)
         leaves = []
@@ -97,16 +97,6 @@ def flat_program(fn: Callable, signature: Signature, var_names: Sequence[str],
 
     run.__name__ = getattr(fn, "__name__", "fn")
     return run
-
-
-def input_avals(signature: Signature, variables: Sequence[LengthVar], sizes: Mapping[str, Any]):
-    """Avals of the flat program's inputs; ``sizes`` maps names to ints or symbolic dims."""
-    avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in signature.array_avals]
-    for spec, dtype in signature.poly:
-        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.dims)
-        avals.append(jax.ShapeDtypeStruct(shape, dtype))
-    avals += [jax.ShapeDtypeStruct((), np.int32) for _ in variables]
-    return avals
 
 
 # -- reading a jaxpr --------------------------------------------------------------------------
@@ -146,12 +136,13 @@ def evaluate_shape(shape, env: Mapping[str, int]) -> tuple[int, ...]:
 
 # JAX answers a symbolic `==` it cannot decide with False (`__eq__` may not raise: hashing uses
 # it), so `if x.shape[0] == 20:` silently takes the `else` branch for every size. While
-# polyexec traces, user-code comparisons go through `_probe_eq`, which records the undecided
-# ones; the plan is then reshaping-impossible with the line named.
-_PROBE = threading.local()
-_PROBE_LOCK = threading.Lock()
-_PROBE_DEPTH = 0
-_ORIGINAL_EQ = shape_poly._DimExpr.__eq__
+# polyexec traces, a profile function on the tracing thread alone (`sys.setprofile` is
+# per-thread) sees each `_DimExpr.__eq__` return; undecided comparisons made by user code are
+# recorded and the plan becomes reshaping-impossible with the line named. Nothing of JAX is
+# replaced: other threads, and JAX's own comparisons (its caches compare keys holding
+# dimensions), never see or make a verdict.
+_DIM_EQ = shape_poly._DimExpr.__eq__.__code__
+_DIM_NE = shape_poly._DimExpr.__ne__.__code__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,50 +163,59 @@ def _undecided(diff) -> bool:
     return True
 
 
-def _probe_eq(self, other):
-    result = _ORIGINAL_EQ(self, other)
-    records = getattr(_PROBE, "records", None)
-    if result or records is None:
-        return result
-    caller = sys._getframe(1)
-    if caller.f_code.co_name == "__ne__" and is_library(caller.f_code.co_filename):
+def _comparing_frame(frame):
+    """The frame that made the comparison: past `!=` (JAX's `__ne__` calls `__eq__`) and past
+    generated dunder methods (a dataclass key's `__eq__`, file ``<string>``), whose caller is
+    the one comparing."""
+    caller = frame.f_back
+    if caller is not None and caller.f_code is _DIM_NE:
         caller = caller.f_back
-    if is_library(caller.f_code.co_filename):
-        return result   # JAX's own comparisons (caches, shape rules) are not the user's branch
-    if isinstance(other, shape_poly._DimExpr) and self.scope is not other.scope:
-        return result
-    if not isinstance(other, shape_poly._DimExpr) and not isinstance(other, (int, np.integer)):
-        return result
+    while (caller is not None and caller.f_code.co_filename.startswith("<")
+           and caller.f_code.co_name.startswith("__") and caller.f_code.co_name.endswith("__")):
+        caller = caller.f_back
+    return caller
+
+
+def _record_comparison(frame, records: list) -> None:
+    caller = _comparing_frame(frame)
+    if caller is None or is_library(caller.f_code.co_filename):
+        return   # JAX's own comparisons (caches, shape rules) are not the user's branch
+    self, other = frame.f_locals.get("self"), frame.f_locals.get("other")
+    if isinstance(other, shape_poly._DimExpr):
+        if self.scope is not other.scope:
+            return
+    elif not isinstance(other, (int, np.integer)):
+        return
     diff = self - other
     if not export.is_symbolic_dim(diff) or not _undecided(diff):
-        return result
+        return
     line = linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()
-    text = f"{self} == {other}"
-    single = [str(self)] if re.fullmatch(r"[A-Za-z_]\w*", str(self)) else []
+    single = re.fullmatch(r"[A-Za-z_]\w*", str(self)) and isinstance(other, (int, np.integer))
     records.append(Comparison(
-        f"{caller.f_code.co_filename}:{caller.f_lineno}" + (f": `{line}`" if line else ""), text,
-        single[0] if single and isinstance(other, (int, np.integer)) else None,
-        int(other) if single and isinstance(other, (int, np.integer)) else None))
-    return result
+        f"{caller.f_code.co_filename}:{caller.f_lineno}" + (f": `{line}`" if line else ""),
+        f"{self} == {other}", str(self) if single else None, int(other) if single else None))
 
 
 @contextlib.contextmanager
 def _comparisons_recorded(records: list) -> Iterator[None]:
-    global _PROBE_DEPTH
-    with _PROBE_LOCK:
-        if _PROBE_DEPTH == 0:
-            shape_poly._DimExpr.__eq__ = _probe_eq
-        _PROBE_DEPTH += 1
-    previous = getattr(_PROBE, "records", None)
-    _PROBE.records = records
+    previous = sys.getprofile()
+    if previous is not None and not callable(previous):
+        # A C-level profiler (cProfile) cannot be chained from Python: leave it in charge.
+        # Comparisons then go unrecorded; the two-size check (check_sizes) still applies.
+        yield
+        return
+
+    def profile(frame, event, arg):
+        if event == "return" and arg is False and frame.f_code is _DIM_EQ:
+            _record_comparison(frame, records)
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(profile)
     try:
         yield
     finally:
-        _PROBE.records = previous
-        with _PROBE_LOCK:
-            _PROBE_DEPTH -= 1
-            if _PROBE_DEPTH == 0:
-                shape_poly._DimExpr.__eq__ = _ORIGINAL_EQ
+        sys.setprofile(previous)
 
 
 # -- the symbolic trace -------------------------------------------------------------------------
@@ -231,14 +231,16 @@ class Failed:
     split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
-def export_symbolic(fn: Callable, signature: Signature, variables: Sequence[LengthVar],
-                    counter: TraceCounter) -> Traced | Failed:
-    """The one symbolic trace of ``fn``; see `export_program`."""
+def export_symbolic(fn: Callable, convention: Convention, counter: TraceCounter,
+                    inject: Callable[[list], None] | None = None) -> Traced | Failed:
+    """The one symbolic trace of ``fn`` over its convention's inputs; see `export_program`."""
     cell: list = []
-    run = flat_program(fn, signature, [v.name for v in variables], None, counter, cell)
-    avals = input_avals(signature, variables, symbolic_dims(variables))
-    return export_program(run, avals, [v.name for v in variables], cell,
-                          {v.name: v.max for v in variables})
+    run = flat_program(fn, convention, None, counter, cell, inject)
+    variables = convention.variables
+    avals = convention.avals(symbolic_dims(variables))
+    # Handed values have no concrete stand-in: a failure there is judged by its message alone.
+    concrete = None if convention.count("handed") else {v.name: v.max for v in variables}
+    return export_program(run, avals, [v.name for v in variables], cell, concrete)
 
 
 def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cell: list,
@@ -349,27 +351,28 @@ def export_flat(run: Callable, avals: Sequence[Any]) -> tuple[Any, Any]:
 # -- concrete traces ----------------------------------------------------------------------------
 
 
-def trace_at(fn: Callable, signature: Signature, variables: Sequence[LengthVar],
-             sizes: Mapping[str, int], counter: TraceCounter) -> tuple[Callable, list]:
+def trace_at(fn: Callable, convention: Convention, sizes: Mapping[str, int],
+             counter: TraceCounter) -> tuple[Callable, list]:
     """The slow path's program at concrete sizes: ``(flat program, out cell)``; the cell holds
     ``(out_tree, out_paths)`` once the program has been traced."""
     cell: list = []
-    return flat_program(fn, signature, [v.name for v in variables], dict(sizes), counter, cell), cell
+    return flat_program(fn, convention, dict(sizes), counter, cell), cell
 
 
-def concrete_jaxpr(fn, signature, variables, sizes, counter):
-    run, cell = trace_at(fn, signature, variables, sizes, counter)
-    jaxpr = jax.jit(run).trace(*input_avals(signature, variables, sizes)).jaxpr
+def concrete_jaxpr(fn, convention: Convention, sizes: Mapping[str, int], counter: TraceCounter):
+    run, cell = trace_at(fn, convention, sizes, counter)
+    jaxpr = jax.jit(run).trace(*convention.avals(sizes)).jaxpr
     return jaxpr, cell
 
 
-def size_dependence(fn: Callable, signature: Signature, variables: Sequence[LengthVar],
-                    out_avals: Sequence[Any], out_paths: Sequence[str], counter: TraceCounter,
+def size_dependence(fn: Callable, convention: Convention, out_avals: Sequence[Any],
+                    out_paths: Sequence[str], counter: TraceCounter,
                     bucket_sizes: Mapping[str, Sequence[int]]) -> str | None:
     """Trace at two concrete sizes and compare: the outputs must have the shapes the symbolic
     program predicts, and the two programs must be the same sequence of operations. Returns
     the reason when they differ: code that branches on a size (``if T > 1000``) although the
     symbolic trace passed."""
+    variables = convention.variables
     names = [v.name for v in variables]
     # Not the very smallest bucket: JAX special-cases dims of size 1 (a `T - 1` axis at T=2
     # turns take_along_axis's gather into a reshape), which would flag every `x[:, :-1]` model.
@@ -379,7 +382,7 @@ def size_dependence(fn: Callable, signature: Signature, variables: Sequence[Leng
     large = {n: bucket_sizes[n][-1] for n in names}
     programs = []
     for sizes in (small, large):
-        jaxpr, _ = concrete_jaxpr(fn, signature, variables, sizes, counter)
+        jaxpr, _ = concrete_jaxpr(fn, convention, sizes, counter)
         predicted = [evaluate_shape(a.shape, sizes) for a in out_avals]
         for path, shape, var in zip(out_paths, predicted, jaxpr.jaxpr.outvars):
             actual = tuple(var.aval.shape)

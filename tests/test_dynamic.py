@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jax import export
 
 import polyexec as px
-from polyexec import _context, _dynamic, _ops, _segments
+from polyexec import _context, _dynamic, _ops, _planner
 
 # -- compact ------------------------------------------------------------------------------------
 
@@ -283,7 +283,7 @@ def test_valid_length_is_the_real_size_in_a_bucketed_function():
     assert f.traces == 1 and f.stats.compiles == 2
 
 
-@pytest.mark.parametrize("module", [_dynamic, _segments, _ops, _context],
+@pytest.mark.parametrize("module", [_dynamic, _planner, _ops, _context],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

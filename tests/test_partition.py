@@ -188,7 +188,7 @@ def test_nonzero_partition_point():
 
 def test_describe_and_shapes_cover_every_segment():
     plan = px.trace(filter_then_project, px.Spec("Tp 3", jnp.float32), W_IN, np.array(0, np.float32))
-    assert isinstance(plan, px.PartitionedPlan) and len(plan.segments) == 2
+    assert isinstance(plan, px.Plan) and plan.mode == "partition" and len(plan.segments) == 2
     text = plan.describe()
     assert "CUT at" in text and "px.compact(x, real & (x[:, 0] > threshold), length=K)" in text
     assert "segment 0" in text and "segment 1" in text and "float32[Kp,5]" in text
@@ -207,8 +207,8 @@ def test_describe_and_shapes_cover_every_segment():
 def test_a_plain_function_is_still_one_program():
     f = px.bucketed(lambda x: x * 2, in_specs=(px.Spec("Tp", jnp.float32),), out_specs=px.Spec("Tp"))
     f(np.ones(3, np.float32))
-    assert not isinstance(f.plan, px.PartitionedPlan)
-    assert f.plan.segments == (f.plan,)
+    assert f.plan.mode == "single" and not f.plan.dynamic
+    assert len(f.plan.segments) == 1 and f.plan.segments[0].exported is f.plan.exported
 
 
 def test_warmup_compiles_every_segment_bucket_then_nothing_compiles():

@@ -179,7 +179,10 @@ def _bad_files(data: bytes):
         "future format": (_forge(dict(header, format=99), payload), "unsupported format 99"),
         "garbage program, valid checksum": (_forge(header, rng.bytes(len(payload))),
                                             "unreadable program"),
-        "corrupt program, valid checksum": (_forge(header, _flip(payload, program // 2)),
+        # A whole span: one flipped byte can land in a location string, which parses.
+        "corrupt program, valid checksum": (_forge(header, payload[:program // 2]
+                                                   + bytes(b ^ 0x5A for b in payload[program // 2:program // 2 + 64])
+                                                   + payload[program // 2 + 64:]),
                                             "unreadable program"),
         "constants beyond the payload": (
             _forge(dict(header, constants=[{"offset": 0, "length": 4, "dtype": "<f4",
