@@ -289,3 +289,32 @@ def test_not_a_checkpoint_names_the_expected_first_line(tmp_path):
     with pytest.raises(ck.CorruptCheckpointError, match=r"expected a polyexec checkpoint \(first "
                        r"line b'polyexec-checkpoint-v2'\), found first line b'PK"):
         training.read_meta(path)
+
+
+def test_fit_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(tmp_path):
+    """Through `fit` as it stands: the damaged newest checkpoint is reported, the run resumes
+    from the one before and ends bit-identical to a run never interrupted."""
+    from examples.rnn.model import CharLM, loss_fn
+
+    rng = np.random.default_rng(0)
+    data = [(np.arange(int(k)) + int(rng.integers(0, 5))) % 11 + 97
+            for k in rng.integers(2, 17, size=16)]
+    args = dict(optimizer=optax.adam(3e-3), epochs=1, batch_size=4, buckets=[8, 16],
+                verbose=False, seed=3, cache=str(tmp_path / "xla"))
+
+    def model():
+        return CharLM(cell="gru", embed=4, hidden=8, key=jax.random.PRNGKey(0))
+
+    full = training.fit(model(), loss_fn, data, **args)
+    folder = tmp_path / "ck"
+    part = training.fit(model(), loss_fn, data, checkpoint_dir=folder, checkpoint_every=1,
+                        max_steps=3, **args)
+    assert part.stopped_early and int(part.state.step) == 3
+    newest = training.list_checkpoints(folder)[-1]
+    assert os.path.basename(newest) == "step-000000003.ckpt"
+    os.truncate(newest, os.path.getsize(newest) - 7)
+    with pytest.warns(ck.CheckpointWarning, match=r"step-000000003.ckpt: .*truncated.*using the "
+                      r"previous intact checkpoint .*step-000000002.ckpt"):
+        rest = training.fit(model(), loss_fn, data, checkpoint_dir=folder, **args)
+    assert int(rest.state.step) == int(full.state.step) > 3
+    assert_same(rest.state, full.state)
