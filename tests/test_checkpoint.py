@@ -318,3 +318,18 @@ def test_fit_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(tmp
         rest = training.fit(model(), loss_fn, data, checkpoint_dir=folder, **args)
     assert int(rest.state.step) == int(full.state.step) > 3
     assert_same(rest.state, full.state)
+
+
+def test_a_file_system_without_locks_is_reported_and_saving_goes_on(tmp_path, monkeypatch):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(ck.fcntl, "flock", no_locks)
+    with pytest.warns(ck.CheckpointWarning, match=rf"{re.escape(str(tmp_path))}: expected a file "
+                      r"system with file locks, found none \(No locks available\)"):
+        save(tmp_path, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # warned once per folder, not at every save
+        save(tmp_path, 2)
+    assert_same(training.load_checkpoint(training.latest_checkpoint(tmp_path),
+                                         like=state_at(0))[0], state_at(2))

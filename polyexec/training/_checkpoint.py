@@ -172,9 +172,11 @@ def save_checkpoint(directory: str | os.PathLike, state: Any, meta: dict, *, kee
     target = _path(directory, step)
     try:
         os.makedirs(directory, exist_ok=True)
-    except OSError as e:
+        _hold(directory)
+    except CheckpointError:
+        raise
+    except OSError as e:   # a read-only folder: the lock file cannot even be created
         raise _write_error(directory, step, e) from None
-    _hold(directory)
     with _thread_lock:
         _remove_stale_temps(directory)
         try:
@@ -305,6 +307,17 @@ def _hold(directory: str) -> None:
                 f"{directory}: expected a checkpoint folder no other run is writing to, found "
                 f"it held by {who} (lock {os.path.join(directory, _LOCK)}); use another "
                 f"checkpoint_dir, or wait for that run to end") from None
+        except OSError as e:
+            # A file system without flock (some network or FUSE mounts): saves stay atomic
+            # and verified, only a second writer goes unnoticed -- say so once per folder.
+            os.close(fd)
+            warnings.warn(f"{directory}: expected a file system with file locks, found none "
+                          f"({e.strerror or e}); another run writing here would not be refused",
+                          CheckpointWarning, stacklevel=3)
+            # Recorded as held (a descriptor release_checkpoint_dir can close like a lock's) so
+            # that this process's own saves go on and clean up its orphaned temp files.
+            _held[_key(directory)] = os.open(os.devnull, os.O_RDONLY)
+            return
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:200]}
         os.ftruncate(fd, 0)
@@ -321,7 +334,7 @@ def _try_lock_briefly(directory: str) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:   # held by a live save, or no flock here: the temp files may be live
         os.close(fd)
         return False
     _brief[_key(directory)] = fd
