@@ -79,8 +79,10 @@ def batch_plan(
     be called with the same lengths, policy, seed and epoch.
 
     Batch size: ``batch_size`` examples, or with ``max_tokens`` the largest power of two
-    ``b`` with ``b * bucket_size <= max_tokens`` (at least 1: a single example above the
-    budget still gets a batch of one). Exactly one of the two must be given.
+    ``b`` with ``b * bucket_size <= max_tokens``. Exactly one of the two must be given. A
+    bucket in use above ``max_tokens`` (not even one row fits the budget) is a ValueError
+    naming the first example in it, except for over-long examples under ``overflow="exact"``,
+    which get a batch of their own whatever the budget.
 
     Sharding (``num_shards`` > 1): a global step holds ``num_shards * b`` examples of one
     bucket and shard ``i`` takes the i-th contiguous part, so all shards get the same number
@@ -144,12 +146,43 @@ def batch_plan(
     policy = as_policy(policy)
     exact = exact_sizes(where, policy, partial_rows)
 
+    if max_tokens is not None:
+        check_budget(where, arr, policy, max_tokens, overflow)
     steps = global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
                           drop_remainder, S, overflow, exact)
     if S == 1:
         return [Batch(size, idx, rows) for size, idx, rows in steps]
     return [Batch(size, idx[_shard_slice(idx.size, S, shard_index)], rows)
             for size, idx, rows in steps]
+
+
+def check_budget(where: str, arr: np.ndarray, policy, max_tokens: int, overflow: str) -> None:
+    """Refuse a token budget that some bucket in use cannot meet even with one row.
+
+    `batch_size_for` gives such a bucket batches of one, so without this check every batch of
+    it would be silently over ``max_tokens`` (the padded cells the budget exists to bound).
+    Over-long examples under ``overflow="exact"`` are exempt: that option asks for a batch of
+    its own at the example's own length, whatever the budget. Under ``"error"`` they are left
+    to `global_steps`, which raises BucketOverflowError for them.
+    """
+    sizes = np.asarray(policy.sizes, dtype=np.int64)
+    largest = int(sizes[-1])
+    if largest <= max_tokens:
+        return
+    fits = arr <= largest
+    bucket = np.zeros_like(arr)
+    bucket[fits] = sizes[np.searchsorted(sizes, arr[fits], side="left")]
+    if overflow == "truncate":
+        bucket[~fits] = largest
+    over = np.flatnonzero(bucket > max_tokens)
+    if over.size:
+        i = int(over[0])
+        raise ValueError(
+            f"{where}: max_tokens: example {i} has length {int(arr[i])}, whose bucket "
+            f"{int(bucket[i])} is over the budget even as a batch of one row "
+            f"({over.size} example{'s' if over.size > 1 else ''} in buckets over it); expected "
+            f"max_tokens >= {int(bucket.max())} (the largest bucket in use) or a policy whose "
+            f"buckets in use are <= max_tokens, received max_tokens={max_tokens}")
 
 
 def exact_sizes(where: str, policy, partial_rows) -> frozenset[int] | bool:
