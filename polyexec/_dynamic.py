@@ -195,11 +195,12 @@ def define(values: Any, count: Any, length: LengthVar | str, axes: Any, fill: An
 # -- the bounded ops ----------------------------------------------------------------------------
 
 
-def _check_array(value: Any, fn: str, name: str):
-    """``value`` as a JAX array, or a `SpecError` naming the argument: None, a string or a
-    ragged list would otherwise fail inside ``jnp.asarray`` with a message naming neither the
-    op nor the argument. Arrays and tracers pass untouched; lists and scalars are converted by
-    ``jnp.asarray`` itself (so a Python scalar stays weakly typed)."""
+def _check_array(value: Any, fn: str, name: str) -> None:
+    """A `SpecError` naming the argument unless ``value`` is an array, a tracer, or what NumPy
+    reads as numbers or bools: None, a string or a ragged list would otherwise fail inside
+    ``jnp.asarray`` with a message naming neither the op nor the argument. Only checks: the
+    caller converts with ``jnp.asarray`` itself (a Python scalar stays weakly typed), after
+    every argument passed (converting one is a device transfer, maybe a compile)."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         try:
             kind = np.asarray(value).dtype.kind
@@ -208,11 +209,11 @@ def _check_array(value: Any, fn: str, name: str):
         if kind not in "biufc":
             raise SpecError(f"{fn}: {name}: expected an array (or a nested list of numbers or "
                             f"bools), received {type(value).__name__} {value!r:.80}")
-    return jnp.asarray(value)
 
 
 def _check_mask(mask, fn: str):
-    mask = _check_array(mask, fn, "mask")
+    _check_array(mask, fn, "mask")
+    mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise SpecError(f"{fn}: mask must be boolean, received {mask.dtype} (use `mask != 0`)")
     return mask
@@ -277,7 +278,9 @@ def compact(x, mask, *, axis: int | None = 0, fill: Any = 0, length: LengthVar |
     >>> len(f.plan.segments)
     2
     """
-    x = _check_array(x, "compact", "x")
+    _check_array(x, "compact", "x")
+    _check_array(mask, "compact", "mask")
+    x = jnp.asarray(x)
     mask = _check_mask(mask, "compact")
     if axis is None:
         if mask.shape != x.shape:
