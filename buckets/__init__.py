@@ -11,7 +11,7 @@ Optimal(sizes=(7, 31, 120))
 >>> p.bucket_for(20), round(p.padding_efficiency(lengths), 3)
 (31, 0.985)
 >>> [(b.bucket_size, b.indices.tolist())
-...  for b in buckets.batch_plan(lengths, p, max_tokens=64, shuffle=False)]
+...  for b in buckets.batch_plan(lengths, p, max_tokens=128, shuffle=False)]
 [(7, [0, 1, 2]), (31, [3, 4]), (120, [5])]
 """
 

@@ -13,7 +13,8 @@ from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
-from ._policies import BucketOverflowError, _check_int, _lengths_array, as_policy
+from ._checks import check_batching, check_bool, check_int, check_option, lengths_array
+from ._policies import BucketOverflowError, as_policy
 
 __all__ = ["Batch", "Overflow", "PartialRows", "batch_plan", "batch_size_for", "batches"]
 
@@ -42,39 +43,10 @@ def batch_size_for(bucket_size: int, max_tokens: int) -> int:
     >>> [batch_size_for(s, 4096) for s in (16, 100, 1024, 5000)]
     [256, 32, 4, 1]
     """
-    bucket_size = _check_int("batch_size_for", "bucket_size", bucket_size, minimum=1)
-    max_tokens = _check_int("batch_size_for", "max_tokens", max_tokens, minimum=1)
+    bucket_size = check_int("batch_size_for", "bucket_size", bucket_size, minimum=1)
+    max_tokens = check_int("batch_size_for", "max_tokens", max_tokens, minimum=1)
     q = max_tokens // bucket_size
     return 1 if q < 1 else 1 << (q.bit_length() - 1)
-
-
-def _check_option(where: str, name: str, value, options: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in options:
-        raise ValueError(
-            f"{where}: {name}: expected one of {', '.join(repr(o) for o in options)}, "
-            f"received {value!r}"
-        )
-    return value
-
-
-def _check_bool(where: str, name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where}: {name}: expected True or False, received {value!r}")
-    return bool(value)
-
-
-def _check_batching(where: str, batch_size, max_tokens) -> tuple[int | None, int | None]:
-    if (batch_size is None) == (max_tokens is None):
-        raise ValueError(
-            f"{where}: expected exactly one of batch_size= (examples per batch) or max_tokens= "
-            f"(bucket_size * examples per batch), received batch_size={batch_size!r}, "
-            f"max_tokens={max_tokens!r}"
-        )
-    if batch_size is not None:
-        batch_size = _check_int(where, "batch_size", batch_size, minimum=1)
-    if max_tokens is not None:
-        max_tokens = _check_int(where, "max_tokens", max_tokens, minimum=1)
-    return batch_size, max_tokens
 
 
 def _shard_slice(m: int, num_shards: int, shard_index: int) -> slice:
@@ -107,8 +79,10 @@ def batch_plan(
     be called with the same lengths, policy, seed and epoch.
 
     Batch size: ``batch_size`` examples, or with ``max_tokens`` the largest power of two
-    ``b`` with ``b * bucket_size <= max_tokens`` (at least 1: a single example above the
-    budget still gets a batch of one). Exactly one of the two must be given.
+    ``b`` with ``b * bucket_size <= max_tokens``. Exactly one of the two must be given. A
+    bucket in use above ``max_tokens`` (not even one row fits the budget) is a ValueError
+    naming the first example in it, except for over-long examples under ``overflow="exact"``,
+    which get a batch of their own whatever the budget.
 
     Sharding (``num_shards`` > 1): a global step holds ``num_shards * b`` examples of one
     bucket and shard ``i`` takes the i-th contiguous part, so all shards get the same number
@@ -157,22 +131,24 @@ def batch_plan(
     [(4, [0, 2, 4]), (16, [1]), (16, [3])]
     """
     where = "batch_plan"
-    batch_size, max_tokens = _check_batching(where, batch_size, max_tokens)
-    shuffle = _check_bool(where, "shuffle", shuffle)
-    drop_remainder = _check_bool(where, "drop_remainder", drop_remainder)
-    seed = _check_int(where, "seed", seed, minimum=0)
-    epoch = _check_int(where, "epoch", epoch, minimum=0)
-    S = _check_int(where, "num_shards", num_shards, minimum=1)
-    shard_index = _check_int(where, "shard_index", shard_index, minimum=0)
+    batch_size, max_tokens = check_batching(where, batch_size, max_tokens)
+    shuffle = check_bool(where, "shuffle", shuffle)
+    drop_remainder = check_bool(where, "drop_remainder", drop_remainder)
+    seed = check_int(where, "seed", seed, minimum=0)
+    epoch = check_int(where, "epoch", epoch, minimum=0)
+    S = check_int(where, "num_shards", num_shards, minimum=1)
+    shard_index = check_int(where, "shard_index", shard_index, minimum=0)
     if shard_index >= S:
         raise ValueError(f"{where}: shard_index: expected an int in [0, num_shards={S}), "
                          f"received {shard_index}")
-    overflow = _check_option(where, "overflow", overflow, _OVERFLOW_OPTIONS)
-    arr = _lengths_array(lengths, where=where)
+    overflow = check_option(where, "overflow", overflow, _OVERFLOW_OPTIONS)
+    arr = lengths_array(lengths, where=where)
     policy = as_policy(policy)
-    exact = _exact_sizes(where, policy, partial_rows)
+    exact = exact_sizes(where, policy, partial_rows)
 
-    steps = _global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
+    if max_tokens is not None:
+        check_budget(where, arr, policy, max_tokens, overflow)
+    steps = global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
                           drop_remainder, S, overflow, exact)
     if S == 1:
         return [Batch(size, idx, rows) for size, idx, rows in steps]
@@ -180,18 +156,50 @@ def batch_plan(
             for size, idx, rows in steps]
 
 
-def _exact_sizes(where: str, policy, partial_rows) -> frozenset[int] | bool:
-    """The bucket sizes whose partial step gets exact rows, or True for all of them."""
+def check_budget(where: str, arr: np.ndarray, policy, max_tokens: int, overflow: str) -> None:
+    """Refuse a token budget that some bucket in use cannot meet even with one row.
+
+    `batch_size_for` gives such a bucket batches of one, so without this check every batch of
+    it would be silently over ``max_tokens`` (the padded cells the budget exists to bound).
+    Over-long examples under ``overflow="exact"`` are exempt: that option asks for a batch of
+    its own at the example's own length, whatever the budget. Under ``"error"`` they are left
+    to `global_steps`, which raises BucketOverflowError for them.
+    """
+    sizes = np.asarray(policy.sizes, dtype=np.int64)
+    largest = int(sizes[-1])
+    if largest <= max_tokens:
+        return
+    fits = arr <= largest
+    bucket = np.zeros_like(arr)
+    bucket[fits] = sizes[np.searchsorted(sizes, arr[fits], side="left")]
+    if overflow == "truncate":
+        bucket[~fits] = largest
+    over = np.flatnonzero(bucket > max_tokens)
+    if over.size:
+        i = int(over[0])
+        raise ValueError(
+            f"{where}: max_tokens: example {i} has length {int(arr[i])}, whose bucket "
+            f"{int(bucket[i])} is over the budget even as a batch of one row "
+            f"({over.size} example{'s' if over.size > 1 else ''} in buckets over it); expected "
+            f"max_tokens >= {int(bucket.max())} (the largest bucket in use) or a policy whose "
+            f"buckets in use are <= max_tokens, received max_tokens={max_tokens}")
+
+
+def exact_sizes(where: str, policy, partial_rows) -> frozenset[int] | bool:
+    """The bucket sizes whose partial step gets exact rows, or True for all of them.
+
+    Not in ``__all__`` but shared: `predict` and `report` price the very steps `batch_plan`
+    makes, so they call this and `global_steps` rather than a copy."""
     if partial_rows is None:
         partial_rows = getattr(policy, "partial_rows", "full")
     if isinstance(partial_rows, str):
-        if _check_option(where, "partial_rows", partial_rows, _PARTIAL_OPTIONS) == "exact":
+        if check_option(where, "partial_rows", partial_rows, _PARTIAL_OPTIONS) == "exact":
             return True
         return frozenset()
     if not isinstance(partial_rows, Collection):
         raise TypeError(f"{where}: partial_rows: expected 'full', 'exact' or a collection of "
                         f"bucket sizes, received {type(partial_rows).__name__} {partial_rows!r}")
-    return frozenset(_check_int(where, "partial_rows[]", s, minimum=1) for s in partial_rows)
+    return frozenset(check_int(where, "partial_rows[]", s, minimum=1) for s in partial_rows)
 
 
 def batches(
@@ -225,7 +233,7 @@ def batches(
     return iter([b.indices for b in plan])
 
 
-def _global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
+def global_steps(arr, policy, batch_size, max_tokens, shuffle, seed, epoch,
                   drop_remainder, S, overflow, exact=frozenset()) -> list[tuple[int, np.ndarray, int]]:
     """All shards' steps: (bucket_size, indices of the whole global step, rows per shard)."""
     sizes = np.asarray(policy.sizes, dtype=np.int64)

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._batching import _check_batching, _exact_sizes, _global_steps, batch_size_for
-from ._policies import (BucketPolicy, _check_int, _distinct, _lengths_array, _normalise_sizes,
-                        as_policy)
+from ._batching import batch_size_for, exact_sizes, global_steps
+from ._checks import check_batching, check_int, lengths_array, normalise_sizes
+from ._policies import BucketPolicy, as_policy, distinct_counts
 
 __all__ = ["Auto", "CostModel", "Prediction", "predict"]
 
@@ -100,19 +100,19 @@ def _check_shapes(where: str, compiled) -> frozenset[tuple[int, int]]:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"{where}: compiled[{i}]: expected a (rows, length) pair, received "
                             f"{pair!r}")
-        out.add((_check_int(where, f"compiled[{i}][0]", pair[0], minimum=1),
-                 _check_int(where, f"compiled[{i}][1]", pair[1], minimum=1)))
+        out.add((check_int(where, f"compiled[{i}][0]", pair[0], minimum=1),
+                 check_int(where, f"compiled[{i}][1]", pair[1], minimum=1)))
     return frozenset(out)
 
 
 def _check_run(where, lengths, cost, epochs, batch_size, max_tokens, num_shards, row_multiple,
                compiled, *, minimum: int):
     """The arguments `predict` and `Auto.fit` share, checked and normalised."""
-    batch_size, max_tokens = _check_batching(where, batch_size, max_tokens)
-    return (_lengths_array(lengths, where=where, minimum=minimum), _check_cost(where, cost),
-            _check_int(where, "epochs", epochs, minimum=1), batch_size, max_tokens,
-            _check_int(where, "num_shards", num_shards, minimum=1),
-            _check_int(where, "row_multiple", row_multiple, minimum=1),
+    batch_size, max_tokens = check_batching(where, batch_size, max_tokens)
+    return (lengths_array(lengths, where=where, minimum=minimum), _check_cost(where, cost),
+            check_int(where, "epochs", epochs, minimum=1), batch_size, max_tokens,
+            check_int(where, "num_shards", num_shards, minimum=1),
+            check_int(where, "row_multiple", row_multiple, minimum=1),
             _check_shapes(where, compiled))
 
 
@@ -137,8 +137,8 @@ def predict(lengths, policy, cost: CostModel, *, epochs: int = 1, batch_size: in
         "predict", lengths, cost, epochs, batch_size, max_tokens, num_shards, row_multiple,
         compiled, minimum=0)
     policy = as_policy(policy)
-    steps = _global_steps(arr, policy, batch_size, max_tokens, False, 0, 0, False, S, "error",
-                          _exact_sizes("predict", policy, partial_rows))
+    steps = global_steps(arr, policy, batch_size, max_tokens, False, 0, 0, False, S, "error",
+                          exact_sizes("predict", policy, partial_rows))
     shapes, cells = set(), 0
     for size, _, rows in steps:
         rows = -(-rows // m) * m
@@ -171,8 +171,8 @@ class Auto(BucketPolicy):
     prediction: Prediction | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "sizes", _normalise_sizes("Auto", self.sizes))
-        exact = tuple(sorted({_check_int("Auto", "partial_rows[]", s, minimum=1)
+        object.__setattr__(self, "sizes", normalise_sizes("Auto", self.sizes))
+        exact = tuple(sorted({check_int("Auto", "partial_rows[]", s, minimum=1)
                               for s in self.partial_rows}))
         stray = [s for s in exact if s not in self.sizes]
         if stray:
@@ -210,7 +210,7 @@ class Auto(BucketPolicy):
 
 
 def _fit_by_cost(arr, cost, epochs, batch_size, max_tokens, S, m, free):
-    values, counts = _distinct(arr)
+    values, counts = distinct_counts(arr)
     C = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     if values.size > _MAX_CANDIDATES:     # keep every k-th boundary and the longest length
         keep = np.unique(np.linspace(0, values.size - 1, _MAX_CANDIDATES).round().astype(np.int64))

@@ -13,9 +13,10 @@ import numbers
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable
 
 import numpy as np
+
+from ._checks import check_int, lengths_array, normalise_sizes
 
 __all__ = [
     "BucketOverflowError",
@@ -60,60 +61,6 @@ class BucketOverflowError(ValueError):
         return (type(self), (self.length, self.largest, self.index))
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _check_int(where: str, name: str, value, *, minimum: int) -> int:
-    # bool is an int subclass: reject it, True as a size is always a bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: {name}: expected an int, received {type(value).__name__} "
-                        f"{value!r}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{where}: {name}: expected an int >= {minimum}, received {value}")
-    return value
-
-
-def _lengths_array(lengths, *, where: str, name: str = "lengths", minimum: int = 0) -> np.ndarray:
-    """``lengths`` as a 1-D int64 array, or a ValueError/TypeError naming the argument."""
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"{where}: {name}: expected a 1-D sequence of ints, received shape "
-                         f"{arr.shape}")
-    if arr.size == 0:
-        raise ValueError(f"{where}: {name}: expected at least one length, received none")
-    if arr.dtype.kind not in "iu":
-        # No silent float->int rounding: a float length usually means a unit mix-up.
-        raise TypeError(
-            f"{where}: {name}: expected integers, received dtype {arr.dtype}"
-            f" (cast with np.asarray({name}, dtype=np.int64) if that is what you mean)"
-        )
-    if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and arr.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{where}: {name}: expected values within int64, received {arr.max()}")
-    arr = arr.astype(np.int64, copy=False)
-    bad = np.flatnonzero(arr < minimum)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"{where}: {name}[{i}]: expected a length >= {minimum}, received {int(arr[i])}"
-            f" ({bad.size} such value{'s' if bad.size > 1 else ''})"
-        )
-    return arr
-
-
-def _normalise_sizes(where: str, sizes) -> tuple[int, ...]:
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
-        raise TypeError(f"{where}: sizes: expected a sequence of ints, received "
-                        f"{type(sizes).__name__}")
-    out = []
-    for i, s in enumerate(sizes):
-        out.append(_check_int(where, f"sizes[{i}]", s, minimum=1))
-    if not out:
-        raise ValueError(f"{where}: sizes: expected at least one bucket size, received none")
-    # Sorted and de-duplicated so that equal policies compare (and hash) equal.
-    return tuple(sorted(set(out)))
-
-
 # --------------------------------------------------------------------------- base class
 
 
@@ -136,7 +83,7 @@ class BucketPolicy:
         >>> Fixed([8, 32, 128]).bucket_for(9)
         32
         """
-        n = _check_int(f"{type(self).__name__}.bucket_for", "n", n, minimum=0)
+        n = check_int(f"{type(self).__name__}.bucket_for", "n", n, minimum=0)
         sizes = self.sizes
         if n > sizes[-1]:
             raise BucketOverflowError(n, sizes[-1])
@@ -149,7 +96,7 @@ class BucketPolicy:
         >>> Fixed([8, 32, 128]).assign([1, 8, 9, 100]).tolist()
         [8, 8, 32, 128]
         """
-        arr = _lengths_array(lengths, where=f"{type(self).__name__}.assign")
+        arr = lengths_array(lengths, where=f"{type(self).__name__}.assign")
         sizes = np.asarray(self.sizes, dtype=np.int64)
         over = np.flatnonzero(arr > sizes[-1])
         if over.size:
@@ -162,7 +109,7 @@ class BucketPolicy:
         >>> Fixed([4, 8]).padding_efficiency([2, 4, 8])  # (2+4+8) / (4+4+8)
         0.875
         """
-        arr = _lengths_array(lengths, where=f"{type(self).__name__}.padding_efficiency")
+        arr = lengths_array(lengths, where=f"{type(self).__name__}.padding_efficiency")
         padded = int(self.assign(arr).sum())
         return float(arr.sum()) / padded
 
@@ -198,7 +145,7 @@ class Fixed(BucketPolicy):
     sizes: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "sizes", _normalise_sizes("Fixed", self.sizes))
+        object.__setattr__(self, "sizes", normalise_sizes("Fixed", self.sizes))
 
 
 @dataclass(frozen=True)
@@ -220,8 +167,8 @@ class Geometric(BucketPolicy):
     sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        lo = _check_int("Geometric", "min", self.min, minimum=1)
-        hi = _check_int("Geometric", "max", self.max, minimum=1)
+        lo = check_int("Geometric", "min", self.min, minimum=1)
+        hi = check_int("Geometric", "max", self.max, minimum=1)
         if hi < lo:
             raise ValueError(f"Geometric: max: expected max >= min={lo}, received {hi}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, numbers.Real):
@@ -275,8 +222,8 @@ class MultipleOf(BucketPolicy):
     sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        k = _check_int("MultipleOf", "k", self.k, minimum=1)
-        hi = _check_int("MultipleOf", "max", self.max, minimum=1)
+        k = check_int("MultipleOf", "k", self.k, minimum=1)
+        hi = check_int("MultipleOf", "max", self.max, minimum=1)
         n = -(-hi // k)
         if n > _MAX_SIZES:
             raise ValueError(
@@ -305,7 +252,7 @@ class Optimal(BucketPolicy):
     sizes: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "sizes", _normalise_sizes("Optimal", self.sizes))
+        object.__setattr__(self, "sizes", normalise_sizes("Optimal", self.sizes))
 
     @classmethod
     def fit(cls, lengths, *, max_buckets: int | None = None, compile_cost=None) -> "Optimal":
@@ -338,9 +285,9 @@ class Optimal(BucketPolicy):
         (5, 6, 20)
         """
         where = "Optimal.fit"
-        arr = _lengths_array(lengths, where=where, minimum=1)
+        arr = lengths_array(lengths, where=where, minimum=1)
         if max_buckets is not None:
-            max_buckets = _check_int(where, "max_buckets", max_buckets, minimum=1)
+            max_buckets = check_int(where, "max_buckets", max_buckets, minimum=1)
         lam = None
         if compile_cost is not None:
             if isinstance(compile_cost, bool) or not isinstance(compile_cost, numbers.Real):
@@ -355,7 +302,7 @@ class Optimal(BucketPolicy):
         if max_buckets is None and lam is None:
             max_buckets = DEFAULT_MAX_BUCKETS
 
-        values, counts = _distinct(arr)
+        values, counts = distinct_counts(arr)
         D = values.size
         if int(values[-1]) * int(arr.size) >= 2**62:
             # int64 DP below; this would need lengths ~1e9 with ~1e9 examples.
@@ -370,7 +317,7 @@ class Optimal(BucketPolicy):
         return cls(_fit_k(values, counts, max_buckets, lam=lam))
 
 
-def _distinct(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def distinct_counts(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct values and their counts; bincount (O(N)) when the range is small."""
     top = int(arr.max())
     if top <= 4 * arr.size + 4096:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._batching import _check_batching, _exact_sizes, _global_steps, batch_size_for
-from ._policies import BucketOverflowError, _lengths_array, as_policy
+from ._batching import batch_size_for, exact_sizes, global_steps
+from ._checks import check_batching, lengths_array
+from ._policies import BucketOverflowError, as_policy
 
 __all__ = ["BucketRow", "Report", "report"]
 
@@ -118,8 +119,8 @@ def report(lengths, policy, *, batch_size: int | None = None, max_tokens: int | 
     """
     where = "report"
     if batch_size is not None or max_tokens is not None:
-        batch_size, max_tokens = _check_batching(where, batch_size, max_tokens)
-    arr = _lengths_array(lengths, where=where)
+        batch_size, max_tokens = check_batching(where, batch_size, max_tokens)
+    arr = lengths_array(lengths, where=where)
     policy = as_policy(policy)
     sizes = np.asarray(policy.sizes, dtype=np.int64)
     over = np.flatnonzero(arr > sizes[-1])
@@ -131,8 +132,8 @@ def report(lengths, policy, *, batch_size: int | None = None, max_tokens: int | 
     batched = batch_size is not None or max_tokens is not None
     cells, steps = {}, {}
     if batched:
-        for size, idx, r in _global_steps(arr, policy, batch_size, max_tokens, False, 0, 0, False,
-                                          1, "error", _exact_sizes(where, policy, partial_rows)):
+        for size, idx, r in global_steps(arr, policy, batch_size, max_tokens, False, 0, 0, False,
+                                          1, "error", exact_sizes(where, policy, partial_rows)):
             cells[size] = cells.get(size, 0) + r * size
             steps[size] = steps.get(size, 0) + 1
     rows = []

@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ._policies import _check_int
+from ._checks import check_int
 
 __all__ = ["CappedLengths", "lengths", "pydoc_sentences"]
 
@@ -84,6 +84,6 @@ def lengths(sentences: Sequence, cap: int | None = None) -> CappedLengths:
     raw = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
     if cap is None:
         return CappedLengths(raw, 0)
-    cap = _check_int("corpus.lengths", "cap", cap, minimum=1)
+    cap = check_int("corpus.lengths", "cap", cap, minimum=1)
     over = raw > cap
     return CappedLengths(np.minimum(raw, cap), int(over.sum()))

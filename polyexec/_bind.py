@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import LengthOverflowError, SpecError
+from ._errors import LengthOverflowError, OptionError, SpecError, is_int
 from ._spec import LengthVar, Spec
 
 
@@ -90,6 +90,22 @@ def _path(keypath, offset: int = 0) -> str:
     return "args" + jax.tree_util.keystr(keypath)
 
 
+def _check_spec_args(args: Sequence[Any], in_specs: Sequence[Any], offset: int) -> None:
+    """A Spec that meets no array (``f(None)``, an empty tuple) would bind nothing: its
+    variables would go unbound and the call fail deep inside. Refuse it by its path."""
+    def check(keypath, spec, value):
+        if isinstance(spec, Spec) and not jax.tree_util.tree_leaves(value):
+            raise SpecError(f"{_path(keypath, offset)}: expected an array for {spec}, received "
+                            f"{type(value).__name__} {value!r}")
+
+    try:
+        jax.tree_util.tree_map_with_path(check, tuple(in_specs), tuple(args), is_leaf=_is_spec_leaf)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, SpecError):
+            raise
+        # A structure mismatch: spec_per_leaf reports it with the whole structure.
+
+
 def _lists_as_arrays(args: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, ...]:
     """A (nested) Python list given where a Spec expects an array is one array, not a pytree
     of scalars: read it as NumPy would, so errors speak of its rank, not of ``args[0][0][0]``."""
@@ -111,6 +127,10 @@ def _as_array(leaf: Any, path: str) -> Any:
     if arr.dtype == object:
         raise SpecError(f"{path}: expected an array, received {type(leaf).__name__} "
                         f"that NumPy can only hold as dtype=object")
+    if arr.dtype.kind not in "biufc":
+        # Strings, datetimes, raw bytes: JAX cannot compute with them.
+        raise SpecError(f"{path}: expected an array of numbers or bools, received "
+                        f"{type(leaf).__name__} of dtype {arr.dtype}")
     return arr
 
 
@@ -126,10 +146,12 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
     if len(args) != len(in_specs):
         raise SpecError(f"expected {len(in_specs) - offset} positional arguments (one per "
                         f"in_specs entry), received {len(args) - offset}")
+    _check_spec_args(args, in_specs, offset)
     args = _lists_as_arrays(args, in_specs)
     specs = spec_per_leaf(tuple(in_specs), args, "in_specs")
     keyed, treedef = jax.tree_util.tree_flatten_with_path(args)
     kinds, statics, arrays, array_avals, poly, poly_sig, paths, args = [], [], [], [], [], [], [], []
+    given = []       # the Spec'd leaves as received, before any cast: values are checked on these
     sizes: dict[str, int] = {}
     where: dict[str, str] = {}
 
@@ -180,19 +202,43 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
                 raise SpecError(f"{here} = {size} is below {dim}'s min={var.min} ({var})")
             sizes[dim] = size
             where[dim] = here
+        if spec.lengths_of is None and received != target:
+            _check_fits(arr, target, path)
         kinds.append("poly")
+        given.append(arr)
         poly.append(arr if received == target else np.asarray(arr, target))
         poly_sig.append((spec, target))
 
-    _check_lengths(keyed, specs, poly, sizes, where, variables, offset)
+    _check_lengths(keyed, specs, given, sizes, where, variables, offset)
     signature = Signature(treedef, tuple(kinds), tuple(statics), tuple(array_avals),
                           tuple(poly_sig), tuple(paths), tuple(args))
     return BoundCall(signature, arrays, poly, sizes)
 
 
-def _check_lengths(keyed, specs, poly, sizes, where, variables, offset) -> None:
-    """Arrays marked ``lengths_of=T`` must hold values in ``[0, T]``."""
-    poly_iter = iter(poly)
+def _check_fits(arr: Any, target: np.dtype, path: str) -> None:
+    """An integer input narrowed to the dtype it runs at (int64 -> int32 without x64) must fit
+    it: NumPy's cast wraps around without a word (2**32 + 3 becomes 3)."""
+    received = np.dtype(arr.dtype)
+    if received.kind not in "iu" or target.kind not in "iu" or arr.size == 0:
+        return
+    info = np.iinfo(target)
+    if np.iinfo(received).min >= info.min and np.iinfo(received).max <= info.max:
+        return
+    values = np.asarray(arr)   # in the received dtype: the comparison itself must not wrap
+    bad = np.argwhere((values < info.min) | (values > info.max))
+    if bad.size:
+        idx = tuple(int(i) for i in bad[0])
+        raise SpecError(f"{path}{list(idx)} = {values[idx]}: expected values that fit "
+                        f"{target.name} (the dtype it runs at, in [{info.min}, {info.max}]), "
+                        f"received {values[idx]} ({received.name})")
+
+
+def _check_lengths(keyed, specs, given, sizes, where, variables, offset) -> None:
+    """Arrays marked ``lengths_of=T`` must hold integers in ``[0, T]``.
+
+    Checked on the values as given, before they are cast to the dtype they run at (int32):
+    a cast first would wrap ``2**32 + 3`` to 3 and read a uint32 ``2**32 - 1`` as -1."""
+    poly_iter = iter(given)
     for (keypath, _), spec in zip(keyed, specs):
         if spec is FIXED:
             continue
@@ -204,6 +250,9 @@ def _check_lengths(keyed, specs, poly, sizes, where, variables, offset) -> None:
             raise SpecError(f"{_path(keypath, offset)}: lengths_of={name!r} names no length variable of "
                             f"this function (known: {', '.join(variables)})")
         values = np.asarray(arr)
+        if values.dtype.kind not in "iu":
+            raise SpecError(f"{_path(keypath, offset)}.dtype: expected an integer dtype for the "
+                            f"lengths of {name!r} ({spec}), received {values.dtype.name}")
         bad = np.argwhere(values < 0)
         if bad.size:
             idx = tuple(int(i) for i in bad[0])
@@ -320,3 +369,66 @@ def unpad(arr: Any, spec: Spec, sizes: Mapping[str, int]) -> np.ndarray:
     host = np.asarray(arr)
     index = tuple(slice(0, sizes[d]) if isinstance(d, str) else slice(None) for d in spec.dims)
     return host[index]
+
+
+def check_warmup(sizes: Any, max_workers: Any, input_names: Sequence[str],
+                 variables: Mapping[str, LengthVar], where: str) -> list[dict[str, int]] | None:
+    """`Bucketed.warmup`'s options, checked before anything traces or compiles.
+
+    ``sizes`` is None (every bucket) or a list of ``{name or LengthVar: size}`` dicts, one per
+    bucket to compile: each names every input variable (``input_names``, which the inputs'
+    shapes bind) and may name data-dependent ones (the rest of ``variables``); each size is an
+    int in the variable's ``[min, max]``. Returns the dicts keyed by name, or None.
+
+    >>> T = LengthVar("T", max=64)
+    >>> check_warmup([{T: 10}], None, ["T"], {"T": T}, "f.warmup")
+    [{'T': 10}]
+    >>> check_warmup([{"T": 0}], None, ["T"], {"T": T}, "f.warmup")
+    Traceback (most recent call last):
+    polyexec._errors.SpecError: f.warmup: sizes[0]['T']: expected a size in [1, 64] (LengthVar('T', min=1, max=64)), received 0
+    """
+    if max_workers is not None and not (is_int(max_workers) and max_workers >= 1):
+        raise OptionError(f"{where}: max_workers: expected an int >= 1 or None (one thread per "
+                          f"bucket, up to the CPU count), received {max_workers!r}")
+    if sizes is None:
+        return None
+    known = ", ".join(variables) or "none"
+    if isinstance(sizes, Mapping):
+        raise OptionError(f"{where}: sizes: expected a list of {{name: size}} dicts, one per "
+                          f"bucket (e.g. sizes=[{dict(sizes)!r}]), received a single dict "
+                          f"{dict(sizes)!r}")
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise OptionError(f"{where}: sizes: expected a list of {{name: size}} dicts, one per "
+                          f"bucket, received {type(sizes).__name__} {sizes!r}")
+    out = []
+    for i, entry in enumerate(sizes):
+        here = f"{where}: sizes[{i}]"
+        if not isinstance(entry, Mapping):
+            raise OptionError(f"{here}: expected a {{name: size}} dict over the variables "
+                              f"({known}), received {type(entry).__name__} {entry!r}")
+        combo: dict[str, int] = {}
+        for key, size in entry.items():
+            name = key.name if isinstance(key, LengthVar) else key
+            if not isinstance(name, str) or name not in variables:
+                raise OptionError(f"{here}: expected keys among this function's length variables "
+                                  f"({known}), received {key!r}")
+            var = variables[name]
+            if isinstance(key, LengthVar) and key != var:
+                raise OptionError(f"{here}: {key} is not this function's {var}")
+            if not is_int(size):
+                raise OptionError(f"{here}[{name!r}]: expected an int size, received "
+                                  f"{type(size).__name__} {size!r}")
+            if size > var.max:
+                raise LengthOverflowError(f"{here}[{name!r}]: expected a size in [{var.min}, "
+                                          f"{var.max}] ({var}), received {size}")
+            if size < var.min:
+                raise SpecError(f"{here}[{name!r}]: expected a size in [{var.min}, {var.max}] "
+                                f"({var}), received {size}")
+            combo[name] = int(size)
+        missing = [n for n in input_names if n not in combo]
+        if missing:
+            raise OptionError(f"{here}: expected a size for every variable the inputs bind "
+                              f"({', '.join(input_names)}), missing {', '.join(map(repr, missing))}"
+                              f" in {dict(entry)!r}")
+        out.append(combo)
+    return out

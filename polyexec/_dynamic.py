@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import _context
-from ._errors import PolyexecError, SpecError
+from ._errors import OptionError, PolyexecError, SpecError
 from ._spec import LengthVar
 
 try:  # equations made inside these ops are attributed to the user's call line (plan.describe)
@@ -195,7 +195,24 @@ def define(values: Any, count: Any, length: LengthVar | str, axes: Any, fill: An
 # -- the bounded ops ----------------------------------------------------------------------------
 
 
+def _check_array(value: Any, fn: str, name: str) -> None:
+    """A `SpecError` naming the argument unless ``value`` is an array, a tracer, or what NumPy
+    reads as numbers or bools: None, a string or a ragged list would otherwise fail inside
+    ``jnp.asarray`` with a message naming neither the op nor the argument. Only checks: the
+    caller converts with ``jnp.asarray`` itself (a Python scalar stays weakly typed), after
+    every argument passed (converting one is a device transfer, maybe a compile)."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        try:
+            kind = np.asarray(value).dtype.kind
+        except Exception:  # noqa: BLE001 -- ragged nesting and the like: refused below
+            kind = "O"
+        if kind not in "biufc":
+            raise SpecError(f"{fn}: {name}: expected an array (or a nested list of numbers or "
+                            f"bools), received {type(value).__name__} {value!r:.80}")
+
+
 def _check_mask(mask, fn: str):
+    _check_array(mask, fn, "mask")
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise SpecError(f"{fn}: mask must be boolean, received {mask.dtype} (use `mask != 0`)")
@@ -261,6 +278,8 @@ def compact(x, mask, *, axis: int | None = 0, fill: Any = 0, length: LengthVar |
     >>> len(f.plan.segments)
     2
     """
+    _check_array(x, "compact", "x")
+    _check_array(mask, "compact", "mask")
     x = jnp.asarray(x)
     mask = _check_mask(mask, "compact")
     if axis is None:
@@ -349,6 +368,9 @@ def loop_until(step: Callable, init: Any, *, max_steps: Any, fill: Any = 0,
     >>> tokens.tolist(), int(count)
     ([2, 1, 0, -1, -1, -1, -1, -1], 3)
     """
+    if not callable(step):
+        raise OptionError(f"loop_until: step: expected a callable (i, carry) -> (carry, item, "
+                          f"stop), received {type(step).__name__} {step!r}")
     if isinstance(max_steps, (int, np.integer)) and not isinstance(max_steps, bool):
         if max_steps < 0:
             raise SpecError(f"loop_until: max_steps must be >= 0, received {max_steps}")

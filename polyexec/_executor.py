@@ -278,6 +278,8 @@ class Bucketed:
         example call. ``sizes`` lists buckets as ``{name: size}`` dicts (default: every
         combination of every variable's bucket sizes).
         """
+        sizes = _bind.check_warmup(sizes, max_workers, self._input_names, self.variables,
+                                   f"{self.name}.warmup")   # before anything traces
         call = self._example_call(args)
         plan = self._plan(call.signature)
         if sizes is None:
@@ -600,6 +602,9 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
     """
     if isinstance(fn, Plan):
         return Bucketed.from_plan(fn, buckets=buckets, **options)
+    if not callable(fn):
+        raise OptionError(f"bucketed: fn: expected a callable or a px.Plan, received "
+                          f"{type(fn).__name__} {fn!r}")
     if in_specs is None:
         raise SpecError("bucketed: in_specs: expected one Spec or None per positional argument, "
                         "received None")

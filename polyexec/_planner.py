@@ -46,7 +46,7 @@ from jax import export
 from . import _dynamic, _logical
 from ._bind import Signature, bind, example_args
 from ._convention import Convention
-from ._errors import PolymorphismError, SpecError
+from ._errors import OptionError, PolymorphismError, SpecError
 from ._plan import CutPoint, Plan, Segment, Verdict
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
 from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, export_flat, export_symbolic,
@@ -288,6 +288,8 @@ def trace(fn: Callable, *args_or_specs: Any, buckets: Mapping[Any, Any] | None =
     >>> plan.reshaping_is_impossible
     True
     """
+    if not callable(fn):
+        raise OptionError(f"trace: fn: expected a callable, received {type(fn).__name__} {fn!r}")
     name = getattr(fn, "__name__", type(fn).__name__)
     in_specs = tuple(a if isinstance(a, Spec) else None for a in args_or_specs)
     resolved = call_variables(in_specs, None, buckets, variables, f"trace({name})")

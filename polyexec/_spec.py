@@ -6,16 +6,22 @@ import dataclasses
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import export
 
 from ._errors import OptionError, SpecError, is_int
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Sizes reach the compiled programs as int32 (the real lengths passed next to the inputs, the
+# `lengths_of` arrays, `dim_as_value`): a bound above this would overflow at trace time.
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +56,9 @@ class LengthVar:
             raise SpecError(f"LengthVar({name!r}): min: expected >= 1, received {min}")
         if max < min:
             raise SpecError(f"LengthVar({name!r}): max: expected >= min={min}, received {max}")
+        if max > INT32_MAX:
+            raise SpecError(f"LengthVar({name!r}): max: expected an int <= {INT32_MAX} (sizes run "
+                            f"as int32), received {max}")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "min", int(min))
         object.__setattr__(self, "max", int(max))
@@ -95,11 +104,15 @@ class Spec:
         parsed = _parse_dims(dims)
         given = [d for d in ([] if isinstance(dims, str) else list(dims)) + [lengths_of]
                  if isinstance(d, LengthVar)]
+        where = f"Spec({dims!r})"
         object.__setattr__(self, "dims", parsed)
-        object.__setattr__(self, "dtype", None if dtype is None else np.dtype(dtype))
-        object.__setattr__(self, "pad", pad)
+        object.__setattr__(self, "dtype", None if dtype is None else _check_dtype(dtype, where))
+        object.__setattr__(self, "pad", _check_pad(pad, where))
         if isinstance(lengths_of, LengthVar):
             lengths_of = lengths_of.name
+        elif lengths_of is not None and not (isinstance(lengths_of, str) and _NAME.match(lengths_of)):
+            raise SpecError(f"{where}: lengths_of: expected a LengthVar or a length-variable name, "
+                            f"received {lengths_of!r}")
         object.__setattr__(self, "lengths_of", lengths_of)
         object.__setattr__(self, "variables", tuple(dict.fromkeys(given)))
 
@@ -112,7 +125,39 @@ class Spec:
         return f"Spec({' '.join(map(str, self.dims))!r}{dt}, pad={self.pad!r})"
 
 
+def _check_dtype(dtype: Any, where: str) -> np.dtype:
+    """``dtype`` as a NumPy dtype that JAX computes with: a number or bool (bfloat16 included).
+    An object or string dtype would only fail later, inside tracing or XLA."""
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or not (jnp.issubdtype(dt, jnp.number) or dt == np.bool_):
+        received = repr(dtype) if dt is None else f"{dtype!r} ({dt.name})"
+        raise SpecError(f"{where}: dtype: expected a numeric or bool dtype such as jnp.float32, "
+                        f"jnp.int32 or 'bfloat16', received {received}")
+    return dt
+
+
+def _check_pad(pad: Any, where: str) -> Any:
+    """The pad value is written into every padded element: it must be one number or bool."""
+    if not isinstance(pad, (str, bytes)):
+        try:
+            arr = np.asarray(pad)
+        except Exception:  # noqa: BLE001 -- anything NumPy cannot read is refused below
+            arr = None
+        if arr is not None and arr.ndim == 0 and (arr.dtype == np.bool_
+                                                  or jnp.issubdtype(arr.dtype, jnp.number)):
+            return pad
+    raise SpecError(f"{where}: pad: expected a number or bool (the value padding is filled "
+                    f"with), received {type(pad).__name__} {pad!r}")
+
+
 def _parse_dims(dims: str | Sequence[Dim]) -> tuple[str | int, ...]:
+    if not isinstance(dims, (str, Sequence)) or isinstance(dims, bytes):
+        raise SpecError(f"Spec: dims: expected a string of length-variable names and ints "
+                        f"(\"B T 64\") or a sequence of LengthVars, names and ints, received "
+                        f"{type(dims).__name__} {dims!r}")
     items = dims.replace(",", " ").split() if isinstance(dims, str) else list(dims)
     out: list[str | int] = []
     for item in items:
@@ -208,6 +253,15 @@ def resolve_vars(names: Sequence[str], given: Sequence[LengthVar], where: str) -
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first frame outside
+    polyexec (the user's ``bucketed(...)`` line, not the executor's)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _visible_length_vars() -> list[dict[str, list[LengthVar]]]:
     """The LengthVars bound to names in the first frame outside polyexec: its locals, then its
     globals, each as {LengthVar name: the distinct LengthVars of that name}."""
@@ -247,10 +301,18 @@ def default_bucket_sizes(var: LengthVar) -> tuple[int, ...]:
 
 
 def bucket_sizes(var: LengthVar, policy: Any = None) -> tuple[int, ...]:
-    """The sorted sizes a variable is compiled at: the policy's sizes within bounds, plus max."""
+    """The sorted sizes a variable is compiled at: the policy's sizes within bounds, plus max.
+
+    Sizes must be ints >= 1 and at least one must be given (else `SpecError`). Sizes outside
+    ``[min, max]`` are legal but useless -- below ``min`` no input is that short, above ``max``
+    none is that long -- so they are not compiled, with one warning naming them: a policy
+    fitted to other data, or a LengthVar whose bounds changed, is worth hearing about, while
+    refusing would break code whose policy is shared between variables of different bounds.
+    """
     policy = var.buckets if policy is None else policy
     if policy is None:
         return default_bucket_sizes(var)
+    where = f"buckets for {var.name!r}"
     raw = getattr(policy, "sizes", policy)
     try:
         # Only ints: a string would iterate into digits, a float be truncated without a word.
@@ -260,8 +322,23 @@ def bucket_sizes(var: LengthVar, policy: Any = None) -> tuple[int, ...]:
         sizes = sorted({int(s) for s in raw})
     except TypeError:
         raise SpecError(
-            f"buckets for {var.name!r}: expected a bucket policy (with .sizes) or a list of "
+            f"{where}: expected a bucket policy (with .sizes) or a list of "
             f"ints, received {policy!r}") from None
-    # A bucket below min is never used; above max it would compile for sizes no input can have.
+    if not sizes:
+        raise SpecError(f"{where}: expected at least one bucket size (or None for the default "
+                        f"powers of two), received {policy!r}")
+    bad = [s for s in sizes if s < 1]
+    if bad:
+        raise SpecError(f"{where}: expected sizes >= 1, received {', '.join(map(str, bad))} "
+                        f"in {policy!r}")
+    below = [s for s in sizes if s < var.min]
+    above = [s for s in sizes if s > var.max]
+    if below or above:
+        parts = ([f"{', '.join(map(str, below))} below min={var.min}"] if below else []) + (
+            [f"{', '.join(map(str, above))} above max={var.max}"] if above else [])
+        warnings.warn(f"{where}: sizes {' and '.join(parts)} of {var} are not compiled: no input "
+                      f"can have them (drop them, or change the LengthVar's bounds)",
+                      stacklevel=_user_stacklevel())
+    # max itself is always a bucket: every size the LengthVar accepts must have one.
     sizes = [s for s in sizes if var.min <= s < var.max]
     return tuple(sizes) + (var.max,)

@@ -37,7 +37,9 @@ def setups(draw, max_len=64):
     if draw(st.booleans()):
         budget = dict(batch_size=draw(st.integers(1, 12)))
     else:
-        budget = dict(max_tokens=draw(st.integers(1, 600)))
+        # At least max_len, so every bucket fits one row: a budget below a bucket in use is
+        # refused (test_max_tokens_below_a_bucket_in_use_is_refused).
+        budget = dict(max_tokens=draw(st.integers(max_len, 600)))
     return lengths, buckets.as_policy(policy), budget
 
 
@@ -133,6 +135,40 @@ def test_max_tokens_gives_short_buckets_big_batches():
     sizes = {(b.bucket_size, b.indices.size) for b in plan}
     assert sizes == {(16, 100), (128, 16), (128, 4), (1024, 2), (1024, 1)}
     assert buckets.batch_size_for(16, 2048) == 128 and buckets.batch_size_for(4096, 2048) == 1
+
+
+@pytest.mark.parametrize("lengths, policy, max_tokens, overflow, message", [
+    # The probe: examples longer than the budget used to get one-row batches over it silently.
+    ([2, 9, 3], [4, 16], 4, "error",
+     r"batch_plan: max_tokens: example 1 has length 9, whose bucket 16 is over the budget even "
+     r"as a batch of one row \(1 example in buckets over it\); expected max_tokens >= 16 \(the "
+     r"largest bucket in use\) or a policy whose buckets in use are <= max_tokens, received "
+     r"max_tokens=4"),
+    # A short example in a bucket above the budget is over it too (the cells are padded).
+    ([3, 1], [8, 16], 6, "error", r"example 0 has length 3, whose bucket 8 is over the budget"),
+    # Truncated over-long examples run in the largest bucket, which must fit.
+    ([2, 40, 50], [4, 16], 8, "truncate",
+     r"example 1 has length 40, whose bucket 16 .*\(2 examples in buckets over it\); expected "
+     r"max_tokens >= 16"),
+])
+def test_max_tokens_below_a_bucket_in_use_is_refused(lengths, policy, max_tokens, overflow,
+                                                      message):
+    with pytest.raises(ValueError, match=message):
+        buckets.batch_plan(lengths, policy, max_tokens=max_tokens, overflow=overflow)
+    with pytest.raises(ValueError, match=message):
+        buckets.batches(lengths, policy, max_tokens=max_tokens, overflow=overflow)
+
+
+def test_max_tokens_only_counts_buckets_in_use_and_exact_overflow_is_exempt():
+    # Bucket 1024 is over the budget, but no example is in it: nothing to refuse.
+    plan = buckets.batch_plan([3, 5, 7], [8, 1024], max_tokens=16, shuffle=False)
+    assert as_lists(plan) == [(8, [0, 1]), (8, [2])]
+    # overflow="exact" asks for a batch of its own at the example's length, whatever the budget.
+    plan = buckets.batch_plan([3, 40], [4, 16], max_tokens=16, overflow="exact", shuffle=False)
+    assert as_lists(plan) == [(4, [0]), (40, [1])]
+    # Under overflow="error" the over-long example is reported as such, not as over budget.
+    with pytest.raises(BucketOverflowError, match="example 1: expected a length <= 16"):
+        buckets.batch_plan([3, 40], [4, 16], max_tokens=8)
 
 
 def test_determinism_and_epochs():

@@ -363,3 +363,17 @@ def test_public_surface():
     for path in pathlib.Path(buckets.__file__).parent.glob("*.py"):
         src = path.read_text()
         assert not re.search(r"^\s*(import|from)\s+(jax|polyexec)\b", src, re.M), path
+
+
+def test_no_module_imports_another_modules_private_names():
+    # Shared helpers live under public names (argument checks in buckets/_checks.py, the batch
+    # planner's global_steps/exact_sizes in _batching.py): a leading underscore means "this
+    # module only", so an import of one from a sibling is a hidden coupling.
+    import ast
+    import pathlib
+
+    for path in pathlib.Path(buckets.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from .{node.module}"

@@ -48,6 +48,11 @@ CASES = [
      "args[1][2] = -2: lengths of 'T' must be >= 0"),
     ("length above T", (ones((2, 5)), np.array([3, 6], np.int32)), px.SpecError,
      "args[1][1] = 6: lengths of 'T' must be <= args[0].shape[1] = 5"),
+    # Checked as given: a cast to int32 first would read 2**32 + 3 as 3.
+    ("length beyond int32", (ones((2, 5)), np.array([2**32 + 3, 2], np.int64)), px.SpecError,
+     "args[1][0] = 4294967299: lengths of 'T' must be <= args[0].shape[1] = 5"),
+    ("Spec'd argument None", (None, ones(2, np.int32)), px.SpecError,
+     f"args[0]: expected an array for {F32}, received NoneType None"),
     ("too few arguments", (ones((2, 5)),), px.SpecError,
      "expected 2 positional arguments (one per in_specs entry), received 1"),
     ("too many arguments", (ones((2, 5)), ones(2, np.int32), 3), px.SpecError,
@@ -178,7 +183,12 @@ def test_in_specs_must_be_a_tuple():
     (lambda: px.LengthVar("2T", max=8), "LengthVar: name: expected an identifier, received '2T'"),
     (lambda: px.Spec("B T-1"),
      "Spec dims 'B T-1': expected length-variable names, LengthVars or ints, received 'T-1'"),
-], ids=["min", "max<min", "float max", "name", "dims"])
+    (lambda: px.LengthVar("T", max=2**31),
+     "LengthVar('T'): max: expected an int <= 2147483647 (sizes run as int32), received 2147483648"),
+    (lambda: px.Spec("T", "floaty"),
+     "Spec('T'): dtype: expected a numeric or bool dtype such as jnp.float32, jnp.int32 or "
+     "'bfloat16', received 'floaty'"),
+], ids=["min", "max<min", "float max", "name", "dims", "max beyond int32", "dtype"])
 def test_declaration_errors(make, message):
     with pytest.raises(px.SpecError) as info:
         make()
