@@ -263,6 +263,8 @@ OPS = [
      "bucketed: fn: expected a callable or a px.Plan, received int 5"),
     ("bucketed fn a string", lambda: px.bucketed("f", in_specs=(None,)), px.OptionError,
      "bucketed: fn: expected a callable or a px.Plan, received str 'f'"),
+    ("trace fn not callable", lambda: px.trace(5, px.Spec("T", jnp.float32)), px.OptionError,
+     "trace: fn: expected a callable, received int 5"),
 ]
 
 
