@@ -225,7 +225,9 @@ def logical_export(traced: Traced, names: Sequence[str], masking: bool) -> tuple
     if not names:
         return traced.exported, None
     try:
-        logical = _logical.rewrite(traced.jaxpr, names)
+        # The real sizes are the program's last inputs, in ``names`` order.
+        first = len(traced.jaxpr.jaxpr.invars) - len(names)
+        logical = _logical.rewrite(traced.jaxpr, {n: first + i for i, n in enumerate(names)})
         if not logical.unsupported:
             exported, _ = export_flat(logical.fn, traced.avals)
             return exported, None

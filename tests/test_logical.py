@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Callable
 
 import jax
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from jax import export, lax
 from jax.interpreters import mlir
 
+from polyexec import OptionError
 from polyexec._logical import Logical, Unsupported, rewrite
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +74,7 @@ class Program:
             return tuple(jax.tree_util.tree_leaves(case.fn(*args[:k])))
 
         self.program = jax.jit(flat).trace(*avals).jaxpr
-        self.logical: Logical = rewrite(self.program, case.names)
+        self.logical: Logical = rewrite(self.program, {n: k + i for i, n in enumerate(case.names)})
         self.exported = export.export(jax.jit(self.logical.fn))(*avals)
         self.exact = jax.jit(case.fn)
 
@@ -408,7 +410,7 @@ def test_unknown_primitive_on_a_length_axis_is_reported_with_its_line():
         y = jnp.sin(x)
         return (_mystery_p.bind(y),)        # the mystery line
     jaxpr, avals = _flat_program(f, [("T", 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert [u.primitive for u in logical.unsupported] == ["mystery_window"]
     (u,) = logical.unsupported
     assert u.where.startswith(f"{os.path.abspath(__file__)}:") and "# the mystery line" in u.where
@@ -424,17 +426,17 @@ def test_unknown_primitive_off_length_axes_passes_silently():
     def f(x):
         return (jnp.mean(x, 0), _mystery_p.bind(jnp.ones((3, 4))))
     jaxpr, _ = _flat_program(f, [("T", 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert logical.unsupported == ()
     assert logical.rewritten == 2       # dim_as_value and reduce_sum
 
 
 def test_a_program_without_length_sensitive_operations_is_left_alone():
     jaxpr, _ = _flat_program(lambda x: (jnp.tanh(x) * 2 + x.sum(1)[:, None],), [("T", 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert (logical.rewritten, logical.unsupported) == (0, ())
     jaxpr, _ = _flat_program(lambda x: (x * 2,), [(3, 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert (logical.rewritten, logical.unsupported) == (0, ())
 
 
@@ -460,3 +462,39 @@ def test_unsupported_is_a_value():
     u = Unsupported("fft", "f.py:3: `jnp.fft.rfft(x)`", "no rule for fft on a length axis")
     with pytest.raises(dataclasses.FrozenInstanceError):
         u.primitive = "x"
+
+
+def test_sizes_are_read_from_the_inputs_named_by_position():
+    """The real sizes need not be the last inputs: ``sizes_at`` names each one's position."""
+    (T, B) = export.symbolic_shape("T, B", constraints=["T <= 16", "B <= 8"])
+    avals = [jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((B, T), np.float32),
+             jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((3,), np.float32)]
+
+    def f(b, x, t, w):              # the sizes of B and T at inputs 0 and 2
+        return (jnp.sum(x, 1), jnp.mean(x, 0), w * 2)
+
+    jaxpr = jax.jit(f).trace(*avals).jaxpr
+    logical = rewrite(jaxpr, {"B": 0, "T": 2})
+    exported = export.export(jax.jit(logical.fn))(*avals)
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    padded = np.full((8, 16), np.nan, np.float32)
+    padded[:3, :5] = x
+    w = np.arange(3, dtype=np.float32)
+    sums, means, doubled = exported.call(np.int32(3), padded, np.int32(5), w)
+    np.testing.assert_allclose(np.asarray(sums)[:3], x.sum(1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(means)[:5], x.mean(0), rtol=1e-5)
+    np.testing.assert_array_equal(doubled, w * 2)
+    # Swapped positions read T's size as B's: the same call is then wrong.
+    swapped = export.export(jax.jit(rewrite(jaxpr, {"B": 2, "T": 0}).fn))(*avals)
+    _, means, _ = swapped.call(np.int32(3), padded, np.int32(5), w)
+    assert not np.allclose(np.asarray(means)[:5], x.mean(0), equal_nan=True)
+
+
+@pytest.mark.parametrize("sizes_at, received", [({"T": 0}, "input 0: float32[T]"), ({"T": 5}, "5"),
+                                                ({"T": "1"}, "'1'")])
+def test_sizes_at_must_name_int32_scalar_inputs(sizes_at, received):
+    jaxpr, _ = _flat_program(lambda x: (jnp.mean(x),), [("T",)])
+    with pytest.raises(OptionError, match=r"rewrite: sizes_at\['T'\]: expected the position of "
+                                          r"an int32 scalar input \(0\.\.1\), received "
+                                          + re.escape(received)):
+        rewrite(jaxpr, sizes_at)

@@ -16,7 +16,7 @@ import dataclasses
 import linecache
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -29,7 +29,7 @@ from jax._src import source_info_util
 from jax._src.export import shape_poly as _shape_poly
 from jax._src.lax import lax as _lax_internal
 
-from .._errors import OptionError
+from .._errors import OptionError, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,34 +583,39 @@ def register_rule(primitive, rule, *, override: bool = False) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, var_names: Sequence[str]) -> Logical:
+def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, int]) -> Logical:
     """The logical program of a symbolic flat program.
 
-    ``closed_jaxpr`` is the traced program; its last ``len(var_names)`` inputs are the int32
-    real sizes of ``var_names``, in order. The rewrite runs once, here (the user's Python does
-    not run again); ``Logical.fn`` replays its result and traces under the same symbolic
-    shapes, so it can be exported and compiled per bucket like the original.
+    ``closed_jaxpr`` is the traced program; ``sizes_at`` maps each length variable's name to
+    the position of the program input (an int32 scalar) that holds its real size. The rewrite
+    runs once, here (the user's Python does not run again); ``Logical.fn`` replays its result
+    and traces under the same symbolic shapes, so it can be exported and compiled per bucket
+    like the original.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> (T,) = jax.export.symbolic_shape("T, ", constraints=["T <= 64"])
-    >>> avals = [jax.ShapeDtypeStruct((T,), np.float32), jax.ShapeDtypeStruct((), np.int32)]
-    >>> program = jax.jit(lambda x, t: (jnp.mean(x),)).trace(*avals).jaxpr
-    >>> logical = rewrite(program, ["T"])
+    >>> avals = [jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((T,), np.float32)]
+    >>> program = jax.jit(lambda t, x: (jnp.mean(x),)).trace(*avals).jaxpr
+    >>> logical = rewrite(program, {"T": 0})      # T's real size is input 0
     >>> exported = jax.export.export(jax.jit(logical.fn))(*avals)
     >>> padded = np.array([1.0, 2.0, 3.0, np.nan], np.float32)   # real size 3, bucket 4
-    >>> float(exported.call(padded, np.int32(3))[0])
+    >>> float(exported.call(np.int32(3), padded)[0])
     2.0
     """
     jaxpr = closed_jaxpr.jaxpr
-    n = len(var_names)
-    if n > len(jaxpr.invars):
-        raise ValueError(f"rewrite: {n} length variables but only {len(jaxpr.invars)} inputs")
+    n = len(jaxpr.invars)
+    for name, at in sizes_at.items():
+        aval = jaxpr.invars[at].aval if is_int(at) and 0 <= at < n else None
+        if aval is None or getattr(aval, "shape", None) != () or aval.dtype != np.int32:
+            got = f"input {at}: {aval.str_short()}" if aval is not None else repr(at)
+            raise OptionError(f"rewrite: sizes_at[{name!r}]: expected the position of an int32 "
+                              f"scalar input (0..{n - 1}), received {got}")
     recorder = _Recorder()
     if not recorder.touched(jaxpr):
         return Logical(fn=_replay(closed_jaxpr), unsupported=(), rewritten=0)
 
     def logical(*args):
-        sizes = dict(zip(var_names, args[len(args) - n:]))
+        sizes = {name: args[at] for name, at in sizes_at.items()}
         return tuple(_eval_jaxpr(_Ctx(sizes, recorder), jaxpr, closed_jaxpr.consts, args))
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
