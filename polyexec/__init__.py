@@ -29,6 +29,7 @@ from ._dynamic import compact, loop_until, nonzero, partition
 from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
                       PolymorphismError, SpecError)
 from ._executor import Bucketed, BucketStats, Stats, bucketed
+from ._logical import register_rule
 from ._ops import arange_like, broadcast_like, reshape_like, sequence_mask
 from ._plan import Intermediate, Plan
 from ._segments import CutPoint, PartitionedPlan, Segment, trace
@@ -40,5 +41,5 @@ __all__ = [
     "broadcast_like", "arange_like", "forbid_compiles", "enable_persistent_cache",
     "disable_persistent_cache", "PolyexecError", "SpecError", "OptionError",
     "LengthOverflowError", "PolymorphismError", "CompileError", "compact", "nonzero",
-    "loop_until", "partition", "PartitionedPlan", "Segment", "CutPoint",
+    "loop_until", "partition", "PartitionedPlan", "Segment", "CutPoint", "register_rule",
 ]

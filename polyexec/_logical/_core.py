@@ -441,7 +441,8 @@ _REGISTRY_LOCK = threading.Lock()
 
 def _register(key, rule, *, structural: bool, origin: str, override: bool) -> None:
     with _REGISTRY_LOCK:
-        existing = _REGISTRY.get(key)
+        # A primitive object's rule would shadow one registered under its name: refused alike.
+        existing = _REGISTRY.get(key) if isinstance(key, str) else _lookup(key)
         if existing is not None and not override:
             name = key if isinstance(key, str) else key.name
             raise OptionError(
@@ -548,12 +549,14 @@ def register_rule(primitive, rule, *, override: bool = False) -> None:
     >>> _ = row_sum_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape[:-1], x.dtype))
     >>> mlir.register_lowering(row_sum_p, mlir.lower_fun(impl, multiple_results=False))
     >>> T = px.LengthVar("T", max=64)
-    >>> f = px.bucketed(row_sum_p.bind, in_specs=(px.Spec("3 T", jnp.float32),))
+    >>> def row_sums(x):            # x: (3, T)
+    ...     return row_sum_p.bind(x)
+    >>> f = px.bucketed(row_sums, in_specs=(px.Spec("3 T", jnp.float32),))
     >>> f.plan.padding_safe         # the padding would be summed: flagged
     False
     >>> px.register_rule(row_sum_p, lambda ctx, eqn, invals:
     ...     [row_sum_p.bind(ctx.fill_tail(invals[0], [invals[0].ndim - 1], 0.0))])
-    >>> g = px.bucketed(row_sum_p.bind, in_specs=(px.Spec("3 T", jnp.float32),))
+    >>> g = px.bucketed(row_sums, in_specs=(px.Spec("3 T", jnp.float32),))
     >>> g.plan.padding_safe
     True
     >>> g(np.ones((3, 5), np.float32)).tolist()  # runs padded to a bucket, sums the 5 real
