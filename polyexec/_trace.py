@@ -29,7 +29,8 @@ from jax._src import source_info_util
 from jax._src.export import shape_poly
 
 from ._bind import Signature
-from ._context import ConcreteSizeRequested, binding, describe_frame, is_library, user_frame
+from ._context import (ConcreteSizeRequested, binding, describe_frame, is_jax_internal,
+                       is_library, user_frame)
 from ._errors import PolyexecError
 from ._spec import LengthVar, symbolic_dims
 
@@ -180,8 +181,12 @@ def _probe_eq(self, other):
     caller = sys._getframe(1)
     if caller.f_code.co_name == "__ne__" and is_library(caller.f_code.co_filename):
         caller = caller.f_back
-    if is_library(caller.f_code.co_filename):
+    if is_jax_internal(caller.f_code.co_filename):
         return result   # JAX's own comparisons (caches, shape rules) are not the user's branch
+    while caller is not None and is_library(caller.f_code.co_filename):
+        caller = caller.f_back      # equinox's branch on a size, at the user's call into it
+    if caller is None:
+        return result
     if isinstance(other, shape_poly._DimExpr) and self.scope is not other.scope:
         return result
     if not isinstance(other, shape_poly._DimExpr) and not isinstance(other, (int, np.integer)):

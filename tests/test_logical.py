@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 
 import jax
@@ -25,6 +28,7 @@ from hypothesis import strategies as st
 from jax import export, lax
 from jax.interpreters import mlir
 
+import polyexec as px
 from polyexec import OptionError
 from polyexec._logical import Logical, Unsupported, rewrite
 
@@ -498,3 +502,121 @@ def test_sizes_at_must_name_int32_scalar_inputs(sizes_at, received):
                                           r"an int32 scalar input \(0\.\.1\), received "
                                           + re.escape(received)):
         rewrite(jaxpr, sizes_at)
+
+
+# --------------------------------------------------------------------------------------------
+# Verdicts name the user's line
+
+
+def _line_of(fn, marker: str) -> str:
+    """``file:line`` of the line of ``fn``'s source that carries ``marker``."""
+    lines, first = inspect.getsourcelines(fn)
+    return f"{os.path.abspath(__file__)}:{first + next(i for i, t in enumerate(lines) if marker in t)}"
+
+
+def _cholesky(m):
+    return jnp.linalg.cholesky(m @ m.T + m.shape[0] * jnp.eye(m.shape[0]))
+
+
+def test_a_scan_unrolled_over_a_length_names_the_users_line():
+    # JAX cannot unroll a scan over a symbolic length: it fails while lowering, after the
+    # trace, where the error's own traceback holds only JAX's frames.
+    T = px.LengthVar("T", max=32)                   # noqa: F841 - the Spec's T
+
+    def f(x):                                       # x: (T, 3, 3)
+        return lax.scan(lambda c, m: (c + _cholesky(m), None), jnp.zeros((3, 3)), x,
+                        unroll=3)[0]                # the unrolled scan
+
+    plan = px.trace(f, px.Spec("T 3 3", jnp.float32))
+    assert plan.reshaping_is_impossible
+    assert _line_of(f, "lambda c, m") in plan.reason, plan.reason
+
+
+def test_a_batched_map_over_a_length_names_the_users_line():
+    T = px.LengthVar("T", max=32)                   # noqa: F841 - the Spec's T
+
+    def f(x):                                       # x: (T, 4, 4)
+        return lax.map(_cholesky, x, batch_size=4)  # the batched map
+
+    plan = px.trace(f, px.Spec("T 4 4", jnp.float32))
+    assert plan.reshaping_is_impossible
+    assert _line_of(f, "# the batched map") in plan.reason, plan.reason
+
+
+def test_an_op_without_a_rule_inside_an_unrolled_scan_names_the_users_line():
+    # A scan over a fixed axis, unrolled, reading a length axis with no rule inside.
+    T = px.LengthVar("T", max=32)                   # noqa: F841 - the Spec's T
+
+    def f(x):                                       # x: (5, T, T)
+        return lax.scan(lambda c, m: (c, _cholesky(m)), 0.0, x, unroll=3)[1]
+
+    plan = px.trace(f, px.Spec("5 T T", jnp.float32))
+    assert plan.reason is None and not plan.padding_safe
+    assert _line_of(_cholesky, "jnp.linalg.cholesky") in plan.padding_reason, \
+        plan.padding_reason
+    assert "cholesky" in plan.padding_reason
+
+
+_SCRIPT = """
+import jax.numpy as jnp
+import polyexec as px
+import equinox as eqx                  # after polyexec: still a library, not the user's code
+from polyexec import _context
+
+assert _context.is_library(eqx.__file__) and _context.is_library(eqx.nn.__file__)
+T = px.LengthVar("T", min=2, max=32)
+rope = eqx.nn.RotaryPositionalEmbedding(8)
+pool = eqx.nn.MaxPool1d(2, 2, use_ceil=True)
+
+
+def rotated(x):
+    return rope(x)                     # the rope line
+
+
+def pooled(x):
+    return pool(x)                     # the pool line
+
+
+print(px.trace(rotated, px.Spec("T 8", jnp.float32)).reason)
+print(px.trace(pooled, px.Spec("3 T", jnp.float32)).reason)
+"""
+
+
+def test_equinox_imported_after_polyexec_is_a_library(tmp_path):
+    script = tmp_path / "model.py"
+    script.write_text(_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": root}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rope_reason, pool_reason = done.stdout.strip().splitlines()[-2:]
+    lines = _SCRIPT.splitlines()
+    for reason, marker in ((rope_reason, "# the rope line"), (pool_reason, "# the pool line")):
+        lineno = next(i for i, t in enumerate(lines) if marker in t) + 1
+        assert f"{script}:{lineno}" in reason and f"{os.sep}equinox{os.sep}" not in reason, reason
+
+
+def test_a_vmapped_while_over_a_length_is_exact_not_flagged():
+    # jax.vmap of a while whose condition reads the batched values gives a while whose
+    # predicate is bool[T]. Padding lanes (NaN) would keep `~(c >= x)` true forever: their
+    # predicate must be false (if it were not, this test would hang rather than fail).
+    T = px.LengthVar("T", max=32)
+
+    def steps_to_reach(x):                          # x: (T, 2)
+        def per_row(row):
+            def cond(state):
+                i, c = state
+                return ~(c >= row[0] * 4)
+            return lax.while_loop(cond, lambda s: (s[0] + 1, s[1] + jnp.abs(row[1]) + 0.5),
+                                  (0, 0.0))
+        counts, reached = jax.vmap(per_row)(x)
+        return counts, reached, jnp.sum(counts), jnp.max(reached)
+
+    f = px.bucketed(steps_to_reach, in_specs=(px.Spec("T 2", jnp.float32, pad=np.nan),),
+                    buckets={T: [8, 32]})
+    assert f.plan.padding_safe, f.plan.padding_reason
+    for t in (1, 5, 8, 13):
+        x = np.random.default_rng(t).uniform(0, 3, (t, 2)).astype(np.float32)
+        for got, want in zip(f(x), jax.jit(steps_to_reach)(x)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6,
+                                       err_msg=f"at T={t}")

@@ -29,6 +29,7 @@ from jax._src import source_info_util
 from jax._src.export import shape_poly as _shape_poly
 from jax._src.lax import lax as _lax_internal
 
+from .._context import is_library
 from .._errors import OptionError, is_int
 
 
@@ -210,7 +211,11 @@ class _Recorder:
         return _jaxpr_touches(getattr(jaxpr, "jaxpr", jaxpr), self.touches)
 
 def _where(eqn) -> str | None:
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    """The user's line that made an equation: the innermost frame outside JAX and the other
+    libraries polyexec knows (equinox's modules, polyexec itself), which JAX's own
+    ``user_frame`` would name."""
+    frame = next((f for f in source_info_util.user_frames(eqn.source_info.traceback)
+                  if not is_library(f.file_name)), None)
     if frame is None:
         return None
     line = linecache.getline(frame.file_name, frame.start_line).strip()
