@@ -30,6 +30,7 @@ from ._dynamic import compact, loop_until, nonzero, partition
 from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
                       PolymorphismError, SpecError)
 from ._executor import Bucketed, BucketStats, Stats, bucketed
+from ._logical import register_rule
 from ._ops import arange_like, broadcast_like, reshape_like, sequence_mask
 from ._plan import CutPoint, Intermediate, Plan, Segment, Verdict
 from ._planner import trace
@@ -41,5 +42,5 @@ __all__ = [
     "broadcast_like", "arange_like", "forbid_compiles", "enable_persistent_cache",
     "disable_persistent_cache", "PolyexecError", "SpecError", "OptionError",
     "LengthOverflowError", "PolymorphismError", "CompileError", "compact", "nonzero",
-    "loop_until", "partition", "Segment", "CutPoint", "Verdict",
+    "loop_until", "partition", "Segment", "CutPoint", "Verdict", "register_rule",
 ]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import os
 import sys
 import threading
@@ -102,25 +104,59 @@ def max_length(var: LengthVar | str) -> int:
     return b.bucket[name]
 
 
-# Frames inside these directories are never "the user's line".
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in [sys.modules.get(n) for n in ("jax", "jaxlib", "numpy", "equinox")]
-    if m is not None and getattr(m, "__file__", None)
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+# Packages whose frames are never "the user's line", found where they are installed (not
+# imported: equinox imported after polyexec is as much a library as one imported before).
+_LIBRARIES = ("jax", "jaxlib", "numpy", "equinox", "optax")
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    for name in _LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            dirs.append(os.path.abspath(location))
+    # A frame's file name is the path it was imported by; a symlinked install has two.
+    return tuple({p + os.sep for d in dirs for p in (d, os.path.realpath(d))})
 
 
 def is_library(filename: str) -> bool:
     path = os.path.abspath(filename)
     in_stdlib = path.startswith(_STDLIB_DIR) and "site-packages" not in path
-    return path.startswith(_LIBRARY_DIRS) or in_stdlib or filename.startswith("<frozen")
+    return path.startswith(_library_dirs()) or in_stdlib or filename.startswith("<frozen")
+
+
+def is_jax_internal(filename: str) -> bool:
+    """Frames of JAX, NumPy, polyexec and the standard library: a size comparison made there
+    is a cache key or a shape rule, never a branch of the user's model (one made by equinox
+    or optax code the user calls is: a pooling layer choosing its padding)."""
+    path = os.path.abspath(filename)
+    return is_library(filename) and not path.startswith(_branching_library_dirs())
+
+
+@functools.cache
+def _branching_library_dirs() -> tuple[str, ...]:
+    return tuple(d for d in _library_dirs()
+                 if any(d.rstrip(os.sep).endswith(os.sep + n) for n in ("equinox", "optax")))
 
 
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost frame of user code in an exception's traceback."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not is_library(f.filename)]
-    return frames[-1] if frames else None
+    """The innermost frame of user code in an exception's traceback; else in the traceback of
+    the JAX operation it came from: an error raised while JAX lowers or transforms an equation
+    (a ``scan`` unrolled over a symbolic length) has no user frame of its own, and JAX chains
+    the equation's source traceback as its ``__cause__``."""
+    error: BaseException | None = exc
+    while error is not None:
+        frames = [f for f in traceback.extract_tb(error.__traceback__)
+                  if not is_library(f.filename)]
+        if frames:
+            return frames[-1]
+        error = error.__cause__
+    return None
 
 
 def describe_frame(frame: traceback.FrameSummary | None) -> str:

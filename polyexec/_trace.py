@@ -28,7 +28,8 @@ from jax import export
 from jax._src import source_info_util
 from jax._src.export import shape_poly
 
-from ._context import ConcreteSizeRequested, binding, describe_frame, is_library, user_frame
+from ._context import (ConcreteSizeRequested, binding, describe_frame, is_jax_internal,
+                       is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
 from ._spec import symbolic_dims
@@ -178,8 +179,12 @@ def _comparing_frame(frame):
 
 def _record_comparison(frame, records: list) -> None:
     caller = _comparing_frame(frame)
-    if caller is None or is_library(caller.f_code.co_filename):
+    if caller is None or is_jax_internal(caller.f_code.co_filename):
         return   # JAX's own comparisons (caches, shape rules) are not the user's branch
+    while caller is not None and is_library(caller.f_code.co_filename):
+        caller = caller.f_back      # equinox's branch on a size, at the user's call into it
+    if caller is None:
+        return
     self, other = frame.f_locals.get("self"), frame.f_locals.get("other")
     if isinstance(other, shape_poly._DimExpr):
         if self.scope is not other.scope:

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 
 import jax
@@ -24,6 +28,8 @@ from hypothesis import strategies as st
 from jax import export, lax
 from jax.interpreters import mlir
 
+import polyexec as px
+from polyexec import OptionError
 from polyexec._logical import Logical, Unsupported, rewrite
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +78,7 @@ class Program:
             return tuple(jax.tree_util.tree_leaves(case.fn(*args[:k])))
 
         self.program = jax.jit(flat).trace(*avals).jaxpr
-        self.logical: Logical = rewrite(self.program, case.names)
+        self.logical: Logical = rewrite(self.program, {n: k + i for i, n in enumerate(case.names)})
         self.exported = export.export(jax.jit(self.logical.fn))(*avals)
         self.exact = jax.jit(case.fn)
 
@@ -408,7 +414,7 @@ def test_unknown_primitive_on_a_length_axis_is_reported_with_its_line():
         y = jnp.sin(x)
         return (_mystery_p.bind(y),)        # the mystery line
     jaxpr, avals = _flat_program(f, [("T", 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert [u.primitive for u in logical.unsupported] == ["mystery_window"]
     (u,) = logical.unsupported
     assert u.where.startswith(f"{os.path.abspath(__file__)}:") and "# the mystery line" in u.where
@@ -424,17 +430,17 @@ def test_unknown_primitive_off_length_axes_passes_silently():
     def f(x):
         return (jnp.mean(x, 0), _mystery_p.bind(jnp.ones((3, 4))))
     jaxpr, _ = _flat_program(f, [("T", 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert logical.unsupported == ()
     assert logical.rewritten == 2       # dim_as_value and reduce_sum
 
 
 def test_a_program_without_length_sensitive_operations_is_left_alone():
     jaxpr, _ = _flat_program(lambda x: (jnp.tanh(x) * 2 + x.sum(1)[:, None],), [("T", 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert (logical.rewritten, logical.unsupported) == (0, ())
     jaxpr, _ = _flat_program(lambda x: (x * 2,), [(3, 4)])
-    logical = rewrite(jaxpr, ["T"])
+    logical = rewrite(jaxpr, {"T": 1})
     assert (logical.rewritten, logical.unsupported) == (0, ())
 
 
@@ -460,3 +466,157 @@ def test_unsupported_is_a_value():
     u = Unsupported("fft", "f.py:3: `jnp.fft.rfft(x)`", "no rule for fft on a length axis")
     with pytest.raises(dataclasses.FrozenInstanceError):
         u.primitive = "x"
+
+
+def test_sizes_are_read_from_the_inputs_named_by_position():
+    """The real sizes need not be the last inputs: ``sizes_at`` names each one's position."""
+    (T, B) = export.symbolic_shape("T, B", constraints=["T <= 16", "B <= 8"])
+    avals = [jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((B, T), np.float32),
+             jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((3,), np.float32)]
+
+    def f(b, x, t, w):              # the sizes of B and T at inputs 0 and 2
+        return (jnp.sum(x, 1), jnp.mean(x, 0), w * 2)
+
+    jaxpr = jax.jit(f).trace(*avals).jaxpr
+    logical = rewrite(jaxpr, {"B": 0, "T": 2})
+    exported = export.export(jax.jit(logical.fn))(*avals)
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    padded = np.full((8, 16), np.nan, np.float32)
+    padded[:3, :5] = x
+    w = np.arange(3, dtype=np.float32)
+    sums, means, doubled = exported.call(np.int32(3), padded, np.int32(5), w)
+    np.testing.assert_allclose(np.asarray(sums)[:3], x.sum(1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(means)[:5], x.mean(0), rtol=1e-5)
+    np.testing.assert_array_equal(doubled, w * 2)
+    # Swapped positions read T's size as B's: the same call is then wrong.
+    swapped = export.export(jax.jit(rewrite(jaxpr, {"B": 2, "T": 0}).fn))(*avals)
+    _, means, _ = swapped.call(np.int32(3), padded, np.int32(5), w)
+    assert not np.allclose(np.asarray(means)[:5], x.mean(0), equal_nan=True)
+
+
+@pytest.mark.parametrize("sizes_at, received", [({"T": 0}, "input 0: float32[T]"), ({"T": 5}, "5"),
+                                                ({"T": "1"}, "'1'")])
+def test_sizes_at_must_name_int32_scalar_inputs(sizes_at, received):
+    jaxpr, _ = _flat_program(lambda x: (jnp.mean(x),), [("T",)])
+    with pytest.raises(OptionError, match=r"rewrite: sizes_at\['T'\]: expected the position of "
+                                          r"an int32 scalar input \(0\.\.1\), received "
+                                          + re.escape(received)):
+        rewrite(jaxpr, sizes_at)
+
+
+# --------------------------------------------------------------------------------------------
+# Verdicts name the user's line
+
+
+def _line_of(fn, marker: str) -> str:
+    """``file:line`` of the line of ``fn``'s source that carries ``marker``."""
+    lines, first = inspect.getsourcelines(fn)
+    return f"{os.path.abspath(__file__)}:{first + next(i for i, t in enumerate(lines) if marker in t)}"
+
+
+def _cholesky(m):
+    return jnp.linalg.cholesky(m @ m.T + m.shape[0] * jnp.eye(m.shape[0]))
+
+
+def test_a_scan_unrolled_over_a_length_names_the_users_line():
+    # JAX cannot unroll a scan over a symbolic length: it fails while lowering, after the
+    # trace, where the error's own traceback holds only JAX's frames.
+    T = px.LengthVar("T", max=32)                   # noqa: F841 - the Spec's T
+
+    def f(x):                                       # x: (T, 3, 3)
+        return lax.scan(lambda c, m: (c + _cholesky(m), None), jnp.zeros((3, 3)), x,
+                        unroll=3)[0]                # the unrolled scan
+
+    plan = px.trace(f, px.Spec("T 3 3", jnp.float32))
+    assert plan.reshaping_is_impossible
+    assert _line_of(f, "lambda c, m") in plan.reason, plan.reason
+
+
+def test_a_batched_map_over_a_length_names_the_users_line():
+    T = px.LengthVar("T", max=32)                   # noqa: F841 - the Spec's T
+
+    def f(x):                                       # x: (T, 4, 4)
+        return lax.map(_cholesky, x, batch_size=4)  # the batched map
+
+    plan = px.trace(f, px.Spec("T 4 4", jnp.float32))
+    assert plan.reshaping_is_impossible
+    assert _line_of(f, "# the batched map") in plan.reason, plan.reason
+
+
+def test_an_op_without_a_rule_inside_an_unrolled_scan_names_the_users_line():
+    # A scan over a fixed axis, unrolled, reading a length axis with no rule inside.
+    T = px.LengthVar("T", max=32)                   # noqa: F841 - the Spec's T
+
+    def f(x):                                       # x: (5, T, T)
+        return lax.scan(lambda c, m: (c, _cholesky(m)), 0.0, x, unroll=3)[1]
+
+    plan = px.trace(f, px.Spec("5 T T", jnp.float32))
+    assert plan.reason is None and not plan.padding_safe
+    assert _line_of(_cholesky, "jnp.linalg.cholesky") in plan.padding_reason, \
+        plan.padding_reason
+    assert "cholesky" in plan.padding_reason
+
+
+_SCRIPT = """
+import jax.numpy as jnp
+import polyexec as px
+import equinox as eqx                  # after polyexec: still a library, not the user's code
+from polyexec import _context
+
+assert _context.is_library(eqx.__file__) and _context.is_library(eqx.nn.__file__)
+T = px.LengthVar("T", min=2, max=32)
+rope = eqx.nn.RotaryPositionalEmbedding(8)
+pool = eqx.nn.MaxPool1d(2, 2, use_ceil=True)
+
+
+def rotated(x):
+    return rope(x)                     # the rope line
+
+
+def pooled(x):
+    return pool(x)                     # the pool line
+
+
+print(px.trace(rotated, px.Spec("T 8", jnp.float32)).reason)
+print(px.trace(pooled, px.Spec("3 T", jnp.float32)).reason)
+"""
+
+
+def test_equinox_imported_after_polyexec_is_a_library(tmp_path):
+    script = tmp_path / "model.py"
+    script.write_text(_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": root}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rope_reason, pool_reason = done.stdout.strip().splitlines()[-2:]
+    lines = _SCRIPT.splitlines()
+    for reason, marker in ((rope_reason, "# the rope line"), (pool_reason, "# the pool line")):
+        lineno = next(i for i, t in enumerate(lines) if marker in t) + 1
+        assert f"{script}:{lineno}" in reason and f"{os.sep}equinox{os.sep}" not in reason, reason
+
+
+def test_a_vmapped_while_over_a_length_is_exact_not_flagged():
+    # jax.vmap of a while whose condition reads the batched values gives a while whose
+    # predicate is bool[T]. Padding lanes (NaN) would keep `~(c >= x)` true forever: their
+    # predicate must be false (if it were not, this test would hang rather than fail).
+    T = px.LengthVar("T", max=32)
+
+    def steps_to_reach(x):                          # x: (T, 2)
+        def per_row(row):
+            def cond(state):
+                i, c = state
+                return ~(c >= row[0] * 4)
+            return lax.while_loop(cond, lambda s: (s[0] + 1, s[1] + jnp.abs(row[1]) + 0.5),
+                                  (0, 0.0))
+        counts, reached = jax.vmap(per_row)(x)
+        return counts, reached, jnp.sum(counts), jnp.max(reached)
+
+    f = px.bucketed(steps_to_reach, in_specs=(px.Spec("T 2", jnp.float32, pad=np.nan),),
+                    buckets={T: [8, 32]})
+    assert f.plan.padding_safe, f.plan.padding_reason
+    for t in (1, 5, 8, 13):
+        x = np.random.default_rng(t).uniform(0, 3, (t, 2)).astype(np.float32)
+        for got, want in zip(f(x), jax.jit(steps_to_reach)(x)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6,
+                                       err_msg=f"at T={t}")

@@ -1,0 +1,48 @@
+"""Logical-length execution: rewrite the symbolic program so padding never changes a result.
+
+polyexec traces a function once with symbolic lengths (``T``, ``B``) and runs that one program
+at every bucket: each symbolic dimension is bound to the bucket's (physical) size while the real
+(pre-padding) size of each length variable arrives as an int32 scalar input. Plain JAX code
+that does not mask -- ``jnp.mean(x, 0)``, softmax, ``jnp.flip``, ``x[-1]``, a scan's final
+carry, attention, ``x.shape[0]`` used as a value -- would silently compute over the padding.
+`rewrite` turns the traced program into its *logical* program, once, equation by equation.
+
+The invariant
+-------------
+Every axis whose size is a symbolic dimension expression ``d`` (a *length axis*) has a logical
+length: ``d`` evaluated at the real sizes (``T`` -> t, ``T - 1`` -> t - 1, ``2*T`` -> 2t).
+**Values beyond the logical length of any axis are "don't care"** (inputs' padding may hold
+NaN/inf, and so may anything computed from it). Each rule guarantees that the logical
+positions of its outputs are computed from logical positions of its inputs only, exactly as the
+same primitive computes them at the exact size. By induction the logical prefix of every program
+output equals the exact-size result; the caller slices outputs back to their logical lengths.
+
+Masks are ``select``s on ``iota < logical_length`` -- never a multiply, since ``0 * inf`` is
+NaN -- and are only built where an equation actually reads across a length axis, so a program
+with no length-sensitive operation is left as it is.
+
+Rules, by family (each registered next to its definition, like JAX's batching rules)
+-------------------------------------------------------------------------------------
+- `_pointwise`: elementwise and layout primitives pass through; ``dim_as_value``.
+- `_reductions`: reductions (tail -> identity) and cumulative ones.
+- `_structure`: ``rev``, ``tile``, ``sort``, ``top_k``, ``reshape``, ``slice``, ``split``,
+  ``concatenate``, ``pad``.
+- `_indexing`: ``dynamic_slice``, ``dynamic_update_slice``, ``gather``, ``scatter*``.
+- `_contractions`: ``dot_general``, ``conv_general_dilated``, ``reduce_window*``,
+  ``select_and_{scatter,gather}_add``.
+- `_control`: ``scan``, ``while``, ``cond`` and the call-likes (structural: they recurse).
+- `_core`: the evaluation context, the interpreter, the registry, `rewrite`;
+  `register_rule` (``px.register_rule``) adds a rule for a primitive polyexec does not know.
+
+An equation that touches a length axis (an aval or a parameter holds a symbolic dimension) and
+has no rule is recorded as `Unsupported` with the user's line, and runs unchanged. So is one
+whose result has a length that can exceed its bucket size (``16 - T``): such a value has no
+room for its logical positions.
+"""
+
+# The families register their rules as they are imported; `rewrite` is only reachable through
+# this package, so it always sees the full registry.
+from . import _contractions, _control, _indexing, _pointwise, _reductions, _structure  # noqa: F401
+from ._core import Logical, RuleContext, Unsupported, register_rule, rewrite
+
+__all__ = ["Logical", "RuleContext", "Unsupported", "register_rule", "rewrite"]

@@ -1,0 +1,165 @@
+"""Rules for contractions and windows: ``dot_general``, convolutions, windowed reductions and
+the max-pooling derivatives.
+
+- ``dot_general``: contracted length axes are zeroed on both operands; batch/free axes pass.
+- ``conv_general_dilated``, ``reduce_window*``, ``select_and_{scatter,gather}_add``: the tail
+  becomes the padding value; when the low padding is itself a length expression (SAME with a
+  stride) the padded operand is built explicitly with the logical low padding, so the zero (or
+  identity) padding sits at the logical ends.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+from ._core import (_NoRule, _bind_with, _fill_tail, _has_sym, _highest, _iota, _is_sym, _lowest,
+                    _place, _rule, _take)
+
+
+@_rule("dot_general")
+def _dot_general(ctx, eqn, invals):
+    lhs, rhs = invals
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    pairs = [(a, b) for a, b in zip(lc, rc) if _is_sym(lhs.shape[a]) or _is_sym(rhs.shape[b])]
+    if not pairs:
+        return None         # batch and free length axes are per position
+    lhs = _fill_tail(ctx, lhs, [a for a, _ in pairs], 0)
+    rhs = _fill_tail(ctx, rhs, [b for _, b in pairs], 0)
+    return _bind_with(eqn, [lhs, rhs])
+
+
+@_rule("conv_general_dilated")
+def _conv(ctx, eqn, invals):
+    lhs, rhs = invals
+    p = eqn.params
+    lhs_spec, rhs_spec, _ = p["dimension_numbers"]
+    fg, bg = p["feature_group_count"], p["batch_group_count"]
+    changed = False
+    if _is_sym(lhs.shape[lhs_spec[1]]) or _is_sym(rhs.shape[rhs_spec[1]]):
+        if fg != 1 or bg != 1:
+            raise _NoRule("grouped convolution over length features")
+        lhs = _fill_tail(ctx, lhs, (lhs_spec[1],), 0)
+        rhs = _fill_tail(ctx, rhs, (rhs_spec[1],), 0)
+        changed = True
+    if ((bg != 1 and _is_sym(lhs.shape[lhs_spec[0]]))
+            or (fg != 1 and _is_sym(rhs.shape[rhs_spec[0]]))):
+        raise _NoRule("grouped convolution over a length axis")
+    padding, lhs_dilation = list(p["padding"]), list(p["lhs_dilation"])
+    for i, (la, ra) in enumerate(zip(lhs_spec[2:], rhs_spec[2:])):
+        if _is_sym(rhs.shape[ra]):
+            rhs = _fill_tail(ctx, rhs, (ra,), 0)
+            changed = True
+        lo, hi = padding[i]
+        if not _is_sym(lo):
+            if _is_sym(lhs.shape[la]):
+                # The tail becomes zeros: the zero padding then starts at the logical end.
+                lhs = _fill_tail(ctx, lhs, (la,), 0)
+                changed = True
+        else:
+            # SAME with a stride: the low padding depends on the length. Build the padded
+            # operand with the logical low padding and convolve it unpadded.
+            n, ld = lhs.shape[la], lhs_dilation[i]
+            lhs = _place(ctx, lhs, la, lo, ld - 1, (n - 1) * ld + 1 + lo + hi, 0)
+            padding[i], lhs_dilation[i] = (0, 0), 1
+            changed = True
+    if not changed:
+        return None
+    return _bind_with(eqn, [lhs, rhs], padding=tuple(padding), lhs_dilation=tuple(lhs_dilation))
+
+
+_WINDOW_IDENTITY = {"reduce_window_sum": lambda dt: 0, "reduce_window_max": _lowest,
+                    "reduce_window_min": _highest}
+
+
+def _windowed(ctx, operands, fills, p, dilation_key):
+    """Shared by the windowed reductions: every operand's tail becomes its fill (the padding
+    value), and a length-dependent low padding is built explicitly. Returns the operands and
+    the new padding/dilation, or None when nothing reads across a length axis."""
+    if any(_is_sym(w) for w in p["window_dimensions"]):
+        raise _NoRule("a window whose size is a length")
+    padding = list(p["padding"])
+    dilation = list(p[dilation_key]) if dilation_key else [1] * len(padding)
+    changed = False
+    for a, (lo, hi) in enumerate(padding):
+        n = operands[0].shape[a]
+        if not _is_sym(lo):
+            if _is_sym(n):
+                operands = [_fill_tail(ctx, x, (a,), f) for x, f in zip(operands, fills)]
+                changed = True
+        else:
+            size = (n - 1) * dilation[a] + 1 + lo + hi
+            operands = [_place(ctx, x, a, lo, dilation[a] - 1, size, f)
+                        for x, f in zip(operands, fills)]
+            padding[a], dilation[a] = (0, 0), 1
+            changed = True
+    return (operands, tuple(padding), tuple(dilation)) if changed else None
+
+
+@_rule(*_WINDOW_IDENTITY)
+def _reduce_window_fixed(ctx, eqn, invals):
+    (x,) = invals
+    fill = _WINDOW_IDENTITY[eqn.primitive.name](x.dtype)
+    done = _windowed(ctx, [x], [fill], eqn.params, "base_dilation")
+    if done is None:
+        return None
+    (x,), padding, base_dilation = done
+    return _bind_with(eqn, [x], padding=padding, base_dilation=base_dilation)
+
+
+@_rule("reduce_window")
+def _reduce_window(ctx, eqn, invals):
+    n = len(invals) // 2
+    operands, inits = invals[:n], invals[n:]
+    done = _windowed(ctx, operands, inits, eqn.params, "base_dilation")
+    if done is None:
+        return None
+    operands, padding, base_dilation = done
+    return _bind_with(eqn, [*operands, *inits], padding=padding, base_dilation=base_dilation)
+
+
+def _select_fill(eqn, dtype):
+    prim = eqn.params["select_prim"]
+    if prim is lax.ge_p or prim is lax.gt_p:
+        return _lowest(dtype)
+    if prim is lax.le_p or prim is lax.lt_p:
+        return _highest(dtype)
+    raise _NoRule(f"select_prim {prim}")
+
+
+@_rule("select_and_gather_add")
+def _select_and_gather_add(ctx, eqn, invals):
+    # The JVP of max pooling: the tangent at each window's selected position. The operand's
+    # tail loses every selection; the tangents' tail is zero anyway.
+    tangents, operand = invals
+    fills = [0, _select_fill(eqn, operand.dtype)]
+    done = _windowed(ctx, [tangents, operand], fills, eqn.params, "base_dilation")
+    if done is None:
+        return None
+    (tangents, operand), padding, base_dilation = done
+    return _bind_with(eqn, [tangents, operand], padding=padding, base_dilation=base_dilation)
+
+
+@_rule("select_and_scatter_add")
+def _select_and_scatter_add(ctx, eqn, invals):
+    # The transpose of max pooling: each window's cotangent (``source``) is added at the
+    # window's selected position of ``operand``. Cotangents of windows beyond the logical
+    # output become zero; the operand's tail loses every selection.
+    source, operand = invals
+    changed = False
+    if _has_sym(source.shape):
+        source = _fill_tail(ctx, source, range(source.ndim), 0)
+        changed = True
+    fill = _select_fill(eqn, operand.dtype)
+    done = _windowed(ctx, [operand], [fill], eqn.params, None)
+    if done is None:
+        return _bind_with(eqn, [source, operand]) if changed else None
+    (padded,), padding, _ = done
+    (out,) = _bind_with(eqn, [source, padded], padding=padding)
+    # Where the operand was padded explicitly, read the result back at the logical offset.
+    for a, (lo, _) in enumerate(eqn.params["padding"]):
+        if _is_sym(lo):
+            n = operand.shape[a]
+            out = _take(ctx, out, _iota((n,), 0) + ctx.length(lo), a)
+    return [out]
+
+

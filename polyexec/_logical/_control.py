@@ -1,0 +1,125 @@
+"""Rules for control flow and calls: they recurse into the equation's programs, so they are
+registered as *structural* (the equations inside count, not the container).
+
+- ``scan`` with a symbolic ``length``: a ``while`` loop over the logical length only (from the
+  logical end when ``reverse=True``), so the tail is never computed; a ``cond`` per step
+  measured 1.6-2.8x slower than plain padding on a GRU backward pass, a ``select`` freezing the
+  carry 0-20%.
+- ``while`` with a batched predicate (``jax.vmap`` of a loop): lanes beyond a logical length
+  are made false, so the loop ends when the real lanes do, as at the exact size.
+- ``while``, ``cond``, and the call-like primitives (``jit``, ``closed_call``, ``core_call``,
+  ``remat2``, ``custom_jvp_call``, ``custom_vjp_call``) recurse into their programs; calls are
+  inlined (the logical program is run, not differentiated again).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._core import _eval_closed, _fill_tail, _full, _is_sym, _rule
+
+
+@_rule("scan", structural=True)
+def _scan(ctx, eqn, invals):
+    p = eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    length = p["length"]
+    body = p["jaxpr"]
+    if not _is_sym(length):
+        if not ctx.recorder.touched(body):
+            return None
+
+        def step(carry, x):
+            out = _eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
+            return out[:ncarry], out[ncarry:]
+
+        carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=p["reverse"],
+                             unroll=p["unroll"])
+        return [*carry, *ys]
+    # A scan over a length axis runs for the logical length only, as a while loop (what
+    # lax.scan lowers to anyway): the carry is never touched by the tail, which is not even
+    # computed -- cheaper than a padded scan, where a `select` freezing the carry per step
+    # measured up to 20% slower on the GRU train step. Reverse scans start at the logical end.
+    stop = ctx.length(length)
+    ys_avals = [v.aval for v in eqn.outvars[ncarry:]]
+    ys0 = [_full(a.shape, 0, a.dtype) for a in ys_avals]
+
+    def cond(state):
+        return state[0] < stop
+
+    def loop(state):
+        i, carry, ys = state
+        at = stop - 1 - i if p["reverse"] else i
+        x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
+        out = _eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
+        ys = [lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 0)
+              for y, v in zip(ys, out[ncarry:])]
+        return i + 1, list(out[:ncarry]), ys
+
+    _, carry, ys = lax.while_loop(cond, loop, (np.int32(0), list(init), ys0))
+    ctx.recorder.rewritten.add(id(eqn))
+    return [*carry, *ys]
+
+
+@_rule("while", structural=True)
+def _while(ctx, eqn, invals):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    if not ctx.recorder.touched(p["cond_jaxpr"]) and not ctx.recorder.touched(p["body_jaxpr"]):
+        # Length-axis carries with no length-sensitive operation inside: per position.
+        return None
+
+    def pred(c):
+        return _eval_closed(ctx.child(eqn), p["cond_jaxpr"], [*cconsts, *c])[0]
+
+    def body(c):
+        return _eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c])
+
+    if not eqn.params["cond_jaxpr"].out_avals[0].shape:
+        return list(lax.while_loop(pred, body, list(init)))
+    # A batched predicate (``jax.vmap`` of a while whose condition reads the batched values):
+    # one predicate per lane, over the carries' leading axes; the loop runs while any lane
+    # does and a lane's carries stop changing once its predicate is false, as JAX lowers it.
+    # The lanes beyond a logical length are made false, so padding (NaN, inf) can neither
+    # keep the loop running -- forever, for a condition like ``~(c >= x)`` -- nor count.
+    def lanes(c):
+        live = pred(c)
+        return _fill_tail(ctx, live, range(live.ndim), False)
+
+    def step(c):
+        live, new = lanes(c), body(c)
+        return [lax.select(lax.broadcast_in_dim(live, jnp.shape(n), tuple(range(live.ndim))),
+                           n, old) for n, old in zip(new, c)]
+
+    return list(lax.while_loop(lambda c: jnp.any(lanes(c)), step, list(init)))
+
+
+@_rule("cond", structural=True)
+def _cond(ctx, eqn, invals):
+    branches = eqn.params["branches"]
+    if not any(ctx.recorder.touched(b) for b in branches):
+        return None
+    index, *ops = invals
+    fns = [functools.partial(lambda br, *a: _eval_closed(ctx.child(eqn), br, a), br)
+           for br in branches]
+    return list(lax.switch(index, fns, *ops))
+
+
+def _call(key):
+    def rule(ctx, eqn, invals):
+        # Inlined: the logical program is exported and run, never differentiated again, so
+        # custom derivative rules have nothing left to do.
+        return _eval_closed(ctx.child(eqn), eqn.params[key], invals)
+    return rule
+
+
+_rule("jit", "pjit", "remat2", "checkpoint", structural=True)(_call("jaxpr"))
+_rule("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+      structural=True)(_call("call_jaxpr"))
+_rule("custom_vjp_call_jaxpr", structural=True)(_call("fun_jaxpr"))

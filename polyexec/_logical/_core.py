@@ -1,0 +1,640 @@
+"""The logical rewrite's machinery: the evaluation context, the interpreter, the rule registry.
+
+The families of rules (`_pointwise`, `_reductions`, `_structure`, `_indexing`, `_contractions`,
+`_control`) import this module and register each rule next to its definition with `_rule`; the
+package's ``__init__`` imports them all, so `rewrite` is only reached with the registry full.
+`register_rule` is the same registry's public door (``px.register_rule``).
+
+Rules take ``(ctx, eqn, invals)`` and return the outputs, or None when the equation needs no
+change after all; they raise `_NoRule` to report what they cannot do (a verdict naming the
+user's line, and the equation runs unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import math
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core as _core
+from jax._src import source_info_util
+from jax._src.export import shape_poly as _shape_poly
+from jax._src.lax import lax as _lax_internal
+
+from .._context import is_library
+from .._errors import OptionError, is_int
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """An equation that reads across a length axis and that no rule makes logical."""
+
+    primitive: str      # e.g. "fft"
+    where: str          # the user's line: "file:line: `source`"
+    detail: str         # why, one short phrase
+
+
+@dataclasses.dataclass(frozen=True)
+class Logical:
+    """The logical program: ``fn(*flat_inputs) -> tuple of flat outputs``."""
+
+    fn: Callable
+    unsupported: tuple[Unsupported, ...]    # empty when every equation has a rule
+    rewritten: int                          # equations a rule changed
+
+
+class _NoRule(Exception):
+    """Raised by a rule that cannot make this equation logical; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------
+# Dimensions
+
+
+def _is_sym(d) -> bool:
+    return not _core.is_constant_dim(d)
+
+
+def _has_sym(shape) -> bool:
+    return any(_is_sym(d) for d in shape)
+
+
+def _monotone(d) -> bool:
+    """Whether ``d`` never exceeds its value at the bucket sizes when evaluated at real sizes
+    that are at most the bucket sizes (then the logical positions of an axis of size ``d`` fit
+    in the physical array). A structural proof first; a single-variable expression with a known
+    upper bound (every LengthVar has one) is then checked exhaustively: JAX normalises
+    ``min(T, 3)`` to ``T - max(0, T - 3)`` and ``ceil(T/2)`` to ``-floordiv(-T, 2)``, which the
+    structure alone does not show to be monotone."""
+    if not _is_sym(d):
+        return True
+    if _structurally_monotone(d):
+        return True
+    names = d._get_vars()
+    if len(names) != 1:
+        return False
+    (name,) = names
+    var = _shape_poly._DimExpr._from_var(name, d.scope)
+    lo, hi = _shape_poly._bounds_decision(var, _shape_poly.BoundsPrecision.BEST)
+    if not (math.isfinite(hi) and hi - lo <= 1 << 14):
+        return False
+    values = [int(d._evaluate({name: v})) for v in range(max(int(lo), 0), int(hi) + 1)]
+    return all(a <= b for a, b in zip(values, values[1:]))
+
+
+def _structurally_monotone(d) -> bool:
+    # A sum of positive multiples of products of non-negative, non-decreasing factors.
+    for term, coeff in d._sorted_terms:
+        if not term._factors:
+            continue            # the constant term
+        if coeff <= 0:
+            return False
+        single = len(term._factors) == 1 and term._factors[0][1] == 1
+        if not all(_factor_monotone(f, need_nonneg=not single) for f, _ in term._factors):
+            return False
+    return True
+
+
+def _factor_monotone(f, need_nonneg: bool) -> bool:
+    if f.var is not None:
+        return True             # length variables are >= 1
+    ops = f.operands
+    if f.operation == _shape_poly._DimFactor.FLOORDIV:
+        num, den = ops
+        return (not _is_sym(den) and int(den) > 0 and _monotone_expr(num)
+                and (not need_nonneg or _nonneg(num)))
+    if f.operation in (_shape_poly._DimFactor.MAX, _shape_poly._DimFactor.MIN):
+        if not all(_monotone_expr(o) for o in ops):
+            return False
+        if not need_nonneg:
+            return True
+        nonneg = [_nonneg(o) for o in ops]
+        return any(nonneg) if f.operation == _shape_poly._DimFactor.MAX else all(nonneg)
+    return False                # mod is not monotone
+
+
+def _monotone_expr(e) -> bool:
+    return not _is_sym(e) or _structurally_monotone(e)
+
+
+def _nonneg(e) -> bool:
+    if not _is_sym(e):
+        return int(e) >= 0
+    lo, _ = _shape_poly._bounds_decision(e, _shape_poly.BoundsPrecision.FOR_GEQ0_OR_LT0)
+    return lo >= 0
+
+
+# --------------------------------------------------------------------------------------------
+# The evaluation context: real sizes and the values of dimension expressions
+
+
+class _Ctx:
+    """Real sizes (int32 tracers by variable name) and the recorder, for one (sub-)program.
+
+    A sub-program (a scan body, a branch) gets a child context: it may read its parents'
+    cached values (closing over them is fine), but what it computes stays in its own trace.
+    """
+
+    def __init__(self, sizes: dict[str, Any], recorder: "_Recorder", parent: "_Ctx | None" = None,
+                 eqn=None):
+        self.sizes = sizes
+        self.recorder = recorder
+        self.parent = parent
+        self.eqn = eqn          # the equation whose sub-program this context evaluates
+        self._lengths: dict[Any, Any] = {}
+        self._physical: dict[Any, Any] = {}
+
+    def child(self, eqn) -> "_Ctx":
+        return _Ctx(self.sizes, self.recorder, self, eqn)
+
+    def flag(self, eqn, detail: str):
+        """Record an equation no rule makes logical, at the user's line: its own, or else
+        (equations JAX's own functions trace, e.g. inside ``jnp.linalg``) that of the
+        innermost enclosing call whose traceback reaches user code."""
+        where, ctx = _where(eqn), self
+        while where is None and ctx is not None:
+            where = _where(ctx.eqn) if ctx.eqn is not None else None
+            ctx = ctx.parent
+        self.recorder.unsupported.setdefault(
+            id(eqn), Unsupported(eqn.primitive.name, where or "<unknown>", detail))
+
+    def _lookup(self, table: str, d):
+        ctx = self
+        while ctx is not None:
+            cache = getattr(ctx, table)
+            if d in cache:
+                return cache[d]
+            ctx = ctx.parent
+        return None
+
+    def _cached(self, table: str, d, compute):
+        if not _is_sym(d):
+            return int(d)
+        value = self._lookup(table, d)
+        if value is None:
+            value = getattr(self, table)[d] = lax.convert_element_type(compute(d), np.int32)
+        return value
+
+    def length(self, d):
+        """The logical length of a dimension: an int, or an int32 scalar tracer."""
+        return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+
+    def physical(self, d):
+        """The bucket size of a dimension as a value (``dim_as_value``, not rewritten)."""
+        return self._cached("_physical", d, _core.dimension_as_value)
+
+
+class _Recorder:
+    def __init__(self):
+        self.unsupported: dict[int, Unsupported] = {}    # by id(eqn): a body traced twice
+        self.rewritten: set[int] = set()                 # counts once
+        self.touches: dict[int, tuple[Any, bool]] = {}   # see _jaxpr_touches
+        self._monotone: dict[Any, bool] = {}
+
+    def monotone(self, d) -> bool:
+        # Cached per rewrite: dimensions of different symbolic scopes must never be compared.
+        if not _is_sym(d):
+            return True
+        if d not in self._monotone:
+            self._monotone[d] = _monotone(d)
+        return self._monotone[d]
+
+    def touched(self, jaxpr) -> bool:
+        return _jaxpr_touches(getattr(jaxpr, "jaxpr", jaxpr), self.touches)
+
+def _where(eqn) -> str | None:
+    """The user's line that made an equation: the innermost frame outside JAX and the other
+    libraries polyexec knows (equinox's modules, polyexec itself), which JAX's own
+    ``user_frame`` would name."""
+    frame = next((f for f in source_info_util.user_frames(eqn.source_info.traceback)
+                  if not is_library(f.file_name)), None)
+    if frame is None:
+        return None
+    line = linecache.getline(frame.file_name, frame.start_line).strip()
+    return f"{frame.file_name}:{frame.start_line}" + (f": `{line}`" if line else "")
+
+
+# --------------------------------------------------------------------------------------------
+# Mask helpers
+
+
+def _iota(shape, axis):
+    return lax.broadcasted_iota(np.int32, tuple(shape), axis)
+
+
+def _full(shape, fill, dtype):
+    return lax.broadcast_in_dim(lax.convert_element_type(fill, dtype), tuple(shape), ())
+
+
+def _logical_mask(ctx: _Ctx, shape, axes):
+    """True at positions that are logical along every length axis among ``axes``."""
+    mask = None
+    for a in axes:
+        if _is_sym(shape[a]):
+            m = _iota(shape, a) < ctx.length(shape[a])
+            mask = m if mask is None else lax.bitwise_and(mask, m)
+    return mask
+
+
+def _fill_tail(ctx: _Ctx, x, axes, fill):
+    """``x`` with every position beyond a logical length along ``axes`` replaced by ``fill``."""
+    mask = _logical_mask(ctx, x.shape, axes)
+    if mask is None:
+        return x
+    return lax.select(mask, x, _full(x.shape, fill, x.dtype))
+
+
+def _take(ctx: _Ctx, x, idx, axis):
+    """``x`` indexed along ``axis`` by the int32 vector ``idx`` (clamped: positions whose index
+    falls outside are beyond a logical length, so their value does not matter)."""
+    idx = jnp.clip(idx, 0, ctx.physical(x.shape[axis]) - 1)
+    return jnp.take(x, idx, axis=axis, mode="clip")
+
+
+def _broadcast_along(v, shape, axis):
+    return lax.broadcast_in_dim(v, tuple(shape), (axis,))
+
+
+def _place(ctx: _Ctx, x, axis, lo, interior, size, fill):
+    """``lax.pad`` along one axis with the *logical* configuration: the result (``size``
+    positions) holds ``x[j]`` at ``lo(t) + j * (interior + 1)`` for ``j`` below the logical
+    length, and ``fill`` everywhere else. Used where the low padding is a length expression,
+    or where the high padding must start at the logical end."""
+    q = _iota((size,), 0) - ctx.length(lo)
+    step = interior + 1
+    src = q // step if step > 1 else q
+    valid = (q >= 0) & (src < ctx.length(x.shape[axis]))
+    if step > 1:
+        valid = valid & (q % step == 0)
+    taken = _take(ctx, x, src, axis)
+    return lax.select(_broadcast_along(valid, taken.shape, axis), taken,
+                      _full(taken.shape, fill, x.dtype))
+
+
+def _lowest(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return False
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return -np.inf
+    return jnp.iinfo(dtype).min
+
+
+def _highest(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return True
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.inf
+    return jnp.iinfo(dtype).max
+
+
+def _all_ones(dtype):
+    return True if np.dtype(dtype) == np.bool_ else -1 if jnp.issubdtype(dtype, jnp.signedinteger) \
+        else jnp.iinfo(dtype).max
+
+
+# --------------------------------------------------------------------------------------------
+# The interpreter
+
+
+def _bind(eqn, invals):
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _bind_with(eqn, invals, **changes):
+    out = eqn.primitive.bind(*invals, **{**eqn.params, **changes})
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                yield item
+
+
+def _param_has_sym(value) -> bool:
+    if isinstance(value, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr, np.ndarray)):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_param_has_sym(v) for v in value)
+    return _core.is_symbolic_dim(value)
+
+
+def _jaxpr_touches(jaxpr, cache: dict) -> bool:
+    """Whether any equation of a program, sub-programs included, touches a length axis.
+    ``cache`` is per rewrite, keyed by id: it holds the jaxprs, so ids are not reused."""
+    hit = cache.get(id(jaxpr))
+    if hit is None:
+        touches = any(_has_sym(getattr(v.aval, "shape", ()))
+                      for v in (*jaxpr.invars, *jaxpr.outvars)) or any(
+            _eqn_touches(e, cache) for e in jaxpr.eqns)
+        cache[id(jaxpr)] = hit = (jaxpr, touches)
+    return hit[1]
+
+
+def _eqn_touches(eqn, cache: dict) -> bool:
+    """Whether an equation involves a length axis: in an aval, a parameter, or a sub-program
+    (a jitted function may use ``x.shape[0]`` inside although its own avals are fixed)."""
+    if any(_has_sym(getattr(v.aval, "shape", ())) for v in (*eqn.invars, *eqn.outvars)):
+        return True
+    if any(_param_has_sym(v) for v in eqn.params.values()):
+        return True
+    return any(_jaxpr_touches(j, cache) for j in _sub_jaxprs(eqn.params))
+
+
+def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+                eqn.ctx.manager:
+            outvals = _eval_eqn(ctx, eqn, invals)
+        for v, x in zip(eqn.outvars, outvals):
+            if not isinstance(v, jax.extend.core.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_closed(ctx: _Ctx, closed, args) -> list:
+    if isinstance(closed, jax.extend.core.ClosedJaxpr):
+        return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)
+    return _eval_jaxpr(ctx, closed, (), args)
+
+
+def _eval_eqn(ctx: _Ctx, eqn, invals) -> list:
+    if not _eqn_touches(eqn, ctx.recorder.touches):
+        return _bind(eqn, invals)
+    name = eqn.primitive.name
+    for v in eqn.outvars:
+        for d in getattr(v.aval, "shape", ()):
+            if not ctx.recorder.monotone(d):
+                ctx.flag(eqn, f"the length {d} can exceed its bucket size")
+                return _bind(eqn, invals)
+    entry = _lookup(eqn.primitive)
+    if entry is None:
+        ctx.flag(eqn, f"no rule for {name} on a length axis")
+        return _bind(eqn, invals)
+    if entry.rule is ELEMENTWISE:
+        return _bind(eqn, invals)
+    try:
+        out = entry.rule(ctx, eqn, invals)
+    except _NoRule as e:
+        ctx.flag(eqn, str(e))
+        return _bind(eqn, invals)
+    except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace here is a verdict, not a crash
+        ctx.flag(eqn, f"the {name} rule failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return _bind(eqn, invals)
+    if out is None:                     # the rule found nothing to change
+        return _bind(eqn, invals)
+    if not entry.structural:
+        ctx.recorder.rewritten.add(id(eqn))
+    return [_like(x, v.aval) for x, v in zip(out, eqn.outvars)]
+
+
+def _like(x, aval):
+    """A rule's result with exactly the original dtype and weak type (scan carries and branch
+    outputs must keep their types)."""
+    if not hasattr(aval, "dtype"):
+        return x
+    have = _core.typeof(x)
+    if have.dtype == aval.dtype and getattr(have, "weak_type", False) == aval.weak_type:
+        return x
+    return _lax_internal._convert_element_type(x, aval.dtype, aval.weak_type)
+
+
+# --------------------------------------------------------------------------------------------
+# The registry: one entry per primitive, polyexec's own rules and the user's alike
+
+ELEMENTWISE = "elementwise"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    rule: Callable | Literal["elementwise"]
+    structural: bool    # only recurses into sub-programs: the equations inside count, not it
+    origin: str         # who registered it, for the refusal to register over it
+
+
+# Keyed by primitive name (polyexec's rules, and the user's given a name) or by the primitive
+# object itself (the user's given one: two primitives may share a name, as JAX's own
+# registries distinguish them by object). Filled at import, then only by `register_rule`.
+_REGISTRY: dict[Any, _Entry] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _register(key, rule, *, structural: bool, origin: str, override: bool) -> None:
+    with _REGISTRY_LOCK:
+        # A primitive object's rule would shadow one registered under its name: refused alike.
+        existing = _REGISTRY.get(key) if isinstance(key, str) else _lookup(key)
+        if existing is not None and not override:
+            name = key if isinstance(key, str) else key.name
+            raise OptionError(
+                f"register_rule: primitive {name!r} already has a rule ({existing.origin}); "
+                f"pass override=True to replace it")
+        _REGISTRY[key] = _Entry(rule, structural, origin)
+
+
+def _rule(*names: str, structural: bool = False):
+    """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
+    ``batching.primitive_batchers[p] = rule``: ``@_rule("rev")`` over the definition, or
+    ``_rule(*names)(ELEMENTWISE)`` for pass-through primitives. ``structural``: the rule only
+    recurses into the equation's programs (scan, cond, calls), so it is not counted as a
+    rewrite itself. Registering a name twice is a bug, refused at import."""
+    def register(rule):
+        for name in names:
+            _register(name, rule, structural=structural, origin="polyexec's own", override=False)
+        return rule
+    return register
+
+
+def _lookup(primitive) -> _Entry | None:
+    entry = _REGISTRY.get(primitive)
+    return entry if entry is not None else _REGISTRY.get(primitive.name)
+
+
+class RuleContext:
+    """What a rule given to `register_rule` may ask while it rewrites one equation.
+
+    Inside a rule, arrays carry the program's symbolic shapes: a *length axis* is one whose
+    size is a symbolic dimension (``T``, ``2*T - 1``); its real, pre-padding extent is
+    `length`. Positions beyond it hold padding (possibly NaN or inf).
+    """
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: _Ctx):
+        self._ctx = ctx
+
+    def length(self, dim):
+        """The logical (real) length of a dimension: ``dim`` itself when it is a constant,
+        else an int32 scalar computed from the real sizes (``x.shape[0]`` of a ``(T,)`` array
+        -> the real ``t``)."""
+        return self._ctx.length(dim)
+
+    def fill_tail(self, x, axes, value):
+        """``x`` with every position beyond the logical length of any of ``axes`` replaced by
+        ``value`` (axes of constant size are left alone). A ``select``, never a multiply, so
+        NaN or inf padding cannot leak: fill with the operation's identity (0 for a sum, -inf
+        for a max) and the operation then reads only the real elements."""
+        return _fill_tail(self._ctx, x, tuple(axes), value)
+
+
+def _public(rule: Callable, name: str) -> Callable:
+    """A user's rule, called with the public `RuleContext`; its result checked against the
+    equation's outputs, so a wrong rule becomes a verdict naming the line, not a bad program."""
+    def run(ctx, eqn, invals):
+        out = rule(RuleContext(ctx), eqn, list(invals))
+        if out is None:
+            return None
+        if not eqn.primitive.multiple_results and hasattr(out, "shape"):
+            out = [out]
+        out = list(out)
+        if len(out) != len(eqn.outvars):
+            raise _NoRule(f"the rule registered for {name} returned {len(out)} outputs, "
+                          f"expected {len(eqn.outvars)}")
+        for i, (x, v) in enumerate(zip(out, eqn.outvars)):
+            want = tuple(getattr(v.aval, "shape", ()))
+            if not _core.definitely_equal_shape(tuple(jnp.shape(x)), want):
+                raise _NoRule(f"the rule registered for {name} returned output {i} of shape "
+                              f"{tuple(jnp.shape(x))}, expected {want}")
+        return out
+    return run
+
+
+def register_rule(primitive, rule, *, override: bool = False) -> None:
+    """Give the logical rewrite a rule for a primitive it does not know (a custom kernel, a
+    Pallas call), so code using it stays exact at every bucket instead of being flagged.
+
+    ``primitive``: a ``jax.extend.core.Primitive`` (this primitive only), or its name (any
+    primitive of that name). ``rule``:
+
+    - ``"elementwise"``: output position i reads input position i along every length axis
+      (per-position maths, layout that keeps positions), so the equation runs unchanged;
+    - a callable ``rule(ctx, eqn, invals)`` for the rest: ``ctx`` a `RuleContext`
+      (``ctx.length(dim)``, ``ctx.fill_tail(x, axes, value)``), ``eqn`` the
+      ``jax.extend.core.JaxprEqn`` (``eqn.primitive``, ``eqn.params``), ``invals`` its input
+      arrays (padded; symbolic shapes). It returns the equation's outputs -- a list, one per
+      output, or the array itself for a single-output primitive -- whose positions within
+      the logical lengths must equal the exact-size computation; or None when nothing needs
+      to change. An exception it raises becomes the plan's verdict (``padding_safe`` False,
+      naming the line), never a crash. It runs once, while the plan is made.
+
+    A primitive that already has a rule (polyexec's or an earlier registration) is refused
+    unless ``override=True``.
+
+    A row sum over the last axis, made exact by filling the padding with 0 first:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, polyexec as px
+    >>> from jax.interpreters import mlir
+    >>> row_sum_p = jax.extend.core.Primitive("doc_row_sum")
+    >>> impl = lambda x: jnp.sum(x, axis=-1)
+    >>> _ = row_sum_p.def_impl(impl)
+    >>> _ = row_sum_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape[:-1], x.dtype))
+    >>> mlir.register_lowering(row_sum_p, mlir.lower_fun(impl, multiple_results=False))
+    >>> T = px.LengthVar("T", max=64)
+    >>> def row_sums(x):            # x: (3, T)
+    ...     return row_sum_p.bind(x)
+    >>> f = px.bucketed(row_sums, in_specs=(px.Spec("3 T", jnp.float32),))
+    >>> f.plan.padding_safe         # the padding would be summed: flagged
+    False
+    >>> px.register_rule(row_sum_p, lambda ctx, eqn, invals:
+    ...     [row_sum_p.bind(ctx.fill_tail(invals[0], [invals[0].ndim - 1], 0.0))])
+    >>> g = px.bucketed(row_sums, in_specs=(px.Spec("3 T", jnp.float32),))
+    >>> g.plan.padding_safe
+    True
+    >>> g(np.ones((3, 5), np.float32)).tolist()  # runs padded to a bucket, sums the 5 real
+    [5.0, 5.0, 5.0]
+    """
+    if isinstance(primitive, jax.extend.core.Primitive):
+        key, name = primitive, primitive.name
+    elif isinstance(primitive, str) and primitive:
+        key, name = primitive, primitive
+    else:
+        raise OptionError(f"register_rule: primitive: expected a jax.extend.core.Primitive or "
+                          f"a primitive's name, received {primitive!r}")
+    if isinstance(rule, str) and rule == ELEMENTWISE:
+        value: Callable | str = ELEMENTWISE
+    elif callable(rule) and not isinstance(rule, str):
+        value = _public(rule, name)
+    else:
+        raise OptionError(f"register_rule: rule: expected one of 'elementwise' or a callable "
+                          f"rule(ctx, eqn, invals), received {rule!r}")
+    if not isinstance(override, bool):
+        raise OptionError(f"register_rule: override: expected True or False, received "
+                          f"{override!r}")
+    _register(key, value, structural=False, origin="registered by register_rule",
+              override=override)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, int]) -> Logical:
+    """The logical program of a symbolic flat program.
+
+    ``closed_jaxpr`` is the traced program; ``sizes_at`` maps each length variable's name to
+    the position of the program input (an int32 scalar) that holds its real size. The rewrite
+    runs once, here (the user's Python does not run again); ``Logical.fn`` replays its result
+    and traces under the same symbolic shapes, so it can be exported and compiled per bucket
+    like the original.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> (T,) = jax.export.symbolic_shape("T, ", constraints=["T <= 64"])
+    >>> avals = [jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((T,), np.float32)]
+    >>> program = jax.jit(lambda t, x: (jnp.mean(x),)).trace(*avals).jaxpr
+    >>> logical = rewrite(program, {"T": 0})      # T's real size is input 0
+    >>> exported = jax.export.export(jax.jit(logical.fn))(*avals)
+    >>> padded = np.array([1.0, 2.0, 3.0, np.nan], np.float32)   # real size 3, bucket 4
+    >>> float(exported.call(np.int32(3), padded)[0])
+    2.0
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    n = len(jaxpr.invars)
+    for name, at in sizes_at.items():
+        aval = jaxpr.invars[at].aval if is_int(at) and 0 <= at < n else None
+        if aval is None or getattr(aval, "shape", None) != () or aval.dtype != np.int32:
+            got = f"input {at}: {aval.str_short()}" if aval is not None else repr(at)
+            raise OptionError(f"rewrite: sizes_at[{name!r}]: expected the position of an int32 "
+                              f"scalar input (0..{n - 1}), received {got}")
+    recorder = _Recorder()
+    if not recorder.touched(jaxpr):
+        return Logical(fn=_replay(closed_jaxpr), unsupported=(), rewritten=0)
+
+    def logical(*args):
+        sizes = {name: args[at] for name, at in sizes_at.items()}
+        return tuple(_eval_jaxpr(_Ctx(sizes, recorder), jaxpr, closed_jaxpr.consts, args))
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in jaxpr.invars]
+    traced = jax.jit(logical).trace(*avals).jaxpr
+    return Logical(fn=_replay(traced), unsupported=tuple(recorder.unsupported.values()),
+                   rewritten=len(recorder.rewritten))
+
+
+def _replay(closed):
+    def logical_program(*flat):
+        return tuple(_core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
+    return logical_program
+

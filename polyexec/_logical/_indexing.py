@@ -1,0 +1,198 @@
+"""Rules for indexing: ``dynamic_slice``, ``dynamic_update_slice``, ``gather``, ``scatter*``.
+
+Start indices are clamped (or dropped, in FILL_OR_DROP mode) against logical bounds, with room
+padded at the end where a logical start would not fit physically; scattered rows and window
+elements beyond a logical length are dropped, made the combiner's identity, or (plain scatter,
+update slice) overwritten back with the operand, so they never land in a logical position.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._core import (_NoRule, _bind_with, _fill_tail, _full, _has_sym, _highest, _iota, _is_sym,
+                    _logical_mask, _lowest, _rule)
+
+
+def _room(ctx, x, window, axes):
+    """``x`` padded at the end by the window's size on ``axes``.
+
+    A start the exact size allows, up to ``n(t) - w(t)``, can exceed the physical room
+    ``n - w`` when that room shrinks as the lengths grow (``(20,)`` updated by a ``(T,)``
+    window: 20 - t > 20 - T); XLA would then clamp it to the physical room and misplace the
+    window. With ``w`` more positions at the end, every logical start fits physically.
+    """
+    if not axes:
+        return x
+    config = [(0, window[a] if a in axes else 0, 0) for a in range(x.ndim)]
+    return lax.pad(x, np.zeros((), x.dtype), config)
+
+
+def _unroom(x, shape):
+    return x if tuple(x.shape) == tuple(shape) else lax.slice(x, (0,) * x.ndim, tuple(shape))
+
+
+def _clamped_starts(ctx, operand_shape, window_shape, starts):
+    """Start indices clamped to the logical bounds on length axes, as at the exact size, and
+    the axes that need `_room`."""
+    out, room = list(starts), []
+    for a, (n, w) in enumerate(zip(operand_shape, window_shape)):
+        if isinstance(starts[a], (int, np.integer, np.ndarray)) and int(starts[a]) == 0:
+            continue            # a literal 0 is clamped to 0 at every size
+        if _is_sym(n) or _is_sym(w):
+            if not ctx.recorder.monotone(n - w):
+                room.append(a)
+            start = jnp.asarray(starts[a])
+            out[a] = jnp.clip(start, 0, ctx.length(n) - ctx.length(w)).astype(start.dtype)
+    return out, room
+
+
+@_rule("dynamic_slice")
+def _dynamic_slice(ctx, eqn, invals):
+    x, *starts = invals
+    sizes = eqn.params["slice_sizes"]
+    if not any(_is_sym(n) or _is_sym(w) for n, w in zip(x.shape, sizes)):
+        return None
+    starts, room = _clamped_starts(ctx, x.shape, sizes, starts)
+    return _bind_with(eqn, [_room(ctx, x, sizes, room), *starts])
+
+
+@_rule("dynamic_update_slice")
+def _dynamic_update_slice(ctx, eqn, invals):
+    x, update, *starts = invals
+    if not _has_sym(x.shape) and not _has_sym(update.shape):
+        return None
+    starts, room = _clamped_starts(ctx, x.shape, update.shape, starts)
+    roomy = _room(ctx, x, update.shape, room)
+    (out,) = _bind_with(eqn, [roomy, update, *starts])
+    # The update's tail was written too: where it landed, keep the operand.
+    spill = None
+    for a, w in enumerate(update.shape):
+        if _is_sym(w):
+            s = _iota(roomy.shape, a) >= jnp.asarray(starts[a], np.int32) + ctx.length(w)
+            spill = s if spill is None else lax.bitwise_or(spill, s)
+    if spill is not None:
+        out = lax.select(spill, roomy, out)
+    return [_unroom(out, x.shape)]
+
+
+def _index_bounds(ctx, operand_shape, window, index_map):
+    """Per index component: the largest start that keeps the window inside the logical
+    operand, or None where the operand axis is not a length axis; and the operand axes that
+    need `_room`."""
+    bounds, room = [], []
+    for a in index_map:
+        n, w = operand_shape[a], window[a]
+        if _is_sym(n) or _is_sym(w):
+            if not ctx.recorder.monotone(n - w):
+                room.append(a)
+            bounds.append(ctx.length(n) - ctx.length(w))
+        else:
+            bounds.append(None)
+    return bounds, room
+
+
+@_rule("gather")
+def _gather(ctx, eqn, invals):
+    x, idx = invals
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    bounds, room = _index_bounds(ctx, x.shape, p["slice_sizes"], dn.start_index_map)
+    if all(b is None for b in bounds):
+        return None             # only the indices' batch axes are lengths: per position
+    x = _room(ctx, x, p["slice_sizes"], room)
+    fill_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+    comps, oob = _bounded_indices(idx, bounds, check=fill_mode, clamp=True)
+    idx = jnp.stack(comps, axis=-1) if comps else idx
+    (out,) = _bind_with(eqn, [x, idx])
+    if oob is not None:
+        # Out of the logical bounds: the fill value, as at the exact size.
+        batch_dims = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+        fill = p["fill_value"]
+        if fill is None:
+            fill = np.nan if jnp.issubdtype(out.dtype, jnp.inexact) else _highest(out.dtype) \
+                if jnp.issubdtype(out.dtype, jnp.unsignedinteger) or out.dtype == np.bool_ \
+                else _lowest(out.dtype)
+        mask = lax.broadcast_in_dim(oob, out.shape, batch_dims)
+        out = lax.select(mask, _full(out.shape, fill, out.dtype), out)
+    return [out]
+
+
+def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
+    """The index components of ``idx`` (its last axis) against their logical upper bounds
+    (None: unbounded): each clamped into ``[0, b]`` with ``clamp``; with ``check``, also where
+    any component falls outside (None when nothing is checked)."""
+    comps, outside = [], None
+    for k, b in enumerate(bounds):
+        c = idx[..., k]
+        if b is not None:
+            if check:
+                bad = (c < 0) | (c > b)
+                outside = bad if outside is None else outside | bad
+            if clamp:
+                c = jnp.clip(c, 0, b).astype(c.dtype)
+        comps.append(c)
+    return comps, outside
+
+
+_SCATTER_IDENTITY = {"scatter-add": lambda dt: 0, "scatter-sub": lambda dt: 0,
+                     "scatter-mul": lambda dt: 1, "scatter-min": _highest,
+                     "scatter-max": _lowest}
+
+
+@_rule("scatter", *_SCATTER_IDENTITY)
+def _scatter(ctx, eqn, invals):
+    x, idx, updates = invals
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    name = eqn.primitive.name
+    window_axes = [a for a in range(x.ndim)
+                   if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+    window = [1] * x.ndim
+    for a, u in zip(window_axes, dn.update_window_dims):
+        window[a] = updates.shape[u]
+    scatter_dims = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
+    bounds, room = _index_bounds(ctx, x.shape, window, dn.scatter_dims_to_operand_dims)
+    rows = [j for j, d in enumerate(scatter_dims) if _is_sym(updates.shape[d])]
+    window_tail = [u for u in dn.update_window_dims if _is_sym(updates.shape[u])]
+    if all(b is None for b in bounds) and not rows and not window_tail:
+        return None
+    if window_tail:
+        if name in _SCATTER_IDENTITY:
+            # Window elements beyond the logical length add the combiner's identity.
+            updates = _fill_tail(ctx, updates, window_tail,
+                                 _SCATTER_IDENTITY[name](updates.dtype))
+        elif name != "scatter":
+            raise _NoRule(f"{name} with a window of a length")
+    if not dn.scatter_dims_to_operand_dims:
+        if rows or (window_tail and name == "scatter"):
+            raise _NoRule("a scatter without indices whose rows or windows are lengths")
+        return _bind_with(eqn, [x, idx, updates])
+    # Clamp (CLIP, PROMISE_IN_BOUNDS) or drop (FILL_OR_DROP) against the logical bounds, then
+    # drop rows beyond the updates' logical lengths by sending them out of bounds.
+    drop_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+    big = np.array(jnp.iinfo(idx.dtype).max, idx.dtype)
+    comps, drop = _bounded_indices(idx, bounds, check=drop_mode, clamp=not drop_mode)
+    batch_shape = idx.shape[:-1]
+    for j in rows:
+        bad = _iota(batch_shape, j) >= ctx.length(batch_shape[j])
+        drop = bad if drop is None else drop | bad
+    if drop is not None:
+        comps[0] = jnp.where(drop, big, comps[0]).astype(idx.dtype)
+    idx = jnp.stack(comps, axis=-1)
+    roomy = _room(ctx, x, window, room)
+    drop_mode = lax.GatherScatterMode.FILL_OR_DROP
+    (out,) = _bind_with(eqn, [roomy, idx, updates], mode=drop_mode)
+    if window_tail and name == "scatter":
+        # A plain scatter writes its windows' tails too. Scatter "written by a logical window
+        # element" alongside, and keep the operand wherever only tails landed.
+        marks = lax.convert_element_type(_logical_mask(ctx, updates.shape, window_tail), np.int32)
+        written = lax.scatter_add(lax.full(roomy.shape, 0, np.int32), idx, marks, dn,
+                                  indices_are_sorted=p["indices_are_sorted"],
+                                  unique_indices=p["unique_indices"], mode=drop_mode)
+        out = lax.select(written > 0, out, roomy)
+    return [_unroom(out, x.shape)]
+
+

@@ -1,0 +1,34 @@
+"""Rules for primitives that compute each output position from the same input position:
+elementwise maths and layout-only primitives, which pass through, and ``dim_as_value``.
+
+- elementwise primitives and layout-only ones (``broadcast_in_dim``, ``iota``, ``transpose``,
+  ``squeeze``, ...) pass through: output position ``i`` reads input position ``i`` (or a
+  broadcast scalar), so logical positions read logical positions.
+- ``dim_as_value``: the dimension evaluated at the real sizes.
+"""
+
+from __future__ import annotations
+
+from ._core import ELEMENTWISE, _rule
+
+_rule(*"""
+    abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
+    bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos
+    cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a igammac
+    imag integer_pow is_finite le lgamma log log1p logistic lt max min mul mulhi ne neg nextafter
+    not or polygamma population_count pow random_gamma_grad real reduce_precision
+    regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh sqrt square sub tan tanh threefry2x32 xor zeta
+    broadcast_in_dim iota squeeze transpose stack unstack stop_gradient optimization_barrier device_put
+    sharding_constraint pvary zeros_like debug_callback debug_print
+""".split())(ELEMENTWISE)
+# Why the layout ones are safe: broadcast_in_dim maps each output position to the operand
+# position with the same index on a kept axis (or to a size-1 axis); iota's value at a logical
+# position is the same as at the exact size; transpose/squeeze only permute or drop size-1 axes;
+# stack/unstack add or remove an axis of constant size (one entry per operand).
+# jax.debug callbacks return nothing the program reads (they may print padding, no more).
+
+
+@_rule("dim_as_value")
+def _dim_as_value(ctx, eqn, invals):
+    return [ctx.length(eqn.params["dim"])]

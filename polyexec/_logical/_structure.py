@@ -1,0 +1,213 @@
+"""Rules for primitives that move positions along a length axis: reversal, tiling, sorting,
+reshaping, and the pieces of ``slice``/``split``/``concatenate``/``pad``.
+
+- ``rev``: a gather of ``t - 1 - i``; ``tile`` of a length axis: a gather of ``i mod t``.
+- ``sort`` (``argsort``): an extra leading key "is tail" keeps the tail last; ``top_k``: the
+  tail becomes the dtype's lowest value (``top_k`` breaks ties towards the lower index).
+- ``slice``/``split``/``concatenate``/``pad``: pieces start at logical offsets (gathers where an
+  offset is a length expression); ``pad`` writes its value from the logical end on.
+- ``reshape``: passes through when it keeps each length axis' logical block a prefix (only unit
+  axes added or removed; or one length axis, same constant row count before it:
+  ``(T, 4) <-> (4*T,)``); any other reshape (e.g.
+  ``(B, T, H) -> (B*T, H)``) is a gather that lays out the logical elements row-major.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core as _core
+
+from ._core import (_NoRule, _bind, _bind_with, _fill_tail, _full, _iota, _is_sym, _lowest, _place,
+                    _rule, _take)
+
+
+@_rule("rev")
+def _rev(ctx, eqn, invals):
+    (x,) = invals
+    dims = eqn.params["dimensions"]
+    sym = [a for a in dims if _is_sym(x.shape[a])]
+    if not sym:
+        return None
+    fixed = tuple(a for a in dims if a not in sym)
+    if fixed:
+        x = lax.rev(x, fixed)
+    for a in sym:
+        n = x.shape[a]
+        x = _take(ctx, x, ctx.length(n) - 1 - _iota((n,), 0), a)
+    return [x]
+
+
+@_rule("tile")
+def _tile(ctx, eqn, invals):
+    (x,) = invals
+    reps = eqn.params["reps"]
+    sym = [a for a, r in enumerate(reps) if r != 1 and _is_sym(x.shape[a])]
+    if not sym:
+        return None
+    # Tile the other axes as written, then each length axis as a gather of ``i mod t``: the
+    # copies follow one another at the real length, not the bucket's.
+    fixed = tuple(1 if a in sym else r for a, r in enumerate(reps))
+    if any(r != 1 for r in fixed):
+        x = lax.tile(x, fixed)
+    for a in sym:
+        n = x.shape[a]
+        x = _take(ctx, x, _iota((reps[a] * n,), 0) % ctx.length(n), a)
+    return [x]
+
+
+@_rule("sort")
+def _sort(ctx, eqn, invals):
+    d = eqn.params["dimension"]
+    shape = invals[0].shape
+    if not _is_sym(shape[d]):
+        return None
+    # A leading key 0 (logical) / 1 (tail) sorts the tail last; within the logical positions
+    # the order, ties and stability are those of the original keys.
+    is_tail = lax.convert_element_type(_iota(shape, d) >= ctx.length(shape[d]), np.int32)
+    out = lax.sort_p.bind(is_tail, *invals, dimension=d, is_stable=eqn.params["is_stable"],
+                          num_keys=eqn.params["num_keys"] + 1)
+    return list(out[1:])
+
+
+@_rule("top_k")
+def _top_k(ctx, eqn, invals):
+    (x,) = invals
+    axis = eqn.params.get("axis", x.ndim - 1)
+    if axis < 0:
+        axis += x.ndim
+    if not _is_sym(x.shape[axis]):
+        return None
+    if _is_sym(eqn.params["k"]):
+        raise _NoRule("top_k with a symbolic k")
+    # The tail becomes the lowest value; top_k breaks ties towards the lower index, so a
+    # logical position equal to the lowest value still wins over the tail.
+    return _bind_with(eqn, [_fill_tail(ctx, x, (axis,), _lowest(x.dtype))])
+
+
+
+@_rule("slice")
+def _slice(ctx, eqn, invals):
+    (x,) = invals
+    p = eqn.params
+    starts, limits = p["start_indices"], p["limit_indices"]
+    strides = p["strides"] or (1,) * x.ndim
+    moving = [a for a in range(x.ndim) if _is_sym(starts[a])]
+    if not moving:
+        return None             # constant starts read a logical prefix
+    # Slice the constant-start axes; on the others take start(t) + i * stride.
+    keep_starts = tuple(0 if a in moving else s for a, s in enumerate(starts))
+    keep_limits = tuple(x.shape[a] if a in moving else l for a, l in enumerate(limits))
+    keep_strides = tuple(1 if a in moving else s for a, s in enumerate(strides))
+    y = lax.slice(x, keep_starts, keep_limits, keep_strides)
+    out_shape = eqn.outvars[0].aval.shape
+    for a in moving:
+        y = _take(ctx, y, ctx.length(starts[a]) + strides[a] * _iota((out_shape[a],), 0), a)
+    return [y]
+
+
+@_rule("split")
+def _split(ctx, eqn, invals):
+    (x,) = invals
+    axis, sizes = eqn.params["axis"], eqn.params["sizes"]
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    if not any(_is_sym(o) for o in offsets):
+        return None
+    pieces = _bind(eqn, invals)
+    for k, (off, size) in enumerate(zip(offsets, sizes)):
+        if _is_sym(off):
+            pieces[k] = _take(ctx, x, ctx.length(off) + _iota((size,), 0), axis)
+    return pieces
+
+
+@_rule("concatenate")
+def _concatenate(ctx, eqn, invals):
+    axis = eqn.params["dimension"]
+    sizes = [x.shape[axis] for x in invals]
+    if not any(_is_sym(s) for s in sizes[:-1]):
+        return None             # every operand starts at a constant offset
+    (joined,) = _bind(eqn, invals)
+    # Output position p belongs to operand k when logical_offset_k <= p: read it from
+    # p - logical_offset_k + physical_offset_k of the physical concatenation.
+    n = joined.shape[axis]
+    pos = _iota((n,), 0)
+    src = pos
+    logical_off, physical_off = 0, 0
+    for size in sizes[:-1]:
+        logical_off = logical_off + ctx.length(size)
+        physical_off = physical_off + ctx.physical(size)
+        src = jnp.where(pos >= logical_off, pos - logical_off + physical_off, src)
+    return [_take(ctx, joined, src, axis)]
+
+
+@_rule("pad")
+def _pad(ctx, eqn, invals):
+    x, value = invals
+    config = eqn.params["padding_config"]
+    out_shape = eqn.outvars[0].aval.shape
+    general = [a for a, (lo, _, interior) in enumerate(config)
+               if _is_sym(lo) or (interior and _is_sym(x.shape[a]))]
+    masked = [a for a, _ in enumerate(config) if a not in general and _is_sym(x.shape[a])]
+    if not general and not masked:
+        return None
+    simple = tuple((0, 0, 0) if a in general else c for a, c in enumerate(config))
+    y = lax.pad(x, value, simple)
+    for a in masked:
+        # A constant low padding: the value must also fill from the operand's logical end on.
+        lo, _, interior = config[a]
+        end = lo + (ctx.length(x.shape[a]) - 1) * (interior + 1) + 1
+        keep = _iota(y.shape, a) < end
+        y = lax.select(keep, y, _full(y.shape, value, y.dtype))
+    for a in general:
+        lo, _, interior = config[a]
+        y = _place(ctx, y, a, lo, interior, out_shape[a], value)
+    return [y]
+
+
+
+@_rule("reshape")
+def _reshape(ctx, eqn, invals):
+    (x,) = invals
+    if eqn.params.get("dimensions") is not None:
+        raise _NoRule("reshape with a dimensions permutation")
+    src, dst = x.shape, eqn.params["new_sizes"]
+    if _prefix_preserving(src, dst):
+        return None
+    # The general case, e.g. (B, T, H) -> (B*T, H): lay the logical elements out row-major.
+    # Each output position's logical row-major offset, unravelled over the logical input
+    # shape and ravelled over the physical one, is where its value lives.
+    flat = lax.reshape(x, (math.prod(src),))
+    offset = 0
+    for a, d in enumerate(dst):
+        offset = offset * ctx.length(d) + _iota(dst, a)
+    pos = 0
+    for a in reversed(range(len(src))):
+        n = ctx.length(src[a])
+        comp = offset % n if a else offset
+        offset = offset // n
+        stride = math.prod(ctx.physical(d) for d in src[a + 1:]) if a + 1 < len(src) else 1
+        pos = pos + comp * stride
+    return [_take(ctx, flat, pos.reshape(-1), 0).reshape(dst)]
+
+
+def _prefix_preserving(src, dst) -> bool:
+    """Only unit axes added or removed ((B, T-1, 1) <-> (B, T-1)), or one length axis on each
+    side preceded by the same number of constant rows ((T, 4) <-> (4*T,)): either way each
+    position keeps its logical block a prefix."""
+    if _core.definitely_equal_shape([d for d in src if not _is_unit(d)],
+                                    [d for d in dst if not _is_unit(d)]):
+        return True
+    s = [a for a, d in enumerate(src) if _is_sym(d)]
+    d = [a for a, e in enumerate(dst) if _is_sym(e)]
+    if len(s) != 1 or len(d) != 1:
+        return False
+    return math.prod(src[:s[0]]) == math.prod(dst[:d[0]])
+
+
+def _is_unit(d) -> bool:
+    return not _is_sym(d) and int(d) == 1
+
+
