@@ -21,7 +21,6 @@ def histogram_of(x):
     return jnp.histogram(x[:, 0], bins=4, range=(-1.0, 1.0))[0]
 
 
-@pytest.mark.filterwarnings("ignore:histogram_of is not padding-safe")   # lt_to has no rule
 @pytest.mark.parametrize("fn", [vmapped_mean, histogram_of], ids=lambda f: f.__name__)
 def test_jax_cache_keys_holding_sizes_never_make_a_verdict(fn):
     # jit at concrete sizes first: JAX's caches then hold keys with those sizes, which the
@@ -32,9 +31,9 @@ def test_jax_cache_keys_holding_sizes_never_make_a_verdict(fn):
     for _ in range(50):
         plan = px.trace(fn, px.Spec("T 4", jnp.float32), check_sizes=False)
         assert not plan.reshaping_is_impossible, plan.reason
-    if fn is vmapped_mean:   # histogram's lt_to has no logical rule yet: flagged, not exact
-        g = px.bucketed(fn, in_specs=(px.Spec("T 4", jnp.float32),), buckets={T: [8, 32, 128]})
-        np.testing.assert_allclose(g(x), fn(x), rtol=1e-5, atol=1e-6)
+    g = px.bucketed(fn, in_specs=(px.Spec("T 4", jnp.float32),), buckets={T: [8, 32, 128]},
+                    strict=True)
+    np.testing.assert_allclose(g(x), fn(x), rtol=1e-5, atol=1e-6)
 
 
 def test_tracing_replaces_no_method_of_jax():

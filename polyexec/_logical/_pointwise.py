@@ -14,9 +14,9 @@ from ._core import ELEMENTWISE, _rule
 _rule(*"""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
     bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos
-    cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a igammac
-    imag integer_pow is_finite le lgamma log log1p logistic lt max min mul mulhi ne neg nextafter
-    not or polygamma population_count pow random_gamma_grad real reduce_precision
+    cosh digamma div eq eq_to erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
+    igammac imag integer_pow is_finite le le_to lgamma log log1p logistic lt lt_to max min mul
+    mulhi ne neg nextafter not or polygamma population_count pow random_gamma_grad real reduce_precision
     regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic
     shift_right_logical sign sin sinh sqrt square sub tan tanh threefry2x32 xor zeta
     broadcast_in_dim iota squeeze transpose stack unstack stop_gradient optimization_barrier device_put
