@@ -29,7 +29,6 @@ import numpy as np
 import buckets
 import polyexec as px
 from polyexec._bind import pad_to
-from polyexec._cache import xla_events, xla_events_since
 from polyexec._errors import OptionError
 from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
@@ -443,50 +442,50 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
 
     epochs = schedule(strategy, cfg, data, policy)
     emit("start", strategy=strategy.name, total=sum(len(e) for e in epochs))
-    before = xla_events()
-    real = padded = upgraded = 0
-    epoch_seconds, epoch_tokens, losses = [], [], []
-    done = 0
-    warm = None
-    for e, batches in enumerate(epochs):
-        start = time.perf_counter()
-        if e == 0 and strategy.grouped:
-            combos = _combos_by_benefit(strategy, cfg, data, policy, epochs)
-            if cfg.warmup == "blocking":
-                # Every (B, T) bucket this run uses, compiled before the first step on parallel
-                # threads: part of the cold epoch's time.
-                f.warmup(step.state, sizes=[{"B": b, "T": t} for b, t in combos])
-            else:
-                warm = BackgroundWarmup(f, (step.state,), combos)
-        loss = None
-        for idx in batches:
-            longest = max(int(data.lengths[idx].max()), MIN_T)
-            rows, t = padded_shape(strategy, cfg, policy, len(idx), longest)
-            own = (rows, t)
+    with px.count_compiles() as counter:
+        real = padded = upgraded = 0
+        epoch_seconds, epoch_tokens, losses = [], [], []
+        done = 0
+        warm = None
+        for e, batches in enumerate(epochs):
+            start = time.perf_counter()
+            if e == 0 and strategy.grouped:
+                combos = _combos_by_benefit(strategy, cfg, data, policy, epochs)
+                if cfg.warmup == "blocking":
+                    # Every (B, T) bucket this run uses, compiled before the first step on parallel
+                    # threads: part of the cold epoch's time.
+                    f.warmup(step.state, sizes=[{"B": b, "T": t} for b, t in combos])
+                else:
+                    warm = BackgroundWarmup(f, (step.state,), combos)
+            loss = None
+            for idx in batches:
+                longest = max(int(data.lengths[idx].max()), MIN_T)
+                rows, t = padded_shape(strategy, cfg, policy, len(idx), longest)
+                own = (rows, t)
+                if warm is not None:
+                    rows, t = warm.shape_for(rows, t)
+                    upgraded += (rows, t) != own
+                if strategy.kind == "exact" or (rows, t) != (_bucket(rows_buckets, len(idx)),
+                                                             _bucket(policy.sizes, longest)):
+                    tokens, lengths = padded_batch(data, idx, rows, t)
+                else:   # the bucket px picks for the unpadded batch: it pads to it itself
+                    tokens = data.tokens[idx, :longest]
+                    lengths = data.lengths[idx].astype(np.int32)
+                loss, state = call(state, tokens, lengths)
+                if warm is not None:
+                    warm.mark_ready((rows, t))
+                real += int(data.lengths[idx].sum())
+                padded += rows * t
+                done += 1
+                emit("step", strategy=strategy.name, done=done)
             if warm is not None:
-                rows, t = warm.shape_for(rows, t)
-                upgraded += (rows, t) != own
-            if strategy.kind == "exact" or (rows, t) != (_bucket(rows_buckets, len(idx)),
-                                                         _bucket(policy.sizes, longest)):
-                tokens, lengths = padded_batch(data, idx, rows, t)
-            else:   # the bucket px picks for the unpadded batch: it pads to it itself
-                tokens = data.tokens[idx, :longest]
-                lengths = data.lengths[idx].astype(np.int32)
-            loss, state = call(state, tokens, lengths)
-            if warm is not None:
-                warm.mark_ready((rows, t))
-            real += int(data.lengths[idx].sum())
-            padded += rows * t
-            done += 1
-            emit("step", strategy=strategy.name, done=done)
-        if warm is not None:
-            warm.join()          # the cold epoch includes every compile; warm epochs none
-            warm = None
-        jax.block_until_ready((loss, state))
-        epoch_seconds.append(time.perf_counter() - start + (choosing if e == 0 else 0.0))
-        epoch_tokens.append(data.real_tokens)
-        losses.append(float(loss))
-    events = xla_events_since(before)
+                warm.join()          # the cold epoch includes every compile; warm epochs none
+                warm = None
+            jax.block_until_ready((loss, state))
+            epoch_seconds.append(time.perf_counter() - start + (choosing if e == 0 else 0.0))
+            epoch_tokens.append(data.real_tokens)
+            losses.append(float(loss))
+    events = counter.counts().as_dict()
 
     if strategy.kind == "exact":
         compiles, compile_s, n_traces, n_buckets = (exact.compiles, exact.compile_seconds,

@@ -166,3 +166,84 @@ def test_a_name_in_scope_twice_is_ambiguous():
 
     with pytest.raises(px.SpecError, match="Spec name 'T' is ambiguous here"):
         make()
+
+
+# -- compile accounting belongs to its caller ---------------------------------------------------
+
+def _run_python(code: str) -> str:
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = str(PACKAGE.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_importing_polyexec_registers_no_jax_monitoring_listener():
+    import json
+
+    out = _run_python("""
+        import json
+        import jax
+        from jax._src import monitoring
+        def count():
+            return [len(monitoring.get_event_listeners()),
+                    len(monitoring.get_event_duration_listeners())]
+        seen = {"before": count()}
+        import polyexec as px, polyexec.training, buckets
+        import bench.strategies, bench.cli, examples.rnn.train
+        seen["imported"] = count()
+        with px.count_compiles():
+            seen["counting"] = count()
+        seen["counted"] = count()
+        with px.forbid_compiles():
+            seen["forbidding"] = count()
+        seen["forbidden"] = count()
+        print(json.dumps(seen))
+    """)
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["imported"] == seen["before"], f"importing added listeners: {seen}"
+    # Counting and forbidding listen for their block only.
+    assert seen["counting"] == [seen["before"][0] + 1, seen["before"][1] + 1]
+    assert seen["forbidding"] == [seen["before"][0], seen["before"][1] + 1]
+    assert seen["counted"] == seen["forbidden"] == seen["before"]
+
+
+def test_count_compiles_counts_a_real_compile_and_a_cache_hit(tmp_path):
+    out = _run_python(f"""
+        import json
+        import numpy as np, jax.numpy as jnp, polyexec as px
+        px.enable_persistent_cache({str(tmp_path)!r})
+        T = px.LengthVar("T", max=64)
+        def make():
+            return px.bucketed(lambda x: jnp.sin(x) * 3.0, in_specs=(px.Spec("T", jnp.float32),),
+                               out_specs=px.Spec("T"), buckets={{T: [16, 64]}})
+        x = np.ones(10, np.float32)
+        with px.count_compiles() as cold:
+            make()(x)
+        with px.count_compiles() as warm:     # a fresh function: T=16 loads from disk
+            make()(x)
+        outside = make()
+        outside(np.ones(40, np.float32))      # compiled with no counter open: counted nowhere
+        print(json.dumps([cold.counts().as_dict(), warm.counts().as_dict()]))
+    """)
+    cold, warm = __import__("json").loads(out.splitlines()[-1])
+    assert cold["xla_compiles"] >= 1 and cold["cache_hits"] == 0 and cold["cache_writes"] >= 1
+    assert cold["backend_seconds"] > 0
+    assert warm["cache_hits"] >= 1 and warm["xla_compiles"] == 0
+    assert warm["xla_compiles"] == warm["backend_compiles"] - warm["cache_hits"]
+
+
+def test_a_counter_cannot_be_entered_twice_at_once():
+    events = px.count_compiles()
+    with events:
+        with pytest.raises(px.PolyexecError, match="CompileEvents: expected a counter that is "
+                                                   "not counting already"):
+            with events:
+                pass

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 import buckets as _buckets
 
 from .. import Bucketed
-from .._cache import xla_events, xla_events_since
+from .._cache import count_compiles
 
 # Beside JAX's persistent compile cache: what each program cost to compile and to run.
 _COSTS = "polyexec-costs.json"
@@ -56,11 +56,12 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     rows, length = tokens.shape
     shape = {"B": rows, "T": length}
     steps = [(step, arg)] + ([(extra_compiles, extra_arg)] if extra_compiles is not None else [])
-    before, events = [f.stats.compile_seconds for f, _ in steps], xla_events()
-    for f, a in steps:
-        f.warmup(a, sizes=[shape], max_workers=1)
+    before = [f.stats.compile_seconds for f, _ in steps]
+    with count_compiles() as events:
+        for f, a in steps:
+            f.warmup(a, sizes=[shape], max_workers=1)
     seconds = sum(f.stats.compile_seconds - b for (f, _), b in zip(steps, before))
-    hit = xla_events_since(events)["cache_hits"] > 0
+    hit = events.cache_hits > 0
     record = _Record([f for f, _ in steps], shape)
     if hit and record.known is not None:
         # Loaded from the persistent cache: the load is no compile. The cost measured when it

@@ -23,7 +23,7 @@ import rich.console
 import buckets as _buckets
 
 from .. import Bucketed
-from .._cache import enable_persistent_cache, xla_events, xla_events_since
+from .._cache import count_compiles, enable_persistent_cache
 from .._errors import OptionError, check_bool, check_int, is_int
 from ._checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
 from ._auto import agree, measure_cost
@@ -482,8 +482,8 @@ def _warmup(run: _Run, state: TrainState, step: int, log: MetricsLog) -> None:
                   + [(tokens, run.eval_step, state.model, rows, t)
                      for (rows, t), tokens in run.eval_shapes.items()], key=lambda j: -j[0])
     workers = run.options.warmup_workers or os.cpu_count() or 1
-    before, start = xla_events(), time.perf_counter()
-    with run.display.task("compiling buckets", len(jobs)) as advance, \
+    start = time.perf_counter()
+    with count_compiles() as counter, run.display.task("compiling buckets", len(jobs)) as advance, \
             concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(f.warmup, arg, sizes=[{"B": rows * P, "T": t}], max_workers=1)
                    for _, f, arg, rows, t in jobs]
@@ -491,7 +491,7 @@ def _warmup(run: _Run, state: TrainState, step: int, log: MetricsLog) -> None:
             future.result()
             advance()
     compiles, seconds = run.compiles()
-    events = xla_events_since(before)
+    events = counter.counts().as_dict()
     record = warmup_record(step=step, compiles=compiles, compile_seconds=seconds, events=events,
                            seconds=time.perf_counter() - start)
     log.add(record)
