@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from polyexec._errors import OptionError
+import polyexec as px
 
 from . import report
 from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, combine_limits,
@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = load_data(cfg)
         for s in strategies:     # bad fixed sizes fail here
             t_policy(s, cfg, data)
-    except (OptionError, OSError) as e:
+    except (px.OptionError, OSError) as e:
         parser.error(str(e))
 
     console = _console()

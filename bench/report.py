@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from polyexec._errors import PolyexecError
+import polyexec as px
 
 RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
     "strategy": str,
@@ -30,7 +30,7 @@ RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
 TOP_KEYS = ("workload", "limit_tokens_per_s", "results")
 
 
-class SchemaError(PolyexecError, ValueError):
+class SchemaError(px.PolyexecError, ValueError):
     """The benchmark JSON does not have the documented shape; the message names the path."""
 
 

@@ -28,8 +28,6 @@ import numpy as np
 
 import buckets
 import polyexec as px
-from polyexec._bind import pad_to
-from polyexec._errors import OptionError
 from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
 StrategyKind = Literal["pad-max", "exact", "pow2", "fixed", "polyexec", "polyexec-cached",
@@ -90,7 +88,7 @@ def parse_strategies(text: str) -> list[Strategy]:
         nonlocal fixed
         if fixed is not None:
             if not fixed:
-                raise OptionError("--strategies: 'fixed:' expected sizes, e.g. "
+                raise px.OptionError("--strategies: 'fixed:' expected sizes, e.g. "
                                   "fixed:16,64,256,1024, received none")
             out.append(Strategy("fixed", tuple(sorted(set(fixed)))))
             fixed = None
@@ -98,7 +96,7 @@ def parse_strategies(text: str) -> list[Strategy]:
     for raw in text.split(","):
         token = raw.strip()
         if not token:
-            raise OptionError(f"--strategies: expected a strategy between every two commas, "
+            raise px.OptionError(f"--strategies: expected a strategy between every two commas, "
                               f"received an empty entry in {text!r}")
         if token.isdigit() and fixed is not None:
             fixed.append(int(token))
@@ -107,26 +105,26 @@ def parse_strategies(text: str) -> list[Strategy]:
         if token.startswith("fixed:"):
             first = token[len("fixed:"):].strip()
             if not first.isdigit():
-                raise OptionError(f"--strategies: fixed sizes: expected integers (e.g. "
+                raise px.OptionError(f"--strategies: fixed sizes: expected integers (e.g. "
                                   f"fixed:16,64,256,1024), received {first!r} in {token!r}")
             fixed = [int(first)]
         elif token in KINDS and token != "fixed":
             out.append(Strategy(token))
         else:
-            raise OptionError(f"--strategies: expected one of "
+            raise px.OptionError(f"--strategies: expected one of "
                               f"{', '.join(k if k != 'fixed' else 'fixed:S1,S2,...' for k in KINDS)}; "
                               f"received unknown strategy {token!r}")
     close_fixed()
     names = [s.name for s in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise OptionError(f"--strategies: expected each strategy once, received "
+        raise px.OptionError(f"--strategies: expected each strategy once, received "
                           f"{', '.join(sorted(dup))} given twice")
     if any(s.kind == "fixed" and min(s.sizes) < MIN_T for s in out):
-        raise OptionError(f"--strategies: fixed sizes: expected sizes >= {MIN_T} (the loss needs "
+        raise px.OptionError(f"--strategies: fixed sizes: expected sizes >= {MIN_T} (the loss needs "
                           f"T >= 2), received {', '.join(s.name for s in out if s.kind == 'fixed')}")
     if "polyexec-cached" in names and "polyexec" not in names:
-        raise OptionError("--strategies: expected polyexec beside polyexec-cached (which reuses "
+        raise px.OptionError("--strategies: expected polyexec beside polyexec-cached (which reuses "
                           "the compile cache polyexec fills; list polyexec too), received "
                           "polyexec-cached alone")
     # polyexec-cached must run after polyexec (it reads the cache polyexec writes).
@@ -146,7 +144,7 @@ def t_policy(strategy: Strategy, cfg: Config, data: Data) -> buckets.BucketPolic
         return buckets.Geometric(MIN_T, cfg.cap)
     if strategy.kind == "fixed":
         if max(strategy.sizes) < cfg.cap:
-            raise OptionError(f"--strategies {strategy.name}: expected a largest size >= the cap "
+            raise px.OptionError(f"--strategies {strategy.name}: expected a largest size >= the cap "
                               f"{cfg.cap}, received largest size {max(strategy.sizes)} (add a "
                               f"size >= {cfg.cap})")
         return buckets.Fixed(strategy.sizes)
@@ -330,8 +328,8 @@ class ExactJit:
 
 def padded_batch(data: Data, idx: np.ndarray, rows: int, t: int) -> tuple[np.ndarray, np.ndarray]:
     """Examples ``idx`` as a (rows, t) token array and (rows,) lengths; extra rows have length 0."""
-    return (pad_to(data.tokens[idx, :t], (rows, t), 0),
-            pad_to(data.lengths[idx], (rows,), 0, np.int32))
+    return (px.pad_to(data.tokens[idx, :t], (rows, t), 0),
+            px.pad_to(data.lengths[idx], (rows,), 0, np.int32))
 
 
 def _combos_by_benefit(strategy, cfg, data, policy, epochs) -> list[tuple[int, int]]:
@@ -412,7 +410,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
     """Run ``strategy`` for every epoch in this process; return its measurements."""
     if strategy.grouped:
         if cache_dir is None:
-            raise OptionError(f"{strategy.name}: cache_dir: expected the persistent cache "
+            raise px.OptionError(f"{strategy.name}: cache_dir: expected the persistent cache "
                               f"folder, received None")
         px.enable_persistent_cache(cache_dir)
 
@@ -432,7 +430,7 @@ def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = Non
         if auto:     # part of the cold epoch's time: measured below, added to it
             start = time.perf_counter()
             if choice_file is None:
-                raise OptionError(f"{strategy.name}: choice_file: expected a path with --buckets "
+                raise px.OptionError(f"{strategy.name}: choice_file: expected a path with --buckets "
                                   f"auto, received None")
             policy, f, rows_buckets, auto_choice = choose_auto(cfg, data, step, f, choice_file)
             choosing = time.perf_counter() - start

@@ -247,3 +247,43 @@ def test_a_counter_cannot_be_entered_twice_at_once():
                                                    "not counting already"):
             with events:
                 pass
+
+
+# -- clients use the public surface ----------------------------------------------------------------
+
+CLIENTS = ("bench", "examples", "buckets")
+
+
+def private_polyexec_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of a private polyexec module (a dotted part starting
+    with ``_``: ``polyexec._bind``, ``from polyexec import _cache``, ``polyexec.training._data``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "polyexec" and any(p.startswith("_") for p in parts[1:]):
+                found.append((node.lineno, name))
+                break
+    return found
+
+
+def test_private_import_finder_finds_every_form():
+    code = ("import polyexec._cache\nfrom polyexec._bind import pad_to\nfrom polyexec import _errors\n"
+            "from polyexec.training._data import Batching\nimport polyexec as px\n"
+            "from polyexec import training\nfrom polyexec.training import fit\n")
+    assert [line for line, _ in private_polyexec_imports(code)] == [1, 2, 3, 4]
+
+
+def test_clients_import_no_private_polyexec_module():
+    root = PACKAGE.parent
+    files = [p for d in CLIENTS for p in (root / d).rglob("*.py")]
+    assert any(p.parts[-2] == "bench" for p in files) and any("examples" in p.parts for p in files)
+    private = [f"{p.relative_to(root)}:{line}: {name}" for p in files
+               for line, name in private_polyexec_imports(p.read_text())]
+    assert not private, "clients must use polyexec's public surface:\n" + "\n".join(private)
