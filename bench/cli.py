@@ -29,7 +29,7 @@ import polyexec as px
 
 from . import report
 from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, combine_limits,
-                         parse_strategies, t_policy, worker_main)
+                         parse_strategies, strategies_help, worker_main)
 from .workloads import DISTS, MODELS, MODES, WARMUPS, Config, load_data
 
 # --quick: a workload small enough to run every strategy in under a minute on 2 cores (most
@@ -98,9 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--keep", type=float, help="filter-mlp: fraction of rows the filter keeps")
     o = p.add_argument_group("run and output")
     o.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help="comma list of pad-max, exact, pow2, fixed:S1,S2,..., polyexec, "
-                        "polyexec-cached, polyexec-nomask (polyexec with the logical-length "
-                        f"rewrite off: what it costs) (default {DEFAULT_STRATEGIES})")
+                   help=f"comma list of {strategies_help()} (default {DEFAULT_STRATEGIES})")
     o.add_argument("--quick", action="store_true",
                    help="a tiny workload (inference, hidden 16, cap 512, 6 batches of 8 per "
                         "epoch) that runs every strategy in about a minute; explicit flags win")
@@ -207,8 +205,7 @@ def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
         passes = [run_worker(dict(limit_job, name="limit"), tmp, on_event)]
         results = []
         for s in strategies:
-            job = {"strategy": {"kind": s.kind, "sizes": list(s.sizes) if s.sizes else None},
-                   "name": s.name, "config": cfg.to_dict(), "state_file": state_file,
+            job = {"strategy": s.name, "name": s.name, "config": cfg.to_dict(), "state_file": state_file,
                    "cache_dir": os.path.join(tmp, s.cache_folder) if s.cache_folder else None,
                    "choice_file": os.path.join(tmp, "auto-choice.json")}
             results.append(run_worker(job, tmp, on_event))
@@ -333,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategies = parse_strategies(args.strategies)
         data = load_data(cfg)
         for s in strategies:     # bad fixed sizes fail here
-            t_policy(s, cfg, data)
+            s.check(cfg, data)
     except (px.OptionError, OSError) as e:
         parser.error(str(e))
 
