@@ -34,7 +34,6 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -44,6 +43,8 @@ import numpy as np
 
 import buckets
 import polyexec as px
+from polyexec.training import choose_buckets
+
 from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
 DEFAULT_STRATEGIES = "pad-max,exact,pow2,polyexec,polyexec-cached"
@@ -467,44 +468,37 @@ def random_batches(cfg: Config, data: Data, epoch: int, padded_len) -> list[np.n
 
 
 def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
-    """``--buckets auto``: compile and time ``f`` once at the largest length's full batch,
-    then `buckets.Auto.fit` for ``cfg.epochs`` epochs; returns (policy, f at its shapes, the
-    rows it uses, and the choice as a dict: measured cost, prediction).
+    """``--buckets auto``: `polyexec.training.choose_buckets` -- compile and time ``f`` once at
+    the largest length's full batch, then `buckets.Auto.fit` for ``cfg.epochs`` epochs, then
+    ``f`` at exactly the (rows, length) shapes its batches use; returns (policy, f at its
+    shapes, the rows it uses, and the choice as a dict: measured cost, prediction).
 
     The first grouped worker of a run writes its choice to ``path`` and the later ones reuse
-    it, so they compare on the same buckets: ``polyexec-cached`` (the same job run again --
-    timed on a cache hit, a compile would look nearly free) and ``polyexec-nomask``.
+    it (``known=``), so they compare on the same buckets: ``polyexec-cached`` (the same job run
+    again -- timed on a cache hit, a compile would look nearly free) and ``polyexec-nomask``.
     """
-    from polyexec.training import measure_cost
-    lengths = data.padded_lengths
+    known = saved = None
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             saved = json.load(fh)
-        policy = buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+        known = buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
         saved["reused"] = True
-    else:
-        top = int(lengths.max())
-        rows = cfg.batch_size or buckets.batch_size_for(top, cfg.max_tokens)
-        probe = np.resize(np.flatnonzero(lengths == top), rows)
-        tokens, _ = padded_batch(data, probe, rows, top)
-        # In the background the other compiles overlap training: on 2 cores their wall cost
-        # was 1/2-2/3 of their compile seconds. Parallel threads (--warmup blocking) gained
-        # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, ~24.5 s at the
-        # rate of one compile alone.
-        overlap = 2 if cfg.warmup == "background" and (os.cpu_count() or 1) >= 2 else 1
-        cost = measure_cost(f, step.state, tokens, np.full(rows, top, np.int32), parallel=overlap)
-        policy = buckets.Auto.fit(lengths, cost, epochs=cfg.epochs, batch_size=cfg.batch_size,
-                                  max_tokens=cfg.max_tokens, compiled=[(rows, top)])
+    # In the background the other compiles overlap training: on 2 cores their wall cost
+    # was 1/2-2/3 of their compile seconds. Parallel threads (--warmup blocking) gained
+    # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, ~24.5 s at the
+    # rate of one compile alone.
+    overlap = 2 if cfg.warmup == "background" and (os.cpu_count() or 1) >= 2 else 1
+    choice = choose_buckets(f, step.state, data.padded_lengths, epochs=cfg.epochs,
+                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, known=known,
+                            min_length=MIN_T, parallel=overlap)
+    policy = choice.policy
+    if saved is None:
         saved = {"sizes": list(policy.sizes), "partial_rows": list(policy.partial_rows),
-                 "cost": dataclasses.asdict(cost), "predicted": policy.prediction._asdict(),
+                 "cost": dataclasses.asdict(choice.cost), "predicted": policy.prediction._asdict(),
                  "predicted_padding_efficiency": policy.prediction.padding_efficiency}
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(saved, fh)
-    plan = buckets.batch_plan(lengths, policy, batch_size=cfg.batch_size,
-                              max_tokens=cfg.max_tokens, shuffle=False)
-    rows_used = sorted({b.rows for b in plan})
-    return policy, f.with_buckets({"T": list(policy.sizes), "B": rows_used}), rows_used, saved
-
+    return policy, choice.steps[0], list(choice.sizes["B"]), saved
 
 
 # ------------------------------------------------------------------------------- the worker

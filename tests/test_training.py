@@ -447,3 +447,24 @@ def test_measure_cost_on_a_cache_hit_reports_the_recorded_cost(tmp_path):
     recorded = json.loads((tmp_path / "polyexec-costs.json").read_text())
     assert list(recorded.values()) == [[costs[0].compile_seconds, costs[0].seconds_per_cell]]
     assert costs[1] == costs[0]        # the same cost, hence the same choice of buckets
+
+
+def test_choose_buckets_measures_once_and_gives_the_steps_exactly_the_plans_shapes():
+    """One function chooses for fit and for the benchmark: measure, Auto.fit, re-bucket."""
+    lengths = np.array([len(s) for s in AUTO_DATA])
+    step = training.make_train_step(loss_fn, OPT, length_buckets=[60], batch_buckets=[8])
+    state = training.TrainState.create(tiny_model(), OPT)
+    choice = training.choose_buckets(step, state, lengths, epochs=2, batch_size=8, min_length=2,
+                                     validation_lengths=np.array([3, 60]))
+    assert choice.cost is not None and choice.measured_at == (8, 60)
+    assert step.stats.compiles == 1                 # the measurement, at (8, 60)
+    assert choice.policy.sizes[-1] == 60 and choice.policy.largest == 60   # validation's bucket
+    plan = buckets.batch_plan(lengths, choice.policy, batch_size=8, shuffle=False)
+    assert set(choice.train_shapes) == {(b.rows, b.bucket_size) for b in plan}
+    assert choice.steps[0].bucket_sizes("T") == tuple(choice.sizes["T"])
+    assert choice.steps[0].bucket_sizes("B") == tuple(choice.sizes["B"])
+    # A known choice is re-bucketed as it is: nothing measured, nothing compiled.
+    again = training.choose_buckets(step, state, lengths, epochs=2, batch_size=8,
+                                    known=buckets.Auto((10, 40)))
+    assert again.cost is None and again.policy.sizes == (10, 40) and step.stats.compiles == 1
+    assert again.sizes["T"] == [10, 40] and {10, 40} <= set(again.steps[0].bucket_sizes("T"))

@@ -1,4 +1,5 @@
-"""``buckets="auto"``: measure one compile and one step, then choose the bucket set by cost.
+"""``buckets="auto"``: measure one compile and one step, then choose the bucket set by cost
+(`choose_buckets`, which `fit` and ``polyexec-bench`` both call).
 
 The cost model (`buckets.CostModel`) needs seconds per compile and seconds per padded cell.
 Both come from the run's own step at its largest bucket -- a shape almost every run uses
@@ -8,10 +9,12 @@ anyway, so the measurement's compile is rarely wasted -- and `buckets.Auto.fit` 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -24,6 +27,8 @@ import buckets as _buckets
 
 from .. import Bucketed
 from .._cache import count_compiles
+from ._data import Batching
+from ._parallel import DataParallel
 
 # Beside JAX's persistent compile cache: what each program cost to compile and to run.
 _COSTS = "polyexec-costs.json"
@@ -131,3 +136,122 @@ def agree(cost: _buckets.CostModel, processes: int) -> _buckets.CostModel:
         np.array([cost.compile_seconds, cost.seconds_per_cell, cost.seconds_per_step]))
     return _buckets.CostModel(*(float(v) for v in np.asarray(values)))
 
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketChoice:
+    """What `choose_buckets` chose: the policy (an `Auto` with its ``partial_rows`` and
+    ``prediction``), the cost it was chosen by (None for a ``known`` choice), the global
+    (rows, length) it was measured at, and the steps at exactly the shapes its batches use.
+
+    ``sizes``: the steps' bucket sizes; ``train_shapes`` / ``eval_shapes``: (rows of one
+    process's share, length bucket) -> real
+    tokens of one epoch at that shape, for the training lengths and the validation lengths
+    (whose partial batches are padded to full rows).
+    """
+
+    policy: _buckets.Auto
+    cost: _buckets.CostModel | None
+    measured_at: tuple[int, int] | None
+    steps: tuple[Bucketed, ...]
+    sizes: dict                      # {"T": lengths, "B": global rows} the steps were given
+    train_shapes: dict
+    eval_shapes: dict
+
+    @property
+    def prediction(self) -> Any:
+        return self.policy.prediction
+
+    def describe(self) -> str:
+        """The choice in one line (two with a prediction)."""
+        head = (f"T={list(self.policy.sizes)}"
+                + (f", partial batches at their own rows for T={list(self.policy.partial_rows)}"
+                   if self.policy.partial_rows else ""))
+        if self.cost is None:
+            return head
+        rows, length = self.measured_at
+        return (f"measured at B={rows}, T={length}: compile {self.cost.compile_seconds:.2f} s, "
+                f"step {self.cost.step_seconds(rows, length):.3f} s: {head}"
+                + (f"\n  predicted: {self.prediction.describe()}" if self.prediction else ""))
+
+
+def rebucket(steps: Sequence[Bucketed], batching: Batching, lengths: np.ndarray,
+             validation_lengths: np.ndarray | None = None) -> tuple[tuple[Bucketed, ...], dict,
+                                                                    dict, dict]:
+    """``steps`` at exactly the (rows, length) shapes ``batching`` makes of ``lengths`` (and,
+    partial batches padded to full rows, of ``validation_lengths``); returns (steps, sizes,
+    train shapes, eval shapes) as in `BucketChoice`. Rows are global: every process's share."""
+    train_shapes = batching.shapes(lengths)
+    eval_shapes = (batching.shapes(validation_lengths, partial_rows="full")
+                   if validation_lengths is not None else {})
+    shapes = (*train_shapes, *eval_shapes)
+    sizes = {"T": sorted({t for _, t in shapes}),
+             "B": sorted({r * batching.num_shards for r, _ in shapes})}
+    return tuple(s.with_buckets(sizes) for s in steps), sizes, train_shapes, eval_shapes
+
+
+def choose_buckets(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
+                   batch_size: int | None = None, max_tokens: int | None = None,
+                   eval_step: Bucketed | None = None, eval_arg: Any = None,
+                   validation_lengths: Any = None, known: _buckets.Auto | None = None,
+                   min_length: int = 1, parallel: int = 1, pad_id: int = 0,
+                   data_parallel: DataParallel | None = None) -> BucketChoice:
+    """Choose the (length x rows) bucket set with the least predicted time, and set the steps'
+    buckets to exactly the shapes its batches use.
+
+    Measure (`measure_cost`): compile ``step`` (and ``eval_step``, whose compile seconds are
+    added) at the longest length's full batch and time one call on ``arg``; choose
+    (`buckets.Auto.fit`) for ``epochs`` passes over ``lengths`` (floored at ``min_length``,
+    the step's smallest padded length) with the measured shape counted as already compiled;
+    re-bucket (`rebucket`). A longest validation example above every
+    chosen size gets one more bucket. ``known``: an earlier choice (a checkpoint's, another
+    process's) is re-bucketed as it is, without measuring. ``parallel``: the other compiles
+    overlap this many ways (see `measure_cost`). ``data_parallel``: the run's devices
+    (`data_parallel`): rows are a multiple of the local devices, every process plans its share,
+    and process 0's measurement is used everywhere.
+
+    >>> import equinox as eqx, jax, numpy as np, optax
+    >>> from polyexec.training import TrainState, choose_buckets, make_train_step
+    >>> loss = lambda model, tokens, lengths: jax.numpy.mean(tokens * model.weight[0, 0])
+    >>> step = make_train_step(loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4])
+    >>> state = TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), optax.sgd(0.1))
+    >>> lengths = np.array([3, 5, 6, 7, 40, 41, 64, 9] * 4)
+    >>> choice = choose_buckets(step, state, lengths, epochs=3, batch_size=4)
+    >>> choice.policy.sizes[-1], choice.steps[0].bucket_sizes("T") == choice.policy.sizes
+    (64, True)
+    """
+    dp = data_parallel
+    shards, shard, multiple = ((dp.processes, dp.process_index, dp.local_devices)
+                               if dp is not None else (1, 0, 1))
+    lengths = np.asarray(lengths)
+    val = np.asarray(validation_lengths) if validation_lengths is not None else None
+    top = max(int(lengths.max()), int(val.max()) if val is not None and val.size else 0,
+              min_length)
+    batching = Batching(_buckets.Fixed([top]), batch_size, max_tokens, False, 0,
+                        min_length=min_length, device_multiple=multiple, num_shards=shards,
+                        shard_index=shard)
+    rows = batching.rows(top)
+    cost = measured_at = None
+    if known is not None:
+        policy = known
+    else:
+        tokens = np.full((rows, top), pad_id, np.int32)
+        full = np.full(rows, top, np.int32)
+        place = dp.global_batch if dp is not None else (lambda x: x)
+        cost = measure_cost(step, arg, place(tokens), place(full), extra_compiles=eval_step,
+                            extra_arg=eval_arg, parallel=parallel)
+        cost = agree(cost, shards)
+        measured_at = (rows * shards, top)
+        policy = _buckets.Auto.fit(np.maximum(lengths, min_length), cost, epochs=epochs,
+                                   batch_size=batch_size,
+                                   max_tokens=max_tokens, num_shards=shards,
+                                   row_multiple=multiple, compiled=[(rows, top)])
+    if val is not None and val.size and int(val.max()) > policy.largest:
+        # Kept as an Auto with the validation-only bucket: passing it back as buckets= repeats
+        # this choice's batches exactly, partial rows included.
+        policy = _buckets.Auto((*policy.sizes, int(val.max())), policy.partial_rows,
+                               policy.prediction)
+    batching = dataclasses.replace(batching, policy=policy)
+    steps = (step,) + ((eval_step,) if eval_step is not None else ())
+    steps, sizes, train_shapes, eval_shapes = rebucket(steps, batching, lengths, val)
+    return BucketChoice(policy, cost, measured_at, steps, sizes, train_shapes, eval_shapes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from .. import Bucketed
 from .._cache import count_compiles, enable_persistent_cache
 from .._errors import OptionError, check_bool, check_int, is_int
 from ._checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
-from ._auto import agree, measure_cost
+from ._auto import choose_buckets, rebucket
 from ._data import Batching, Examples, as_examples
 from ._options import FitOptions, check_callable
 from ._parallel import DataParallel, data_parallel
@@ -326,22 +327,21 @@ def _longest(train: Examples, validation: Examples | None, min_length: int) -> i
 
 def _with_policy(run: _Run, policy: Any) -> _Run:
     """``run`` batching by ``policy`` (an `Auto` brings its ``partial_rows``), its steps'
-    buckets exactly the shapes its batches use."""
+    buckets exactly the shapes its batches use (`rebucket`)."""
     batching = dataclasses.replace(run.batching, policy=policy)
-    train_shapes = batching.shapes(run.train.lengths)
-    eval_shapes = (batching.shapes(run.validation.lengths, partial_rows="full")
-                   if run.validation is not None else {})
-    run = dataclasses.replace(run, batching=batching, train_shapes=train_shapes,
-                              eval_shapes=eval_shapes)
-    sizes = {"T": list(run.used), "B": list(run.batch_buckets)}
-    return dataclasses.replace(
-        run, train_step=run.train_step.with_buckets(sizes),
-        eval_step=run.eval_step.with_buckets(sizes) if run.eval_step is not None else None)
+    steps = (run.train_step,) + ((run.eval_step,) if run.eval_step is not None else ())
+    steps, _, train_shapes, eval_shapes = rebucket(
+        steps, batching, run.train.lengths,
+        run.validation.lengths if run.validation is not None else None)
+    return dataclasses.replace(run, batching=batching, train_shapes=train_shapes,
+                               eval_shapes=eval_shapes, train_step=steps[0],
+                               eval_step=steps[1] if run.eval_step is not None else None)
 
 
 def _settle(run: _Run, state: TrainState, position: Position, restored: str | None) -> _Run:
     """``buckets="auto"``: the bucket set with the least predicted time for the epochs still to
-    run (`buckets.Auto.fit`), from one compile and one step measured at the largest bucket.
+    run (`choose_buckets`: one compile and one step measured at the largest bucket, then
+    `buckets.Auto.fit`).
 
     A resumed run keeps the choice its checkpoint holds -- the data order depends on it --
     unless the run was extended (more ``epochs`` than the checkpoint's run planned) and
@@ -349,43 +349,41 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     """
     if not run.auto:
         return run
-    options, batching, P = run.options, run.batching, run.dp.processes
+    options = run.options
     saved = read_meta(restored).get("auto_buckets") if restored is not None else None
     remaining = max(options.epochs - position.epoch, 1)
+    known = None
     if saved is not None and (saved["epochs"] == options.epochs or position.batch > 0):
-        policy = _buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
-        run.display.print(f"buckets (auto): the checkpoint's {list(policy.sizes)}")
+        known = _buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+        run.display.print(f"buckets (auto): the checkpoint's {list(known.sizes)}")
     elif position.epoch >= options.epochs:      # nothing to train: nothing worth measuring
-        policy = _buckets.Auto(_buckets.Optimal.fit(run.train.lengths).sizes)
+        known = _buckets.Auto(_buckets.Optimal.fit(
+            np.maximum(run.train.lengths, options.min_length)).sizes)
+    choose = functools.partial(
+        choose_buckets, run.train_step, state, run.train.lengths, epochs=remaining,
+        batch_size=options.batch_size, max_tokens=options.max_tokens, eval_step=run.eval_step,
+        eval_arg=state.model, known=known, min_length=options.min_length, pad_id=options.pad_id,
+        data_parallel=run.dp, validation_lengths=(run.validation.lengths
+                                                  if run.validation is not None else None))
+    if known is not None:
+        choice = choose()
     else:
-        top = batching.policy.largest
-        rows = batching.rows(top)
-        tokens = np.full((rows, top), options.pad_id, np.int32)
-        lengths = np.full(rows, top, np.int32)
         with run.display.task("measuring one bucket", 1) as advance:
-            cost = measure_cost(run.train_step, state, run.dp.global_batch(tokens),
-                                run.dp.global_batch(lengths), extra_compiles=run.eval_step,
-                                extra_arg=state.model)
+            choice = choose()
             advance()
-        cost = agree(cost, P)
-        train_lengths = np.maximum(run.train.lengths, options.min_length)
-        policy = _buckets.Auto.fit(train_lengths, cost, epochs=remaining,
-                                   batch_size=options.batch_size, max_tokens=options.max_tokens,
-                                   num_shards=P, row_multiple=batching.device_multiple,
-                                   compiled=[(rows, top)])
+        (rows, top), cost, policy = choice.measured_at, choice.cost, choice.policy
         run.display.print(
-            f"buckets (auto, for {remaining} epoch(s); measured at B={rows * P}, T={top}: compile "
-            f"{cost.compile_seconds:.2f} s (train + eval), step "
-            f"{cost.step_seconds(rows * P, top):.3f} s): "
-            f"T={list(policy.sizes)}"
+            f"buckets (auto, for {remaining} epoch(s); measured at B={rows}, T={top}: compile "
+            f"{cost.compile_seconds:.2f} s (train + eval), step {cost.step_seconds(rows, top):.3f} "
+            f"s): T={list(policy.sizes)}"
             + (f", partial batches at their own rows for T={list(policy.partial_rows)}"
                if policy.partial_rows else "")
             + f"\n  predicted: {policy.prediction.describe()}")
-    run = dataclasses.replace(run, prediction=policy.prediction)
-    resolved = _resolve_policy(policy, run.train, run.validation, options.min_length)
-    # Kept as an Auto (with a validation-only bucket, if one was added): `buckets=result.policy`
-    # repeats this run's batches exactly, partial rows included.
-    return _with_policy(run, _buckets.Auto(resolved.sizes, policy.partial_rows, policy.prediction))
+    return dataclasses.replace(
+        run, prediction=choice.policy.prediction,
+        batching=dataclasses.replace(run.batching, policy=choice.policy),
+        train_shapes=choice.train_shapes, eval_shapes=choice.eval_shapes,
+        train_step=choice.steps[0], eval_step=choice.steps[1] if run.eval_step is not None else None)
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
