@@ -262,12 +262,32 @@ def test_cache_false_leaves_a_compile_cache_the_user_configured(fit_in_a_users_c
     ({}, [np.zeros(3, np.int32), []], r"data\[1\]: expected an example of length >= 1, received length 0"),
     ({"devices": 64}, None, r"fit: devices: expected an int from 1 to \d+ .*, received 64"),
     ({"devices": []}, None, "fit: devices: expected None, an int or a non-empty list of devices"),
+    ({"progress": 0}, None, "fit: progress: expected one of True, False, received 0"),
+    ({"epoch": 2}, None, "fit: expected keyword arguments among optimizer, validation, eval_fn, "
+                         "epochs, .*, received unknown 'epoch'"),
 ])
 def test_bad_arguments_are_rejected_with_a_clear_message(kwargs, data, message):
     data = random_sentences(8, 16, seed=0) if data is None else data
     kwargs = {"optimizer": OPT, "cache": False, **kwargs}
     with pytest.raises(px.OptionError, match=message):
         training.fit(tiny_model(), loss_fn, data, verbose=False, **kwargs)
+
+
+def test_fit_options_are_declared_once():
+    """fit's keyword options are FitOptions' fields: its signature shows each with its default."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(training.fit).parameters
+    fields = dataclasses.fields(training.FitOptions)
+    assert list(params)[:6] == ["model", "loss_fn", "data", "optimizer", "validation", "eval_fn"]
+    assert list(params)[6:] == [f.name for f in fields]
+    assert all(params[f.name].default == f.default for f in fields
+               if f.default is not dataclasses.MISSING)
+    assert params["epochs"].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(px.OptionError, match="fit: verbose: expected one of True, False, "
+                                             "received 'no'"):
+        training.FitOptions(verbose="no")
 
 
 # -- training lowers the validation loss -------------------------------------------------------

@@ -11,8 +11,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import os
 import time
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,19 +87,16 @@ class FitResult:
 
 
 def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
-        optimizer: optax.GradientTransformation, epochs: int = 1,
-        validation: Sequence[Any] | None = None, eval_fn: EvalFn | None = None,
-        batch_size: int | None = None, max_tokens: int | None = None, buckets: Any = None,
-        min_length: int = 2, pad_id: int = 0, seed: int = 0, shuffle: bool = True,
-        devices: int | Sequence[Any] | None = None,
-        cache: bool | str | os.PathLike | None = None,
-        warmup: bool = True, warmup_workers: int | None = None,
-        checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-        keep_checkpoints: int = 3, resume: bool = True, max_steps: int | None = None,
-        metrics_file: str | os.PathLike | None = None,
-        callbacks: Sequence[Callable[[StepInfo], None]] = (), progress: bool | None = None,
-        verbose: bool = True, console: Any = None, masking: bool = True) -> FitResult:
+        optimizer: optax.GradientTransformation, validation: Sequence[Any] | None = None,
+        eval_fn: EvalFn | None = None, **options: Any) -> FitResult:
     """Train an equinox model with an optax optimiser through bucketed, compiled-once steps.
+
+    The keyword options (``epochs=1``, ``batch_size``, ``max_tokens``, ``buckets``,
+    ``min_length=2``, ``pad_id=0``, ``seed=0``, ``shuffle=True``, ``devices``, ``cache``,
+    ``warmup=True``, ``warmup_workers``, ``checkpoint_dir``, ``checkpoint_every``,
+    ``keep_checkpoints=3``, ``resume=True``, ``max_steps``, ``metrics_file``, ``callbacks``,
+    ``progress``, ``verbose=True``, ``console``, ``masking=True``) are the fields of
+    `FitOptions`, declared and checked there; what they do is below.
 
     ``data`` (and ``validation``) is a sequence of variable-length examples: 1-D integer arrays
     or ``bytes``. Each epoch groups them into batches whose lengths fall in one bucket
@@ -171,14 +170,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     >>> result.epochs()[-1]["val_loss"] < result.epochs()[0]["val_loss"]
     True
     """
-    options = FitOptions(
-        epochs=epochs, batch_size=batch_size, max_tokens=max_tokens, min_length=min_length,
-        pad_id=pad_id, seed=seed, shuffle=shuffle, masking=masking, cache=cache, warmup=warmup,
-        warmup_workers=warmup_workers, checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-        max_steps=max_steps, metrics_file=metrics_file, callbacks=callbacks)
-    run = _prepare(loss_fn, data, optimizer, validation, eval_fn, buckets, devices, options,
-                   progress=progress, verbose=verbose, console=console)
+    options = FitOptions.from_kwargs(options)
+    run = _prepare(loss_fn, data, optimizer, validation, eval_fn, options)
     _configure_cache(options.cache)
     state, position, history, restored = _restore(run, TrainState.create(model, optimizer))
     state = place(state, run.dp.replicated)
@@ -204,6 +197,20 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
                      stopped_early=stopped,
                      partial_rows=getattr(run.batching.policy, "partial_rows", "full"),
                      prediction=run.prediction)
+
+
+def _signature() -> inspect.Signature:
+    """`fit`'s signature: its own parameters, then `FitOptions`' fields as keyword-only
+    parameters with their defaults (declared once, there)."""
+    own = [p for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD]
+    hints = typing.get_type_hints(FitOptions)
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                 annotation=hints.get(f.name, inspect.Parameter.empty))
+               for f in dataclasses.fields(FitOptions)]
+    return inspect.signature(fit).replace(parameters=[*own, *options])
+
+
+fit.__signature__ = _signature()
 
 
 # -- setting up ---------------------------------------------------------------------------------
@@ -282,22 +289,19 @@ class _Run:
 
 
 def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: Any,
-             eval_fn: EvalFn | None, buckets: Any, devices: Any, options: FitOptions, *,
-             progress: bool | None, verbose: bool, console: Any) -> _Run:
+             eval_fn: EvalFn | None, options: FitOptions) -> _Run:
     """Check the data, choose the devices and build the two bucketed steps; with explicit
     buckets, settle them too."""
     check_callable(loss_fn, "fit: loss_fn", "a callable (model, tokens, lengths) -> loss")
     check_callable(eval_fn, "fit: eval_fn", "None or a callable (model, tokens, lengths) -> "
                    "(summed loss, count)", optional=True)
-    if progress is not None:
-        check_bool(progress, "fit: progress")
-    check_bool(verbose, "fit: verbose")
     train = as_examples(data, "fit: data")
     val = as_examples(validation, "fit: validation") if validation is not None else None
+    buckets = options.buckets
     auto = buckets is None or (isinstance(buckets, str) and buckets == "auto")
     policy = None if auto else _resolve_policy(buckets, train, val, options.min_length)
     top = policy.largest if policy is not None else _longest(train, val, options.min_length)
-    dp = data_parallel(devices)
+    dp = data_parallel(options.devices)
     batching = Batching(policy or _buckets.Fixed([top]), options.batch_size, options.max_tokens,
                         options.shuffle, options.seed, min_length=options.min_length,
                         device_multiple=dp.local_devices, num_shards=dp.processes,
@@ -314,8 +318,9 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     # cannot check them against T there (check_lengths above).
     train_step = make_train_step(loss_fn, optimizer, **step_args)
     eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
+    progress, console = options.progress, options.console
     display = RunDisplay(progress=_interactive(console) if progress is None else progress,
-                         verbose=verbose and dp.process_index == 0, console=console)
+                         verbose=options.verbose and dp.process_index == 0, console=console)
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
     return run if auto else _with_policy(run, policy)
 
