@@ -14,6 +14,7 @@ Example (about a minute on 2 cores)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 import polyexec as px
+from polyexec import training
 
 from . import report
 from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, combine_limits,
@@ -316,6 +318,35 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
     }
 
 
+def clamp_batch_size(cfg: Config, data) -> tuple[Config, str | None]:
+    """``cfg`` with a batch size no larger than the examples, and a note when it was larger:
+    rows beyond the examples are only padding, yet every strategy and the limit would allocate
+    and compile for them. The examples stay the same (``--steps`` keeps them all either way).
+
+    >>> cfg = Config(source="uniform", num_examples=5, cap=8, batch_size=100)
+    >>> cfg, note = clamp_batch_size(cfg, load_data(cfg))
+    >>> cfg.batch_size, note
+    (5, 'note: --batch-size 100 is more than the 5 examples; using --batch-size 5')
+    """
+    n = int(data.lengths.size)
+    if cfg.batch_size is None or cfg.batch_size <= n:
+        return cfg, None
+    return (dataclasses.replace(cfg, batch_size=n),
+            f"note: --batch-size {cfg.batch_size} is more than the {n} examples; using "
+            f"--batch-size {n}")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` and ``--plot`` checked (folder exists, test write, not a folder) and
+    matplotlib found before any worker starts, not after the whole run."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            training.check_output_file(path, flag)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise px.OptionError("--plot: expected matplotlib to be installed (pip install "
+                             "'polyexec[plot]'), received a --plot path without it")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -323,18 +354,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker_main(args.worker)
     # A bad flag is a one-line usage error (exit status 2), like argparse's own, before any
     # worker starts: bad values raise OptionError, a missing --lengths-file an OSError.
+    notes = []
     try:
+        check_outputs(args)
         if args.model == "filter-mlp":
             return run_filter_mlp(args)
         cfg = config_from_args(args)
         strategies = parse_strategies(args.strategies)
         data = load_data(cfg)
+        cfg, note = clamp_batch_size(cfg, data)
+        notes += [note] if note else []
         for s in strategies:     # bad fixed sizes fail here
             s.check(cfg, data)
     except (px.OptionError, OSError) as e:
         parser.error(str(e))
 
     console = _console()
+    for note in notes:
+        console.print(note)
     console.print(f"[bold]{cfg.model} {cfg.mode}[/]: {data.description}; cap {cfg.cap} "
                   f"truncated {data.n_capped} example(s); {data.real_tokens:,} real tokens "
                   f"per epoch, {cfg.epochs} epochs")

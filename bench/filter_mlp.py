@@ -62,7 +62,7 @@ def run(*, rows: int = 4096, keep: float = 0.1, width: int = 256, depth: int = 2
         raise px.OptionError(f"run: keep: expected a fraction in [0, 1], received {keep}")
     if rows < 1 or width < 1 or depth < 1 or repeats < 1:
         raise px.OptionError(f"run: expected rows, width, depth and repeats >= 1, received "
-                          f"rows={rows}, width={width}, depth={depth}, repeats={repeats}")
+                             f"rows={rows}, width={width}, depth={depth}, repeats={repeats}")
     N = px.LengthVar("rows", max=rows, buckets=[rows])
     K = px.LengthVar("kept", max=rows)                    # powers of two up to rows
     fn = make_filter_mlp(N, K)

@@ -105,10 +105,10 @@ class Config:
             _check_option(getattr(self, name), options, f"Config: {name}")
         if self.source == "file" and not self.lengths_file:
             raise px.OptionError(f"Config: lengths_file: expected a path with source='file', "
-                              f"received {self.lengths_file!r}")
+                                 f"received {self.lengths_file!r}")
         if (self.batch_size is None) == (self.max_tokens is None):
             raise px.OptionError(f"Config: expected exactly one of batch_size / max_tokens, received "
-                              f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
+                                 f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
         for name, minimum, optional in (
                 ("cap", MIN_T, False), ("epochs", 2, False), ("num_examples", 1, False),
                 ("hidden", 1, False), ("embed", 1, False), ("heads", 1, False),
@@ -117,18 +117,19 @@ class Config:
             _check_int(getattr(self, name), f"Config: {name}", min=minimum, optional=optional)
         if self.buckets != "auto":
             _check_int(self.buckets, "Config: buckets (or 'auto')", min=1)
-        if not self.learning_rate > 0:
-            raise px.OptionError(f"Config: learning_rate: expected a number > 0, received "
-                              f"{self.learning_rate!r}")
+        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            raise px.OptionError(f"Config: learning_rate: expected a finite number > 0, received "
+                                 f"{self.learning_rate!r}")
         if not self.limit_seconds >= 0:
             raise px.OptionError(f"Config: limit_seconds: expected a number >= 0, received "
-                              f"{self.limit_seconds!r}")
+                                 f"{self.limit_seconds!r}")
         if self.max_tokens is not None and self.max_tokens < self.cap:
             raise px.OptionError(f"Config: max_tokens: expected at least cap={self.cap} (a batch "
-                              f"must hold one capped example), received {self.max_tokens}")
+                                 f"must hold one capped example), received {self.max_tokens}")
         if self.model == "attention" and self.hidden % self.heads:
             raise px.OptionError(f"Config: hidden: expected a multiple of heads={self.heads} for "
-                              f"attention, received {self.hidden}")
+                                 f"attention, received {self.hidden}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -173,10 +174,10 @@ def read_lengths_file(path: str) -> np.ndarray:
                 value = int(text)
             except ValueError:
                 raise px.OptionError(f"--lengths-file {path}: line {number}: expected an integer "
-                                  f"length, received {text!r}") from None
+                                     f"length, received {text!r}") from None
             if value < 1:
                 raise px.OptionError(f"--lengths-file {path}: line {number}: expected a length >= 1, "
-                                  f"received {value}")
+                                     f"received {value}")
             out.append(value)
     if not out:
         raise px.OptionError(f"--lengths-file {path}: expected at least one length, received none")
@@ -305,7 +306,7 @@ def build_model(cfg: Config):
     if cfg.model == "attention":
         return AttentionLM(dim=cfg.hidden, heads=cfg.heads, key=key)
     raise px.OptionError(f"build_model: model: expected one of 'gru', 'lstm', 'attention', "
-                      f"received {cfg.model!r}")
+                         f"received {cfg.model!r}")
 
 
 @dataclasses.dataclass(frozen=True)

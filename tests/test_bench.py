@@ -52,7 +52,8 @@ def test_parse_strategies_rejects(text, message):
     (dict(batch_size=None), "expected exactly one of batch_size / max_tokens"),
     (dict(epochs=1), "Config: epochs: expected an int >= 2, received 1"),
     (dict(hidden=2.0), "Config: hidden: expected an int >= 1, received 2.0"),
-    (dict(learning_rate=0.0), "Config: learning_rate: expected a number > 0, received 0.0"),
+    (dict(learning_rate=0.0), "Config: learning_rate: expected a finite number > 0, received 0.0"),
+    (dict(learning_rate=math.inf), "Config: learning_rate: expected a finite number > 0, received inf"),
     (dict(batch_size=None, max_tokens=100),
      "Config: max_tokens: expected at least cap=1024 .*, received 100"),
 ])
@@ -210,7 +211,9 @@ def test_combine_limits_takes_the_fastest_pass_per_group():
      "expected a largest size >= the cap 256, received largest size 128"),
     (["--strategies", "polyexec,bogus"], "received unknown strategy 'bogus'"),
     (["--epochs", "1"], "Config: epochs: expected an int >= 2, received 1"),
-    (["--lr", "-1"], "Config: learning_rate: expected a number > 0, received -1.0"),
+    (["--lr", "-1"], "Config: learning_rate: expected a finite number > 0, received -1.0"),
+    (["--lr", "inf"], "Config: learning_rate: expected a finite number > 0, received inf"),
+    (["--lr", "nan"], "Config: learning_rate: expected a finite number > 0, received nan"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "No such file or directory"),
 ])
 def test_bad_flags_are_one_line_usage_errors_before_any_worker(argv, message, capsys):
@@ -220,6 +223,38 @@ def test_bad_flags_are_one_line_usage_errors_before_any_worker(argv, message, ca
     *usage, error = capsys.readouterr().err.strip().splitlines()
     assert usage[0].startswith("usage: polyexec-bench")
     assert error.startswith("polyexec-bench: error: ") and message in error
+
+
+@pytest.mark.parametrize("flag, target, message", [
+    ("--json", "folder", "--json: expected a file path, received '{path}' which is a folder"),
+    ("--json", "missing", "--json: expected a file in an existing folder, received '{path}' "
+                          "(no folder '{path.parent}')"),
+    ("--plot", "folder", "--plot: expected a file path, received '{path}' which is a folder"),
+    ("--plot", "missing", "--plot: expected a file in an existing folder, received '{path}'"),
+])
+def test_output_paths_are_checked_before_any_worker(flag, target, message, tmp_path, capsys,
+                                                    monkeypatch):
+    from bench import cli
+    path = tmp_path if target == "folder" else tmp_path / "missing" / "out.x"
+    monkeypatch.setattr(cli, "run_all", lambda *a, **k: pytest.fail("a worker started"))
+    for model in ("gru", "filter-mlp"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--quick", "--no-progress", "--model", model, flag, str(path)])
+        assert exit_.value.code == 2
+        *_, error = capsys.readouterr().err.strip().splitlines()
+        assert error.startswith(f"polyexec-bench: error: {message.format(path=path)}")
+
+
+def test_a_batch_size_above_the_examples_is_clamped_with_a_note():
+    from bench.cli import clamp_batch_size
+    cfg = Config(source="uniform", num_examples=30, cap=64, batch_size=100_000, steps=2)
+    data = load_data(cfg)
+    clamped, note = clamp_batch_size(cfg, data)
+    assert clamped.batch_size == 30 and note == ("note: --batch-size 100000 is more than the 30 "
+                                                 "examples; using --batch-size 30")
+    assert np.array_equal(load_data(clamped).lengths, data.lengths)   # the same examples
+    assert clamp_batch_size(clamped, data) == (clamped, None)
+    assert clamp_batch_size(Config(batch_size=None, max_tokens=4096), data)[1] is None
 
 
 def test_quick_preset_and_explicit_flags():

@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +35,8 @@ from ._parallel import DataParallel
 
 # Beside JAX's persistent compile cache: what each program cost to compile and to run.
 _COSTS = "polyexec-costs.json"
+# MLIR debug locations: `#loc3 = loc(...)` lines and ` loc(#loc3)` / ` loc("x"(#loc))` suffixes.
+_LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 
 
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
@@ -95,7 +100,12 @@ class _Record:
         modules = [getattr(f.plan, "exported", None) for f in steps]
         self.key = None
         if self.folder and None not in modules:
-            text = "".join(m.mlir_module() for m in modules) + repr(sorted(shape.items()))
+            # Without debug locations: they name the caller's file and line, so the same
+            # program traced from another line (or an edited script) would miss its record
+            # while JAX's own cache, which ignores them, still hits -- and a load would be
+            # timed as if it were a compile.
+            text = "".join(_LOCATIONS.sub("", m.mlir_module()) for m in modules)
+            text += repr(sorted(shape.items()))
             self.key = hashlib.sha256(text.encode()).hexdigest()
 
     @property
@@ -105,14 +115,39 @@ class _Record:
     @property
     def known(self) -> tuple[float, float] | None:
         entry = self._read().get(self.key) if self.key else None
-        return None if entry is None else (float(entry[0]), float(entry[1]))
+        if entry is None:
+            return None
+        try:
+            compile_s, per_cell = (float(v) for v in entry)
+        except (TypeError, ValueError):
+            compile_s = per_cell = math.nan
+        if not (math.isfinite(compile_s) and math.isfinite(per_cell)
+                and compile_s >= 0 and per_cell > 0):
+            self._damaged(f"its entry for this program is {entry!r}, expected [compile "
+                          f"seconds >= 0, seconds per cell > 0]")
+            return None
+        return compile_s, per_cell
+
+    def _damaged(self, what: str) -> None:
+        # The record only saves a measurement: a damaged one is measured again and rewritten,
+        # never a reason to stop a run.
+        warnings.warn(f"measure_cost: ignoring the cost record {self.path}: {what}; the cost "
+                      f"is measured again", stacklevel=4)
 
     def _read(self) -> dict:
         try:
             with open(self.path, encoding="utf-8") as fh:
-                return json.load(fh)
-        except (OSError, ValueError):
+                table = json.load(fh)
+        except FileNotFoundError:
             return {}
+        except (OSError, ValueError) as e:       # unreadable, or not JSON (UnicodeError too)
+            self._damaged(f"{type(e).__name__}: {e}")
+            return {}
+        if not isinstance(table, dict):
+            self._damaged(f"expected a JSON object of program -> cost, received "
+                          f"{type(table).__name__} {str(table)[:60]}")
+            return {}
+        return table
 
     def save(self, compile_seconds: float, seconds_per_cell: float) -> None:
         if self.key is None:

@@ -32,6 +32,7 @@ from ._checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_che
 from ._auto import choose_buckets, rebucket
 from ._data import Batching, Examples, as_examples
 from ._options import FitOptions, check_callable
+from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel
 from ._progress import RunDisplay
 from ._records import MetricsLog, Position, epoch_record, step_record, warmup_record
@@ -171,6 +172,7 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     True
     """
     options = FitOptions.from_kwargs(options)
+    _check_outputs(options)
     run = _prepare(loss_fn, data, optimizer, validation, eval_fn, options)
     _configure_cache(options.cache)
     state, position, history, restored = _restore(run, TrainState.create(model, optimizer))
@@ -302,6 +304,19 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     policy = None if auto else _resolve_policy(buckets, train, val, options.min_length)
     top = policy.largest if policy is not None else _longest(train, val, options.min_length)
     dp = data_parallel(options.devices)
+    progress, console = options.progress, options.console
+    display = RunDisplay(progress=_interactive(console) if progress is None else progress,
+                         verbose=options.verbose and dp.process_index == 0, console=console)
+    # A batch larger than the data would only be padding: with --batch-size 100000 on 200
+    # examples every step and compile was sized for 100000 rows (21 GB before the kernel
+    # killed it). Each process takes batch_size rows of every global batch.
+    most = -(-len(train) // dp.processes)
+    if options.batch_size is not None and options.batch_size > most:
+        display.print(f"note: batch_size={options.batch_size} is more than the {len(train)} "
+                      f"training examples" + (f" over {dp.processes} processes" if dp.processes > 1
+                                              else "") + f"; using batch_size={most}")
+        options = dataclasses.replace(options, batch_size=most)
+    _check_optimizer(optimizer)
     batching = Batching(policy or _buckets.Fixed([top]), options.batch_size, options.max_tokens,
                         options.shuffle, options.seed, min_length=options.min_length,
                         device_multiple=dp.local_devices, num_shards=dp.processes,
@@ -318,11 +333,35 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     # cannot check them against T there (check_lengths above).
     train_step = make_train_step(loss_fn, optimizer, **step_args)
     eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
-    progress, console = options.progress, options.console
-    display = RunDisplay(progress=_interactive(console) if progress is None else progress,
-                         verbose=options.verbose and dp.process_index == 0, console=console)
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
     return run if auto else _with_policy(run, policy)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Refuse an optimizer whose step is not finite or climbs the loss (``optax.adam(inf)``
+    trained to a NaN loss and ended as if all were well; ``optax.adam(-1e-3)`` maximises).
+
+    Probed on one parameter with a unit gradient, before anything else compiles. A zero step
+    passes (a schedule may start at 0); an optimizer that needs the model's own tree (masks,
+    labels per parameter) cannot be probed this way and is left to run.
+    """
+    if not isinstance(optimizer, optax.GradientTransformation):
+        return                         # TrainState.create names what is wrong with it
+    try:
+        params = {"w": np.ones((1,), np.float32)}
+        unit = lambda p: jax.tree_util.tree_map(jax.numpy.ones_like, p)   # noqa: E731
+        updates, _ = jax.jit(lambda p: optimizer.update(unit(p), optimizer.init(p), p))(params)
+        step = float(np.asarray(updates["w"])[0])
+    except Exception:                  # noqa: BLE001 -- cannot be probed: not refused
+        return
+    if not np.isfinite(step):
+        raise OptionError(f"fit: optimizer: expected finite updates (a finite learning rate), "
+                          f"received an optimizer whose first step for a unit gradient is "
+                          f"{step} (a learning rate of inf or nan?)")
+    if step > 0:
+        raise OptionError(f"fit: optimizer: expected a step against the gradient (a learning "
+                          f"rate > 0), received an optimizer whose first step for a unit gradient "
+                          f"is +{step:g} (a negative learning rate?)")
 
 
 def _longest(train: Examples, validation: Examples | None, min_length: int) -> int:
@@ -420,6 +459,17 @@ def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min
                               f"{int(examples.lengths[i])}; cap or truncate long examples or use "
                               f"buckets whose largest size covers them")
     return policy
+
+
+def _check_outputs(options: FitOptions) -> None:
+    """Every folder and file the run will write, created or test-written now: a bad path
+    fails before any data is read, not at the first checkpoint an epoch later."""
+    if options.checkpoint_dir is not None:
+        check_output_dir(options.checkpoint_dir, "fit: checkpoint_dir")
+    if isinstance(options.cache, str):
+        check_output_dir(options.cache, "fit: cache")
+    if options.metrics_file is not None and jax.process_index() == 0:   # process 0 writes it
+        check_output_file(options.metrics_file, "fit: metrics_file")
 
 
 def _configure_cache(cache: bool | str | None) -> None:
