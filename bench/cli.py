@@ -14,6 +14,7 @@ Example (about a minute on 2 cores)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -25,11 +26,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from polyexec._errors import OptionError
+import polyexec as px
+from polyexec import training
 
 from . import report
 from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, combine_limits,
-                         parse_strategies, t_policy, worker_main)
+                         parse_strategies, strategies_help, worker_main)
 from .workloads import DISTS, MODELS, MODES, WARMUPS, Config, load_data
 
 # --quick: a workload small enough to run every strategy in under a minute on 2 cores (most
@@ -98,9 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--keep", type=float, help="filter-mlp: fraction of rows the filter keeps")
     o = p.add_argument_group("run and output")
     o.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help="comma list of pad-max, exact, pow2, fixed:S1,S2,..., polyexec, "
-                        "polyexec-cached, polyexec-nomask (polyexec with the logical-length "
-                        f"rewrite off: what it costs) (default {DEFAULT_STRATEGIES})")
+                   help=f"comma list of {strategies_help()} (default {DEFAULT_STRATEGIES})")
     o.add_argument("--quick", action="store_true",
                    help="a tiny workload (inference, hidden 16, cap 512, 6 batches of 8 per "
                         "epoch) that runs every strategy in about a minute; explicit flags win")
@@ -207,8 +207,7 @@ def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
         passes = [run_worker(dict(limit_job, name="limit"), tmp, on_event)]
         results = []
         for s in strategies:
-            job = {"strategy": {"kind": s.kind, "sizes": list(s.sizes) if s.sizes else None},
-                   "name": s.name, "config": cfg.to_dict(), "state_file": state_file,
+            job = {"strategy": s.name, "name": s.name, "config": cfg.to_dict(), "state_file": state_file,
                    "cache_dir": os.path.join(tmp, s.cache_folder) if s.cache_folder else None,
                    "choice_file": os.path.join(tmp, "auto-choice.json")}
             results.append(run_worker(job, tmp, on_event))
@@ -319,6 +318,35 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
     }
 
 
+def clamp_batch_size(cfg: Config, data) -> tuple[Config, str | None]:
+    """``cfg`` with a batch size no larger than the examples, and a note when it was larger:
+    rows beyond the examples are only padding, yet every strategy and the limit would allocate
+    and compile for them. The examples stay the same (``--steps`` keeps them all either way).
+
+    >>> cfg = Config(source="uniform", num_examples=5, cap=8, batch_size=100)
+    >>> cfg, note = clamp_batch_size(cfg, load_data(cfg))
+    >>> cfg.batch_size, note
+    (5, 'note: --batch-size 100 is more than the 5 examples; using --batch-size 5')
+    """
+    n = int(data.lengths.size)
+    if cfg.batch_size is None or cfg.batch_size <= n:
+        return cfg, None
+    return (dataclasses.replace(cfg, batch_size=n),
+            f"note: --batch-size {cfg.batch_size} is more than the {n} examples; using "
+            f"--batch-size {n}")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` and ``--plot`` checked (folder exists, test write, not a folder) and
+    matplotlib found before any worker starts, not after the whole run."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            training.check_output_file(path, flag)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise px.OptionError("--plot: expected matplotlib to be installed (pip install "
+                             "'polyexec[plot]'), received a --plot path without it")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -326,18 +354,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker_main(args.worker)
     # A bad flag is a one-line usage error (exit status 2), like argparse's own, before any
     # worker starts: bad values raise OptionError, a missing --lengths-file an OSError.
+    notes = []
     try:
+        check_outputs(args)
         if args.model == "filter-mlp":
             return run_filter_mlp(args)
         cfg = config_from_args(args)
         strategies = parse_strategies(args.strategies)
         data = load_data(cfg)
+        cfg, note = clamp_batch_size(cfg, data)
+        notes += [note] if note else []
         for s in strategies:     # bad fixed sizes fail here
-            t_policy(s, cfg, data)
-    except (OptionError, OSError) as e:
+            s.check(cfg, data)
+    except (px.OptionError, OSError) as e:
         parser.error(str(e))
 
     console = _console()
+    for note in notes:
+        console.print(note)
     console.print(f"[bold]{cfg.model} {cfg.mode}[/]: {data.description}; cap {cfg.cap} "
                   f"truncated {data.n_capped} example(s); {data.real_tokens:,} real tokens "
                   f"per epoch, {cfg.epochs} epochs")

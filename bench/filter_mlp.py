@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import polyexec as px
-from polyexec._errors import OptionError
 
 
 def make_filter_mlp(rows_var: px.LengthVar, kept_var: px.LengthVar):
@@ -60,10 +59,10 @@ def run(*, rows: int = 4096, keep: float = 0.1, width: int = 256, depth: int = 2
     threshold to that quantile of the scores, so ``round(keep * rows)`` rows are kept.
     """
     if not 0.0 <= keep <= 1.0:
-        raise OptionError(f"run: keep: expected a fraction in [0, 1], received {keep}")
+        raise px.OptionError(f"run: keep: expected a fraction in [0, 1], received {keep}")
     if rows < 1 or width < 1 or depth < 1 or repeats < 1:
-        raise OptionError(f"run: expected rows, width, depth and repeats >= 1, received "
-                          f"rows={rows}, width={width}, depth={depth}, repeats={repeats}")
+        raise px.OptionError(f"run: expected rows, width, depth and repeats >= 1, received "
+                             f"rows={rows}, width={width}, depth={depth}, repeats={repeats}")
     N = px.LengthVar("rows", max=rows, buckets=[rows])
     K = px.LengthVar("kept", max=rows)                    # powers of two up to rows
     fn = make_filter_mlp(N, K)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from polyexec._errors import PolyexecError
+import polyexec as px
+
+from .strategies import parse_strategy
 
 RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
     "strategy": str,
@@ -30,7 +32,7 @@ RESULT_KEYS: dict[str, type | tuple[type, ...]] = {
 TOP_KEYS = ("workload", "limit_tokens_per_s", "results")
 
 
-class SchemaError(PolyexecError, ValueError):
+class SchemaError(px.PolyexecError, ValueError):
     """The benchmark JSON does not have the documented shape; the message names the path."""
 
 
@@ -137,8 +139,9 @@ def results_table(doc: dict, extras: dict[str, dict]):
 
 
 def summary_lines(doc: dict) -> list[str]:
-    """polyexec against the goals (>= 0.8 of the limit warm, >= 0.5 cold, >= 4x pad-max,
-    >= 3x exact), as plain sentences with the measured numbers."""
+    """polyexec against the goals (>= 0.8 of the limit warm, >= 0.5 cold, and each peer's
+    ``goal``: >= 4x pad-max, >= 3x exact), as plain sentences with the measured numbers; each
+    other strategy adds its own sentence (`Strategy.summary_line`)."""
     by = {r["strategy"]: r for r in doc["results"]}
     p = by.get("polyexec")
     if p is None:
@@ -150,22 +153,13 @@ def summary_lines(doc: dict) -> list[str]:
         lines.append(f"polyexec warmup in the background: {extra.get('upgraded_batches', 0)} "
                      f"first-epoch batch(es) ran padded to a compiled bucket at most 2x their own while "
                      f"theirs compiled")
-    for other, goal in (("pad-max", 4.0), ("exact", 3.0)):
-        o = by.get(other)
-        if o:
-            lines.append(f"polyexec vs {other}: {p['tokens_per_s_warm'] / o['tokens_per_s_warm']:.2f}x "
-                         f"warm, {p['tokens_per_s_cold'] / o['tokens_per_s_cold']:.2f}x cold "
-                         f"(goal {goal:.0f}x)")
-    n = by.get("polyexec-nomask")
-    if n:
-        lines.append(f"polyexec-nomask (the logical-length rewrite off): polyexec runs at "
-                     f"{p['tokens_per_s_warm'] / n['tokens_per_s_warm']:.2f}x its warm "
-                     f"throughput, {p['compile_s']:.1f} s of compiles against {n['compile_s']:.1f} s")
-    c = by.get("polyexec-cached")
-    if c:
-        lines.append(f"polyexec-cached (a second process on the persistent compile cache): "
-                     f"{c['fraction_of_limit_cold']:.2f} of the limit cold, {c['compiles']} "
-                     f"compiles")
+    for row in doc["results"]:         # each strategy says how polyexec compares with it
+        if row is p:
+            continue
+        line = parse_strategy(row["strategy"]).summary_line(
+            row, p, doc["workload"].get("per_strategy", {}).get(row["strategy"], {}))
+        if line:
+            lines.append(line)
     return lines
 
 

@@ -1,12 +1,28 @@
 """The strategies compared, their batch schedules, and the worker that measures one of them.
 
-A strategy decides two things: how examples are grouped into batches (random batches, or
-length-grouped batches from `buckets.batch_plan`), and which padded shape each batch runs at
-(the cap, the batch's exact maximum, a bucket). Every strategy runs every example once per
-epoch; only the grouping differs.
+A strategy decides how examples are grouped into batches (random batches, or length-grouped
+batches from `buckets.batch_plan`), which padded shape each batch runs at (the cap, the batch's
+exact maximum, a bucket) and how its worker process runs them. Every strategy runs every
+example once per epoch; only the grouping and the padding differ.
+
+Each strategy is one class, registered under its ``--strategies`` token with `register`:
+parsing, the CLI's help, the worker and the report look it up in `REGISTRY`, so adding a
+strategy is adding one class. A class says
+
+- ``token`` / ``usage`` / ``description``: its name on the command line and in ``--help``;
+- ``batching``: the label of its batches in the report (``random``, ``grouped``, ...);
+- ``requires``: a strategy that must be listed too, and runs first (``polyexec-cached``
+  reads the compile cache ``polyexec`` fills); ``cache_folder``: its persistent compile cache;
+- `Strategy.schedule`: every epoch's batches (example indices), and `Strategy.prepare`: the
+  `Run` its worker drives -- the step it calls per batch, the shape each batch ran at, and its
+  compile accounting. A strategy with its own batch layout and its own step (a ``pack`` peer:
+  first-fit packed rows and a segment-id model step) overrides these two and nothing else
+  needs to know.
 
 >>> [s.name for s in parse_strategies("pad-max,fixed:16,64,1024,polyexec")]
 ['pad-max', 'fixed:16,64,1024', 'polyexec']
+>>> sorted(REGISTRY)[:3]
+['exact', 'fixed', 'pad-max']
 """
 
 from __future__ import annotations
@@ -18,8 +34,7 @@ import resource
 import sys
 import threading
 import time
-import typing
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -28,189 +43,399 @@ import numpy as np
 
 import buckets
 import polyexec as px
-from polyexec._bind import pad_to
-from polyexec._cache import xla_events, xla_events_since
-from polyexec._errors import OptionError
+from polyexec.training import choose_buckets
+
 from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
-StrategyKind = Literal["pad-max", "exact", "pow2", "fixed", "polyexec", "polyexec-cached",
-                       "polyexec-nomask"]
-KINDS: tuple[str, ...] = typing.get_args(StrategyKind)
 DEFAULT_STRATEGIES = "pad-max,exact,pow2,polyexec,polyexec-cached"
 
 EVENT_PREFIX = "@@bench "
 
+Shape = tuple[int, int]   # (rows, time) a batch runs at
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """One strategy; ``sizes`` only for ``fixed``."""
-
-    kind: str
-    sizes: tuple[int, ...] | None = None
-
-    @property
-    def name(self) -> str:
-        return f"fixed:{','.join(map(str, self.sizes))}" if self.kind == "fixed" else self.kind
-
-    @property
-    def grouped(self) -> bool:
-        """Length-grouped batches (the same examples per epoch, grouped by bucket)."""
-        return self.kind in ("polyexec", "polyexec-cached", "polyexec-nomask")
-
-    @property
-    def masking(self) -> bool:
-        """The executor's logical-length rewrite: off for ``polyexec-nomask``, which is there to
-        measure what the rewrite costs, side by side with ``polyexec``."""
-        return self.kind != "polyexec-nomask"
-
-    @property
-    def cache_folder(self) -> str | None:
-        """The persistent compile cache a grouped strategy runs on (a folder of the run's
-        temporary directory). ``polyexec-cached`` reads the one ``polyexec`` fills;
-        ``polyexec-nomask`` compiles other programs and gets its own, so it finds nothing of
-        ``polyexec``'s and its compile counts compare."""
-        if not self.grouped:
-            return None
-        return "xla-cache-nomask" if not self.masking else "xla-cache"
-
-    @property
-    def batching(self) -> str:
-        return "grouped" if self.grouped else "random"
+REGISTRY: dict[str, type["Strategy"]] = {}
 
 
-def parse_strategies(text: str) -> list[Strategy]:
-    """``"pad-max,exact,fixed:16,32,64,polyexec"``: bare integers after ``fixed:`` are its sizes.
-
-    >>> parse_strategies("fixed:8,32")[0].sizes
-    (8, 32)
-    """
-    out: list[Strategy] = []
-    fixed: list[int] | None = None
-
-    def close_fixed():
-        nonlocal fixed
-        if fixed is not None:
-            if not fixed:
-                raise OptionError("--strategies: 'fixed:' expected sizes, e.g. "
-                                  "fixed:16,64,256,1024, received none")
-            out.append(Strategy("fixed", tuple(sorted(set(fixed)))))
-            fixed = None
-
-    for raw in text.split(","):
-        token = raw.strip()
-        if not token:
-            raise OptionError(f"--strategies: expected a strategy between every two commas, "
-                              f"received an empty entry in {text!r}")
-        if token.isdigit() and fixed is not None:
-            fixed.append(int(token))
-            continue
-        close_fixed()
-        if token.startswith("fixed:"):
-            first = token[len("fixed:"):].strip()
-            if not first.isdigit():
-                raise OptionError(f"--strategies: fixed sizes: expected integers (e.g. "
-                                  f"fixed:16,64,256,1024), received {first!r} in {token!r}")
-            fixed = [int(first)]
-        elif token in KINDS and token != "fixed":
-            out.append(Strategy(token))
-        else:
-            raise OptionError(f"--strategies: expected one of "
-                              f"{', '.join(k if k != 'fixed' else 'fixed:S1,S2,...' for k in KINDS)}; "
-                              f"received unknown strategy {token!r}")
-    close_fixed()
-    names = [s.name for s in out]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise OptionError(f"--strategies: expected each strategy once, received "
-                          f"{', '.join(sorted(dup))} given twice")
-    if any(s.kind == "fixed" and min(s.sizes) < MIN_T for s in out):
-        raise OptionError(f"--strategies: fixed sizes: expected sizes >= {MIN_T} (the loss needs "
-                          f"T >= 2), received {', '.join(s.name for s in out if s.kind == 'fixed')}")
-    if "polyexec-cached" in names and "polyexec" not in names:
-        raise OptionError("--strategies: expected polyexec beside polyexec-cached (which reuses "
-                          "the compile cache polyexec fills; list polyexec too), received "
-                          "polyexec-cached alone")
-    # polyexec-cached must run after polyexec (it reads the cache polyexec writes).
-    out.sort(key=lambda s: s.kind == "polyexec-cached")
-    return out
-
-
-# ------------------------------------------------------------------------------- policies
-
-
-def t_policy(strategy: Strategy, cfg: Config, data: Data) -> buckets.BucketPolicy | None:
-    """The bucket policy of the time axis (None for ``exact``: no buckets)."""
-    if strategy.kind == "pad-max":
-        return buckets.Fixed([cfg.cap])
-    if strategy.kind == "pow2":
-        # Powers of two from 2, with the cap itself as the largest bucket.
-        return buckets.Geometric(MIN_T, cfg.cap)
-    if strategy.kind == "fixed":
-        if max(strategy.sizes) < cfg.cap:
-            raise OptionError(f"--strategies {strategy.name}: expected a largest size >= the cap "
-                              f"{cfg.cap}, received largest size {max(strategy.sizes)} (add a "
-                              f"size >= {cfg.cap})")
-        return buckets.Fixed(strategy.sizes)
-    if strategy.grouped and cfg.buckets != "auto":   # auto: chosen in the worker (choose_auto)
-        return buckets.Optimal.fit(data.padded_lengths, max_buckets=cfg.buckets)
-    return None
-
-
-def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
-    """``--buckets auto``: compile and time ``f`` once at the largest length's full batch,
-    then `buckets.Auto.fit` for ``cfg.epochs`` epochs; returns (policy, f at its shapes, the
-    rows it uses, and the choice as a dict: measured cost, prediction).
-
-    The first grouped worker of a run writes its choice to ``path`` and the later ones reuse
-    it, so they compare on the same buckets: ``polyexec-cached`` (the same job run again --
-    timed on a cache hit, a compile would look nearly free) and ``polyexec-nomask``.
-    """
-    from polyexec.training import measure_cost
-    lengths = data.padded_lengths
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            saved = json.load(fh)
-        policy = buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
-        saved["reused"] = True
-    else:
-        top = int(lengths.max())
-        rows = cfg.batch_size or buckets.batch_size_for(top, cfg.max_tokens)
-        probe = np.resize(np.flatnonzero(lengths == top), rows)
-        tokens, _ = padded_batch(data, probe, rows, top)
-        # In the background the other compiles overlap training: on 2 cores their wall cost
-        # was 1/2-2/3 of their compile seconds. Parallel threads (--warmup blocking) gained
-        # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, ~24.5 s at the
-        # rate of one compile alone.
-        overlap = 2 if cfg.warmup == "background" and (os.cpu_count() or 1) >= 2 else 1
-        cost = measure_cost(f, step.state, tokens, np.full(rows, top, np.int32), parallel=overlap)
-        policy = buckets.Auto.fit(lengths, cost, epochs=cfg.epochs, batch_size=cfg.batch_size,
-                                  max_tokens=cfg.max_tokens, compiled=[(rows, top)])
-        saved = {"sizes": list(policy.sizes), "partial_rows": list(policy.partial_rows),
-                 "cost": dataclasses.asdict(cost), "predicted": policy.prediction._asdict(),
-                 "predicted_padding_efficiency": policy.prediction.padding_efficiency}
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(saved, fh)
-    plan = buckets.batch_plan(lengths, policy, batch_size=cfg.batch_size,
-                              max_tokens=cfg.max_tokens, shuffle=False)
-    rows_used = sorted({b.rows for b in plan})
-    return policy, f.with_buckets({"T": list(policy.sizes), "B": rows_used}), rows_used, saved
-
-
-def b_sizes(strategy: Strategy, cfg: Config) -> list[int]:
-    """Row buckets: the batch size itself; under a token budget, ``max_tokens // cap`` for
-    pad-max (its batches are always that many rows, one shape) and powers of two for the rest
-    (grouped batches use ``buckets.batch_size_for(bucket, max_tokens)``, a power of two)."""
-    if cfg.batch_size is not None:
-        return [cfg.batch_size]
-    if strategy.kind == "pad-max":
-        return [cfg.max_tokens // cfg.cap]
-    top = buckets.batch_size_for(MIN_T, cfg.max_tokens)
-    return list(buckets.Geometric(1, top).sizes) if top > 1 else [1]
+def register(cls: type["Strategy"]) -> type["Strategy"]:
+    """Class decorator: make ``cls`` a ``--strategies`` choice under ``cls.token``."""
+    if cls.token in REGISTRY:
+        raise ValueError(f"register: token {cls.token!r} is taken by {REGISTRY[cls.token].__name__}")
+    REGISTRY[cls.token] = cls
+    return cls
 
 
 def _bucket(sizes, n: int) -> int:
     i = int(np.searchsorted(np.asarray(sizes), n, side="left"))
     return int(sizes[i])
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """Where a worker finds what the run shares: the initial weights, its persistent compile
+    cache, and the ``--buckets auto`` choice the first grouped worker writes."""
+
+    state_file: str | None = None
+    cache_dir: str | None = None
+    choice_file: str | None = None
+
+
+class Run:
+    """What one worker process drives for its strategy, built by `Strategy.prepare`.
+
+    The worker calls ``start_epoch``, then ``step`` on each batch, then ``end_epoch``;
+    ``setup_seconds`` (measuring, choosing) counts towards the cold epoch; ``summary`` gives
+    the strategy's own columns once every epoch ran.
+    """
+
+    state: Any
+    epochs: list[list[np.ndarray]]
+    setup_seconds: float = 0.0
+
+    def own_shape(self, idx: np.ndarray) -> Shape:
+        """The (rows, time) batch ``idx`` is scheduled at."""
+        raise NotImplementedError
+
+    def start_epoch(self, epoch: int) -> None:
+        pass
+
+    def step(self, state: Any, idx: np.ndarray) -> tuple[Any, Any, Shape]:
+        """Run batch ``idx``: ``(loss, new state, the (rows, time) it ran at)``."""
+        raise NotImplementedError
+
+    def end_epoch(self, epoch: int) -> None:
+        pass
+
+    def summary(self, events: px.CompileCounts) -> dict:
+        """``compiles``, ``traces``, ``compile_s``, ``bucket_count``, ``buckets``,
+        ``partial_rows``, ``auto``, ``upgraded_batches``, ``warmup``."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One padding strategy (a registered subclass); instances are values (sizes, options)."""
+
+    token: ClassVar[str]
+    usage: ClassVar[str]              # how --strategies spells it: "pad-max", "fixed:S1,S2,..."
+    description: ClassVar[str]
+    batching: ClassVar[str] = "random"
+    requires: ClassVar[str | None] = None
+    cache_folder: ClassVar[str | None] = None
+    # polyexec's warm throughput goal against this peer (a line of the summary), if any
+    goal: ClassVar[float | None] = None
+
+    @property
+    def name(self) -> str:
+        return self.token
+
+    @classmethod
+    def from_args(cls, args: tuple[int, ...] | None) -> "Strategy":
+        """The strategy of ``token`` (``args`` None) or ``token:N1,N2,...``."""
+        if args is not None:
+            raise px.OptionError(f"--strategies: {cls.token}: expected no ':' arguments, "
+                                 f"received {cls.token}:{','.join(map(str, args))}")
+        return cls()
+
+    # -- what runs ------------------------------------------------------------------------------
+
+    def check(self, cfg: Config, data: Data) -> None:
+        """Refuse a workload this strategy cannot run (called before any worker starts)."""
+        self.t_policy(cfg, data)
+
+    def t_policy(self, cfg: Config, data: Data) -> buckets.BucketPolicy | None:
+        """The bucket policy of the time axis (None: no buckets, or chosen in the worker)."""
+        return None
+
+    def row_sizes(self, cfg: Config) -> list[int]:
+        """Row buckets: the batch size itself; under a token budget powers of two (grouped
+        batches use ``buckets.batch_size_for(bucket, max_tokens)``, a power of two)."""
+        if cfg.batch_size is not None:
+            return [cfg.batch_size]
+        top = buckets.batch_size_for(MIN_T, cfg.max_tokens)
+        return list(buckets.Geometric(1, top).sizes) if top > 1 else [1]
+
+    def schedule(self, cfg: Config, data: Data, policy) -> list[list[np.ndarray]]:
+        """Every epoch's batches (example indices): one shared random order, batches cut at
+        the strategy's padded length under a token budget."""
+        pad = (lambda n: n) if policy is None else (lambda n: _bucket(policy.sizes, n))
+        return [random_batches(cfg, data, epoch, pad) for epoch in range(cfg.epochs)]
+
+    def padded_shape(self, cfg: Config, policy, rows: int, longest: int) -> Shape:
+        """(rows, time) a batch of ``rows`` examples, the longest ``longest``, runs at: the
+        policy's bucket; rows padded to the batch size (one row shape), or under a token
+        budget to a power of two."""
+        t = max(longest, MIN_T)
+        if policy is not None:
+            t = _bucket(policy.sizes, t)
+        if cfg.batch_size is not None:
+            return cfg.batch_size, t
+        return _bucket(self.row_sizes(cfg), rows), t
+
+    def prepare(self, cfg: Config, data: Data, step: Step, files: Files) -> Run:
+        """The `Run` of this strategy in its worker process (random batches through
+        ``px.bucketed`` at the strategy's buckets, by default)."""
+        policy = self.t_policy(cfg, data)
+        return BucketedRun(self, cfg, data, step, policy, self.schedule(cfg, data, policy))
+
+    # -- how it is reported ---------------------------------------------------------------------
+
+    def summary_line(self, row: dict, polyexec: dict, extra: dict) -> str | None:
+        """A sentence comparing polyexec's result row with this strategy's ``row``."""
+        if self.goal is None:
+            return None
+        return (f"polyexec vs {self.name}: "
+                f"{polyexec['tokens_per_s_warm'] / row['tokens_per_s_warm']:.2f}x warm, "
+                f"{polyexec['tokens_per_s_cold'] / row['tokens_per_s_cold']:.2f}x cold "
+                f"(goal {self.goal:.0f}x)")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class PadMax(Strategy):
+    token: ClassVar[str] = "pad-max"
+    usage: ClassVar[str] = "pad-max"
+    description: ClassVar[str] = "random batches padded to the cap (one compile)"
+    goal: ClassVar[float | None] = 4.0
+
+    def t_policy(self, cfg, data):
+        return buckets.Fixed([cfg.cap])
+
+    def row_sizes(self, cfg):
+        # Under a token budget its batches are always max_tokens // cap rows: one shape.
+        return [cfg.batch_size] if cfg.batch_size is not None else [cfg.max_tokens // cfg.cap]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Exact(Strategy):
+    token: ClassVar[str] = "exact"
+    usage: ClassVar[str] = "exact"
+    description: ClassVar[str] = ("random batches, plain jax.jit at each batch's exact longest "
+                                  "length (one compile per distinct length)")
+    goal: ClassVar[float | None] = 3.0
+
+    def padded_shape(self, cfg, policy, rows, longest):
+        t = max(longest, MIN_T)
+        return (cfg.batch_size if cfg.batch_size is not None else rows), t
+
+    def prepare(self, cfg, data, step, files):
+        return ExactRun(self, cfg, data, step, self.schedule(cfg, data, None))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Pow2(Strategy):
+    token: ClassVar[str] = "pow2"
+    usage: ClassVar[str] = "pow2"
+    description: ClassVar[str] = "random batches, px.bucketed with power-of-two buckets"
+
+    def t_policy(self, cfg, data):
+        # Powers of two from 2, with the cap itself as the largest bucket.
+        return buckets.Geometric(MIN_T, cfg.cap)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class FixedSizes(Strategy):
+    """``fixed:S1,S2,...``: random batches, ``px.bucketed`` with the given buckets."""
+
+    sizes: tuple[int, ...] = ()
+    token: ClassVar[str] = "fixed"
+    usage: ClassVar[str] = "fixed:S1,S2,..."
+    description: ClassVar[str] = "random batches, px.bucketed with the given buckets"
+
+    @property
+    def name(self) -> str:
+        return f"fixed:{','.join(map(str, self.sizes))}"
+
+    @classmethod
+    def from_args(cls, args):
+        if not args:
+            raise px.OptionError("--strategies: 'fixed:' expected sizes, e.g. "
+                                 "fixed:16,64,256,1024, received none")
+        sizes = tuple(sorted(set(args)))
+        if min(sizes) < MIN_T:
+            raise px.OptionError(f"--strategies: fixed sizes: expected sizes >= {MIN_T} (the loss "
+                                 f"needs T >= 2), received fixed:{','.join(map(str, args))}")
+        return cls(sizes)
+
+    def t_policy(self, cfg, data):
+        if max(self.sizes) < cfg.cap:
+            raise px.OptionError(f"--strategies {self.name}: expected a largest size >= the cap "
+                                 f"{cfg.cap}, received largest size {max(self.sizes)} (add a "
+                                 f"size >= {cfg.cap})")
+        return buckets.Fixed(self.sizes)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Polyexec(Strategy):
+    """Length-grouped batches from `buckets.batch_plan` over ``--buckets`` (auto: chosen by
+    predicted cost in the worker, `polyexec.training.choose_buckets`), each (rows, length)
+    bucket compiled ahead of need, into a persistent compile cache."""
+
+    token: ClassVar[str] = "polyexec"
+    usage: ClassVar[str] = "polyexec"
+    description: ClassVar[str] = ("length-grouped batches, buckets by cost (--buckets), compiled "
+                                  "ahead of need")
+    batching: ClassVar[str] = "grouped"
+    cache_folder: ClassVar[str | None] = "xla-cache"
+    masking: ClassVar[bool] = True
+
+    def t_policy(self, cfg, data):
+        if cfg.buckets == "auto":      # chosen in the worker, from a measured cost
+            return None
+        return buckets.Optimal.fit(data.padded_lengths, max_buckets=cfg.buckets)
+
+    def schedule(self, cfg, data, policy):
+        return [[b.indices for b in buckets.batch_plan(
+                    data.padded_lengths, policy, batch_size=cfg.batch_size,
+                    max_tokens=cfg.max_tokens, seed=cfg.seed, epoch=epoch)]
+                for epoch in range(cfg.epochs)]
+
+    def padded_shape(self, cfg, policy, rows, longest):
+        t = _bucket(policy.sizes, max(longest, MIN_T))
+        if t in getattr(policy, "partial_rows", ()):
+            return rows, t     # a partial batch at its own rows (Auto chose it); full ones are full
+        if cfg.batch_size is not None:
+            return cfg.batch_size, t
+        # Under a token budget a bucket's batches pad to its full batch: one shape a bucket.
+        return buckets.batch_size_for(t, cfg.max_tokens), t
+
+    def prepare(self, cfg, data, step, files):
+        if files.cache_dir is None:
+            raise px.OptionError(f"{self.name}: cache_dir: expected the persistent cache "
+                                 f"folder, received None")
+        px.enable_persistent_cache(files.cache_dir)
+        policy = self.t_policy(cfg, data)
+        f = bucketed_step(self, cfg, step, policy or buckets.Fixed([int(data.padded_lengths.max())]))
+        setup, choice, rows = 0.0, None, None
+        if policy is None:      # part of the cold epoch's time: measured here, added to it
+            if files.choice_file is None:
+                raise px.OptionError(f"{self.name}: choice_file: expected a path with --buckets "
+                                     f"auto, received None")
+            start = time.perf_counter()
+            policy, f, rows, choice = choose_auto(cfg, data, step, f, files.choice_file)
+            setup = time.perf_counter() - start
+        run = BucketedRun(self, cfg, data, step, policy, self.schedule(cfg, data, policy), f=f,
+                          rows_buckets=rows, warmup=cfg.warmup, auto_choice=choice)
+        run.setup_seconds = setup
+        return run
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class PolyexecCached(Polyexec):
+    token: ClassVar[str] = "polyexec-cached"
+    usage: ClassVar[str] = "polyexec-cached"
+    description: ClassVar[str] = ("polyexec again in a second process, on the persistent compile "
+                                  "cache polyexec filled")
+    requires: ClassVar[str | None] = "polyexec"
+
+    def summary_line(self, row, polyexec, extra):
+        return (f"polyexec-cached (a second process on the persistent compile cache): "
+                f"{row['fraction_of_limit_cold']:.2f} of the limit cold, {row['compiles']} "
+                f"compiles")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class PolyexecNomask(Polyexec):
+    """``polyexec`` with the executor's logical-length rewrite off, to show what it costs side
+    by side. It compiles other programs, so it gets its own compile cache: it finds nothing of
+    ``polyexec``'s and its compile counts compare."""
+
+    token: ClassVar[str] = "polyexec-nomask"
+    usage: ClassVar[str] = "polyexec-nomask"
+    description: ClassVar[str] = "polyexec with the logical-length rewrite off (what it costs)"
+    cache_folder: ClassVar[str | None] = "xla-cache-nomask"
+    masking: ClassVar[bool] = False
+
+    def summary_line(self, row, polyexec, extra):
+        return (f"polyexec-nomask (the logical-length rewrite off): polyexec runs at "
+                f"{polyexec['tokens_per_s_warm'] / row['tokens_per_s_warm']:.2f}x its warm "
+                f"throughput, {polyexec['compile_s']:.1f} s of compiles against "
+                f"{row['compile_s']:.1f} s")
+
+
+# ------------------------------------------------------------------------------- parsing
+
+
+def strategies_help() -> str:
+    """The ``--strategies`` choices, for ``--help``."""
+    return "; ".join(f"{cls.usage}: {cls.description}" for cls in REGISTRY.values())
+
+
+def _split(text: str) -> list[tuple[str, str, tuple[int, ...] | None]]:
+    """``"a,b:1,2,c"`` -> [(token text, name, args)]: bare integers after ``name:N`` are more of
+    its arguments."""
+    out: list[list] = []
+    for raw in text.split(","):
+        token = raw.strip()
+        if not token:
+            raise px.OptionError(f"--strategies: expected a strategy between every two commas, "
+                                 f"received an empty entry in {text!r}")
+        if token.isdigit() and out and out[-1][2] is not None:
+            out[-1][2].append(int(token))
+            out[-1][0] += f",{token}"
+            continue
+        name, colon, first = token.partition(":")
+        args = None
+        if colon:
+            first = first.strip()
+            if not first.isdigit():
+                raise px.OptionError(f"--strategies: {name} sizes: expected integers (e.g. "
+                                     f"fixed:16,64,256,1024), received {first!r} in {token!r}")
+            args = [int(first)]
+        out.append([token, name, args])
+    return [(t, n, tuple(a) if a is not None else None) for t, n, a in out]
+
+
+def parse_strategy(text: str) -> Strategy:
+    """One strategy from its name: ``"pad-max"``, ``"fixed:8,32"``.
+
+    >>> parse_strategy("fixed:32,8")
+    FixedSizes(sizes=(8, 32))
+    """
+    (token, name, args), *rest = _split(text)
+    if rest:
+        raise px.OptionError(f"--strategies: expected one strategy, received {text!r}")
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise px.OptionError(f"--strategies: expected one of "
+                             f"{', '.join(c.usage for c in REGISTRY.values())}; "
+                             f"received unknown strategy {token!r}")
+    return cls.from_args(args)
+
+
+def parse_strategies(text: str) -> list[Strategy]:
+    """``"pad-max,exact,fixed:16,32,64,polyexec"``: bare integers after ``fixed:`` are its sizes.
+    Each strategy once; one that ``requires`` another runs after it.
+
+    >>> parse_strategies("fixed:8,32")[0].sizes
+    (8, 32)
+    """
+    out = []
+    for token, name, args in _split(text):
+        cls = REGISTRY.get(name)
+        if cls is None:
+            raise px.OptionError(f"--strategies: expected one of "
+                                 f"{', '.join(c.usage for c in REGISTRY.values())}; "
+                                 f"received unknown strategy {token!r}")
+        out.append(cls.from_args(args))
+    names = [s.name for s in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise px.OptionError(f"--strategies: expected each strategy once, received "
+                             f"{', '.join(sorted(dup))} given twice")
+    for s in out:
+        if s.requires is not None and s.requires not in names:
+            raise px.OptionError(f"--strategies: expected {s.requires} beside {s.name} (which "
+                                 f"needs what {s.requires} leaves behind; list {s.requires} too), "
+                                 f"received {s.name} alone")
+    # A strategy that needs another's results runs after it.
+    out.sort(key=lambda s: s.requires is not None)
+    return out
 
 
 # ------------------------------------------------------------------------------- schedules
@@ -239,40 +464,41 @@ def random_batches(cfg: Config, data: Data, epoch: int, padded_len) -> list[np.n
     return out
 
 
-def schedule(strategy: Strategy, cfg: Config, data: Data, policy) -> list[list[np.ndarray]]:
-    """Every epoch's batches (example indices) for ``strategy``."""
-    epochs = []
-    for epoch in range(cfg.epochs):
-        if strategy.grouped:
-            plan = buckets.batch_plan(data.padded_lengths, policy, batch_size=cfg.batch_size,
-                                      max_tokens=cfg.max_tokens, seed=cfg.seed, epoch=epoch)
-            epochs.append([b.indices for b in plan])
-        else:
-            pad = (lambda n: n) if policy is None else (lambda n: _bucket(policy.sizes, n))
-            epochs.append(random_batches(cfg, data, epoch, pad))
-    return epochs
+# ------------------------------------------------------------------------------- choosing buckets
 
 
-def padded_shape(strategy: Strategy, cfg: Config, policy, rows: int, longest: int) -> tuple[int, int]:
-    """(rows, time) a batch of ``rows`` examples, the longest ``longest``, runs at.
+def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
+    """``--buckets auto``: `polyexec.training.choose_buckets` -- compile and time ``f`` once at
+    the largest length's full batch, then `buckets.Auto.fit` for ``cfg.epochs`` epochs, then
+    ``f`` at exactly the (rows, length) shapes its batches use; returns (policy, f at its
+    shapes, the rows it uses, and the choice as a dict: measured cost, prediction).
 
-    With ``batch_size`` every strategy pads the rows to it (one row shape). Under a token
-    budget: exact runs its exact shape; pad-max ``(max_tokens // cap, cap)``; grouped batches
-    pad to their bucket's full batch (``batch_size_for(bucket, max_tokens)`` rows, so a
-    bucket is one shape); pow2/fixed pad the rows to a power of two.
+    The first grouped worker of a run writes its choice to ``path`` and the later ones reuse
+    it (``known=``), so they compare on the same buckets: ``polyexec-cached`` (the same job run
+    again -- timed on a cache hit, a compile would look nearly free) and ``polyexec-nomask``.
     """
-    t = max(longest, MIN_T)
-    if policy is not None:
-        t = _bucket(policy.sizes, t)
-    if strategy.grouped and t in getattr(policy, "partial_rows", ()):
-        return rows, t        # a partial batch at its own rows (Auto chose it); full ones are full
-    if cfg.batch_size is not None:
-        return cfg.batch_size, t
-    if strategy.kind == "exact":
-        return rows, t
-    if strategy.grouped:
-        return buckets.batch_size_for(t, cfg.max_tokens), t
-    return _bucket(b_sizes(strategy, cfg), rows), t
+    known = saved = None
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        known = buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+        saved["reused"] = True
+    # In the background the other compiles overlap training: on 2 cores their wall cost
+    # was 1/2-2/3 of their compile seconds. Parallel threads (--warmup blocking) gained
+    # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, ~24.5 s at the
+    # rate of one compile alone.
+    overlap = 2 if cfg.warmup == "background" and (os.cpu_count() or 1) >= 2 else 1
+    choice = choose_buckets(f, step.state, data.padded_lengths, epochs=cfg.epochs,
+                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, known=known,
+                            min_length=MIN_T, parallel=overlap)
+    policy = choice.policy
+    if saved is None:
+        saved = {"sizes": list(policy.sizes), "partial_rows": list(policy.partial_rows),
+                 "cost": dataclasses.asdict(choice.cost), "predicted": policy.prediction._asdict(),
+                 "predicted_padding_efficiency": policy.prediction.padding_efficiency}
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(saved, fh)
+    return policy, choice.steps[0], list(choice.sizes["B"]), saved
 
 
 # ------------------------------------------------------------------------------- the worker
@@ -331,18 +557,8 @@ class ExactJit:
 
 def padded_batch(data: Data, idx: np.ndarray, rows: int, t: int) -> tuple[np.ndarray, np.ndarray]:
     """Examples ``idx`` as a (rows, t) token array and (rows,) lengths; extra rows have length 0."""
-    return (pad_to(data.tokens[idx, :t], (rows, t), 0),
-            pad_to(data.lengths[idx], (rows,), 0, np.int32))
-
-
-def _combos_by_benefit(strategy, cfg, data, policy, epochs) -> list[tuple[int, int]]:
-    """The (B, T) buckets a run uses, those that will carry the most real tokens first."""
-    tokens: dict[tuple[int, int], int] = {}
-    for ep in epochs:
-        for idx in ep:
-            shape = padded_shape(strategy, cfg, policy, len(idx), int(data.lengths[idx].max()))
-            tokens[shape] = tokens.get(shape, 0) + int(data.lengths[idx].sum())
-    return sorted(tokens, key=lambda shape: -tokens[shape])
+    return (px.pad_to(data.tokens[idx, :t], (rows, t), 0),
+            px.pad_to(data.lengths[idx], (rows,), 0, np.int32))
 
 
 class BackgroundWarmup:
@@ -399,128 +615,171 @@ class BackgroundWarmup:
 
 def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy):
     """``step`` through ``px.bucketed`` with the strategy's (B, T) buckets."""
-    rows = b_sizes(strategy, cfg)
+    rows = strategy.row_sizes(cfg)
     T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
     B = px.LengthVar("B", max=max(rows))
     return px.bucketed(step.fn, in_specs=(None, px.Spec((B, T), jnp.int32),
                                           px.Spec((B,), jnp.int32, lengths_of=T)),
                        buckets={T: list(policy.sizes), B: rows}, name=strategy.name,
-                       masking=strategy.masking)
+                       masking=getattr(strategy, "masking", True))
 
 
-def run_strategy(strategy: Strategy, cfg: Config, *, cache_dir: str | None = None,
-                 state_file: str | None = None, choice_file: str | None = None) -> dict:
+def _combos_by_benefit(run: "BucketedRun") -> list[Shape]:
+    """The (B, T) buckets a run uses, those that will carry the most real tokens first."""
+    tokens: dict[Shape, int] = {}
+    for ep in run.epochs:
+        for idx in ep:
+            shape = run.own_shape(idx)
+            tokens[shape] = tokens.get(shape, 0) + int(run.data.lengths[idx].sum())
+    return sorted(tokens, key=lambda shape: -tokens[shape])
+
+
+class BucketedRun(Run):
+    """Batches of example indices through ``px.bucketed`` at the strategy's buckets.
+
+    ``warmup``: None (compile on first use), ``"blocking"`` (every (B, T) bucket compiled before
+    the first step, on parallel threads) or ``"background"`` (`BackgroundWarmup`).
+    """
+
+    def __init__(self, strategy: Strategy, cfg: Config, data: Data, step: Step, policy,
+                 epochs: list[list[np.ndarray]], *, f=None, rows_buckets=None,
+                 warmup: str | None = None, auto_choice: dict | None = None):
+        self.strategy, self.cfg, self.data, self.policy = strategy, cfg, data, policy
+        self.epochs, self.warmup, self.auto_choice = epochs, warmup, auto_choice
+        self._step = step
+        self.f = f if f is not None else bucketed_step(strategy, cfg, step, policy)
+        self.rows_buckets = rows_buckets or strategy.row_sizes(cfg)
+        self.state = step.state
+        self.upgraded = 0
+        self._warm: BackgroundWarmup | None = None
+
+    def own_shape(self, idx):
+        return self.strategy.padded_shape(self.cfg, self.policy, len(idx),
+                                          int(self.data.lengths[idx].max()))
+
+    def start_epoch(self, epoch):
+        if epoch != 0 or self.warmup is None:
+            return
+        combos = _combos_by_benefit(self)
+        if self.warmup == "blocking":
+            # Every (B, T) bucket this run uses, compiled before the first step on parallel
+            # threads: part of the cold epoch's time.
+            self.f.warmup(self._step.state, sizes=[{"B": b, "T": t} for b, t in combos])
+        else:
+            self._warm = BackgroundWarmup(self.f, (self._step.state,), combos)
+
+    def step(self, state, idx):
+        data = self.data
+        longest = max(int(data.lengths[idx].max()), MIN_T)
+        rows, t = own = self.own_shape(idx)
+        if self._warm is not None:
+            rows, t = self._warm.shape_for(rows, t)
+            self.upgraded += (rows, t) != own
+        if (rows, t) != (_bucket(self.rows_buckets, len(idx)), _bucket(self.policy.sizes, longest)):
+            tokens, lengths = padded_batch(data, idx, rows, t)
+        else:   # the bucket px picks for the unpadded batch: it pads to it itself
+            tokens = data.tokens[idx, :longest]
+            lengths = data.lengths[idx].astype(np.int32)
+        loss, state = self._step.loss_and_state(self.f(state, tokens, lengths), state)
+        if self._warm is not None:
+            self._warm.mark_ready((rows, t))
+        return loss, state, (rows, t)
+
+    def end_epoch(self, epoch):
+        if self._warm is not None:
+            self._warm.join()          # the cold epoch includes every compile; warm epochs none
+            self._warm = None
+
+    def summary(self, events):
+        grouped = self.warmup is not None
+        return {
+            # A persistent-cache hit builds the executable without running XLA: not a compile.
+            "compiles": self.f.stats.compiles - events.cache_hits,
+            "traces": self.f.traces, "compile_s": self.f.stats.compile_seconds,
+            "bucket_count": len(self.policy.sizes), "buckets": list(self.policy.sizes),
+            "partial_rows": list(getattr(self.policy, "partial_rows", ())),
+            "auto": self.auto_choice,    # --buckets auto: the measured cost and the prediction
+            "upgraded_batches": self.upgraded,
+            "warmup": self.warmup if grouped else None,
+        }
+
+
+class ExactRun(Run):
+    """Random batches through `ExactJit`, each at its exact shape (rows padded to the batch
+    size)."""
+
+    def __init__(self, strategy: Strategy, cfg: Config, data: Data, step: Step,
+                 epochs: list[list[np.ndarray]]):
+        self.strategy, self.cfg, self.data, self.epochs = strategy, cfg, data, epochs
+        self.exact = ExactJit(step)
+        self.state = self.exact.state
+
+    def own_shape(self, idx):
+        return self.strategy.padded_shape(self.cfg, None, len(idx),
+                                          int(self.data.lengths[idx].max()))
+
+    def step(self, state, idx):
+        rows, t = self.own_shape(idx)
+        loss, state = self.exact(state, *padded_batch(self.data, idx, rows, t))
+        return loss, state, (rows, t)
+
+    def summary(self, events):
+        e = self.exact
+        return {"compiles": e.compiles, "traces": e.traces, "compile_s": e.compile_seconds,
+                "bucket_count": e.compiles, "buckets": None, "partial_rows": [], "auto": None,
+                "upgraded_batches": 0, "warmup": None}
+
+
+def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dict:
     """Run ``strategy`` for every epoch in this process; return its measurements."""
-    if strategy.grouped:
-        if cache_dir is None:
-            raise OptionError(f"{strategy.name}: cache_dir: expected the persistent cache "
-                              f"folder, received None")
-        px.enable_persistent_cache(cache_dir)
-
     data = load_data(cfg)
-    auto = strategy.grouped and cfg.buckets == "auto"
-    policy = t_policy(strategy, cfg, data)
-    step = build_step(cfg, state_file)
-
-    choosing, auto_choice = 0.0, None
-    if strategy.kind == "exact":
-        call = exact = ExactJit(step)
-        state = exact.state
-    else:
-        f = bucketed_step(strategy, cfg, step, policy or buckets.Fixed([int(data.padded_lengths.max())]))
-        state = step.state
-        rows_buckets = b_sizes(strategy, cfg)
-        if auto:     # part of the cold epoch's time: measured below, added to it
-            start = time.perf_counter()
-            if choice_file is None:
-                raise OptionError(f"{strategy.name}: choice_file: expected a path with --buckets "
-                                  f"auto, received None")
-            policy, f, rows_buckets, auto_choice = choose_auto(cfg, data, step, f, choice_file)
-            choosing = time.perf_counter() - start
-
-        def call(state, tokens, lengths):
-            return step.loss_and_state(f(state, tokens, lengths), state)
-
-    epochs = schedule(strategy, cfg, data, policy)
-    emit("start", strategy=strategy.name, total=sum(len(e) for e in epochs))
-    before = xla_events()
-    real = padded = upgraded = 0
+    run = strategy.prepare(cfg, data, build_step(cfg, files.state_file), files)
+    emit("start", strategy=strategy.name, total=sum(len(e) for e in run.epochs))
+    state = run.state
+    real = padded = done = 0
     epoch_seconds, epoch_tokens, losses = [], [], []
-    done = 0
-    warm = None
-    for e, batches in enumerate(epochs):
-        start = time.perf_counter()
-        if e == 0 and strategy.grouped:
-            combos = _combos_by_benefit(strategy, cfg, data, policy, epochs)
-            if cfg.warmup == "blocking":
-                # Every (B, T) bucket this run uses, compiled before the first step on parallel
-                # threads: part of the cold epoch's time.
-                f.warmup(step.state, sizes=[{"B": b, "T": t} for b, t in combos])
-            else:
-                warm = BackgroundWarmup(f, (step.state,), combos)
-        loss = None
-        for idx in batches:
-            longest = max(int(data.lengths[idx].max()), MIN_T)
-            rows, t = padded_shape(strategy, cfg, policy, len(idx), longest)
-            own = (rows, t)
-            if warm is not None:
-                rows, t = warm.shape_for(rows, t)
-                upgraded += (rows, t) != own
-            if strategy.kind == "exact" or (rows, t) != (_bucket(rows_buckets, len(idx)),
-                                                         _bucket(policy.sizes, longest)):
-                tokens, lengths = padded_batch(data, idx, rows, t)
-            else:   # the bucket px picks for the unpadded batch: it pads to it itself
-                tokens = data.tokens[idx, :longest]
-                lengths = data.lengths[idx].astype(np.int32)
-            loss, state = call(state, tokens, lengths)
-            if warm is not None:
-                warm.mark_ready((rows, t))
-            real += int(data.lengths[idx].sum())
-            padded += rows * t
-            done += 1
-            emit("step", strategy=strategy.name, done=done)
-        if warm is not None:
-            warm.join()          # the cold epoch includes every compile; warm epochs none
-            warm = None
-        jax.block_until_ready((loss, state))
-        epoch_seconds.append(time.perf_counter() - start + (choosing if e == 0 else 0.0))
-        epoch_tokens.append(data.real_tokens)
-        losses.append(float(loss))
-    events = xla_events_since(before)
-
-    if strategy.kind == "exact":
-        compiles, compile_s, n_traces, n_buckets = (exact.compiles, exact.compile_seconds,
-                                                    exact.traces, exact.compiles)
-    else:
-        # A persistent-cache hit builds the executable without running XLA: not a compile.
-        compiles, compile_s, n_traces, n_buckets = (f.stats.compiles - events["cache_hits"],
-                                                    f.stats.compile_seconds, f.traces,
-                                                    len(policy.sizes))
+    with px.count_compiles() as counter:
+        for e, batches in enumerate(run.epochs):
+            start = time.perf_counter()
+            run.start_epoch(e)
+            loss = None
+            for idx in batches:
+                loss, state, (rows, t) = run.step(state, idx)
+                real += int(data.lengths[idx].sum())
+                padded += rows * t
+                done += 1
+                emit("step", strategy=strategy.name, done=done)
+            run.end_epoch(e)
+            jax.block_until_ready((loss, state))
+            epoch_seconds.append(time.perf_counter() - start
+                                 + (run.setup_seconds if e == 0 else 0.0))
+            epoch_tokens.append(data.real_tokens)
+            losses.append(float(loss))
+    events = counter.counts()
+    own = run.summary(events)
     warm_tokens, warm_seconds = sum(epoch_tokens[1:]), sum(epoch_seconds[1:])
     return {
         "strategy": strategy.name,
         "batching": strategy.batching,
-        "compiles": int(compiles),
-        "traces": int(n_traces),
-        "compile_s": float(compile_s),
+        "compiles": int(own["compiles"]),
+        "traces": int(own["traces"]),
+        "compile_s": float(own["compile_s"]),
         "padding_efficiency": real / padded,
         "tokens_per_s_cold": epoch_tokens[0] / epoch_seconds[0],
         "tokens_per_s_warm": warm_tokens / warm_seconds,
         "peak_rss_mb": peak_rss_mb(),
         # extras for the table and the plot (not part of the JSON results)
-        "bucket_count": int(n_buckets),
-        "buckets": list(policy.sizes) if policy is not None else None,
-        "partial_rows": list(getattr(policy, "partial_rows", ())),
-        "auto": auto_choice,             # --buckets auto: the measured cost and the prediction
-        "choosing_seconds": choosing,
-        "cache_hits": events["cache_hits"],
-        "backend_compiles": events["backend_compiles"],
-        "upgraded_batches": upgraded,
-        "warmup": cfg.warmup if strategy.grouped else None,
-        "distinct_shapes": len({padded_shape(strategy, cfg, policy, len(i),
-                                             int(data.lengths[i].max()))
-                                for ep in epochs for i in ep}),
-        "steps": sum(len(ep) for ep in epochs),
+        "bucket_count": int(own["bucket_count"]),
+        "buckets": own["buckets"],
+        "partial_rows": own["partial_rows"],
+        "auto": own["auto"],
+        "choosing_seconds": run.setup_seconds,
+        "cache_hits": events.cache_hits,
+        "backend_compiles": events.backend_compiles,
+        "upgraded_batches": own["upgraded_batches"],
+        "warmup": own["warmup"],
+        "distinct_shapes": len({run.own_shape(i) for ep in run.epochs for i in ep}),
+        "steps": sum(len(ep) for ep in run.epochs),
         "epoch_seconds": epoch_seconds,
         "final_loss": losses[-1],
     }
@@ -632,9 +891,9 @@ def worker_main(config_path: str) -> int:
         result = run_limit(cfg, job.get("state_file"), cache_dir=job.get("cache_dir"),
                            name=job.get("name", "limit"))
     else:
-        s = job["strategy"]
-        strategy = Strategy(s["kind"], tuple(s["sizes"]) if s["sizes"] else None)
-        result = run_strategy(strategy, cfg, cache_dir=job.get("cache_dir"),
-                              state_file=job.get("state_file"), choice_file=job.get("choice_file"))
+        result = run_strategy(parse_strategy(job["strategy"]), cfg,
+                              Files(state_file=job.get("state_file"),
+                                    cache_dir=job.get("cache_dir"),
+                                    choice_file=job.get("choice_file")))
     emit("result", result=result)
     return 0

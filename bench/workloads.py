@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import typing
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -25,7 +26,6 @@ import optax
 
 import polyexec as px
 from examples.rnn.model import CharLM, loss_fn
-from polyexec._errors import OptionError, check_int, check_option
 from polyexec.training import TrainState, train_step_fn
 
 Model = Literal["gru", "lstm", "attention", "filter-mlp"]
@@ -44,6 +44,31 @@ WARMUPS: tuple[str, ...] = typing.get_args(Warmup)
 # ``tokens[:, :-1]`` and needs T >= 2 (a 1-byte example is padded to 2 and contributes no
 # prediction). Real-token counts always use the true lengths.
 MIN_T = 2
+
+
+def _check_option(value: Any, options: Sequence[Any], where: str) -> Any:
+    """``value`` if it is one of ``options`` (by type as well as value), else `px.OptionError`
+    listing them."""
+    if not any(value is o or (type(value) is type(o) and value == o) for o in options):
+        raise px.OptionError(f"{where}: expected one of {', '.join(map(repr, options))}, "
+                             f"received {value!r}")
+    return value
+
+
+def _check_int(value: Any, where: str, *, min: int, optional: bool = False) -> int | None:
+    """``value`` as an int >= ``min`` (or None when ``optional``), else `px.OptionError`.
+
+    >>> _check_int(0, "Config: epochs", min=2)
+    Traceback (most recent call last):
+    polyexec._errors.OptionError: Config: epochs: expected an int >= 2, received 0
+    """
+    if value is None and optional:
+        return None
+    if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+            or value < min):
+        raise px.OptionError(f"{where}: expected an int >= {min}"
+                             f"{' or None' if optional else ''}, received {value!r}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,33 +102,34 @@ class Config:
     def __post_init__(self):
         for name, options in (("model", MODELS), ("mode", MODES), ("source", SOURCES),
                               ("warmup", WARMUPS)):
-            check_option(getattr(self, name), options, f"Config: {name}")
+            _check_option(getattr(self, name), options, f"Config: {name}")
         if self.source == "file" and not self.lengths_file:
-            raise OptionError(f"Config: lengths_file: expected a path with source='file', "
-                              f"received {self.lengths_file!r}")
+            raise px.OptionError(f"Config: lengths_file: expected a path with source='file', "
+                                 f"received {self.lengths_file!r}")
         if (self.batch_size is None) == (self.max_tokens is None):
-            raise OptionError(f"Config: expected exactly one of batch_size / max_tokens, received "
-                              f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
+            raise px.OptionError(f"Config: expected exactly one of batch_size / max_tokens, received "
+                                 f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
         for name, minimum, optional in (
                 ("cap", MIN_T, False), ("epochs", 2, False), ("num_examples", 1, False),
                 ("hidden", 1, False), ("embed", 1, False), ("heads", 1, False),
                 ("limit_rounds", 1, False), ("seed", 0, False),
                 ("batch_size", 1, True), ("max_tokens", 1, True), ("steps", 1, True)):
-            check_int(getattr(self, name), f"Config: {name}", min=minimum, optional=optional)
+            _check_int(getattr(self, name), f"Config: {name}", min=minimum, optional=optional)
         if self.buckets != "auto":
-            check_int(self.buckets, "Config: buckets (or 'auto')", min=1)
-        if not self.learning_rate > 0:
-            raise OptionError(f"Config: learning_rate: expected a number > 0, received "
-                              f"{self.learning_rate!r}")
+            _check_int(self.buckets, "Config: buckets (or 'auto')", min=1)
+        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            raise px.OptionError(f"Config: learning_rate: expected a finite number > 0, received "
+                                 f"{self.learning_rate!r}")
         if not self.limit_seconds >= 0:
-            raise OptionError(f"Config: limit_seconds: expected a number >= 0, received "
-                              f"{self.limit_seconds!r}")
+            raise px.OptionError(f"Config: limit_seconds: expected a number >= 0, received "
+                                 f"{self.limit_seconds!r}")
         if self.max_tokens is not None and self.max_tokens < self.cap:
-            raise OptionError(f"Config: max_tokens: expected at least cap={self.cap} (a batch "
-                              f"must hold one capped example), received {self.max_tokens}")
+            raise px.OptionError(f"Config: max_tokens: expected at least cap={self.cap} (a batch "
+                                 f"must hold one capped example), received {self.max_tokens}")
         if self.model == "attention" and self.hidden % self.heads:
-            raise OptionError(f"Config: hidden: expected a multiple of heads={self.heads} for "
-                              f"attention, received {self.hidden}")
+            raise px.OptionError(f"Config: hidden: expected a multiple of heads={self.heads} for "
+                                 f"attention, received {self.hidden}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,14 +173,14 @@ def read_lengths_file(path: str) -> np.ndarray:
             try:
                 value = int(text)
             except ValueError:
-                raise OptionError(f"--lengths-file {path}: line {number}: expected an integer "
-                                  f"length, received {text!r}") from None
+                raise px.OptionError(f"--lengths-file {path}: line {number}: expected an integer "
+                                     f"length, received {text!r}") from None
             if value < 1:
-                raise OptionError(f"--lengths-file {path}: line {number}: expected a length >= 1, "
-                                  f"received {value}")
+                raise px.OptionError(f"--lengths-file {path}: line {number}: expected a length >= 1, "
+                                     f"received {value}")
             out.append(value)
     if not out:
-        raise OptionError(f"--lengths-file {path}: expected at least one length, received none")
+        raise px.OptionError(f"--lengths-file {path}: expected at least one length, received none")
     return np.asarray(out, np.int64)
 
 
@@ -166,7 +192,7 @@ def synthetic_lengths(dist: str, n: int, cap: int, rng: np.random.Generator) -> 
     - ``bimodal``: 70% short (normal, mean 32, sd 8), 30% long (normal, mean cap/2, sd cap/10):
       padding short examples to the long mode is what pad-to-max pays.
     """
-    check_option(dist, DISTS, "synthetic_lengths: dist")
+    _check_option(dist, DISTS, "synthetic_lengths: dist")
     if dist == "lognormal":
         raw = np.rint(rng.lognormal(mean=math.log(100.0), sigma=1.0, size=n))
     elif dist == "uniform":
@@ -279,8 +305,8 @@ def build_model(cfg: Config):
         return CharLM(cell=cfg.model, embed=cfg.embed, hidden=cfg.hidden, key=key)
     if cfg.model == "attention":
         return AttentionLM(dim=cfg.hidden, heads=cfg.heads, key=key)
-    raise OptionError(f"build_model: model: expected one of 'gru', 'lstm', 'attention', "
-                      f"received {cfg.model!r}")
+    raise px.OptionError(f"build_model: model: expected one of 'gru', 'lstm', 'attention', "
+                         f"received {cfg.model!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,19 @@ trace) -> ``_logical`` (rewrite to logical lengths) -> ``_serialize`` (plan file
 (the plan value: segments and verdict) -> ``_planner`` (tracing a function into its plan;
 `trace`) -> ``_cache`` (compile accounting, persistent cache) -> ``_executor`` (`bucketed`:
 caches and runs).
+
+Beside the executor, for code that pads or measures on its own (``polyexec.training``, the
+benchmark): ``px.pad_to(array, shape, fill)`` is the executor's host-side padder, and
+``with px.count_compiles() as events:`` counts XLA compiles and persistent-cache hits and
+writes while its block runs (nothing listens to ``jax.monitoring`` outside such a block).
+
+>>> px.pad_to(np.array([[1, 2]]), (2, 3), fill=0).tolist()
+[[1, 2, 0], [0, 0, 0]]
 """
 
-from ._cache import disable_persistent_cache, enable_persistent_cache, forbid_compiles
+from ._bind import pad_to
+from ._cache import (CompileCounts, CompileEvents, count_compiles, disable_persistent_cache,
+                     enable_persistent_cache, forbid_compiles)
 from ._context import max_length, valid_length
 from ._dynamic import compact, loop_until, nonzero, partition
 from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
@@ -43,4 +53,5 @@ __all__ = [
     "disable_persistent_cache", "PolyexecError", "SpecError", "OptionError",
     "LengthOverflowError", "PolymorphismError", "CompileError", "compact", "nonzero",
     "loop_until", "partition", "Segment", "CutPoint", "Verdict", "register_rule",
+    "count_compiles", "CompileEvents", "CompileCounts", "pad_to",
 ]

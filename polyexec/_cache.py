@@ -1,22 +1,27 @@
-"""Compile accounting and caching: the one XLA compile counter, `forbid_compiles`, and the
-switch for JAX's persistent compile cache.
+"""Compile accounting and caching: the XLA compile counter (`CompileEvents`), `forbid_compiles`,
+and the switch for JAX's persistent compile cache.
 
-The executor counts compiled *buckets*; the counter here counts what XLA actually did (from
+The executor counts compiled *buckets*; `CompileEvents` counts what XLA actually did (from
 ``jax.monitoring``), which tells a cold persistent cache (every bucket an XLA compile) from a
 warm one (every bucket a disk load). JAX reports ``backend_compile_duration`` around
 compile-or-load-from-cache, so real compiles are those events minus the cache hits.
+
+Nothing here listens at import: ``jax.monitoring`` listeners live in one process-wide list that
+JAX calls on every event, so each counter (and each `forbid_compiles` block) registers its own
+for the time it is asked to count and takes it away again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
 
 import jax
 
-from ._errors import CompileError
+from ._errors import CompileError, PolyexecError
 
 try:  # a private hook; without it the config switch alone applies (see _reset_jax_cache)
     from jax._src import compilation_cache as _compilation_cache
@@ -24,51 +29,154 @@ except ImportError:
     _compilation_cache = None
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-_lock = threading.Lock()
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+# JAX records a miss when it writes a freshly compiled program into the persistent cache.
+_CACHE_WRITE = "/jax/compilation_cache/cache_misses"
+
+
+def _unregister(unregister, listener) -> None:
+    # Someone may have cleared JAX's listener lists (jax.monitoring.clear_event_listeners):
+    # then ours is gone already, and JAX's unregister asserts.
+    try:
+        unregister(listener)
+    except (AssertionError, ValueError):
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCounts:
+    """What XLA did over a span of time: a snapshot of a `CompileEvents` counter.
+
+    ``backend_compiles`` counts JAX's backend-compile events (a compile, or a load from the
+    persistent cache), ``backend_seconds`` their seconds, ``cache_hits`` the loads and
+    ``cache_writes`` the programs written to the persistent cache; ``xla_compiles`` is
+    ``backend_compiles - cache_hits``, the compiles XLA really ran.
+
+    >>> CompileCounts(backend_compiles=3, cache_hits=2).xla_compiles
+    1
+    """
+
+    backend_compiles: int = 0
+    backend_seconds: float = 0.0
+    cache_hits: int = 0
+    cache_writes: int = 0
+
+    @property
+    def xla_compiles(self) -> int:
+        return self.backend_compiles - self.cache_hits
+
+    def as_dict(self) -> dict:
+        """The four counts and ``xla_compiles``, as a plain dict (for JSON records)."""
+        return {**dataclasses.asdict(self), "xla_compiles": self.xla_compiles}
+
+
+class CompileEvents:
+    """Count XLA compiles and persistent-cache hits and writes while a ``with`` block runs.
+
+    The counter's ``jax.monitoring`` listeners are registered when the block is entered and
+    removed when it ends, so only its caller pays for them. Process-wide, like JAX's events:
+    compiles on other threads count too. Reading the counts (``events.xla_compiles``,
+    ``events.counts()``) is safe at any time, inside the block or after it; a counter may be
+    entered again later and goes on counting from where it stopped.
+
+    >>> import jax, jax.numpy as jnp, polyexec as px
+    >>> with px.count_compiles() as events:
+    ...     _ = jax.jit(lambda x: x * 3 + 1)(jnp.ones(7))
+    >>> events.backend_compiles >= 1, events.xla_compiles == events.backend_compiles - events.cache_hits
+    (True, True)
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = CompileCounts()
+        self._active = False
+
+    def _add(self, **delta) -> None:
+        with self._lock:
+            c = self._counts
+            self._counts = dataclasses.replace(
+                c, **{k: getattr(c, k) + v for k, v in delta.items()})
+
+    def _on_duration(self, event: str, duration: float, **_: object) -> None:
+        if event == _BACKEND_COMPILE:
+            self._add(backend_compiles=1, backend_seconds=duration)
+
+    def _on_event(self, event: str, **_: object) -> None:
+        if event == _CACHE_HIT:
+            self._add(cache_hits=1)
+        elif event == _CACHE_WRITE:
+            self._add(cache_writes=1)
+
+    def __enter__(self) -> "CompileEvents":
+        with self._lock:
+            if self._active:
+                raise PolyexecError("CompileEvents: expected a counter that is not counting "
+                                    "already, received one inside its own with-block; use a "
+                                    "second px.count_compiles() to count a nested span")
+            self._active = True
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _unregister(jax.monitoring.unregister_event_duration_listener, self._on_duration)
+        _unregister(jax.monitoring.unregister_event_listener, self._on_event)
+        with self._lock:
+            self._active = False
+
+    def counts(self) -> CompileCounts:
+        """The counts so far (an immutable snapshot)."""
+        with self._lock:
+            return self._counts
+
+    @property
+    def backend_compiles(self) -> int:
+        return self.counts().backend_compiles
+
+    @property
+    def backend_seconds(self) -> float:
+        return self.counts().backend_seconds
+
+    @property
+    def cache_hits(self) -> int:
+        return self.counts().cache_hits
+
+    @property
+    def cache_writes(self) -> int:
+        return self.counts().cache_writes
+
+    @property
+    def xla_compiles(self) -> int:
+        return self.counts().xla_compiles
+
+    def __repr__(self) -> str:
+        c = self.counts()
+        return (f"CompileEvents(xla_compiles={c.xla_compiles}, cache_hits={c.cache_hits}, "
+                f"cache_writes={c.cache_writes}, backend_seconds={c.backend_seconds:.3f})")
+
+
+def count_compiles() -> CompileEvents:
+    """A new `CompileEvents` counter: ``with px.count_compiles() as events: ...``.
+
+    >>> import numpy as np, polyexec as px
+    >>> T = px.LengthVar("T", max=64)
+    >>> f = px.bucketed(lambda x: x + 1, in_specs=(px.Spec("T"),), out_specs=px.Spec("T"),
+    ...                 buckets={T: [16, 64]})
+    >>> with px.count_compiles() as events:
+    ...     _ = f(np.ones(10, np.float32)), f(np.ones(12, np.float32))   # one bucket, T=16
+    >>> f.stats.compiles, events.xla_compiles + events.cache_hits >= 1
+    (1, True)
+    """
+    return CompileEvents()
+
+
+_forbid_lock = threading.Lock()
 _forbid_depth = 0
-_seen: list[str] = []
-_counts = {"backend_compiles": 0, "backend_seconds": 0.0, "cache_hits": 0, "cache_writes": 0}
-_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
-                 "/jax/compilation_cache/cache_misses": "cache_writes"}
-
-
-def _on_duration(event: str, duration: float, **_: object) -> None:
-    if event != _BACKEND_COMPILE:
-        return
-    with _lock:
-        _counts["backend_compiles"] += 1
-        _counts["backend_seconds"] += duration
-        if _forbid_depth:
-            _seen.append(f"an XLA compile of {duration:.3f} s")
-
-
-def _on_event(event: str, **_: object) -> None:
-    key = _CACHE_EVENTS.get(event)
-    if key:
-        with _lock:
-            _counts[key] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration)
-jax.monitoring.register_event_listener(_on_event)
-
-
-def xla_events() -> dict:
-    """Process-wide counts so far: backend compiles (and their seconds), cache hits, writes."""
-    with _lock:
-        return dict(_counts)
-
-
-def xla_events_since(before: dict) -> dict:
-    """Counts since ``before`` (a `xla_events` snapshot), with ``xla_compiles`` = compiles not
-    served from the persistent cache."""
-    now = xla_events()
-    out = {k: now[k] - before[k] for k in now}
-    out["xla_compiles"] = out["backend_compiles"] - out["cache_hits"]
-    return out
 
 
 def compiles_forbidden() -> bool:
+    """Whether a `forbid_compiles` block is open (on any thread): the executor then refuses to
+    compile a bucket at once, before compiling."""
     return _forbid_depth > 0
 
 
@@ -78,7 +186,8 @@ def forbid_compiles() -> Iterator[None]:
 
     A polyexec bucket that is not compiled yet raises at once, before compiling; any other XLA
     compile in the block (an eager jnp op at a new shape, say) is reported when the block ends.
-    Process-wide: compiles on other threads count too.
+    Process-wide: compiles on other threads count too. The block listens to ``jax.monitoring``
+    only while it is open.
 
     >>> import numpy as np, polyexec as px
     >>> T = px.LengthVar("T", max=8)
@@ -89,17 +198,25 @@ def forbid_compiles() -> Iterator[None]:
     [2.0, 2.0, 2.0, 2.0]
     """
     global _forbid_depth
-    with _lock:
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def on_duration(event: str, duration: float, **_: object) -> None:
+        if event == _BACKEND_COMPILE:
+            with lock:
+                seen.append(f"an XLA compile of {duration:.3f} s")
+
+    with _forbid_lock:
         _forbid_depth += 1
-        start = len(_seen)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
         yield
     finally:
-        with _lock:
+        _unregister(jax.monitoring.unregister_event_duration_listener, on_duration)
+        with _forbid_lock:
             _forbid_depth -= 1
-            new = _seen[start:]
-            if _forbid_depth == 0:
-                _seen.clear()
+    with lock:
+        new = list(seen)
     if new:
         raise CompileError(f"{len(new)} compile(s) inside forbid_compiles: {'; '.join(new)}")
 

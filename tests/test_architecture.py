@@ -166,3 +166,124 @@ def test_a_name_in_scope_twice_is_ambiguous():
 
     with pytest.raises(px.SpecError, match="Spec name 'T' is ambiguous here"):
         make()
+
+
+# -- compile accounting belongs to its caller ---------------------------------------------------
+
+def _run_python(code: str) -> str:
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = str(PACKAGE.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_importing_polyexec_registers_no_jax_monitoring_listener():
+    import json
+
+    out = _run_python("""
+        import json
+        import jax
+        from jax._src import monitoring
+        def count():
+            return [len(monitoring.get_event_listeners()),
+                    len(monitoring.get_event_duration_listeners())]
+        seen = {"before": count()}
+        import polyexec as px, polyexec.training, buckets
+        import bench.strategies, bench.cli, examples.rnn.train
+        seen["imported"] = count()
+        with px.count_compiles():
+            seen["counting"] = count()
+        seen["counted"] = count()
+        with px.forbid_compiles():
+            seen["forbidding"] = count()
+        seen["forbidden"] = count()
+        print(json.dumps(seen))
+    """)
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["imported"] == seen["before"], f"importing added listeners: {seen}"
+    # Counting and forbidding listen for their block only.
+    assert seen["counting"] == [seen["before"][0] + 1, seen["before"][1] + 1]
+    assert seen["forbidding"] == [seen["before"][0], seen["before"][1] + 1]
+    assert seen["counted"] == seen["forbidden"] == seen["before"]
+
+
+def test_count_compiles_counts_a_real_compile_and_a_cache_hit(tmp_path):
+    out = _run_python(f"""
+        import json
+        import numpy as np, jax.numpy as jnp, polyexec as px
+        px.enable_persistent_cache({str(tmp_path)!r})
+        T = px.LengthVar("T", max=64)
+        def make():
+            return px.bucketed(lambda x: jnp.sin(x) * 3.0, in_specs=(px.Spec("T", jnp.float32),),
+                               out_specs=px.Spec("T"), buckets={{T: [16, 64]}})
+        x = np.ones(10, np.float32)
+        with px.count_compiles() as cold:
+            make()(x)
+        with px.count_compiles() as warm:     # a fresh function: T=16 loads from disk
+            make()(x)
+        outside = make()
+        outside(np.ones(40, np.float32))      # compiled with no counter open: counted nowhere
+        print(json.dumps([cold.counts().as_dict(), warm.counts().as_dict()]))
+    """)
+    cold, warm = __import__("json").loads(out.splitlines()[-1])
+    assert cold["xla_compiles"] >= 1 and cold["cache_hits"] == 0 and cold["cache_writes"] >= 1
+    assert cold["backend_seconds"] > 0
+    assert warm["cache_hits"] >= 1 and warm["xla_compiles"] == 0
+    assert warm["xla_compiles"] == warm["backend_compiles"] - warm["cache_hits"]
+
+
+def test_a_counter_cannot_be_entered_twice_at_once():
+    events = px.count_compiles()
+    with events:
+        with pytest.raises(px.PolyexecError, match="CompileEvents: expected a counter that is "
+                                                   "not counting already"):
+            with events:
+                pass
+
+
+# -- clients use the public surface ----------------------------------------------------------------
+
+CLIENTS = ("bench", "examples", "buckets")
+
+
+def private_polyexec_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of a private polyexec module (a dotted part starting
+    with ``_``: ``polyexec._bind``, ``from polyexec import _cache``, ``polyexec.training._data``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "polyexec" and any(p.startswith("_") for p in parts[1:]):
+                found.append((node.lineno, name))
+                break
+    return found
+
+
+def test_private_import_finder_finds_every_form():
+    code = ("import polyexec._cache\nfrom polyexec._bind import pad_to\nfrom polyexec import _errors\n"
+            "from polyexec.training._data import Batching\nimport polyexec as px\n"
+            "from polyexec import training\nfrom polyexec.training import fit\n")
+    assert [line for line, _ in private_polyexec_imports(code)] == [1, 2, 3, 4]
+
+
+def test_clients_import_no_private_polyexec_module():
+    root = PACKAGE.parent
+    files = [p for d in CLIENTS for p in (root / d).rglob("*.py")]
+    assert any(p.parts[-2] == "bench" for p in files) and any("examples" in p.parts for p in files)
+    private = [f"{p.relative_to(root)}:{line}: {name}" for p in files
+               for line, name in private_polyexec_imports(p.read_text())]
+    assert not private, "clients must use polyexec's public surface:\n" + "\n".join(private)

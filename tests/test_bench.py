@@ -14,8 +14,10 @@ import pytest
 import polyexec as px
 from bench import report
 from bench.cli import config_from_args, build_parser, main
-from bench.strategies import (BackgroundWarmup, Strategy, combine_limits, padded_batch,
-                              padded_shape, parse_strategies, schedule, t_policy)
+from bench import strategies
+from bench.strategies import (REGISTRY, BackgroundWarmup, Files, Strategy, combine_limits,
+                              padded_batch, parse_strategies, parse_strategy, register,
+                              run_strategy, strategies_help)
 from bench.workloads import Config, load_data, read_lengths_file
 
 ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-nomask,polyexec-cached"
@@ -50,7 +52,8 @@ def test_parse_strategies_rejects(text, message):
     (dict(batch_size=None), "expected exactly one of batch_size / max_tokens"),
     (dict(epochs=1), "Config: epochs: expected an int >= 2, received 1"),
     (dict(hidden=2.0), "Config: hidden: expected an int >= 1, received 2.0"),
-    (dict(learning_rate=0.0), "Config: learning_rate: expected a number > 0, received 0.0"),
+    (dict(learning_rate=0.0), "Config: learning_rate: expected a finite number > 0, received 0.0"),
+    (dict(learning_rate=math.inf), "Config: learning_rate: expected a finite number > 0, received inf"),
     (dict(batch_size=None, max_tokens=100),
      "Config: max_tokens: expected at least cap=1024 .*, received 100"),
 ])
@@ -93,21 +96,63 @@ def test_steps_keeps_the_same_subset_for_everyone():
 def test_every_example_once_per_epoch(kind, batching):
     cfg = Config(source="lognormal", num_examples=200, cap=256, seed=3, **batching)
     data = load_data(cfg)
-    strategy = Strategy(kind)
-    policy = t_policy(strategy, cfg, data)
+    strategy = parse_strategy(kind)
+    policy = strategy.t_policy(cfg, data)
     if kind == "polyexec":   # --buckets auto: chosen in the worker from a measured cost
         assert policy is None
         policy = buckets.Auto.fit(data.padded_lengths, buckets.CostModel(0.5, 1e-5), epochs=2,
                                   batch_size=cfg.batch_size, max_tokens=cfg.max_tokens)
-    for epoch in schedule(strategy, cfg, data, policy):
+    for epoch in strategy.schedule(cfg, data, policy):
         seen = np.sort(np.concatenate(epoch))
         assert np.array_equal(seen, np.arange(data.lengths.size))
         if cfg.max_tokens is not None and kind != "polyexec":
             for idx in epoch:   # the token budget holds at the strategy's padded length
                 if len(idx) > 1:
-                    rows, t = padded_shape(strategy, cfg, policy, len(idx),
-                                           int(data.lengths[idx].max()))
+                    rows, t = strategy.padded_shape(cfg, policy, len(idx),
+                                                    int(data.lengths[idx].max()))
                     assert len(idx) * t <= cfg.max_tokens
+
+
+def test_a_strategy_is_one_registered_class(monkeypatch):
+    """Parsing, --help, the worker and the report find a new strategy through the registry."""
+    monkeypatch.setattr(strategies, "REGISTRY", dict(REGISTRY))
+
+    @register
+    class HalfCap(Strategy):       # random batches padded to half the cap, or to the cap
+        token = "half-cap"
+        usage = "half-cap"
+        description = "random batches, two buckets: half the cap and the cap"
+        goal = 2.0
+
+        def t_policy(self, cfg, data):
+            return buckets.Fixed([cfg.cap // 2, cfg.cap])
+
+    assert [s.name for s in parse_strategies("pad-max,half-cap")] == ["pad-max", "half-cap"]
+    assert "half-cap: random batches, two buckets" in strategies_help()
+    with pytest.raises(ValueError, match="token 'half-cap' is taken by HalfCap"):
+        register(HalfCap)
+    cfg = Config(source="uniform", num_examples=12, cap=32, batch_size=4, mode="infer",
+                 hidden=4, embed=4, seed=5)
+    result = run_strategy(HalfCap(), cfg, Files())
+    data = load_data(cfg)
+    assert result["strategy"] == "half-cap" and result["batching"] == "random"
+    assert result["buckets"] == [16, 32] and result["steps"] == 2 * 3
+    assert 1 <= result["compiles"] <= 2 and result["traces"] == 1
+    shapes = [HalfCap().padded_shape(cfg, HalfCap().t_policy(cfg, data), len(i),
+                                     int(data.lengths[i].max()))
+              for ep in HalfCap().schedule(cfg, data, HalfCap().t_policy(cfg, data)) for i in ep]
+    assert result["padding_efficiency"] == pytest.approx(
+        2 * data.real_tokens / sum(b * t for b, t in shapes))
+    row = {"tokens_per_s_warm": 10.0, "tokens_per_s_cold": 5.0}
+    line = HalfCap().summary_line(row, {"tokens_per_s_warm": 30.0, "tokens_per_s_cold": 5.0}, {})
+    assert line == "polyexec vs half-cap: 3.00x warm, 1.00x cold (goal 2x)"
+
+
+def test_strategies_reject_arguments_they_do_not_take():
+    with pytest.raises(px.OptionError, match="pad-max: expected no ':' arguments, received "
+                                             "pad-max:3"):
+        parse_strategies("pad-max:3")
+    assert parse_strategy("fixed:64,16") == parse_strategies("fixed:16,64")[0]
 
 
 def test_padded_batch_rows_and_lengths():
@@ -166,7 +211,9 @@ def test_combine_limits_takes_the_fastest_pass_per_group():
      "expected a largest size >= the cap 256, received largest size 128"),
     (["--strategies", "polyexec,bogus"], "received unknown strategy 'bogus'"),
     (["--epochs", "1"], "Config: epochs: expected an int >= 2, received 1"),
-    (["--lr", "-1"], "Config: learning_rate: expected a number > 0, received -1.0"),
+    (["--lr", "-1"], "Config: learning_rate: expected a finite number > 0, received -1.0"),
+    (["--lr", "inf"], "Config: learning_rate: expected a finite number > 0, received inf"),
+    (["--lr", "nan"], "Config: learning_rate: expected a finite number > 0, received nan"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "No such file or directory"),
 ])
 def test_bad_flags_are_one_line_usage_errors_before_any_worker(argv, message, capsys):
@@ -176,6 +223,38 @@ def test_bad_flags_are_one_line_usage_errors_before_any_worker(argv, message, ca
     *usage, error = capsys.readouterr().err.strip().splitlines()
     assert usage[0].startswith("usage: polyexec-bench")
     assert error.startswith("polyexec-bench: error: ") and message in error
+
+
+@pytest.mark.parametrize("flag, target, message", [
+    ("--json", "folder", "--json: expected a file path, received '{path}' which is a folder"),
+    ("--json", "missing", "--json: expected a file in an existing folder, received '{path}' "
+                          "(no folder '{path.parent}')"),
+    ("--plot", "folder", "--plot: expected a file path, received '{path}' which is a folder"),
+    ("--plot", "missing", "--plot: expected a file in an existing folder, received '{path}'"),
+])
+def test_output_paths_are_checked_before_any_worker(flag, target, message, tmp_path, capsys,
+                                                    monkeypatch):
+    from bench import cli
+    path = tmp_path if target == "folder" else tmp_path / "missing" / "out.x"
+    monkeypatch.setattr(cli, "run_all", lambda *a, **k: pytest.fail("a worker started"))
+    for model in ("gru", "filter-mlp"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--quick", "--no-progress", "--model", model, flag, str(path)])
+        assert exit_.value.code == 2
+        *_, error = capsys.readouterr().err.strip().splitlines()
+        assert error.startswith(f"polyexec-bench: error: {message.format(path=path)}")
+
+
+def test_a_batch_size_above_the_examples_is_clamped_with_a_note():
+    from bench.cli import clamp_batch_size
+    cfg = Config(source="uniform", num_examples=30, cap=64, batch_size=100_000, steps=2)
+    data = load_data(cfg)
+    clamped, note = clamp_batch_size(cfg, data)
+    assert clamped.batch_size == 30 and note == ("note: --batch-size 100000 is more than the 30 "
+                                                 "examples; using --batch-size 30")
+    assert np.array_equal(load_data(clamped).lengths, data.lengths)   # the same examples
+    assert clamp_batch_size(clamped, data) == (clamped, None)
+    assert clamp_batch_size(Config(batch_size=None, max_tokens=4096), data)[1] is None
 
 
 def test_quick_preset_and_explicit_flags():
@@ -249,13 +328,13 @@ def test_quick_json_matches_the_schema(quick):
 
 def _schedule_shapes(cfg, name, doc=None):
     data = load_data(cfg)
-    strategy = parse_strategies(name)[0]
-    policy = t_policy(strategy, cfg, data)
-    if policy is None and strategy.grouped:   # --buckets auto: the worker's choice, as reported
+    strategy = parse_strategy(name)
+    policy = strategy.t_policy(cfg, data)
+    if policy is None and strategy.batching == "grouped":   # --buckets auto: the worker's choice, as reported
         run = doc["workload"]["per_strategy"][name]
         policy = buckets.Auto(tuple(run["buckets"]), tuple(run["partial_rows"]))
-    epochs = schedule(strategy, cfg, data, policy)
-    shapes = [padded_shape(strategy, cfg, policy, len(i), int(data.lengths[i].max()))
+    epochs = strategy.schedule(cfg, data, policy)
+    shapes = [strategy.padded_shape(cfg, policy, len(i), int(data.lengths[i].max()))
               for ep in epochs for i in ep]
     real = sum(int(data.lengths[i].sum()) for ep in epochs for i in ep)
     return data, policy, shapes, real

@@ -76,7 +76,9 @@ def test_cli_rejects_a_bad_flag_with_one_line_and_no_traceback():
     (["--limit", "0"], "argument --limit: expected an int >= 2, received '0'"),
     (["--epochs", "-1"], "argument --epochs: expected an int >= 0, received '-1'"),
     (["--hidden", "0"], "argument --hidden: expected an int >= 1, received '0'"),
-    (["--lr", "0"], "argument --lr: expected a number > 0, received '0'"),
+    (["--lr", "0"], "argument --lr: expected a finite number > 0, received '0'"),
+    (["--lr", "inf"], "argument --lr: expected a finite number > 0, received 'inf'"),
+    (["--lr", "nan"], "argument --lr: expected a finite number > 0, received 'nan'"),
     (["--sample-len", "3"], "argument --sample-len: expected an int >= 5, received '3'"),
     (["--buckets", "square:3"],
      "argument --buckets: expected one of auto, optimal[:K], pow2, fixed:S1,S2,..., multiple:K, "
@@ -160,3 +162,53 @@ def test_masking_on_and_off_give_the_same_validation_loss():
     np.testing.assert_allclose(on.val_loss, off.val_loss, rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(on.model), jax.tree_util.tree_leaves(off.model)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("flag, target, message", [
+    ("--checkpoint-dir", "file", "--checkpoint-dir: expected a folder (created if missing), "
+                                 "received '{path}' which is a file"),
+    ("--cache-dir", "file", "--cache-dir: expected a folder (created if missing), received "
+                            "'{path}' which is a file"),
+    ("--metrics", "folder", "--metrics: expected a file path, received '{path}' which is a folder"),
+    ("--metrics", "missing", "--metrics: expected a file in an existing folder, received '{path}' "
+                             "(no folder '{path.parent}')"),
+])
+def test_cli_output_paths_are_checked_before_any_work(flag, target, message, tmp_path, capsys,
+                                                      monkeypatch):
+    path = {"file": tmp_path / "a-file", "folder": tmp_path,
+            "missing": tmp_path / "missing" / "m.jsonl"}[target]
+    if target == "file":
+        path.write_text("x")
+    # Before any work: the corpus is never read.
+    monkeypatch.setattr(corpus_data, "load", lambda **_: pytest.fail("read the corpus"))
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--limit", "20", flag, str(path)])
+    assert exit_.value.code == 2
+    *_, error = capsys.readouterr().err.strip().splitlines()
+    assert error == f"python -m examples.rnn.train: error: {message.format(path=path)}"
+
+
+def test_cli_output_folders_are_created(tmp_path, monkeypatch):
+    class Stop(Exception):
+        pass
+
+    def stop(**_):
+        raise Stop
+
+    monkeypatch.setattr(corpus_data, "load", stop)
+    with pytest.raises(Stop):
+        train.main(["--checkpoint-dir", str(tmp_path / "ck" / "a"), "--metrics",
+                    str(tmp_path / "m.jsonl")])
+    assert (tmp_path / "ck" / "a").is_dir() and os.listdir(tmp_path / "ck" / "a") == []
+    assert not (tmp_path / "m.jsonl").exists()      # checked, not written
+
+
+def test_cli_batch_size_above_the_data_is_clamped_with_a_note(tmp_path, capsys):
+    out = train.main(["--limit", "24", "--batch-size", "100000", "--epochs", "1", "--hidden", "4",
+                      "--embed", "4", "--cap", "32", "--buckets", "fixed:32", "--samples", "0",
+                      "--no-cache", "--no-progress"])
+    text = " ".join(capsys.readouterr().out.split())     # rich wraps long lines
+    assert "note: batch_size=100000 is more than the 22 training examples; using batch_size=22" \
+        in text
+    rows = {r["bucket"][0] for r in out["history"] if r["kind"] == "step"}
+    assert rows == {22}

@@ -262,12 +262,32 @@ def test_cache_false_leaves_a_compile_cache_the_user_configured(fit_in_a_users_c
     ({}, [np.zeros(3, np.int32), []], r"data\[1\]: expected an example of length >= 1, received length 0"),
     ({"devices": 64}, None, r"fit: devices: expected an int from 1 to \d+ .*, received 64"),
     ({"devices": []}, None, "fit: devices: expected None, an int or a non-empty list of devices"),
+    ({"progress": 0}, None, "fit: progress: expected one of True, False, received 0"),
+    ({"epoch": 2}, None, "fit: expected keyword arguments among optimizer, validation, eval_fn, "
+                         "epochs, .*, received unknown 'epoch'"),
 ])
 def test_bad_arguments_are_rejected_with_a_clear_message(kwargs, data, message):
     data = random_sentences(8, 16, seed=0) if data is None else data
     kwargs = {"optimizer": OPT, "cache": False, **kwargs}
     with pytest.raises(px.OptionError, match=message):
         training.fit(tiny_model(), loss_fn, data, verbose=False, **kwargs)
+
+
+def test_fit_options_are_declared_once():
+    """fit's keyword options are FitOptions' fields: its signature shows each with its default."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(training.fit).parameters
+    fields = dataclasses.fields(training.FitOptions)
+    assert list(params)[:6] == ["model", "loss_fn", "data", "optimizer", "validation", "eval_fn"]
+    assert list(params)[6:] == [f.name for f in fields]
+    assert all(params[f.name].default == f.default for f in fields
+               if f.default is not dataclasses.MISSING)
+    assert params["epochs"].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(px.OptionError, match="fit: verbose: expected one of True, False, "
+                                             "received 'no'"):
+        training.FitOptions(verbose="no")
 
 
 # -- training lowers the validation loss -------------------------------------------------------
@@ -447,3 +467,119 @@ def test_measure_cost_on_a_cache_hit_reports_the_recorded_cost(tmp_path):
     recorded = json.loads((tmp_path / "polyexec-costs.json").read_text())
     assert list(recorded.values()) == [[costs[0].compile_seconds, costs[0].seconds_per_cell]]
     assert costs[1] == costs[0]        # the same cost, hence the same choice of buckets
+
+
+def test_choose_buckets_measures_once_and_gives_the_steps_exactly_the_plans_shapes():
+    """One function chooses for fit and for the benchmark: measure, Auto.fit, re-bucket."""
+    lengths = np.array([len(s) for s in AUTO_DATA])
+    step = training.make_train_step(loss_fn, OPT, length_buckets=[60], batch_buckets=[8])
+    state = training.TrainState.create(tiny_model(), OPT)
+    choice = training.choose_buckets(step, state, lengths, epochs=2, batch_size=8, min_length=2,
+                                     validation_lengths=np.array([3, 60]))
+    assert choice.cost is not None and choice.measured_at == (8, 60)
+    assert step.stats.compiles == 1                 # the measurement, at (8, 60)
+    assert choice.policy.sizes[-1] == 60 and choice.policy.largest == 60   # validation's bucket
+    plan = buckets.batch_plan(lengths, choice.policy, batch_size=8, shuffle=False)
+    assert set(choice.train_shapes) == {(b.rows, b.bucket_size) for b in plan}
+    assert choice.steps[0].bucket_sizes("T") == tuple(choice.sizes["T"])
+    assert choice.steps[0].bucket_sizes("B") == tuple(choice.sizes["B"])
+    # A known choice is re-bucketed as it is: nothing measured, nothing compiled.
+    again = training.choose_buckets(step, state, lengths, epochs=2, batch_size=8,
+                                    known=buckets.Auto((10, 40)))
+    assert again.cost is None and again.policy.sizes == (10, 40) and step.stats.compiles == 1
+    assert again.sizes["T"] == [10, 40] and {10, 40} <= set(again.steps[0].bucket_sizes("T"))
+
+
+# -- bad output paths, learning rates, batch sizes and cost records --------------------------------
+
+def _never_traced(model, tokens, lengths):
+    raise AssertionError("the loss was traced: work started before the bad input was refused")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"checkpoint_dir": "FILE"}, "fit: checkpoint_dir: expected a folder (created if missing), "
+                                 "received '{file}' which is a file"),
+    ({"cache": "FILE"}, "fit: cache: expected a folder (created if missing), received '{file}' "
+                        "which is a file"),
+    ({"metrics_file": "DIR"}, "fit: metrics_file: expected a file path, received '{dir}' which "
+                              "is a folder"),
+    ({"metrics_file": "DIR/missing/m.jsonl"}, "fit: metrics_file: expected a file in an existing "
+                                              "folder, received '{dir}/missing/m.jsonl'"),
+])
+def test_fit_checks_output_paths_before_any_work(kwargs, message, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    kwargs = {k: v.replace("FILE", str(file)).replace("DIR", str(tmp_path))
+              for k, v in kwargs.items()}
+    with pytest.raises(px.OptionError) as info:
+        training.fit(tiny_model(), _never_traced, random_sentences(8, 16, seed=0), optimizer=OPT,
+                     verbose=False, **kwargs)
+    assert str(info.value).startswith(message.format(file=file, dir=tmp_path))
+
+
+@pytest.mark.parametrize("optimizer, message", [
+    (optax.adam(float("inf")), "fit: optimizer: expected finite updates (a finite learning rate), "
+                               "received an optimizer whose first step for a unit gradient is -inf"),
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(float("nan"))),
+     "fit: optimizer: expected finite updates (a finite learning rate), received an optimizer "
+     "whose first step for a unit gradient is nan"),
+    (optax.sgd(-0.1), "fit: optimizer: expected a step against the gradient (a learning rate > 0), "
+                      "received an optimizer whose first step for a unit gradient is +0.1"),
+])
+def test_fit_refuses_a_non_finite_or_negative_learning_rate(optimizer, message):
+    with pytest.raises(px.OptionError) as info:
+        training.fit(tiny_model(), _never_traced, random_sentences(8, 16, seed=0),
+                     optimizer=optimizer, verbose=False, cache=False)
+    assert str(info.value).startswith(message)
+
+
+def test_fit_accepts_a_schedule_that_starts_at_zero():
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    result = training.fit(tiny_model(), loss_fn, random_sentences(8, 16, seed=0),
+                          optimizer=optax.adam(schedule), batch_size=4, buckets=[16],
+                          verbose=False, cache=False)
+    assert np.isfinite(result.epochs()[0]["train_loss"])
+
+
+def test_fit_clamps_a_batch_size_above_the_data_with_a_note():
+    import io
+    import rich.console
+
+    out = io.StringIO()
+    data = random_sentences(6, 16, seed=0)
+    result = training.fit(tiny_model(), loss_fn, data, optimizer=OPT, batch_size=100_000,
+                          buckets=[16], cache=False, progress=False,
+                          console=rich.console.Console(file=out, width=200))
+    assert "note: batch_size=100000 is more than the 6 training examples; using batch_size=6" \
+        in out.getvalue()
+    assert result.batch_buckets == (6,)
+    assert {tuple(r["bucket"]) for r in result.history if r["kind"] == "step"} == {(6, 16)}
+
+
+@pytest.mark.parametrize("damage", ["[1, 2]", "not json {", "a bad entry"])
+def test_a_damaged_cost_record_is_ignored_with_a_warning(damage, tmp_path):
+    record = tmp_path / "polyexec-costs.json"
+    ignored = "measure_cost: ignoring the cost record .*polyexec-costs.json: .*measured again"
+
+    def measure():
+        step = training.make_train_step(loss_fn, OPT, length_buckets=[16], batch_buckets=[2])
+        state = training.TrainState.create(tiny_model(), OPT)
+        return training.measure_cost(step, state, np.zeros((2, 16), np.int32),
+                                     np.full(2, 16, np.int32))
+
+    px.enable_persistent_cache(str(tmp_path))
+    try:
+        if damage == "a bad entry":
+            measure()                          # compiles and records a good entry
+            damage = json.dumps({next(iter(json.loads(record.read_text()))): "x"})
+        else:
+            record.write_text(damage)
+            with pytest.warns(UserWarning, match=ignored):
+                measure()                      # compiles; the record is written anew, whole
+            assert isinstance(json.loads(record.read_text()), dict)
+        record.write_text(damage)
+        with pytest.warns(UserWarning, match=ignored):
+            cost = measure()                   # loaded from disk: the record is read
+    finally:
+        px.disable_persistent_cache()
+    assert cost.compile_seconds >= 0 and cost.seconds_per_cell > 0

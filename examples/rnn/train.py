@@ -59,12 +59,13 @@ def _int_flag(minimum: int, *, zero: str | None = None) -> Callable[[str], int]:
 
 
 def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (``--lr inf`` trained to a NaN loss)."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, received {text!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, received {text!r}")
     return value
 
 
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         processes = training.initialize_distributed(
             args.coordinator, args.num_processes, args.process_id,
             heartbeat_timeout=args.heartbeat_timeout)
+        check_outputs(args)
         return run(args)
     except px.OptionError as e:
         parser.error(str(e))
@@ -171,6 +173,17 @@ def main(argv: list[str] | None = None) -> dict:
               f"collective failed ({str(e).splitlines()[0]}); another process of the run has "
               f"probably died: see its output", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Create or test-write every output path before the corpus is read or anything compiles
+    (a bad --checkpoint-dir used to fail after the first epoch)."""
+    if args.checkpoint_dir:
+        training.check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
+    if args.cache_dir:
+        training.check_output_dir(args.cache_dir, "--cache-dir")
+    if args.metrics and jax.process_index() == 0:     # process 0 writes the metrics
+        training.check_output_file(args.metrics, "--metrics")
 
 
 def run(args: argparse.Namespace) -> dict:

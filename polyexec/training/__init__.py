@@ -26,17 +26,21 @@ See `fit` for checkpoints, data parallelism (including multi-host with
 ``jax.distributed.initialize()``), metrics files and the persistent compile cache.
 """
 
-from ._auto import measure_cost
+from ._auto import BucketChoice, choose_buckets, measure_cost
 from ._checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 from ._data import Examples, as_examples, pad_batch
 from ._fit import FitResult, StepInfo, StopTraining, evaluate, fit
+from ._options import FitOptions
+from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel, initialize_distributed
 from ._state import TrainState
 from ._steps import eval_step_fn, make_eval_step, make_train_step, train_step_fn
 
 __all__ = [
-    "fit", "FitResult", "StepInfo", "StopTraining", "evaluate",
-    "TrainState", "measure_cost", "train_step_fn", "eval_step_fn", "make_train_step", "make_eval_step",
+    "fit", "FitOptions", "FitResult", "StepInfo", "StopTraining", "evaluate",
+    "TrainState", "measure_cost", "choose_buckets", "BucketChoice", "train_step_fn",
+    "eval_step_fn", "make_train_step", "make_eval_step",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
-    "DataParallel", "data_parallel", "initialize_distributed", "Examples", "as_examples", "pad_batch",
+    "DataParallel", "data_parallel", "initialize_distributed", "Examples", "as_examples",
+    "pad_batch", "check_output_dir", "check_output_file",
 ]

@@ -1,4 +1,5 @@
-"""``buckets="auto"``: measure one compile and one step, then choose the bucket set by cost.
+"""``buckets="auto"``: measure one compile and one step, then choose the bucket set by cost
+(`choose_buckets`, which `fit` and ``polyexec-bench`` both call).
 
 The cost model (`buckets.CostModel`) needs seconds per compile and seconds per padded cell.
 Both come from the run's own step at its largest bucket -- a shape almost every run uses
@@ -8,10 +9,15 @@ anyway, so the measurement's compile is rarely wasted -- and `buckets.Auto.fit` 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import time
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -23,10 +29,14 @@ from jax.experimental import multihost_utils
 import buckets as _buckets
 
 from .. import Bucketed
-from .._cache import xla_events, xla_events_since
+from .._cache import count_compiles
+from ._data import Batching
+from ._parallel import DataParallel
 
 # Beside JAX's persistent compile cache: what each program cost to compile and to run.
 _COSTS = "polyexec-costs.json"
+# MLIR debug locations: `#loc3 = loc(...)` lines and ` loc(#loc3)` / ` loc("x"(#loc))` suffixes.
+_LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 
 
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
@@ -56,11 +66,12 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     rows, length = tokens.shape
     shape = {"B": rows, "T": length}
     steps = [(step, arg)] + ([(extra_compiles, extra_arg)] if extra_compiles is not None else [])
-    before, events = [f.stats.compile_seconds for f, _ in steps], xla_events()
-    for f, a in steps:
-        f.warmup(a, sizes=[shape], max_workers=1)
+    before = [f.stats.compile_seconds for f, _ in steps]
+    with count_compiles() as events:
+        for f, a in steps:
+            f.warmup(a, sizes=[shape], max_workers=1)
     seconds = sum(f.stats.compile_seconds - b for (f, _), b in zip(steps, before))
-    hit = xla_events_since(events)["cache_hits"] > 0
+    hit = events.cache_hits > 0
     record = _Record([f for f, _ in steps], shape)
     if hit and record.known is not None:
         # Loaded from the persistent cache: the load is no compile. The cost measured when it
@@ -89,7 +100,12 @@ class _Record:
         modules = [getattr(f.plan, "exported", None) for f in steps]
         self.key = None
         if self.folder and None not in modules:
-            text = "".join(m.mlir_module() for m in modules) + repr(sorted(shape.items()))
+            # Without debug locations: they name the caller's file and line, so the same
+            # program traced from another line (or an edited script) would miss its record
+            # while JAX's own cache, which ignores them, still hits -- and a load would be
+            # timed as if it were a compile.
+            text = "".join(_LOCATIONS.sub("", m.mlir_module()) for m in modules)
+            text += repr(sorted(shape.items()))
             self.key = hashlib.sha256(text.encode()).hexdigest()
 
     @property
@@ -99,14 +115,39 @@ class _Record:
     @property
     def known(self) -> tuple[float, float] | None:
         entry = self._read().get(self.key) if self.key else None
-        return None if entry is None else (float(entry[0]), float(entry[1]))
+        if entry is None:
+            return None
+        try:
+            compile_s, per_cell = (float(v) for v in entry)
+        except (TypeError, ValueError):
+            compile_s = per_cell = math.nan
+        if not (math.isfinite(compile_s) and math.isfinite(per_cell)
+                and compile_s >= 0 and per_cell > 0):
+            self._damaged(f"its entry for this program is {entry!r}, expected [compile "
+                          f"seconds >= 0, seconds per cell > 0]")
+            return None
+        return compile_s, per_cell
+
+    def _damaged(self, what: str) -> None:
+        # The record only saves a measurement: a damaged one is measured again and rewritten,
+        # never a reason to stop a run.
+        warnings.warn(f"measure_cost: ignoring the cost record {self.path}: {what}; the cost "
+                      f"is measured again", stacklevel=4)
 
     def _read(self) -> dict:
         try:
             with open(self.path, encoding="utf-8") as fh:
-                return json.load(fh)
-        except (OSError, ValueError):
+                table = json.load(fh)
+        except FileNotFoundError:
             return {}
+        except (OSError, ValueError) as e:       # unreadable, or not JSON (UnicodeError too)
+            self._damaged(f"{type(e).__name__}: {e}")
+            return {}
+        if not isinstance(table, dict):
+            self._damaged(f"expected a JSON object of program -> cost, received "
+                          f"{type(table).__name__} {str(table)[:60]}")
+            return {}
+        return table
 
     def save(self, compile_seconds: float, seconds_per_cell: float) -> None:
         if self.key is None:
@@ -130,3 +171,122 @@ def agree(cost: _buckets.CostModel, processes: int) -> _buckets.CostModel:
         np.array([cost.compile_seconds, cost.seconds_per_cell, cost.seconds_per_step]))
     return _buckets.CostModel(*(float(v) for v in np.asarray(values)))
 
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketChoice:
+    """What `choose_buckets` chose: the policy (an `Auto` with its ``partial_rows`` and
+    ``prediction``), the cost it was chosen by (None for a ``known`` choice), the global
+    (rows, length) it was measured at, and the steps at exactly the shapes its batches use.
+
+    ``sizes``: the steps' bucket sizes; ``train_shapes`` / ``eval_shapes``: (rows of one
+    process's share, length bucket) -> real
+    tokens of one epoch at that shape, for the training lengths and the validation lengths
+    (whose partial batches are padded to full rows).
+    """
+
+    policy: _buckets.Auto
+    cost: _buckets.CostModel | None
+    measured_at: tuple[int, int] | None
+    steps: tuple[Bucketed, ...]
+    sizes: dict                      # {"T": lengths, "B": global rows} the steps were given
+    train_shapes: dict
+    eval_shapes: dict
+
+    @property
+    def prediction(self) -> Any:
+        return self.policy.prediction
+
+    def describe(self) -> str:
+        """The choice in one line (two with a prediction)."""
+        head = (f"T={list(self.policy.sizes)}"
+                + (f", partial batches at their own rows for T={list(self.policy.partial_rows)}"
+                   if self.policy.partial_rows else ""))
+        if self.cost is None:
+            return head
+        rows, length = self.measured_at
+        return (f"measured at B={rows}, T={length}: compile {self.cost.compile_seconds:.2f} s, "
+                f"step {self.cost.step_seconds(rows, length):.3f} s: {head}"
+                + (f"\n  predicted: {self.prediction.describe()}" if self.prediction else ""))
+
+
+def rebucket(steps: Sequence[Bucketed], batching: Batching, lengths: np.ndarray,
+             validation_lengths: np.ndarray | None = None) -> tuple[tuple[Bucketed, ...], dict,
+                                                                    dict, dict]:
+    """``steps`` at exactly the (rows, length) shapes ``batching`` makes of ``lengths`` (and,
+    partial batches padded to full rows, of ``validation_lengths``); returns (steps, sizes,
+    train shapes, eval shapes) as in `BucketChoice`. Rows are global: every process's share."""
+    train_shapes = batching.shapes(lengths)
+    eval_shapes = (batching.shapes(validation_lengths, partial_rows="full")
+                   if validation_lengths is not None else {})
+    shapes = (*train_shapes, *eval_shapes)
+    sizes = {"T": sorted({t for _, t in shapes}),
+             "B": sorted({r * batching.num_shards for r, _ in shapes})}
+    return tuple(s.with_buckets(sizes) for s in steps), sizes, train_shapes, eval_shapes
+
+
+def choose_buckets(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
+                   batch_size: int | None = None, max_tokens: int | None = None,
+                   eval_step: Bucketed | None = None, eval_arg: Any = None,
+                   validation_lengths: Any = None, known: _buckets.Auto | None = None,
+                   min_length: int = 1, parallel: int = 1, pad_id: int = 0,
+                   data_parallel: DataParallel | None = None) -> BucketChoice:
+    """Choose the (length x rows) bucket set with the least predicted time, and set the steps'
+    buckets to exactly the shapes its batches use.
+
+    Measure (`measure_cost`): compile ``step`` (and ``eval_step``, whose compile seconds are
+    added) at the longest length's full batch and time one call on ``arg``; choose
+    (`buckets.Auto.fit`) for ``epochs`` passes over ``lengths`` (floored at ``min_length``,
+    the step's smallest padded length) with the measured shape counted as already compiled;
+    re-bucket (`rebucket`). A longest validation example above every
+    chosen size gets one more bucket. ``known``: an earlier choice (a checkpoint's, another
+    process's) is re-bucketed as it is, without measuring. ``parallel``: the other compiles
+    overlap this many ways (see `measure_cost`). ``data_parallel``: the run's devices
+    (`data_parallel`): rows are a multiple of the local devices, every process plans its share,
+    and process 0's measurement is used everywhere.
+
+    >>> import equinox as eqx, jax, numpy as np, optax
+    >>> from polyexec.training import TrainState, choose_buckets, make_train_step
+    >>> loss = lambda model, tokens, lengths: jax.numpy.mean(tokens * model.weight[0, 0])
+    >>> step = make_train_step(loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4])
+    >>> state = TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), optax.sgd(0.1))
+    >>> lengths = np.array([3, 5, 6, 7, 40, 41, 64, 9] * 4)
+    >>> choice = choose_buckets(step, state, lengths, epochs=3, batch_size=4)
+    >>> choice.policy.sizes[-1], choice.steps[0].bucket_sizes("T") == choice.policy.sizes
+    (64, True)
+    """
+    dp = data_parallel
+    shards, shard, multiple = ((dp.processes, dp.process_index, dp.local_devices)
+                               if dp is not None else (1, 0, 1))
+    lengths = np.asarray(lengths)
+    val = np.asarray(validation_lengths) if validation_lengths is not None else None
+    top = max(int(lengths.max()), int(val.max()) if val is not None and val.size else 0,
+              min_length)
+    batching = Batching(_buckets.Fixed([top]), batch_size, max_tokens, False, 0,
+                        min_length=min_length, device_multiple=multiple, num_shards=shards,
+                        shard_index=shard)
+    rows = batching.rows(top)
+    cost = measured_at = None
+    if known is not None:
+        policy = known
+    else:
+        tokens = np.full((rows, top), pad_id, np.int32)
+        full = np.full(rows, top, np.int32)
+        place = dp.global_batch if dp is not None else (lambda x: x)
+        cost = measure_cost(step, arg, place(tokens), place(full), extra_compiles=eval_step,
+                            extra_arg=eval_arg, parallel=parallel)
+        cost = agree(cost, shards)
+        measured_at = (rows * shards, top)
+        policy = _buckets.Auto.fit(np.maximum(lengths, min_length), cost, epochs=epochs,
+                                   batch_size=batch_size,
+                                   max_tokens=max_tokens, num_shards=shards,
+                                   row_multiple=multiple, compiled=[(rows, top)])
+    if val is not None and val.size and int(val.max()) > policy.largest:
+        # Kept as an Auto with the validation-only bucket: passing it back as buckets= repeats
+        # this choice's batches exactly, partial rows included.
+        policy = _buckets.Auto((*policy.sizes, int(val.max())), policy.partial_rows,
+                               policy.prediction)
+    batching = dataclasses.replace(batching, policy=policy)
+    steps = (step,) + ((eval_step,) if eval_step is not None else ())
+    steps, sizes, train_shapes, eval_shapes = rebucket(steps, batching, lengths, val)
+    return BucketChoice(policy, cost, measured_at, steps, sizes, train_shapes, eval_shapes)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import inspect
 import os
 import time
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,12 +26,13 @@ import rich.console
 import buckets as _buckets
 
 from .. import Bucketed
-from .._cache import enable_persistent_cache, xla_events, xla_events_since
+from .._cache import count_compiles, enable_persistent_cache
 from .._errors import OptionError, check_bool, check_int, is_int
 from ._checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
-from ._auto import agree, measure_cost
+from ._auto import choose_buckets, rebucket
 from ._data import Batching, Examples, as_examples
 from ._options import FitOptions, check_callable
+from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel
 from ._progress import RunDisplay
 from ._records import MetricsLog, Position, epoch_record, step_record, warmup_record
@@ -84,19 +88,16 @@ class FitResult:
 
 
 def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
-        optimizer: optax.GradientTransformation, epochs: int = 1,
-        validation: Sequence[Any] | None = None, eval_fn: EvalFn | None = None,
-        batch_size: int | None = None, max_tokens: int | None = None, buckets: Any = None,
-        min_length: int = 2, pad_id: int = 0, seed: int = 0, shuffle: bool = True,
-        devices: int | Sequence[Any] | None = None,
-        cache: bool | str | os.PathLike | None = None,
-        warmup: bool = True, warmup_workers: int | None = None,
-        checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-        keep_checkpoints: int = 3, resume: bool = True, max_steps: int | None = None,
-        metrics_file: str | os.PathLike | None = None,
-        callbacks: Sequence[Callable[[StepInfo], None]] = (), progress: bool | None = None,
-        verbose: bool = True, console: Any = None, masking: bool = True) -> FitResult:
+        optimizer: optax.GradientTransformation, validation: Sequence[Any] | None = None,
+        eval_fn: EvalFn | None = None, **options: Any) -> FitResult:
     """Train an equinox model with an optax optimiser through bucketed, compiled-once steps.
+
+    The keyword options (``epochs=1``, ``batch_size``, ``max_tokens``, ``buckets``,
+    ``min_length=2``, ``pad_id=0``, ``seed=0``, ``shuffle=True``, ``devices``, ``cache``,
+    ``warmup=True``, ``warmup_workers``, ``checkpoint_dir``, ``checkpoint_every``,
+    ``keep_checkpoints=3``, ``resume=True``, ``max_steps``, ``metrics_file``, ``callbacks``,
+    ``progress``, ``verbose=True``, ``console``, ``masking=True``) are the fields of
+    `FitOptions`, declared and checked there; what they do is below.
 
     ``data`` (and ``validation``) is a sequence of variable-length examples: 1-D integer arrays
     or ``bytes``. Each epoch groups them into batches whose lengths fall in one bucket
@@ -170,14 +171,9 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     >>> result.epochs()[-1]["val_loss"] < result.epochs()[0]["val_loss"]
     True
     """
-    options = FitOptions(
-        epochs=epochs, batch_size=batch_size, max_tokens=max_tokens, min_length=min_length,
-        pad_id=pad_id, seed=seed, shuffle=shuffle, masking=masking, cache=cache, warmup=warmup,
-        warmup_workers=warmup_workers, checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-        max_steps=max_steps, metrics_file=metrics_file, callbacks=callbacks)
-    run = _prepare(loss_fn, data, optimizer, validation, eval_fn, buckets, devices, options,
-                   progress=progress, verbose=verbose, console=console)
+    options = FitOptions.from_kwargs(options)
+    _check_outputs(options)
+    run = _prepare(loss_fn, data, optimizer, validation, eval_fn, options)
     _configure_cache(options.cache)
     state, position, history, restored = _restore(run, TrainState.create(model, optimizer))
     state = place(state, run.dp.replicated)
@@ -203,6 +199,20 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
                      stopped_early=stopped,
                      partial_rows=getattr(run.batching.policy, "partial_rows", "full"),
                      prediction=run.prediction)
+
+
+def _signature() -> inspect.Signature:
+    """`fit`'s signature: its own parameters, then `FitOptions`' fields as keyword-only
+    parameters with their defaults (declared once, there)."""
+    own = [p for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD]
+    hints = typing.get_type_hints(FitOptions)
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                 annotation=hints.get(f.name, inspect.Parameter.empty))
+               for f in dataclasses.fields(FitOptions)]
+    return inspect.signature(fit).replace(parameters=[*own, *options])
+
+
+fit.__signature__ = _signature()
 
 
 # -- setting up ---------------------------------------------------------------------------------
@@ -281,22 +291,32 @@ class _Run:
 
 
 def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: Any,
-             eval_fn: EvalFn | None, buckets: Any, devices: Any, options: FitOptions, *,
-             progress: bool | None, verbose: bool, console: Any) -> _Run:
+             eval_fn: EvalFn | None, options: FitOptions) -> _Run:
     """Check the data, choose the devices and build the two bucketed steps; with explicit
     buckets, settle them too."""
     check_callable(loss_fn, "fit: loss_fn", "a callable (model, tokens, lengths) -> loss")
     check_callable(eval_fn, "fit: eval_fn", "None or a callable (model, tokens, lengths) -> "
                    "(summed loss, count)", optional=True)
-    if progress is not None:
-        check_bool(progress, "fit: progress")
-    check_bool(verbose, "fit: verbose")
     train = as_examples(data, "fit: data")
     val = as_examples(validation, "fit: validation") if validation is not None else None
+    buckets = options.buckets
     auto = buckets is None or (isinstance(buckets, str) and buckets == "auto")
     policy = None if auto else _resolve_policy(buckets, train, val, options.min_length)
     top = policy.largest if policy is not None else _longest(train, val, options.min_length)
-    dp = data_parallel(devices)
+    dp = data_parallel(options.devices)
+    progress, console = options.progress, options.console
+    display = RunDisplay(progress=_interactive(console) if progress is None else progress,
+                         verbose=options.verbose and dp.process_index == 0, console=console)
+    # A batch larger than the data would only be padding: with --batch-size 100000 on 200
+    # examples every step and compile was sized for 100000 rows (21 GB before the kernel
+    # killed it). Each process takes batch_size rows of every global batch.
+    most = -(-len(train) // dp.processes)
+    if options.batch_size is not None and options.batch_size > most:
+        display.print(f"note: batch_size={options.batch_size} is more than the {len(train)} "
+                      f"training examples" + (f" over {dp.processes} processes" if dp.processes > 1
+                                              else "") + f"; using batch_size={most}")
+        options = dataclasses.replace(options, batch_size=most)
+    _check_optimizer(optimizer)
     batching = Batching(policy or _buckets.Fixed([top]), options.batch_size, options.max_tokens,
                         options.shuffle, options.seed, min_length=options.min_length,
                         device_multiple=dp.local_devices, num_shards=dp.processes,
@@ -313,10 +333,35 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     # cannot check them against T there (check_lengths above).
     train_step = make_train_step(loss_fn, optimizer, **step_args)
     eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
-    display = RunDisplay(progress=_interactive(console) if progress is None else progress,
-                         verbose=verbose and dp.process_index == 0, console=console)
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
     return run if auto else _with_policy(run, policy)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Refuse an optimizer whose step is not finite or climbs the loss (``optax.adam(inf)``
+    trained to a NaN loss and ended as if all were well; ``optax.adam(-1e-3)`` maximises).
+
+    Probed on one parameter with a unit gradient, before anything else compiles. A zero step
+    passes (a schedule may start at 0); an optimizer that needs the model's own tree (masks,
+    labels per parameter) cannot be probed this way and is left to run.
+    """
+    if not isinstance(optimizer, optax.GradientTransformation):
+        return                         # TrainState.create names what is wrong with it
+    try:
+        params = {"w": np.ones((1,), np.float32)}
+        unit = lambda p: jax.tree_util.tree_map(jax.numpy.ones_like, p)   # noqa: E731
+        updates, _ = jax.jit(lambda p: optimizer.update(unit(p), optimizer.init(p), p))(params)
+        step = float(np.asarray(updates["w"])[0])
+    except Exception:                  # noqa: BLE001 -- cannot be probed: not refused
+        return
+    if not np.isfinite(step):
+        raise OptionError(f"fit: optimizer: expected finite updates (a finite learning rate), "
+                          f"received an optimizer whose first step for a unit gradient is "
+                          f"{step} (a learning rate of inf or nan?)")
+    if step > 0:
+        raise OptionError(f"fit: optimizer: expected a step against the gradient (a learning "
+                          f"rate > 0), received an optimizer whose first step for a unit gradient "
+                          f"is +{step:g} (a negative learning rate?)")
 
 
 def _longest(train: Examples, validation: Examples | None, min_length: int) -> int:
@@ -326,22 +371,21 @@ def _longest(train: Examples, validation: Examples | None, min_length: int) -> i
 
 def _with_policy(run: _Run, policy: Any) -> _Run:
     """``run`` batching by ``policy`` (an `Auto` brings its ``partial_rows``), its steps'
-    buckets exactly the shapes its batches use."""
+    buckets exactly the shapes its batches use (`rebucket`)."""
     batching = dataclasses.replace(run.batching, policy=policy)
-    train_shapes = batching.shapes(run.train.lengths)
-    eval_shapes = (batching.shapes(run.validation.lengths, partial_rows="full")
-                   if run.validation is not None else {})
-    run = dataclasses.replace(run, batching=batching, train_shapes=train_shapes,
-                              eval_shapes=eval_shapes)
-    sizes = {"T": list(run.used), "B": list(run.batch_buckets)}
-    return dataclasses.replace(
-        run, train_step=run.train_step.with_buckets(sizes),
-        eval_step=run.eval_step.with_buckets(sizes) if run.eval_step is not None else None)
+    steps = (run.train_step,) + ((run.eval_step,) if run.eval_step is not None else ())
+    steps, _, train_shapes, eval_shapes = rebucket(
+        steps, batching, run.train.lengths,
+        run.validation.lengths if run.validation is not None else None)
+    return dataclasses.replace(run, batching=batching, train_shapes=train_shapes,
+                               eval_shapes=eval_shapes, train_step=steps[0],
+                               eval_step=steps[1] if run.eval_step is not None else None)
 
 
 def _settle(run: _Run, state: TrainState, position: Position, restored: str | None) -> _Run:
     """``buckets="auto"``: the bucket set with the least predicted time for the epochs still to
-    run (`buckets.Auto.fit`), from one compile and one step measured at the largest bucket.
+    run (`choose_buckets`: one compile and one step measured at the largest bucket, then
+    `buckets.Auto.fit`).
 
     A resumed run keeps the choice its checkpoint holds -- the data order depends on it --
     unless the run was extended (more ``epochs`` than the checkpoint's run planned) and
@@ -349,43 +393,41 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     """
     if not run.auto:
         return run
-    options, batching, P = run.options, run.batching, run.dp.processes
+    options = run.options
     saved = read_meta(restored).get("auto_buckets") if restored is not None else None
     remaining = max(options.epochs - position.epoch, 1)
+    known = None
     if saved is not None and (saved["epochs"] == options.epochs or position.batch > 0):
-        policy = _buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
-        run.display.print(f"buckets (auto): the checkpoint's {list(policy.sizes)}")
+        known = _buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+        run.display.print(f"buckets (auto): the checkpoint's {list(known.sizes)}")
     elif position.epoch >= options.epochs:      # nothing to train: nothing worth measuring
-        policy = _buckets.Auto(_buckets.Optimal.fit(run.train.lengths).sizes)
+        known = _buckets.Auto(_buckets.Optimal.fit(
+            np.maximum(run.train.lengths, options.min_length)).sizes)
+    choose = functools.partial(
+        choose_buckets, run.train_step, state, run.train.lengths, epochs=remaining,
+        batch_size=options.batch_size, max_tokens=options.max_tokens, eval_step=run.eval_step,
+        eval_arg=state.model, known=known, min_length=options.min_length, pad_id=options.pad_id,
+        data_parallel=run.dp, validation_lengths=(run.validation.lengths
+                                                  if run.validation is not None else None))
+    if known is not None:
+        choice = choose()
     else:
-        top = batching.policy.largest
-        rows = batching.rows(top)
-        tokens = np.full((rows, top), options.pad_id, np.int32)
-        lengths = np.full(rows, top, np.int32)
         with run.display.task("measuring one bucket", 1) as advance:
-            cost = measure_cost(run.train_step, state, run.dp.global_batch(tokens),
-                                run.dp.global_batch(lengths), extra_compiles=run.eval_step,
-                                extra_arg=state.model)
+            choice = choose()
             advance()
-        cost = agree(cost, P)
-        train_lengths = np.maximum(run.train.lengths, options.min_length)
-        policy = _buckets.Auto.fit(train_lengths, cost, epochs=remaining,
-                                   batch_size=options.batch_size, max_tokens=options.max_tokens,
-                                   num_shards=P, row_multiple=batching.device_multiple,
-                                   compiled=[(rows, top)])
+        (rows, top), cost, policy = choice.measured_at, choice.cost, choice.policy
         run.display.print(
-            f"buckets (auto, for {remaining} epoch(s); measured at B={rows * P}, T={top}: compile "
-            f"{cost.compile_seconds:.2f} s (train + eval), step "
-            f"{cost.step_seconds(rows * P, top):.3f} s): "
-            f"T={list(policy.sizes)}"
+            f"buckets (auto, for {remaining} epoch(s); measured at B={rows}, T={top}: compile "
+            f"{cost.compile_seconds:.2f} s (train + eval), step {cost.step_seconds(rows, top):.3f} "
+            f"s): T={list(policy.sizes)}"
             + (f", partial batches at their own rows for T={list(policy.partial_rows)}"
                if policy.partial_rows else "")
             + f"\n  predicted: {policy.prediction.describe()}")
-    run = dataclasses.replace(run, prediction=policy.prediction)
-    resolved = _resolve_policy(policy, run.train, run.validation, options.min_length)
-    # Kept as an Auto (with a validation-only bucket, if one was added): `buckets=result.policy`
-    # repeats this run's batches exactly, partial rows included.
-    return _with_policy(run, _buckets.Auto(resolved.sizes, policy.partial_rows, policy.prediction))
+    return dataclasses.replace(
+        run, prediction=choice.policy.prediction,
+        batching=dataclasses.replace(run.batching, policy=choice.policy),
+        train_shapes=choice.train_shapes, eval_shapes=choice.eval_shapes,
+        train_step=choice.steps[0], eval_step=choice.steps[1] if run.eval_step is not None else None)
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
@@ -417,6 +459,17 @@ def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min
                               f"{int(examples.lengths[i])}; cap or truncate long examples or use "
                               f"buckets whose largest size covers them")
     return policy
+
+
+def _check_outputs(options: FitOptions) -> None:
+    """Every folder and file the run will write, created or test-written now: a bad path
+    fails before any data is read, not at the first checkpoint an epoch later."""
+    if options.checkpoint_dir is not None:
+        check_output_dir(options.checkpoint_dir, "fit: checkpoint_dir")
+    if isinstance(options.cache, str):
+        check_output_dir(options.cache, "fit: cache")
+    if options.metrics_file is not None and jax.process_index() == 0:   # process 0 writes it
+        check_output_file(options.metrics_file, "fit: metrics_file")
 
 
 def _configure_cache(cache: bool | str | None) -> None:
@@ -482,8 +535,8 @@ def _warmup(run: _Run, state: TrainState, step: int, log: MetricsLog) -> None:
                   + [(tokens, run.eval_step, state.model, rows, t)
                      for (rows, t), tokens in run.eval_shapes.items()], key=lambda j: -j[0])
     workers = run.options.warmup_workers or os.cpu_count() or 1
-    before, start = xla_events(), time.perf_counter()
-    with run.display.task("compiling buckets", len(jobs)) as advance, \
+    start = time.perf_counter()
+    with count_compiles() as counter, run.display.task("compiling buckets", len(jobs)) as advance, \
             concurrent.futures.ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(f.warmup, arg, sizes=[{"B": rows * P, "T": t}], max_workers=1)
                    for _, f, arg, rows, t in jobs]
@@ -491,7 +544,7 @@ def _warmup(run: _Run, state: TrainState, step: int, log: MetricsLog) -> None:
             future.result()
             advance()
     compiles, seconds = run.compiles()
-    events = xla_events_since(before)
+    events = counter.counts().as_dict()
     record = warmup_record(step=step, compiles=compiles, compile_seconds=seconds, events=events,
                            seconds=time.perf_counter() - start)
     log.add(record)

@@ -20,35 +20,58 @@ def _optional_path(value: Any, where: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class FitOptions:
-    """`fit`'s keyword arguments that shape the run, checked and normalised: every bad value
-    raises `OptionError` naming the argument. ``batch_size`` is 32 when neither it nor
-    ``max_tokens`` is given; paths are strings; ``callbacks`` is a tuple.
+    """Every keyword option of `fit`, declared once: `fit` takes exactly these fields as
+    keyword arguments (its signature is built from them) and checks them here, before any data
+    is read or anything compiles. Every bad value raises `OptionError` naming the argument.
+    Normalised: ``batch_size`` is 32 when neither it nor ``max_tokens`` is given; paths are
+    strings; ``callbacks`` is a tuple. What each option does is in `fit`'s docstring.
 
     >>> FitOptions(max_tokens=4096).batch_size is None
     True
     >>> FitOptions(epochs=-1)
     Traceback (most recent call last):
     polyexec._errors.OptionError: fit: epochs: expected an int >= 0, received -1
+    >>> FitOptions.from_kwargs({"epoch": 3})
+    Traceback (most recent call last):
+    polyexec._errors.OptionError: fit: expected keyword arguments among optimizer, validation, eval_fn, epochs, ..., received unknown 'epoch'
     """
 
     epochs: int = 1
     batch_size: int | None = None
     max_tokens: int | None = None
+    buckets: Any = None
     min_length: int = 2
     pad_id: int = 0
     seed: int = 0
     shuffle: bool = True
-    masking: bool = True
-    cache: bool | str | None = None
+    devices: int | Sequence[Any] | None = None
+    cache: bool | str | os.PathLike | None = None
     warmup: bool = True
     warmup_workers: int | None = None
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | os.PathLike | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
     resume: bool = True
     max_steps: int | None = None
-    metrics_file: str | None = None
+    metrics_file: str | os.PathLike | None = None
     callbacks: Sequence[Callable[[Any], None]] = ()
+    progress: bool | None = None
+    verbose: bool = True
+    console: Any = None
+    masking: bool = True
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict, *, also: Sequence[str] = ("optimizer", "validation",
+                                                                   "eval_fn")) -> "FitOptions":
+        """The options of a `fit` call's keyword arguments; an unknown keyword is an
+        `OptionError` listing the known ones (``also``: `fit`'s own keywords, for the list)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            listed = ", ".join([*also, *names])
+            raise OptionError(f"fit: expected keyword arguments among {listed}, received unknown "
+                              f"{', '.join(map(repr, unknown))}")
+        return cls(**kwargs)
 
     def __post_init__(self):
         def normalise(name, value):  # frozen: fields are set once, here, before anyone sees them
@@ -66,8 +89,10 @@ class FitOptions:
                                       optional=optional))
         if self.batch_size is None and self.max_tokens is None:
             normalise("batch_size", 32)
-        for name in ("shuffle", "masking", "warmup", "resume"):
+        for name in ("shuffle", "masking", "warmup", "resume", "verbose"):
             check_bool(getattr(self, name), f"fit: {name}")
+        if self.progress is not None:
+            check_bool(self.progress, "fit: progress")
         if not isinstance(self.cache, (bool, str, os.PathLike, type(None))):
             raise OptionError(f"fit: cache: expected None, True, False or a path, received "
                               f"{self.cache!r}")
