@@ -91,6 +91,9 @@ def test_cli_rejects_a_bad_flag_with_one_line_and_no_traceback():
      "--buckets: expected a largest bucket >= the longest training sentence"),
     (["--limit", "40", "--cap", "64", "--hidden", "4", "--embed", "4", "--devices", "64"],
      "fit: devices: expected an int from 1 to"),
+    (["--limit", "40", "--cap", "64", "--buckets", "fixed:16,64", "--max-tokens", "32"],
+     "fit: max_tokens: expected at least 64 (one row of the longest bucket, for the longest "
+     "example), received 32"),
 ])
 def test_cli_bad_flags_are_one_line_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

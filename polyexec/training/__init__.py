@@ -27,7 +27,9 @@ See `fit` for checkpoints, data parallelism (including multi-host with
 """
 
 from ._auto import BucketChoice, choose_buckets, measure_cost
-from ._checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_meta, save_checkpoint
+from ._checkpoint import (CheckpointError, CheckpointWarning, CorruptCheckpointError,
+                          checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
+                          load_checkpoint, read_meta, save_checkpoint, verify_checkpoint)
 from ._data import Examples, as_examples, pad_batch
 from ._fit import FitResult, StepInfo, StopTraining, evaluate, fit
 from ._options import FitOptions
@@ -41,6 +43,8 @@ __all__ = [
     "TrainState", "measure_cost", "choose_buckets", "BucketChoice", "train_step_fn",
     "eval_step_fn", "make_train_step", "make_eval_step",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
+    "verify_checkpoint", "checkpoint_dir_lock", "CheckpointError", "CorruptCheckpointError",
+    "CheckpointWarning",
     "DataParallel", "data_parallel", "initialize_distributed", "Examples", "as_examples",
     "pad_batch", "check_output_dir", "check_output_file",
 ]

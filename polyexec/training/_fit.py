@@ -9,6 +9,7 @@ epoch of `_train_step` and writes the epoch record (`_records`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -28,7 +29,8 @@ import buckets as _buckets
 from .. import Bucketed
 from .._cache import count_compiles, enable_persistent_cache
 from .._errors import OptionError, check_bool, check_int, is_int
-from ._checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, load_checkpoint, read_meta,
+                          save_checkpoint)
 from ._auto import choose_buckets, rebucket
 from ._data import Batching, Examples, as_examples
 from ._options import FitOptions, check_callable
@@ -175,24 +177,30 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     _check_outputs(options)
     run = _prepare(loss_fn, data, optimizer, validation, eval_fn, options)
     _configure_cache(options.cache)
-    state, position, history, restored = _restore(run, TrainState.create(model, optimizer))
-    state = place(state, run.dp.replicated)
-    run = _settle(run, state, position, restored)
-    log = MetricsLog(options.metrics_file if run.main else None, history,
-                     restored=position if restored else None)
-    run.display.print(run.describe())
-    checkpoint, stopped = restored, False
-    try:
-        if position.epoch < options.epochs:
-            if options.warmup:
-                _warmup(run, state, position.step, log)
-            run.display.print(run.describe_trace())
-        while position.epoch < options.epochs and not stopped:
-            state, position, stopped, saved = _train_epoch(run, state, position, log)
-            checkpoint = saved or checkpoint
-    finally:
-        run.display.end_epoch()
-        log.close()
+    # One writer per checkpoint folder, for this run only: a second run writing there is
+    # refused by name instead of racing this one's pruning.
+    folder = contextlib.ExitStack()
+    if options.checkpoint_dir is not None and run.main:
+        folder.enter_context(checkpoint_dir_lock(options.checkpoint_dir))
+    with folder:
+        state, position, history, restored = _restore(run, TrainState.create(model, optimizer))
+        state = place(state, run.dp.replicated)
+        run = _settle(run, state, position, restored)
+        log = MetricsLog(options.metrics_file if run.main else None, history,
+                         restored=position if restored else None)
+        run.display.print(run.describe())
+        checkpoint, stopped = restored, False
+        try:
+            if position.epoch < options.epochs:
+                if options.warmup:
+                    _warmup(run, state, position.step, log)
+                run.display.print(run.describe_trace())
+            while position.epoch < options.epochs and not stopped:
+                state, position, stopped, saved = _train_epoch(run, state, position, log)
+                checkpoint = saved or checkpoint
+        finally:
+            run.display.end_epoch()
+            log.close()
     return FitResult(state=state, history=log.history, train_step=run.train_step,
                      eval_step=run.eval_step, policy=run.batching.policy,
                      batch_buckets=run.batch_buckets, checkpoint=checkpoint,
@@ -316,6 +324,10 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
                       f"training examples" + (f" over {dp.processes} processes" if dp.processes > 1
                                               else "") + f"; using batch_size={most}")
         options = dataclasses.replace(options, batch_size=most)
+    if options.max_tokens is not None and options.max_tokens < top:
+        # Refused now, not by batch_plan at the first epoch: no row may exceed the budget.
+        raise OptionError(f"fit: max_tokens: expected at least {top} (one row of the longest "
+                          f"bucket, for the longest example), received {options.max_tokens}")
     _check_optimizer(optimizer)
     batching = Batching(policy or _buckets.Fixed([top]), options.batch_size, options.max_tokens,
                         options.shuffle, options.seed, min_length=options.min_length,
