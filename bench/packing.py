@@ -51,6 +51,7 @@ import numpy as np
 import optax
 
 from examples.rnn.model import CharLM
+from polyexec._errors import OptionError
 from polyexec.training import train_step_fn
 
 from .workloads import AttentionLM, Config, Data, build_step
@@ -146,7 +147,7 @@ def pack_epoch(cfg: Config, data: Data, epoch: int, *,
     ``cfg.cap``, ``cfg.batch_size`` rows a batch (Grain's bins: ``num_bins``, default one
     batch); deterministic from ``cfg.seed`` and ``epoch``."""
     if cfg.batch_size is None:
-        raise ValueError("pack_epoch: cfg.batch_size: expected a number of rows (packing fills "
+        raise OptionError("pack_epoch: cfg.batch_size: expected a number of rows (packing fills "
                          "rows of cfg.cap, so a token budget is rows x cap), received None")
     return pack_examples(data, epoch_order(cfg, data, epoch), cap=cfg.cap,
                          batch_size=cfg.batch_size, num_bins=num_bins,
@@ -246,7 +247,7 @@ class PackedStep:
 
     def __init__(self, cfg: Config, state_file: str | None = None):
         if cfg.mode != "train":
-            raise ValueError(f"build_packed_step: cfg.mode: expected 'train', received "
+            raise OptionError(f"build_packed_step: cfg.mode: expected 'train', received "
                              f"{cfg.mode!r}")
         # build_step's own initial state (same weights, same optax.adam(cfg.learning_rate)
         # state; read from state_file when given, as every strategy's worker does).

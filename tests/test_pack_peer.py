@@ -15,6 +15,7 @@ from bench import packing  # noqa: E402
 from bench.workloads import AttentionLM, Config, Data, build_model, load_data  # noqa: E402
 from examples.rnn.model import CharLM, loss_and_count, loss_fn  # noqa: E402
 from polyexec._cache import xla_events, xla_events_since  # noqa: E402
+from polyexec._errors import OptionError  # noqa: E402
 
 from conftest import assert_trees_close  # noqa: E402
 
@@ -109,7 +110,7 @@ def test_epoch_is_deterministic_for_a_seed_and_differs_across_epochs():
 
 def test_pack_epoch_needs_rows():
     cfg = Config(source="uniform", num_examples=10, cap=32, batch_size=None, max_tokens=64)
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(OptionError, match="batch_size"):
         packing.pack_epoch(cfg, load_data(cfg), 0)
 
 
