@@ -115,6 +115,19 @@ class Convention:
         return {s.name: i for i, s in enumerate(self.slots) if s.kind == "size"}
 
     @functools.cached_property
+    def rows_at(self) -> dict[str, tuple[int, str]]:
+        """Each variable ragged along rows -> (position of its lengths, the rows variable):
+        a ``lengths_of="T"`` input of dims ``"B"`` makes ``T`` ragged along ``B``."""
+        names = {v.name for v in self.variables}
+        out: dict[str, tuple[int, str]] = {}
+        for i, s in enumerate(self.slots):
+            spec = s.spec
+            if (s.kind == "poly" and spec.lengths_of in names and len(spec.dims) == 1
+                    and spec.dims[0] in names and spec.dims[0] != spec.lengths_of):
+                out.setdefault(spec.lengths_of, (i, spec.dims[0]))
+        return out
+
+    @functools.cached_property
     def input_specs(self) -> tuple[Any, ...]:
         """Per array and Spec'd input: its Spec, or its fixed (shape, dtype) (a plan file's)."""
         return tuple(s.spec if s.kind == "poly" else (s.dims, s.dtype)

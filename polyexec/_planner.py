@@ -97,7 +97,7 @@ def logical_export(traced: Traced, convention: Convention,
     if not convention.variables:
         return traced.exported, None
     try:
-        logical = _logical.rewrite(traced.jaxpr, convention.sizes_at)
+        logical = _logical.rewrite(traced.jaxpr, convention.sizes_at, convention.rows_at)
         if not logical.unsupported:
             exported, _ = export_flat(logical.fn, traced.avals)
             return exported, None

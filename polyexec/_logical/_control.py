@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import _eval_closed, _fill_tail, _full, _is_sym, _rule
+from ._core import _NoRule, _eval_closed, _fill_tail, _full, _is_sym, _rule
 
 
 @_rule("scan", structural=True)
@@ -41,6 +43,9 @@ def _scan(ctx, eqn, invals):
         carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=p["reverse"],
                              unroll=p["unroll"])
         return [*carry, *ys]
+    rows = ctx.rows_of(length)
+    if rows is not None and any(ctx.row_axes(x.shape, rows) for x in (*init, *xs)):
+        return _ragged_scan(ctx, eqn, consts, init, xs, rows)
     # A scan over a length axis runs for the logical length only, as a while loop (what
     # lax.scan lowers to anyway): the carry is never touched by the tail, which is not even
     # computed -- cheaper than a padded scan, where a `select` freezing the carry per step
@@ -64,6 +69,58 @@ def _scan(ctx, eqn, invals):
     _, carry, ys = lax.while_loop(cond, loop, (np.int32(0), list(init), ys0))
     ctx.recorder.rewritten.add(id(eqn))
     return [*carry, *ys]
+
+
+def _ragged_scan(ctx, eqn, consts, init, xs, rows):
+    """A scan over a length ragged along ``rows``: positions up to the longest row, each row
+    frozen once its own sequence has ended (forward) or not yet begun (reverse: a row's first
+    step is its own last position). Inside the body the ended rows are not real rows, so a
+    reduction over the rows (a gradient summed over the batch) leaves them out."""
+    p = eqn.params
+    ncarry, body, length = p["num_carry"], p["jaxpr"], p["length"]
+    carry_axes = []
+    for j, x in enumerate(init):
+        axes = ctx.row_axes(x.shape, rows)
+        if len(axes) > 1:
+            raise _NoRule(f"a carry of shape {tuple(x.shape)} has several {rows} axes")
+        if not axes and not _invariant_or_per_row(body.jaxpr, p["num_consts"] + j, j, ctx, rows):
+            raise _NoRule(f"carry {j} has no {rows} axis yet changes at every step without "
+                          f"reading the rows (a step counter?): with per-row lengths its "
+                          f"final value is ambiguous")
+        carry_axes.append(axes[0] if axes else None)
+    stop = ctx.uniform_length(length)
+    per_row = ctx.per_row(length)
+    ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+
+    def loop(state):
+        i, carry, ys = state
+        at = stop - 1 - i if p["reverse"] else i
+        alive = at < per_row
+        x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
+        out = _eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
+        new = [n if a is None else
+               lax.select(lax.broadcast_in_dim(alive, jnp.shape(n), (a,)), n, old)
+               for n, old, a in zip(out[:ncarry], carry, carry_axes)]
+        ys = [lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 0)
+              for y, v in zip(ys, out[ncarry:])]
+        return i + 1, new, ys
+
+    _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
+    ctx.recorder.rewritten.add(id(eqn))
+    return [*carry, *ys]
+
+
+def _invariant_or_per_row(jaxpr, invar: int, outvar: int, ctx, rows) -> bool:
+    """Whether a carry without a rows axis stays the same, or its new value reads some value
+    with a rows axis (then it gathers over the rows, and the ended ones are masked there)."""
+    if jaxpr.outvars[outvar] is jaxpr.invars[invar]:
+        return True
+    seen = {v for v in jaxpr.invars if ctx.row_axes(getattr(v.aval, "shape", ()), rows)}
+    for eqn in jaxpr.eqns:
+        if any(v in seen for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)) or \
+                any(ctx.row_axes(getattr(v.aval, "shape", ()), rows) for v in eqn.outvars):
+            seen.update(eqn.outvars)
+    return jaxpr.outvars[outvar] in seen
 
 
 @_rule("while", structural=True)
@@ -116,6 +173,7 @@ def _call(key):
         # Inlined: the logical program is exported and run, never differentiated again, so
         # custom derivative rules have nothing left to do.
         return _eval_closed(ctx.child(eqn), eqn.params[key], invals)
+    rule.inline = True     # per-row values flow through it as through any other equations
     return rule
 
 

@@ -141,19 +141,31 @@ class _Ctx:
 
     A sub-program (a scan body, a branch) gets a child context: it may read its parents'
     cached values (closing over them is fine), but what it computes stays in its own trace.
+
+    Ragged lengths: ``rows`` maps a variable ragged along a rows variable (``T`` along ``B``,
+    from a ``lengths_of`` input) to ``(lengths, "B")``, the per-row real lengths as an int32
+    ``(B,)`` tracer. In a value with a ``B`` axis, a ``T`` axis is real up to its row's
+    length; in a value without one, up to the longest row (the uniform real size). ``alive``
+    (inside a scan over a ragged length) marks the rows whose sequence has not ended.
     """
 
     def __init__(self, sizes: dict[str, Any], recorder: "_Recorder", parent: "_Ctx | None" = None,
-                 eqn=None):
+                 eqn=None, rows: Mapping[str, tuple[Any, str]] | None = None, alive=None):
         self.sizes = sizes
         self.recorder = recorder
         self.parent = parent
         self.eqn = eqn          # the equation whose sub-program this context evaluates
+        self.rows = dict(rows or {})
+        self.alive = alive
+        self.current = None     # the equation a rule is rewriting right now
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
 
-    def child(self, eqn) -> "_Ctx":
-        return _Ctx(self.sizes, self.recorder, self, eqn)
+    def child(self, eqn, *, alive=None) -> "_Ctx":
+        if alive is not None and self.alive is not None:
+            alive = lax.bitwise_and(alive, self.alive)
+        return _Ctx(self.sizes, self.recorder, self, eqn, self.rows,
+                    self.alive if alive is None else alive)
 
     def flag(self, eqn, detail: str):
         """Record an equation no rule makes logical, at the user's line: its own, or else
@@ -183,13 +195,103 @@ class _Ctx:
             value = getattr(self, table)[d] = lax.convert_element_type(compute(d), np.int32)
         return value
 
-    def length(self, d):
-        """The logical length of a dimension: an int, or an int32 scalar tracer."""
+    # -- ragged lengths ---------------------------------------------------------------------
+
+    def rows_of(self, d) -> str | None:
+        """The rows variable of the ragged variables ``d`` mentions (None: not ragged)."""
+        if not _is_sym(d) or not self.rows:
+            return None
+        found = {self.rows[n][1] for n in d._get_vars() if n in self.rows}
+        if len(found) > 1:
+            raise _NoRule(f"the length {d} mixes variables ragged along different rows "
+                          f"({', '.join(sorted(found))})")
+        return found.pop() if found else None
+
+    def row_axes(self, shape, rows: str) -> list[int]:
+        return [i for i, s in enumerate(shape) if _is_sym(s) and str(s) == rows]
+
+    def per_row(self, d):
+        """``d`` at each row's lengths: an int32 ``(B,)`` vector, never below 0 (a row of
+        length 0 has no ``T - 1`` positions, not -1)."""
+        env = dict(self.sizes)
+        for name in d._get_vars():
+            if name in self.rows:
+                env[name] = self.rows[name][0]
+        return jnp.maximum(lax.convert_element_type(d._evaluate(env), np.int32), 0)
+
+    def row_mask(self, rows: str):
+        """The real rows of a rows axis: below the real size, and (inside a scan over a ragged
+        length) still alive. An int32 ``(B,)`` bool vector, or None when every row is."""
+        var = next(n for n, (_, r) in self.rows.items() if r == rows)
+        lengths = self.rows[var][0]
+        mask = lax.broadcasted_iota(np.int32, lengths.shape, 0) < self.sizes[rows]
+        return mask if self.alive is None else lax.bitwise_and(mask, self.alive)
+
+    def _summed(self, d, rows: str):
+        """A length that counts over the rows (``B*T``: the real elements of a ragged
+        ``(B, T)`` array): the sum over real rows of the per-row quotient."""
+        b = _shape_poly._DimExpr._from_var(rows, d.scope)
+        try:
+            q = d // b
+            exact = q * b == d
+        except Exception:  # noqa: BLE001 - any failure: not a per-row count
+            exact = False
+        if not exact or rows in q._get_vars():
+            raise _NoRule(f"the length {d} mixes the rows {rows} with a length ragged along "
+                          f"them in a way that is not a per-row count")
+        per_row = self.per_row(q) if _is_sym(q) else jnp.full(self.rows_vector_shape(rows), int(q))
+        return jnp.sum(jnp.where(self.row_mask(rows), per_row, 0)).astype(np.int32)
+
+    def rows_vector_shape(self, rows: str):
+        var = next(n for n, (_, r) in self.rows.items() if r == rows)
+        return self.rows[var][0].shape
+
+    def length(self, d, shape=None):
+        """The logical length of a dimension: an int, or an int32 tracer. For an axis of a
+        value of ``shape``: a length ragged along rows that the value has an axis for is that
+        row's length (a vector shaped to broadcast along that axis). Without ``shape``, a rule
+        asking for a ragged length of an equation that has rows gets `_NoRule`: it reads one
+        offset for all rows, which only a per-row rule may do."""
+        rows = self.rows_of(d)
+        if rows is None:
+            return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+        if rows in d._get_vars():
+            return self._summed(d, rows)
+        if shape is not None:
+            axes = self.row_axes(shape, rows)
+            if len(axes) > 1:
+                raise _NoRule(f"a value of shape {tuple(shape)} has several {rows} axes: which "
+                              f"one holds the rows of {d} is ambiguous")
+            if axes:
+                out = [1] * len(shape)
+                out[axes[0]] = -1
+                return jnp.reshape(self.per_row(d), out)
+        elif self.current is not None and self._has_rows(self.current, rows):
+            raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
+                          f"per row (ragged along {rows}); it has no per-row rule")
         return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+
+    def uniform_length(self, d):
+        """The longest row's length of ``d`` (the real size of a ragged variable)."""
+        return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+
+    def _has_rows(self, eqn, rows: str) -> bool:
+        return any(self.row_axes(getattr(v.aval, "shape", ()), rows)
+                   for v in (*eqn.invars, *eqn.outvars))
 
     def physical(self, d):
         """The bucket size of a dimension as a value (``dim_as_value``, not rewritten)."""
         return self._cached("_physical", d, _core.dimension_as_value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowVarying:
+    """A value that differs per row although it has no rows axis: ``x.shape[1]`` of a ragged
+    ``(B, T)`` array is each row's length. Held with one extra leading axis (the rows);
+    collapsed onto the rows axis as soon as an equation's result has one."""
+
+    value: Any
+    rows: str
 
 
 class _Recorder:
@@ -235,11 +337,28 @@ def _full(shape, fill, dtype):
 
 
 def _logical_mask(ctx: _Ctx, shape, axes):
-    """True at positions that are logical along every length axis among ``axes``."""
+    """True at positions that are logical along every length axis among ``axes``. A length
+    ragged along rows is each row's; reading across a rows axis also drops, in every row, the
+    positions of its ragged axes beyond that row's length (they do not exist) and the rows
+    that are not real (padding rows, or rows whose sequence has ended inside a scan)."""
     mask = None
+    axes = tuple(axes)
+    checked = set()
     for a in axes:
-        if _is_sym(shape[a]):
-            m = _iota(shape, a) < ctx.length(shape[a])
+        rows = None
+        for b in (a, *[o for o in range(len(shape)) if o not in axes]):
+            if not _is_sym(shape[b]) or b in checked:
+                continue
+            if b != a:
+                rows = ctx.rows_of(shape[b])
+                if rows is None or str(shape[a]) != rows:
+                    continue       # only a rows axis read across drops other axes' tails
+            checked.add(b)
+            m = _iota(shape, b) < ctx.length(shape[b], shape)
+            mask = m if mask is None else lax.bitwise_and(mask, m)
+        if (ctx.alive is not None and _is_sym(shape[a])
+                and any(r == str(shape[a]) for _, r in ctx.rows.values())):
+            m = lax.broadcast_in_dim(ctx.row_mask(str(shape[a])), tuple(shape), (a,))
             mask = m if mask is None else lax.bitwise_and(mask, m)
     return mask
 
@@ -257,6 +376,13 @@ def _take(ctx: _Ctx, x, idx, axis):
     falls outside are beyond a logical length, so their value does not matter)."""
     idx = jnp.clip(idx, 0, ctx.physical(x.shape[axis]) - 1)
     return jnp.take(x, idx, axis=axis, mode="clip")
+
+
+def _take_rows(ctx: _Ctx, x, idx, axis):
+    """``x`` indexed along ``axis`` by ``idx`` of ``x``'s own shape: a different index per row
+    (per-row lengths), clamped like `_take`."""
+    idx = jnp.clip(idx, 0, ctx.physical(x.shape[axis]) - 1)
+    return jnp.take_along_axis(x, idx, axis=axis, mode="clip")
 
 
 def _broadcast_along(v, shape, axis):
@@ -384,6 +510,8 @@ def _eval_closed(ctx: _Ctx, closed, args) -> list:
 
 
 def _eval_eqn(ctx: _Ctx, eqn, invals) -> list:
+    if any(isinstance(x, RowVarying) for x in invals):
+        return _eval_row_varying(ctx, eqn, invals)
     if not _eqn_touches(eqn, ctx.recorder.touches):
         return _bind(eqn, invals)
     name = eqn.primitive.name
@@ -399,6 +527,7 @@ def _eval_eqn(ctx: _Ctx, eqn, invals) -> list:
     if entry.rule is ELEMENTWISE:
         return _bind(eqn, invals)
     try:
+        ctx.current = eqn
         out = entry.rule(ctx, eqn, invals)
     except _NoRule as e:
         ctx.flag(eqn, str(e))
@@ -406,11 +535,53 @@ def _eval_eqn(ctx: _Ctx, eqn, invals) -> list:
     except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace here is a verdict, not a crash
         ctx.flag(eqn, f"the {name} rule failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return _bind(eqn, invals)
+    finally:
+        ctx.current = None
     if out is None:                     # the rule found nothing to change
         return _bind(eqn, invals)
     if not entry.structural:
         ctx.recorder.rewritten.add(id(eqn))
-    return [_like(x, v.aval) for x, v in zip(out, eqn.outvars)]
+    return [x if isinstance(x, RowVarying) else _like(x, v.aval)
+            for x, v in zip(out, eqn.outvars)]
+
+
+def _eval_row_varying(ctx: _Ctx, eqn, invals) -> list:
+    """An equation reading a per-row value (`RowVarying`): run once per row (``jax.vmap``
+    over the held rows axis, the row's own lengths bound), and collapse each result onto its
+    rows axis when it has one -- row ``b`` of the result is what row ``b`` computes."""
+    entry = _lookup(eqn.primitive)
+    if entry is not None and getattr(entry.rule, "inline", False):
+        return entry.rule(ctx, eqn, invals)      # a call: its equations meet the value
+    rows = next(x.rows for x in invals if isinstance(x, RowVarying))
+    if eqn.primitive.name == "broadcast_in_dim":
+        (x,) = invals
+        shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
+        axes = [a for a in ctx.row_axes(shape, rows) if a not in dims]
+        if len(axes) == 1:      # straight onto the rows axis: no per-row copies
+            return [lax.broadcast_in_dim(x.value, tuple(shape), (axes[0], *dims))]
+    ragged = {n: v for n, v in ctx.rows.items() if v[1] == rows}
+
+    def one_row(lengths, *xs):
+        sizes = {**ctx.sizes, **dict(zip(ragged, lengths))}
+        row = _Ctx(sizes, ctx.recorder, ctx, ctx.eqn,
+                   {n: v for n, v in ctx.rows.items() if n not in ragged})
+        return tuple(_eval_eqn(row, eqn, list(xs)))
+
+    lengths = [v[0] for v in ragged.values()]
+    outs = jax.vmap(one_row, in_axes=(0, *[0 if isinstance(x, RowVarying) else None
+                                          for x in invals]))(
+        lengths, *[x.value if isinstance(x, RowVarying) else x for x in invals])
+    results = []
+    for out, v in zip(outs, eqn.outvars):
+        axes = ctx.row_axes(getattr(v.aval, "shape", ()), rows)
+        if not axes:
+            results.append(RowVarying(out, rows))
+            continue
+        if len(axes) > 1:
+            raise _NoRule(f"a per-row value meets a value with several {rows} axes")
+        diag = jnp.diagonal(out, axis1=0, axis2=axes[0] + 1)   # (..., rows) last
+        results.append(_like(jnp.moveaxis(diag, -1, axes[0]), v.aval))
+    return results
 
 
 def _like(x, aval):
@@ -591,12 +762,14 @@ def register_rule(primitive, rule, *, override: bool = False) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, int]) -> Logical:
+def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, int],
+            rows_at: Mapping[str, tuple[int, str]] | None = None) -> Logical:
     """The logical program of a symbolic flat program.
 
     ``closed_jaxpr`` is the traced program; ``sizes_at`` maps each length variable's name to
-    the position of the program input (an int32 scalar) that holds its real size. The rewrite
-    runs once, here (the user's Python does not run again); ``Logical.fn`` replays its result
+    the position of the program input (an int32 scalar) that holds its real size; ``rows_at``
+    maps a variable ragged along rows (``T``, per-row lengths from a ``lengths_of`` input) to
+    ``(position of the int32 lengths input, rows variable name)``. The rewrite runs once, here (the user's Python does not run again); ``Logical.fn`` replays its result
     and traces under the same symbolic shapes, so it can be exported and compiled per bucket
     like the original.
 
@@ -624,7 +797,16 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
 
     def logical(*args):
         sizes = {name: args[at] for name, at in sizes_at.items()}
-        return tuple(_eval_jaxpr(_Ctx(sizes, recorder), jaxpr, closed_jaxpr.consts, args))
+        rows = {name: (args[at], by) for name, (at, by) in (rows_at or {}).items()}
+        outs = _eval_jaxpr(_Ctx(sizes, recorder, rows=rows), jaxpr, closed_jaxpr.consts, args)
+        for i, out in enumerate(outs):
+            if isinstance(out, RowVarying):
+                # A per-row number with no rows axis to hold it: which row's is meant?
+                recorder.unsupported.setdefault(("output", i), Unsupported(
+                    "output", f"output {i}", f"a per-row value (a ragged length used as a "
+                    f"number) is returned without a {out.rows} axis to hold it"))
+                outs[i] = out.value[0]
+        return tuple(outs)
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
              for v in jaxpr.invars]

@@ -45,7 +45,8 @@ def _clamped_starts(ctx, operand_shape, window_shape, starts):
             if not ctx.recorder.monotone(n - w):
                 room.append(a)
             start = jnp.asarray(starts[a])
-            out[a] = jnp.clip(start, 0, ctx.length(n) - ctx.length(w)).astype(start.dtype)
+            # One difference, not two lengths: ``T - (T - 1)`` is 1 in every row, ragged or not.
+            out[a] = jnp.clip(start, 0, ctx.length(n - w)).astype(start.dtype)
     return out, room
 
 
@@ -88,7 +89,7 @@ def _index_bounds(ctx, operand_shape, window, index_map):
         if _is_sym(n) or _is_sym(w):
             if not ctx.recorder.monotone(n - w):
                 room.append(a)
-            bounds.append(ctx.length(n) - ctx.length(w))
+            bounds.append(ctx.length(n - w))    # per row it may differ; the difference may not
         else:
             bounds.append(None)
     return bounds, room
@@ -177,7 +178,7 @@ def _scatter(ctx, eqn, invals):
     comps, drop = _bounded_indices(idx, bounds, check=drop_mode, clamp=not drop_mode)
     batch_shape = idx.shape[:-1]
     for j in rows:
-        bad = _iota(batch_shape, j) >= ctx.length(batch_shape[j])
+        bad = _iota(batch_shape, j) >= ctx.length(batch_shape[j], batch_shape)
         drop = bad if drop is None else drop | bad
     if drop is not None:
         comps[0] = jnp.where(drop, big, comps[0]).astype(idx.dtype)

@@ -4,12 +4,13 @@ elementwise maths and layout-only primitives, which pass through, and ``dim_as_v
 - elementwise primitives and layout-only ones (``broadcast_in_dim``, ``iota``, ``transpose``,
   ``squeeze``, ...) pass through: output position ``i`` reads input position ``i`` (or a
   broadcast scalar), so logical positions read logical positions.
-- ``dim_as_value``: the dimension evaluated at the real sizes.
+- ``dim_as_value``: the dimension evaluated at the real sizes; a length ragged along rows is
+  each row's (a `RowVarying` value), or, counted over the rows (``B*T``), the sum of theirs.
 """
 
 from __future__ import annotations
 
-from ._core import ELEMENTWISE, _rule
+from ._core import ELEMENTWISE, RowVarying, _rule
 
 _rule(*"""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
@@ -31,4 +32,9 @@ _rule(*"""
 
 @_rule("dim_as_value")
 def _dim_as_value(ctx, eqn, invals):
-    return [ctx.length(eqn.params["dim"])]
+    d = eqn.params["dim"]
+    rows = ctx.rows_of(d)
+    if rows is not None and rows not in d._get_vars():
+        # ``x.shape[1]`` of a ragged (B, T) array inside per-row code: each row's own length.
+        return [RowVarying(ctx.per_row(d), rows)]
+    return [ctx.length(d)]     # a count over rows (B*T) is the sum of the rows' real lengths

@@ -22,7 +22,7 @@ from jax import lax
 from jax._src import core as _core
 
 from ._core import (_NoRule, _bind, _bind_with, _fill_tail, _full, _iota, _is_sym, _lowest, _place,
-                    _rule, _take)
+                    _rule, _take, _take_rows)
 
 
 @_rule("rev")
@@ -37,7 +37,11 @@ def _rev(ctx, eqn, invals):
         x = lax.rev(x, fixed)
     for a in sym:
         n = x.shape[a]
-        x = _take(ctx, x, ctx.length(n) - 1 - _iota((n,), 0), a)
+        length = ctx.length(n, x.shape)
+        if jnp.ndim(length):      # ragged: each row reversed within its own length
+            x = _take_rows(ctx, x, length - 1 - _iota(x.shape, a), a)
+        else:
+            x = _take(ctx, x, length - 1 - _iota((n,), 0), a)
     return [x]
 
 
@@ -67,7 +71,7 @@ def _sort(ctx, eqn, invals):
         return None
     # A leading key 0 (logical) / 1 (tail) sorts the tail last; within the logical positions
     # the order, ties and stability are those of the original keys.
-    is_tail = lax.convert_element_type(_iota(shape, d) >= ctx.length(shape[d]), np.int32)
+    is_tail = lax.convert_element_type(_iota(shape, d) >= ctx.length(shape[d], shape), np.int32)
     out = lax.sort_p.bind(is_tail, *invals, dimension=d, is_stable=eqn.params["is_stable"],
                           num_keys=eqn.params["num_keys"] + 1)
     return list(out[1:])
@@ -105,7 +109,13 @@ def _slice(ctx, eqn, invals):
     y = lax.slice(x, keep_starts, keep_limits, keep_strides)
     out_shape = eqn.outvars[0].aval.shape
     for a in moving:
-        y = _take(ctx, y, ctx.length(starts[a]) + strides[a] * _iota((out_shape[a],), 0), a)
+        start = ctx.length(starts[a], y.shape)
+        if jnp.ndim(start):     # ragged: each row's own start (``x[-1]`` of a row)
+            shape = [1] * y.ndim
+            shape[a] = out_shape[a]
+            y = _take_rows(ctx, y, start + strides[a] * _iota(shape, a), a)
+        else:
+            y = _take(ctx, y, start + strides[a] * _iota((out_shape[a],), 0), a)
     return [y]
 
 
