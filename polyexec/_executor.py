@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import export
 from rich.progress import Progress
 
 from . import _bind
@@ -424,7 +425,9 @@ class Bucketed:
         n_user = len(outputs) - len(segment.count_names)
         for name, count in zip(segment.count_names, outputs[n_user:]):
             sizes[name] = int(count)
-        return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes)
+        ragged = {name: (np.asarray(flat[at])[:sizes[rows]], rows)
+                  for name, (at, rows) in segment.convention.rows_at.items()}
+        return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes, ragged)
 
     def _hand_over(self, plan: Plan, cut: CutPoint, outputs: Sequence[Any],
                    sizes: dict[str, int], bucket: dict[str, int]) -> tuple[list[Any], int, int]:
@@ -457,11 +460,14 @@ class Bucketed:
             padded += size * rest
         return handed, real, padded
 
-    def _outputs(self, out_tree, segment: Segment, leaves: list[Any], sizes: Mapping[str, int]):
+    def _outputs(self, out_tree, segment: Segment, leaves: list[Any], sizes: Mapping[str, int],
+                 ragged: Mapping[str, tuple[np.ndarray, str]]):
         """The outputs as the exact-size call returns them: each leaf cut to its symbolic shape
         evaluated at the real sizes (``T - 1`` at T=5 is 4), or by ``out_specs`` when given.
         A reshaping-impossible plan has no symbolic shapes: without ``out_specs`` its outputs
-        keep the bucket's size (its verdict has said so)."""
+        keep the bucket's size (its verdict has said so). An axis ragged along rows comes back
+        at the longest row's length, each row's tail set to the pad (the out Spec's, else 0)."""
+        specs = [None] * len(leaves)
         if self.out_specs is not None:
             specs = _bind.spec_per_leaf(self.out_specs, jax.tree_util.tree_unflatten(
                 out_tree, list(range(len(leaves)))), "out_specs")
@@ -475,6 +481,10 @@ class Bucketed:
             leaves = [leaf if shape == tuple(leaf.shape) else
                       np.asarray(leaf)[tuple(slice(0, n) for n in shape)]
                       for leaf, shape in zip(leaves, real)]
+        if ragged and segment.exported is not None:
+            leaves = [_clear_ragged_tails(leaf, aval.shape, sizes, ragged,
+                                          getattr(spec, "pad", 0) or 0)
+                      for leaf, aval, spec in zip(leaves, segment.exported.out_avals, specs)]
         return jax.tree_util.tree_unflatten(out_tree, leaves)
 
     # -- compiling ------------------------------------------------------------------------------
@@ -533,6 +543,32 @@ class Bucketed:
                         seen.add(key)
                         jobs.append((seg, sizes))
         return jobs
+
+
+def _clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],
+                        ragged: Mapping[str, tuple[np.ndarray, str]], pad) -> Any:
+    """``leaf`` with each row's positions beyond its own length (along every axis ragged along
+    a rows axis the leaf has) set to ``pad``: they do not exist, whatever the program left
+    there. On the host, like the slicing before it."""
+    out = None
+    for axis, d in enumerate(shape):
+        if not export.is_symbolic_dim(d):
+            continue
+        names = d._get_vars()
+        for name, (lengths, rows) in ragged.items():
+            row_axes = [k for k, r in enumerate(shape) if export.is_symbolic_dim(r) and str(r) == rows]
+            if name not in names or rows in names or len(row_axes) != 1:
+                continue
+            env = {**sizes, name: lengths}
+            per_row = np.maximum(np.asarray(d._evaluate(env)), 0)        # (rows,)
+            if out is None:
+                out = np.array(leaf)
+            index = [1] * out.ndim
+            index[axis] = out.shape[axis]
+            beyond = np.arange(out.shape[axis]).reshape(index) >= np.expand_dims(
+                per_row, [k for k in range(out.ndim) if k != row_axes[0]])
+            out = np.where(beyond, np.asarray(pad, out.dtype), out)
+    return leaf if out is None else out
 
 
 class _NoBar:

@@ -1,0 +1,169 @@
+"""Ragged rows: a ``lengths_of="T"`` input of dims ``"B"`` makes T ragged along B.
+
+Results equal the computation on the ragged array in which padding elements do not exist:
+per-row code (``jax.vmap(g)(x)``) gives row b = ``g(x[b, :lengths[b]])``; reductions over
+(B, T) take only real elements; gradients follow. Every input is padded with NaN, so a single
+padding element read makes a result wrong. What has no per-row rule is flagged, naming the line.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import polyexec as px
+
+T = px.LengthVar("T", min=1, max=64)
+B = px.LengthVar("B", max=8)
+W = np.random.default_rng(1).normal(size=(3, 3)).astype(np.float32)
+SPECS = (px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+
+
+def ragged_batch(lengths, seed=0):
+    """(x padded with NaN to the longest row, the real rows)."""
+    rng = np.random.default_rng(seed)
+    x = np.full((len(lengths), max(max(lengths), 1), 3), np.nan, np.float32)
+    for b, n in enumerate(lengths):
+        x[b, :n] = rng.normal(size=(n, 3))
+    return x, [x[b, :n] for b, n in enumerate(lengths)]
+
+
+def run(g, x, lengths, **options):
+    f = px.bucketed(lambda x, lengths: g(x), in_specs=SPECS, buckets={T: [16, 64]}, **options)
+    return f, f(x, np.asarray(lengths, np.int32))
+
+
+def _scan_final(r):
+    return jax.lax.scan(lambda h, xt: (jnp.tanh(h @ W + xt), h), jnp.zeros(3), r)[0]
+
+
+def _causal(r):
+    t = r.shape[0]
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), r @ r.T, -jnp.inf)
+    return jax.nn.softmax(s, -1) @ r
+
+
+PER_ROW = {
+    "mean": lambda r: jnp.mean(r, 0), "var": lambda r: jnp.var(r, 0),
+    "softmax": lambda r: jax.nn.softmax(r[:, 0]), "logsumexp": lambda r: jax.nn.logsumexp(r, 0),
+    "max": lambda r: jnp.max(r, 0), "argmax": lambda r: jnp.argmax(r[:, 0]),
+    "last": lambda r: r[-1], "last two": lambda r: r[-2:].mean(0), "flip": lambda r: jnp.flip(r, 0),
+    "length as a value": lambda r: r.shape[0] * jnp.ones(3), "cumsum": lambda r: jnp.cumsum(r, 0),
+    "reverse cumsum": lambda r: jnp.cumsum(r[::-1], 0)[::-1], "sort": lambda r: jnp.sort(r[:, 0]),
+    "median": lambda r: jnp.median(r[:, 0]), "diff": lambda r: r[1:] - r[:-1],
+    "norm": lambda r: r / jnp.linalg.norm(r, axis=0), "top_k": lambda r: jax.lax.top_k(r[:, 0], 1)[0],
+    "scan final carry": _scan_final,
+    "scan outputs": lambda r: jax.lax.scan(lambda h, xt: (jnp.tanh(h + xt), h), jnp.zeros(3), r)[1],
+    "reverse scan": lambda r: jax.lax.scan(lambda h, xt: (jnp.tanh(h + xt), h), jnp.zeros(3), r,
+                                           reverse=True)[0],
+    "attention": lambda r: jax.nn.softmax(r @ r.T, -1) @ r, "causal attention": _causal,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_ROW))
+def test_per_row_code_sees_each_row_alone(name):
+    g = PER_ROW[name]
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+    f, got = run(jax.vmap(g), x, lengths, strict=True)
+    assert f.plan.padding_safe
+    for b, r in enumerate(rows):
+        want = np.asarray(g(r))
+        have = np.asarray(got)[b]
+        have = have[tuple(slice(0, n) for n in want.shape)]
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=f"row {b}")
+
+
+def test_outputs_come_back_at_the_longest_row_with_each_tail_set_to_the_pad():
+    lengths = [2, 4, 1]
+    x, rows = ragged_batch(lengths)
+    _, got = run(lambda x: (jax.vmap(lambda r: jnp.flip(r, 0))(x), x[:, :-1] * 2), x, lengths)
+    flipped, doubled = got
+    assert flipped.shape == (3, 4, 3) and doubled.shape == (3, 3, 3)
+    for b, (r, n) in enumerate(zip(rows, lengths)):
+        np.testing.assert_allclose(flipped[b, :n], r[::-1])
+        assert (flipped[b, n:] == 0).all() and (doubled[b, max(n - 1, 0):] == 0).all()
+    f = px.bucketed(lambda x, lengths: x + 1, in_specs=SPECS, out_specs=px.Spec("B T 3", pad=-1))
+    assert (f(x, np.asarray(lengths, np.int32))[2, 1:] == -1).all()
+
+
+def test_batch_reductions_take_only_real_elements():
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+    every = np.concatenate(rows)
+    _, (mean, sums, top) = run(lambda x: (jnp.mean(x), jnp.sum(x, (0, 1)), jnp.max(x)), x, lengths,
+                              strict=True)
+    np.testing.assert_allclose(mean, every.mean(), rtol=1e-5)
+    np.testing.assert_allclose(sums, every.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(top, every.max(), rtol=1e-6)
+
+
+def _gru_loss(w, x):
+    def one(r):
+        return jax.lax.scan(lambda h, xt: (jnp.tanh(h @ w + xt),) * 2, jnp.zeros(3), r)[1]
+    return jnp.mean(jax.vmap(one)(x) ** 2)
+
+
+def test_gradients_follow_the_rows():
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+
+    def exact(w):
+        total = sum(jnp.sum(jax.lax.scan(lambda h, xt: (jnp.tanh(h @ w + xt),) * 2,
+                                         jnp.zeros(3), r)[1] ** 2) for r in rows)
+        return total / (sum(lengths) * 3)
+
+    _, (loss, grad) = run(lambda x: jax.value_and_grad(_gru_loss)(W, x), x, lengths, strict=True)
+    want_loss, want_grad = jax.value_and_grad(exact)(W)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=10)
+@given(lengths=st.lists(st.sampled_from([1, 2, 15, 16, 17, 63, 64]) | st.integers(1, 64),
+                        min_size=1, max_size=8), seed=st.integers(0, 2**16))
+def test_ragged_transparency_at_bucket_edges(lengths, seed):
+    x, rows = ragged_batch(lengths, seed)
+    g = lambda r: jnp.concatenate([jax.nn.softmax(r[:, 0]).max(keepdims=True), r[-1], r.mean(0)])
+    _, got = run(jax.vmap(g), x, lengths, strict=True)
+    for b, r in enumerate(rows):
+        np.testing.assert_allclose(got[b], g(r), rtol=1e-5, atol=1e-5)
+
+
+def test_hand_written_masks_stay_correct():
+    lengths = np.array([5, 1, 9, 3], np.int32)
+    x, rows = ragged_batch(list(lengths))
+
+    def masked_mean(x, lengths):
+        mask = px.sequence_mask(lengths, x[..., 0], axis=1)[..., None]
+        return jnp.sum(jnp.where(mask, x, 0.0), 1) / lengths[:, None]
+
+    f = px.bucketed(masked_mean, in_specs=SPECS, strict=True)
+    np.testing.assert_allclose(f(x, lengths), [r.mean(0) for r in rows], rtol=1e-5)
+
+
+@pytest.mark.parametrize("g, words", [
+    (jax.vmap(lambda r: jnp.pad(r, ((1, 1), (0, 0)))), "pad: pad reads the length T"),
+    (jax.vmap(lambda r: jnp.concatenate([r, r])), "concatenate reads the length T"),
+    (lambda x: jnp.mean(x.reshape(-1, 3), 0), "reshape reads the length T"),
+])
+def test_what_has_no_per_row_rule_is_flagged_naming_the_line(g, words):
+    x, _ = ragged_batch([5, 1, 9, 3])
+    with pytest.warns(UserWarning, match="not padding-safe"):
+        f, _ = run(g, x, [5, 1, 9, 3])
+    assert not f.plan.padding_safe and words in f.plan.padding_reason
+    assert "test_ragged.py" in f.plan.padding_reason
+    with pytest.raises(px.PolymorphismError, match=words):
+        run(g, x, [5, 1, 9, 3], strict=True)
+
+
+def test_lengths_beyond_a_rows_size_are_refused_before_compiling():
+    x, _ = ragged_batch([5, 1])
+    f = px.bucketed(lambda x, lengths: jnp.mean(x), in_specs=SPECS)
+    with px.forbid_compiles(), pytest.raises(px.SpecError, match=r"args\[1\]\[0\] = 6"):
+        f(x, np.array([6, 1], np.int32))
+    with px.forbid_compiles(), pytest.raises(px.SpecError, match=r"args\[1\]\[1\] = -1"):
+        f(x, np.array([5, -1], np.int32))
