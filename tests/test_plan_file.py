@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import polyexec as px
-from examples.rnn.model import CharLM, loss_fn
+from examples.rnn.model import CharLM, loss_fn, masked_loss_fn
 from polyexec._context import binding
 from polyexec._trace import walk as _walk
 
@@ -26,6 +26,16 @@ def forward(model, tokens, lengths):
     """Three outputs with three kinds of shape: scalar, (B, T, 256) and (B, T - 1)."""
     logits = jax.vmap(model)(tokens)
     return loss_fn(model, tokens, lengths), logits, tokens[:, 1:] - tokens[:, :-1]
+
+
+def masked_forward(model, tokens, lengths):
+    """`forward` as plain jax.jit must compute it on a padded batch: the loss masked by hand,
+    the per-row outputs' tails (positions beyond each row's length) zero, as the ragged plan
+    returns them."""
+    _, logits, diffs = forward(model, tokens, lengths)
+    keep = jnp.arange(tokens.shape[1]) < lengths[:, None]
+    return (masked_loss_fn(model, tokens, lengths), jnp.where(keep[..., None], logits, 0),
+            jnp.where(keep[:, 1:], diffs, 0))
 
 
 def _exact(fn, sizes, *args):
@@ -95,7 +105,7 @@ def test_saved_plan_runs_in_a_fresh_process_without_the_model_code(saved, tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert "model code imported: False" in done.stdout
     out = np.load(tmp_path / "out.npz")
-    exact = jax.jit(forward)
+    exact = jax.jit(masked_forward)
     for i, ((b, t), (tokens, lengths)) in enumerate(zip(shapes, batches)):
         loss, logits, diffs = _exact(exact, {"B": b, "T": t}, model, tokens, lengths)
         assert out[f"logits{i}"].shape == (b, t, 256) and out[f"diffs{i}"].shape == (b, t - 1)
@@ -114,7 +124,7 @@ def test_loaded_plan_in_process_matches_and_checks_its_inputs(saved):
     run = px.Bucketed.from_plan(loaded)
     tokens, lengths = _batch(np.random.default_rng(1), 3, 9)
     loss, logits, diffs = run(tokens, lengths)
-    ref = _exact(jax.jit(forward), {"B": 3, "T": 9}, model, tokens, lengths)
+    ref = _exact(jax.jit(masked_forward), {"B": 3, "T": 9}, model, tokens, lengths)
     np.testing.assert_allclose(loss, ref[0], rtol=1e-5)
     np.testing.assert_allclose(logits, ref[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(px.LengthOverflowError) as info:

@@ -1,7 +1,9 @@
 """Byte-level recurrent language model, written once for every length.
 
-Nothing here knows a maximum length: shapes come from the inputs, the loss masks by the
-per-example lengths, so a batch padded to any bucket gives the same loss and gradients.
+Nothing here knows a maximum length or masks anything: shapes come from the inputs, and
+polyexec makes every row of a padded batch its own length (the batch's lengths are a
+``lengths_of`` input), so a batch padded to any bucket gives the same loss and gradients.
+`masked_loss_fn` is the same loss masked by hand, for plain ``jax.jit`` of padded batches.
 """
 
 from __future__ import annotations
@@ -64,21 +66,35 @@ class CharLM(eqx.Module):
 
 
 def loss_fn(model: CharLM, tokens, lengths):
-    """Mean next-byte cross-entropy in nats over the real positions of a padded batch.
+    """Mean next-byte cross-entropy in nats: plain code, no mask.
 
-    ``tokens: (B, T)`` int32 padded with anything, ``lengths: (B,)`` the real lengths. Position
-    t predicts byte t+1, so a sequence of length n contributes n-1 predictions.
+    ``tokens: (B, T)``; ``lengths: (B,)`` is not read here: under polyexec it is the input with
+    ``lengths_of="T"`` that makes T ragged along B, so every row is seen at its own length --
+    ``tokens[:, :-1]`` is each row's first n-1 bytes, the scan stops at each row's end and the
+    mean counts the real predictions only (a sequence of length n contributes n-1). Under
+    plain ``jax.jit`` of a padded batch the padding would count: use `masked_loss_fn` there.
     """
-    logits = jax.vmap(model)(tokens[:, :-1])                       # (B, T-1, 256)
-    targets = tokens[:, 1:]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    mask = px.sequence_mask(lengths - 1, targets, axis=1)
-    return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+    total, count = loss_and_count(model, tokens, lengths)
+    return total / jnp.maximum(count, 1)
 
 
 def loss_and_count(model: CharLM, tokens, lengths):
     """Summed nats and the number of predictions, for exact averages across batches."""
+    logits = jax.vmap(model)(tokens[:, :-1])                       # (B, T-1, 256)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(nll), nll.size
+
+
+def masked_loss_fn(model: CharLM, tokens, lengths):
+    """`loss_fn` written by hand for padded batches: the padding masked by ``lengths``. Right
+    under plain ``jax.jit`` too, and (the masks being ordinary code) under polyexec."""
+    total, count = masked_loss_and_count(model, tokens, lengths)
+    return total / jnp.maximum(count, 1)
+
+
+def masked_loss_and_count(model: CharLM, tokens, lengths):
+    """`loss_and_count` with the padding masked by hand."""
     logits = jax.vmap(model)(tokens[:, :-1])
     targets = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits, axis=-1)

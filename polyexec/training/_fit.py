@@ -340,9 +340,7 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     step_args = dict(length_buckets=[top],
                      batch_buckets=[batching.rows(top) * P, batching.rows(shortest) * P],
                      min_length=options.min_length, pad_id=options.pad_id, shardings=dp.shardings,
-                     check_lengths=P == 1, masking=options.masking)
-    # Across processes the lengths are a global array no process can read whole: the Specs
-    # cannot check them against T there (check_lengths above).
+                     masking=options.masking)
     train_step = make_train_step(loss_fn, optimizer, **step_args)
     eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)

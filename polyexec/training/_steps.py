@@ -81,20 +81,21 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None):
 
 def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
                    batch_buckets: Sequence[int], min_length: int, pad_id: int,
-                   shardings: tuple | None, check_lengths: bool, masking: bool,
+                   shardings: tuple | None, masking: bool,
                    donate_argnums: tuple[int, ...] = ()) -> Bucketed:
     """``step(state or model, tokens (B, T), lengths (B,))`` compiled once per (B, T) bucket.
 
     ``B`` and ``T`` are this step's own LengthVars, carried by its Specs and keyed in
     ``buckets``: the Specs resolve against them, never against a ``"T"`` defined elsewhere in
     the user's process. ``T >= min_length`` (2 by default) is a constraint of the one symbolic
-    trace: next-token losses slice ``tokens[:, :-1]``, which needs T >= 2.
+    trace: next-token losses slice ``tokens[:, :-1]``, which needs T >= 2. ``lengths`` makes
+    ``T`` ragged along ``B``: the loss sees each row at its own length (no mask needed).
     """
     B = LengthVar("B", max=max(batch_buckets))
     T = LengthVar("T", min=min_length, max=max(length_buckets))
     batch = None if shardings is None else shardings[1]
     return bucketed(step, in_specs=(None, Spec((B, T), jnp.int32, pad=pad_id),
-                                    Spec((B,), jnp.int32, lengths_of=T if check_lengths else None)),
+                                    Spec((B,), jnp.int32, lengths_of=T)),
                     buckets={T: list(length_buckets), B: list(batch_buckets)},
                     donate_argnums=donate_argnums, name=name, masking=masking,
                     in_shardings=None if shardings is None else (shardings[0], batch, batch))
@@ -103,7 +104,7 @@ def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     length_buckets: Sequence[int], batch_buckets: Sequence[int],
                     min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
-                    donate: bool = True, check_lengths: bool = True,
+                    donate: bool = True,
                     return_grads: bool = False, masking: bool = True) -> Bucketed:
     """`train_step_fn` as a `px.bucketed` function, compiled once per (B, T) bucket.
 
@@ -128,16 +129,16 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     return _bucketed_step(train_step_fn(loss_fn, optimizer, return_grads=return_grads),
                           name="train_step", length_buckets=length_buckets,
                           batch_buckets=batch_buckets, min_length=min_length, pad_id=pad_id,
-                          shardings=shardings, check_lengths=check_lengths, masking=masking,
+                          shardings=shardings, masking=masking,
                           donate_argnums=(0,) if donate else ())
 
 
 def make_eval_step(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
                    length_buckets: Sequence[int], batch_buckets: Sequence[int],
                    min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
-                   check_lengths: bool = True, masking: bool = True) -> Bucketed:
+                   masking: bool = True) -> Bucketed:
     """`eval_step_fn` as a `px.bucketed` function: ``(model, tokens, lengths) -> (total, count)``."""
     return _bucketed_step(eval_step_fn(loss_fn, eval_fn), name="eval_step",
                           length_buckets=length_buckets, batch_buckets=batch_buckets,
                           min_length=min_length, pad_id=pad_id, shardings=shardings,
-                          check_lengths=check_lengths, masking=masking)
+                          masking=masking)
