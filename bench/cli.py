@@ -365,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_outputs(args)
         if args.model == "filter-mlp":
             # Its own comparison (bench.filter_mlp): a strategy asked for by name is refused.
-            for s in parse_strategies(args.strategies or ""):
+            for s in parse_strategies(args.strategies) if args.strategies is not None else []:
                 s.check_model(args.model)
             return run_filter_mlp(args)
         cfg = config_from_args(args)
