@@ -10,6 +10,9 @@ fraction of the limit measured in the same run:
   compile per distinct length);
 - ``pow2`` / ``fixed:S1,S2,...``: random batches, ``px.bucketed`` with power-of-two or given
   buckets;
+- ``pack``: the peer a JAX user builds instead of bucketing (``bench.packing``): the shared
+  random order packed first-fit into rows of the cap by Grain, a hand-written segment-id
+  model, one compile; packing is timed with the epoch, and it takes fewer, fuller steps;
 - ``polyexec``: ``buckets.Optimal.fit`` buckets, length-grouped batches from
   ``buckets.batch_plan``, buckets compiled ahead of need (in the background by default);
 - ``polyexec-cached``: the same in a second process that finds every bucket in the
@@ -18,7 +21,9 @@ fraction of the limit measured in the same run:
   (``px.bucketed(..., masking=False)``), so what the rewrite costs shows side by side.
 
 Every strategy runs every example once per epoch, random-batch strategies in one shared
-order; grouped strategies visit the same examples in length-grouped batches. Each strategy
+order; grouped strategies visit the same examples in length-grouped batches, ``pack`` in
+packed rows. Each epoch's loss is its summed nats over its predictions, so strategies that
+batch differently compare at equal data. Each strategy
 runs in its own worker process (its own peak RSS, no shared in-memory compile caches).
 
 **The limit** is the same step at padding efficiency 1.0 with nothing to compile. The

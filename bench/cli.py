@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rows", type=int, help="filter-mlp: rows per batch")
     w.add_argument("--keep", type=float, help="filter-mlp: fraction of rows the filter keeps")
     o = p.add_argument_group("run and output")
-    o.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help=f"comma list of {strategies_help()} (default {DEFAULT_STRATEGIES})")
+    o.add_argument("--strategies", default=None,
+                   help=f"comma list of {strategies_help()} (default {DEFAULT_STRATEGIES}; a "
+                        f"default strategy the workload cannot run is skipped with a note)")
     o.add_argument("--quick", action="store_true",
                    help="a tiny workload (inference, hidden 16, cap 512, 6 batches of 8 per "
                         "epoch) that runs every strategy in about a minute; explicit flags win")
@@ -260,7 +261,7 @@ def _console():
     from rich.console import Console
     console = Console()
     # Piped output (tests, logs) gets rich's 80 columns by default, too narrow for the table.
-    return console if console.is_terminal else Console(width=150)
+    return console if console.is_terminal else Console(width=180)
 
 
 def _fmt(v) -> str:
@@ -278,6 +279,7 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
                   results: list[dict]) -> dict:
     lengths = data.lengths
     grouped = [r["strategy"] for r in results if r["batching"] == "grouped"]
+    packed = [r["strategy"] for r in results if r["batching"] == "packed"]
     polyexec_buckets = next((r["buckets"] for r in results if r["strategy"] == "polyexec"), None)
     return {
         "model": cfg.model, "mode": cfg.mode, "source": data.description,
@@ -296,6 +298,10 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
                  + (f"{', '.join(grouped)} visit them in length-grouped batches "
                     "(buckets.batch_plan), the others in one shared random order"
                     if grouped else "all strategies share one random order")
+                 + (f"; {', '.join(packed)} packs the shared order first-fit into rows of the "
+                    f"cap (Grain), several examples a row, so it takes fewer steps; loss: each "
+                    f"epoch's summed nats / predictions, equal data for all"
+                    if packed else "")
                  + ("" if cfg.max_tokens is None else
                     f"; under --max-tokens random batches are cut per strategy, so that rows x "
                     f"its padded length stays within {cfg.max_tokens}")),
@@ -313,7 +319,7 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
                                                            "cache_hits", "steps", "warmup",
                                                            "upgraded_batches",
                                                            "epoch_seconds", "final_loss",
-                                                           "distinct_shapes")}
+                                                           "epoch_loss", "distinct_shapes")}
                          for r in results},
     }
 
@@ -358,14 +364,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_outputs(args)
         if args.model == "filter-mlp":
+            # Its own comparison (bench.filter_mlp): a strategy asked for by name is refused.
+            for s in parse_strategies(args.strategies) if args.strategies is not None else []:
+                s.check_model(args.model)
             return run_filter_mlp(args)
         cfg = config_from_args(args)
-        strategies = parse_strategies(args.strategies)
+        strategies = parse_strategies(args.strategies or DEFAULT_STRATEGIES)
         data = load_data(cfg)
         cfg, note = clamp_batch_size(cfg, data)
         notes += [note] if note else []
-        for s in strategies:     # bad fixed sizes fail here
-            s.check(cfg, data)
+        runnable = []
+        for s in strategies:     # bad fixed sizes, a model or mode a strategy lacks fail here
+            try:
+                s.check(cfg, data)
+            except px.OptionError as e:
+                if args.strategies is not None:
+                    raise              # asked for by name: an error
+                notes.append(f"note: {s.name} skipped: {e}")
+                continue
+            runnable.append(s)
+        strategies = [s for s in runnable if s.requires is None
+                      or s.requires in {r.name for r in runnable}]
     except (px.OptionError, OSError) as e:
         parser.error(str(e))
 

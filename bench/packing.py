@@ -19,8 +19,11 @@ Interface (all the ``pack`` strategy needs):
 - ``build_packed_step(cfg, state_file=None) -> PackedStep``: ``step(state, batch) -> (loss,
   new state)`` (the `bench.strategies.ExactJit` convention: the state as arrays only, starting
   at ``step.state``); the same initial state, optimiser and learning rate as
-  `bench.workloads.build_step`, and the same update (`polyexec.training.train_step_fn`).
-  ``step.compiles`` counts its XLA compiles (jit's own cache).
+  `bench.workloads.build_step`, and the same update (`polyexec.training.train_step_fn`); in
+  infer mode the loss alone. ``step.compiles`` counts its XLA compiles, ``compile_seconds``
+  their seconds.
+- ``iter_pack_epoch(cfg, data, epoch)``: `pack_epoch`'s batches one at a time, as Grain packs
+  them (what the ``pack`` strategy's timed epoch iterates: packing overlaps the steps).
 - ``packed_loss(model, tokens, segment_ids, positions)``: mean next-byte cross-entropy over the
   real predictions of the packed batch -- the same number `examples.rnn.model.loss_fn` gives on
   the same examples padded one per row (sum of nats / number of predictions; a sequence of
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
@@ -98,15 +103,11 @@ def epoch_order(cfg: Config, data: Data, epoch: int) -> np.ndarray:
     return rng.permutation(data.lengths.size)
 
 
-def pack_examples(data: Data, order, *, cap: int, batch_size: int,
-                  num_bins: int | None = None, seed: int = 0) -> list[PackedBatch]:
-    """Examples ``order`` (indices into ``data``) packed first-fit by Grain into rows of
-    ``cap``, grouped ``batch_size`` rows a batch, the last batch padded with empty rows.
-
-    Grain's first-fit packer keeps ``num_bins`` rows open (default ``batch_size``: one batch),
-    puts each example into the first row it fits, and emits all of them when an example fits
-    none; more bins pack tighter. ``seed`` seeds Grain's shuffle of the rows it emits.
-    """
+def iter_pack_examples(data: Data, order, *, cap: int, batch_size: int,
+                       num_bins: int | None = None, seed: int = 0) -> Iterator[PackedBatch]:
+    """`pack_examples`, batch by batch as Grain emits rows: a training loop that steps while
+    the next rows are packed (JAX dispatches a step and returns) overlaps packing with
+    compute, as a Grain input pipeline does."""
     import grain  # the bench extra: only the pack peer needs it
 
     order = np.asarray(order, np.int64)
@@ -123,22 +124,40 @@ def pack_examples(data: Data, order, *, cap: int, batch_size: int,
     packed = grain.experimental.FirstFitPackIterDataset(
         stream, length_struct={"tokens": cap}, num_packing_bins=num_bins, seed=seed,
         meta_features=("index",))   # "index" is not packed: each row gets its list of indices
-    rows = list(packed)
 
-    out = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
+    def batch(chunk):
         empty = batch_size - len(chunk)
 
         def stack(key):
             arr = np.stack([np.asarray(r[key], np.int32) for r in chunk])
             return np.concatenate([arr, np.zeros((empty, cap), np.int32)]) if empty else arr
 
-        out.append(PackedBatch(
+        return PackedBatch(
             tokens=stack("tokens"), segment_ids=stack("tokens_segment_ids"),
             positions=stack("tokens_positions"),
-            examples=tuple(tuple(int(i) for i in r["index"]) for r in chunk) + ((),) * empty))
-    return out
+            examples=tuple(tuple(int(i) for i in r["index"]) for r in chunk) + ((),) * empty)
+
+    chunk = []
+    for row in packed:
+        chunk.append(row)
+        if len(chunk) == batch_size:
+            yield batch(chunk)
+            chunk = []
+    if chunk:
+        yield batch(chunk)
+
+
+def pack_examples(data: Data, order, *, cap: int, batch_size: int,
+                  num_bins: int | None = None, seed: int = 0) -> list[PackedBatch]:
+    """Examples ``order`` (indices into ``data``) packed first-fit by Grain into rows of
+    ``cap``, grouped ``batch_size`` rows a batch, the last batch padded with empty rows.
+
+    Grain's first-fit packer keeps ``num_bins`` rows open (default ``batch_size``: one batch),
+    puts each example into the first row it fits, and emits all of them when an example fits
+    none; more bins pack tighter. ``seed`` seeds Grain's shuffle of the rows it emits.
+    """
+    return list(iter_pack_examples(data, order, cap=cap, batch_size=batch_size,
+                                   num_bins=num_bins, seed=seed))
 
 
 def pack_epoch(cfg: Config, data: Data, epoch: int, *,
@@ -146,13 +165,19 @@ def pack_epoch(cfg: Config, data: Data, epoch: int, *,
     """One epoch of the ``pack`` strategy: `epoch_order`'s stream packed into rows of
     ``cfg.cap``, ``cfg.batch_size`` rows a batch (Grain's bins: ``num_bins``, default one
     batch); deterministic from ``cfg.seed`` and ``epoch``."""
+    return list(iter_pack_epoch(cfg, data, epoch, num_bins=num_bins))
+
+
+def iter_pack_epoch(cfg: Config, data: Data, epoch: int, *,
+                    num_bins: int | None = None) -> Iterator[PackedBatch]:
+    """`pack_epoch`'s batches, one at a time as Grain packs them (`iter_pack_examples`)."""
     if cfg.batch_size is None:
         raise OptionError("pack_epoch: cfg.batch_size: expected a number of rows (packing fills "
                          "rows of cfg.cap, so a token budget is rows x cap), received None")
-    return pack_examples(data, epoch_order(cfg, data, epoch), cap=cfg.cap,
-                         batch_size=cfg.batch_size, num_bins=num_bins,
-                         seed=int(np.random.SeedSequence([cfg.seed, 2000 + epoch])
-                                  .generate_state(1)[0]))
+    return iter_pack_examples(data, epoch_order(cfg, data, epoch), cap=cfg.cap,
+                              batch_size=cfg.batch_size, num_bins=num_bins,
+                              seed=int(np.random.SeedSequence([cfg.seed, 2000 + epoch])
+                                       .generate_state(1)[0]))
 
 
 def row_efficiency(batches: list[PackedBatch]) -> float:
@@ -235,48 +260,73 @@ def packed_loss(model, tokens, segment_ids, positions):
 
 
 class PackedStep:
-    """The packed train step, ``jax.jit`` once: ``step(state, batch) -> (loss, new state)``.
+    """The packed step, ``jax.jit`` once: ``step(state, batch) -> (loss, new state)``.
 
-    ``state`` is the arrays of a `polyexec.training.TrainState` (``step.state`` to start; the
-    rest is closed over, as `bench.strategies.ExactJit` does, so non-array leaves never become
-    jit inputs). The update is `polyexec.training.train_step_fn` -- value_and_grad + the
-    optax update, exactly what polyexec's strategies run -- of `packed_loss`; ``segment_ids``
-    and ``positions`` travel in train_step_fn's ``lengths`` argument. Every packed batch has
-    the shape ``(batch_size, cap)``: one trace, one compile.
+    Train (``cfg.mode == "train"``): ``state`` is the arrays of a
+    `polyexec.training.TrainState` (``step.state`` to start; the rest is closed over, as
+    `bench.strategies.ExactJit` does, so non-array leaves never become jit inputs). The update
+    is `polyexec.training.train_step_fn` -- value_and_grad + the optax update, exactly what
+    polyexec's strategies run -- of `packed_loss`; ``segment_ids`` and ``positions`` travel in
+    train_step_fn's ``lengths`` argument. Infer: ``state`` is the model's arrays, the step is
+    `packed_loss` alone and returns the state unchanged (what `bench.workloads.build_step`'s
+    infer step does with `loss_fn`).
+
+    Every packed batch has the shape ``(batch_size, cap)``: one trace, one compile. The compile
+    is jit's ahead-of-time ``lower(...).compile()`` so its seconds are measured
+    (``compile_seconds``); ``compiles`` counts the executables built.
     """
 
-    def __init__(self, cfg: Config, state_file: str | None = None):
-        if cfg.mode != "train":
-            raise OptionError(f"build_packed_step: cfg.mode: expected 'train', received "
-                             f"{cfg.mode!r}")
+    def __init__(self, cfg: Config, state_file: str | None = None, *, state: Any = None):
+        if cfg.mode not in ("train", "infer"):
+            raise OptionError(f"build_packed_step: cfg.mode: expected 'train' or 'infer', "
+                              f"received {cfg.mode!r}")
+        self.updates_state = cfg.mode == "train"
         # build_step's own initial state (same weights, same optax.adam(cfg.learning_rate)
-        # state; read from state_file when given, as every strategy's worker does).
-        initial = build_step(cfg, state_file).state
+        # state; read from state_file when given, as every strategy's worker does), unless the
+        # caller passes that state (``state``: build_step(cfg, ...).state).
+        initial = build_step(cfg, state_file).state if state is None else state
         self.state, self._static = eqx.partition(initial, eqx.is_array)
         self.traces = 0
-        self.fn = train_step_fn(lambda model, tokens, meta: packed_loss(model, tokens, *meta),
-                                optax.adam(cfg.learning_rate))
+        self.compile_seconds = 0.0
+        self._executables: dict[tuple, Any] = {}
+        if self.updates_state:
+            self.fn = train_step_fn(lambda model, tokens, meta: packed_loss(model, tokens, *meta),
+                                    optax.adam(cfg.learning_rate))
+        else:
+            self.fn = None
         self._jitted = jax.jit(self._call)
 
     def _call(self, state, tokens, segment_ids, positions):
         self.traces += 1                 # Python runs only when jit traces
-        new_state, metrics = self.fn(eqx.combine(state, self._static), tokens,
-                                     (segment_ids, positions))
+        full = eqx.combine(state, self._static)
+        if not self.updates_state:
+            return packed_loss(full, tokens, segment_ids, positions), state
+        new_state, metrics = self.fn(full, tokens, (segment_ids, positions))
         return metrics["loss"], eqx.filter(new_state, eqx.is_array)
 
     @property
     def compiles(self) -> int:
-        """Executables in jit's cache: one per distinct input shape (one for a whole run)."""
-        return self._jitted._cache_size()
+        """Executables built: one per distinct input shape (one for a whole run)."""
+        return len(self._executables)
 
     def model(self, state) -> Any:
         """The model of a state this step returned."""
-        return eqx.combine(state, self._static).model
+        full = eqx.combine(state, self._static)
+        return full.model if self.updates_state else full
 
     def __call__(self, state, batch: PackedBatch):
-        return self._jitted(state, batch.tokens, batch.segment_ids, batch.positions)
+        args = (state, batch.tokens, batch.segment_ids, batch.positions)
+        key = batch.tokens.shape
+        executable = self._executables.get(key)
+        if executable is None:
+            start = time.perf_counter()
+            executable = self._jitted.lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - start
+            self._executables[key] = executable
+        return executable(*args)
 
 
-def build_packed_step(cfg: Config, state_file: str | None = None) -> PackedStep:
-    """The ``pack`` strategy's train step for ``cfg`` (see `PackedStep`)."""
-    return PackedStep(cfg, state_file)
+def build_packed_step(cfg: Config, state_file: str | None = None, *,
+                      state: Any = None) -> PackedStep:
+    """The ``pack`` strategy's step for ``cfg`` (see `PackedStep`)."""
+    return PackedStep(cfg, state_file, state=state)

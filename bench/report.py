@@ -110,7 +110,9 @@ def json_document(workload: dict, limit: float, results: list[dict]) -> dict:
 
 
 def results_table(doc: dict, extras: dict[str, dict]):
-    """A rich Table of the results; ``extras[strategy]`` adds batching, buckets, cache hits."""
+    """A rich Table of the results; ``extras[strategy]`` adds batching, optimiser steps,
+    buckets, cache hits, and the loss: the last epoch's summed nats / predictions (every
+    strategy saw the same examples, however it batched them)."""
     from rich.table import Table
 
     limit = doc["limit_tokens_per_s"]
@@ -119,21 +121,24 @@ def results_table(doc: dict, extras: dict[str, dict]):
                         f"{w.get('epochs')} epochs, cap {w.get('cap')} -- limit "
                         f"{limit:,.0f} real tokens/s",
                   title_justify="left")
-    for col, justify in (("strategy", "left"), ("batches", "left"), ("buckets", "right"),
+    for col, justify in (("strategy", "left"), ("batches", "left"), ("steps", "right"),
+                         ("buckets", "right"),
                          ("compiles", "right"), ("cache hits", "right"), ("traces", "right"),
                          ("compile s", "right"),
                          ("pad eff", "right"), ("tok/s cold", "right"), ("tok/s warm", "right"),
                          ("x limit cold", "right"), ("x limit warm", "right"),
-                         ("peak RSS MB", "right")):
-        table.add_column(col, justify=justify)
+                         ("loss", "right"), ("peak RSS MB", "right")):
+        table.add_column(col, justify=justify, no_wrap=col == "strategy")
     for r in doc["results"]:
         x = extras.get(r["strategy"], {})
-        table.add_row(r["strategy"], x.get("batching", ""),
+        epoch_loss = x.get("epoch_loss")
+        table.add_row(r["strategy"], x.get("batching", ""), str(x.get("steps", "")),
                       str(x.get("bucket_count", "")), str(r["compiles"]),
                       str(x.get("cache_hits", "")), str(r["traces"]),
                       f"{r['compile_s']:.1f}", f"{r['padding_efficiency']:.3f}",
                       f"{r['tokens_per_s_cold']:,.0f}", f"{r['tokens_per_s_warm']:,.0f}",
                       f"{r['fraction_of_limit_cold']:.2f}", f"{r['fraction_of_limit_warm']:.2f}",
+                      f"{epoch_loss[-1]:.4f}" if epoch_loss else "",
                       f"{r['peak_rss_mb']:,.0f}")
     return table
 

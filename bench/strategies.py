@@ -13,27 +13,31 @@ strategy is adding one class. A class says
 - ``batching``: the label of its batches in the report (``random``, ``grouped``, ...);
 - ``requires``: a strategy that must be listed too, and runs first (``polyexec-cached``
   reads the compile cache ``polyexec`` fills); ``cache_folder``: its persistent compile cache;
+- ``models``: the ``--model`` choices it runs (`Strategy.check` refuses the others, before
+  any worker starts);
 - `Strategy.schedule`: every epoch's batches (example indices), and `Strategy.prepare`: the
-  `Run` its worker drives -- the step it calls per batch, the shape each batch ran at, and its
-  compile accounting. A strategy with its own batch layout and its own step (a ``pack`` peer:
-  first-fit packed rows and a segment-id model step) overrides these two and nothing else
-  needs to know.
+  `Run` its worker drives -- the batches of each epoch, the step it calls per batch, the shape
+  each batch ran at, its real tokens and predictions, and its compile accounting. ``pack``
+  (`Pack`: Grain first-fit packed rows, a segment-id model step) brings its own batches and
+  step this way, and nothing else needs to know.
 
 >>> [s.name for s in parse_strategies("pad-max,fixed:16,64,1024,polyexec")]
 ['pad-max', 'fixed:16,64,1024', 'polyexec']
->>> sorted(REGISTRY)[:3]
-['exact', 'fixed', 'pad-max']
+>>> sorted(REGISTRY)[:4]
+['exact', 'fixed', 'pack', 'pad-max']
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import resource
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -47,7 +51,7 @@ from polyexec.training import choose_buckets
 
 from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
-DEFAULT_STRATEGIES = "pad-max,exact,pow2,polyexec,polyexec-cached"
+DEFAULT_STRATEGIES = "pad-max,exact,pow2,pack,polyexec,polyexec-cached"
 
 EVENT_PREFIX = "@@bench "
 
@@ -82,24 +86,43 @@ class Files:
 class Run:
     """What one worker process drives for its strategy, built by `Strategy.prepare`.
 
-    The worker calls ``start_epoch``, then ``step`` on each batch, then ``end_epoch``;
-    ``setup_seconds`` (measuring, choosing) counts towards the cold epoch; ``summary`` gives
-    the strategy's own columns once every epoch ran.
+    Per epoch the worker calls ``start_epoch``, then ``step`` on each batch of ``batches``,
+    then ``end_epoch``, all of it timed; ``setup_seconds`` (measuring, choosing) counts towards
+    the cold epoch; ``summary`` gives the strategy's own columns once every epoch ran. A batch
+    is whatever ``batches`` yields: by default an array of example indices from ``epochs``
+    (the schedule), which ``real_tokens``, ``predictions`` and ``own_shape`` read.
     """
 
     state: Any
+    data: Data
     epochs: list[list[np.ndarray]]
     setup_seconds: float = 0.0
 
-    def own_shape(self, idx: np.ndarray) -> Shape:
-        """The (rows, time) batch ``idx`` is scheduled at."""
+    def batch_count(self) -> int | None:
+        """Batches in all epochs, for the progress bar (None: not known before they run)."""
+        return sum(len(e) for e in self.epochs)
+
+    def batches(self, epoch: int) -> Iterable[Any]:
+        """Epoch ``epoch``'s batches, iterated inside the timed epoch."""
+        return self.epochs[epoch]
+
+    def real_tokens(self, batch: Any) -> int:
+        return int(self.data.lengths[batch].sum())
+
+    def predictions(self, batch: Any) -> int:
+        """Next-byte predictions the loss averages over: (length - 1) per example."""
+        return int(np.maximum(self.data.lengths[batch] - 1, 0).sum())
+
+    def own_shape(self, batch: Any) -> Shape:
+        """The (rows, time) batch ``batch`` is scheduled at."""
         raise NotImplementedError
 
     def start_epoch(self, epoch: int) -> None:
         pass
 
-    def step(self, state: Any, idx: np.ndarray) -> tuple[Any, Any, Shape]:
-        """Run batch ``idx``: ``(loss, new state, the (rows, time) it ran at)``."""
+    def step(self, state: Any, batch: Any) -> tuple[Any, Any, Shape]:
+        """Run ``batch``: ``(loss, new state, the (rows, time) it ran at)``; the loss is the
+        mean over the batch's ``predictions``."""
         raise NotImplementedError
 
     def end_epoch(self, epoch: int) -> None:
@@ -123,6 +146,8 @@ class Strategy:
     cache_folder: ClassVar[str | None] = None
     # polyexec's warm throughput goal against this peer (a line of the summary), if any
     goal: ClassVar[float | None] = None
+    # the --model choices it runs (filter-mlp is a benchmark of its own: no strategy runs it)
+    models: ClassVar[tuple[str, ...]] = ("gru", "lstm", "attention")
 
     @property
     def name(self) -> str:
@@ -138,8 +163,15 @@ class Strategy:
 
     # -- what runs ------------------------------------------------------------------------------
 
+    def check_model(self, model: str) -> None:
+        """Refuse a ``--model`` this strategy does not run."""
+        if model not in self.models:
+            raise px.OptionError(f"--strategies {self.name}: expected --model "
+                                 f"{' / '.join(self.models)}, received --model {model}")
+
     def check(self, cfg: Config, data: Data) -> None:
         """Refuse a workload this strategy cannot run (called before any worker starts)."""
+        self.check_model(cfg.model)
         self.t_policy(cfg, data)
 
     def t_policy(self, cfg: Config, data: Data) -> buckets.BucketPolicy | None:
@@ -356,6 +388,67 @@ class PolyexecNomask(Polyexec):
                 f"{polyexec['tokens_per_s_warm'] / row['tokens_per_s_warm']:.2f}x its warm "
                 f"throughput, {polyexec['compile_s']:.1f} s of compiles against "
                 f"{row['compile_s']:.1f} s")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Pack(Strategy):
+    """The peer a JAX user builds instead of bucketing (`bench.packing`): each epoch's
+    examples, in the random-batch strategies' shared order, packed first-fit by Grain into
+    rows of the cap, ``--batch-size`` rows a batch (under ``--max-tokens``: max_tokens // cap
+    rows, as pad-max), and a hand-written model that resets its state / restricts attention
+    and the loss at segment ids. Every batch is ``(rows, cap)``: one ``jax.jit`` compile.
+
+    Packing is part of the timed epoch: a user of packing pays it. The batches come from
+    `bench.packing.iter_pack_epoch` one at a time inside the epoch's clock, as a Grain
+    pipeline feeds a training loop, so packing the next batch overlaps the step JAX has
+    dispatched. It takes fewer, larger optimiser steps than the others (rows hold several
+    sequences): the report gives its steps, and each epoch's mean loss over the same examples
+    (summed nats / predictions, `bench.packing.packed_loss_and_count`'s count) to compare.
+    """
+
+    token: ClassVar[str] = "pack"
+    usage: ClassVar[str] = "pack"
+    description: ClassVar[str] = ("Grain first-fit packing into rows of the cap, a "
+                                  "segment-id model written by hand (one compile)")
+    batching: ClassVar[str] = "packed"
+
+    @staticmethod
+    def rows(cfg: Config) -> int:
+        return cfg.batch_size if cfg.batch_size is not None else cfg.max_tokens // cfg.cap
+
+    def packed_config(self, cfg: Config) -> Config:
+        """``cfg`` with its rows a batch as a batch size (what `bench.packing` takes)."""
+        return dataclasses.replace(cfg, batch_size=self.rows(cfg), max_tokens=None)
+
+    def check(self, cfg, data):
+        self.check_model(cfg.model)
+        if importlib.util.find_spec("grain") is None:
+            raise px.OptionError("--strategies pack: expected Grain to be installed (pip install "
+                                 "'polyexec[bench]', Python >= 3.11), received no 'grain' "
+                                 "module")
+
+    def row_sizes(self, cfg):
+        return [self.rows(cfg)]
+
+    def schedule(self, cfg, data, policy):
+        """Every epoch's packed batches as the example indices each holds (packing order)."""
+        from .packing import pack_epoch
+        return [[np.asarray([i for row in b.examples for i in row], np.int64)
+                 for b in pack_epoch(self.packed_config(cfg), data, epoch)]
+                for epoch in range(cfg.epochs)]
+
+    def padded_shape(self, cfg, policy, rows, longest):
+        return self.rows(cfg), cfg.cap
+
+    def prepare(self, cfg, data, step, files):
+        return PackRun(self.packed_config(cfg), data, step)
+
+    def summary_line(self, row, polyexec, extra):
+        return (f"polyexec vs pack: {polyexec['tokens_per_s_warm'] / row['tokens_per_s_warm']:.2f}x "
+                f"warm, {polyexec['tokens_per_s_cold'] / row['tokens_per_s_cold']:.2f}x cold "
+                f"(polyexec / pack real tokens/s); pack: {extra.get('steps', '?')} steps of "
+                f"packed rows, row efficiency {row['padding_efficiency']:.3f}")
 
 
 # ------------------------------------------------------------------------------- parsing
@@ -730,29 +823,83 @@ class ExactRun(Run):
                 "upgraded_batches": 0, "warmup": None}
 
 
+class PackRun(Run):
+    """`Pack`'s worker: batches from `bench.packing.iter_pack_epoch` (packed while the epoch
+    is timed) through `bench.packing.PackedStep` (one compile, its seconds measured).
+    ``cfg``: the packed config (`Pack.packed_config`)."""
+
+    def __init__(self, cfg: Config, data: Data, step: Step):
+        from .packing import build_packed_step
+        self.cfg, self.data = cfg, data
+        self.packed = build_packed_step(cfg, state=step.state)   # the run's initial weights
+        self.state = self.packed.state
+
+    def batch_count(self):
+        return None        # known once Grain has packed the epoch
+
+    def batches(self, epoch):
+        from .packing import iter_pack_epoch
+        return iter_pack_epoch(self.cfg, self.data, epoch)
+
+    def real_tokens(self, batch):
+        return batch.real_tokens
+
+    def predictions(self, batch):
+        return batch.predictions        # what packed_loss_and_count counts
+
+    def own_shape(self, batch):
+        return batch.tokens.shape
+
+    def step(self, state, batch):
+        loss, state = self.packed(state, batch)
+        return loss, state, batch.tokens.shape
+
+    def summary(self, events):
+        p = self.packed
+        return {"compiles": p.compiles, "traces": p.traces, "compile_s": p.compile_seconds,
+                "bucket_count": 1, "buckets": [self.cfg.cap], "partial_rows": [], "auto": None,
+                "upgraded_batches": 0, "warmup": None}
+
+
 def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dict:
-    """Run ``strategy`` for every epoch in this process; return its measurements."""
+    """Run ``strategy`` for every epoch in this process; return its measurements.
+
+    Besides the timings, each epoch's mean loss: summed nats over the predictions of the whole
+    epoch (each batch's mean loss times its predictions, summed, over the epoch's predictions)
+    -- the same number however the epoch's examples were batched, so strategies that batch
+    differently (``pack``'s fewer, larger batches; polyexec's grouped ones) compare at equal
+    data. Losses are read and counted after the epoch's clock stops.
+    """
     data = load_data(cfg)
     run = strategy.prepare(cfg, data, build_step(cfg, files.state_file), files)
-    emit("start", strategy=strategy.name, total=sum(len(e) for e in run.epochs))
+    emit("start", strategy=strategy.name, total=run.batch_count())
     state = run.state
     real = padded = done = 0
-    epoch_seconds, epoch_tokens, losses = [], [], []
+    shapes: set[Shape] = set()
+    epoch_seconds, epoch_tokens, losses, epoch_loss = [], [], [], []
     with px.count_compiles() as counter:
-        for e, batches in enumerate(run.epochs):
+        for e in range(cfg.epochs):
             start = time.perf_counter()
             run.start_epoch(e)
-            loss = None
-            for idx in batches:
-                loss, state, (rows, t) = run.step(state, idx)
-                real += int(data.lengths[idx].sum())
-                padded += rows * t
+            loss, ran = None, []
+            for batch in run.batches(e):
+                loss, state, shape = run.step(state, batch)
+                ran.append((batch, shape, loss))
                 done += 1
                 emit("step", strategy=strategy.name, done=done)
             run.end_epoch(e)
             jax.block_until_ready((loss, state))
             epoch_seconds.append(time.perf_counter() - start
                                  + (run.setup_seconds if e == 0 else 0.0))
+            # Untimed: what the epoch computed (a transfer of the losses, no compile).
+            nats, count = 0.0, 0
+            for (batch, (rows, t), _), value in zip(ran, jax.device_get([r[2] for r in ran])):
+                n = run.predictions(batch)
+                nats, count = nats + float(value) * n, count + n
+                real += run.real_tokens(batch)
+                padded += rows * t
+                shapes.add(run.own_shape(batch))
+            epoch_loss.append(nats / max(count, 1))
             epoch_tokens.append(data.real_tokens)
             losses.append(float(loss))
     events = counter.counts()
@@ -778,10 +925,11 @@ def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dic
         "backend_compiles": events.backend_compiles,
         "upgraded_batches": own["upgraded_batches"],
         "warmup": own["warmup"],
-        "distinct_shapes": len({run.own_shape(i) for ep in run.epochs for i in ep}),
-        "steps": sum(len(ep) for ep in run.epochs),
+        "distinct_shapes": len(shapes),
+        "steps": done,
         "epoch_seconds": epoch_seconds,
         "final_loss": losses[-1],
+        "epoch_loss": epoch_loss,
     }
 
 

@@ -34,8 +34,8 @@ def test_parse_strategies_fixed_sizes_and_order():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("pad-max,bogus", "expected one of pad-max, exact, pow2, .*, polyexec-nomask; received "
-                      "unknown strategy 'bogus'"),
+    ("pad-max,bogus", "expected one of pad-max, exact, pow2, .*, polyexec-nomask, pack; "
+                      "received unknown strategy 'bogus'"),
     ("fixed:", "fixed sizes: expected integers .*, received ''"),
     ("pad-max,pad-max", "expected each strategy once, received pad-max given twice"),
     ("polyexec-cached", "list polyexec too"),
@@ -148,6 +148,70 @@ def test_a_strategy_is_one_registered_class(monkeypatch):
     assert line == "polyexec vs half-cap: 3.00x warm, 1.00x cold (goal 2x)"
 
 
+def test_pack_is_one_registered_class_in_the_defaults():
+    assert REGISTRY["pack"] is strategies.Pack and strategies.Pack.batching == "packed"
+    assert "pack" in [s.name for s in parse_strategies(strategies.DEFAULT_STRATEGIES)]
+    # --quick runs the default strategies (no --strategies given): pack among them.
+    assert build_parser().parse_args(["--quick"]).strategies is None
+    with pytest.raises(px.OptionError, match="pack: expected no ':' arguments"):
+        parse_strategies("pack:4")
+
+
+def test_a_default_strategy_the_workload_cannot_run_is_skipped_with_a_note(monkeypatch, capsys):
+    """Without Grain, the default list runs without pack (a note says so); asked for by name,
+    pack is a one-line usage error."""
+    from bench import cli
+    find_spec = strategies.importlib.util.find_spec
+    monkeypatch.setattr(strategies.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "grain" else find_spec(name, *a))
+    ran = []
+
+    def fake_run_all(cfg, chosen, **kwargs):
+        ran.extend(s.name for s in chosen)
+        raise cli.WorkerError("stop here")
+
+    monkeypatch.setattr(cli, "run_all", fake_run_all)
+    with pytest.raises(SystemExit, match="stop here"):
+        main(["--quick", "--no-progress"])
+    assert ran == [s.name for s in parse_strategies(strategies.DEFAULT_STRATEGIES)
+                   if s.name != "pack"]
+    assert "note: pack skipped: --strategies pack: expected Grain to be installed" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--quick", "--no-progress", "--strategies", "pack,polyexec"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("polyexec-bench: error: --strategies pack: expected Grain")
+
+
+@pytest.mark.parametrize("model, batching", [("gru", dict(batch_size=3)),
+                                             ("attention", dict(batch_size=None, max_tokens=192))])
+def test_pack_trains_in_one_compile_and_reports_like_the_others(model, batching):
+    """The pack strategy in-process, train mode: one compile (its own counter and XLA's
+    events), row efficiency as bench.packing computes it, its steps, a finite epoch loss."""
+    pytest.importorskip("grain")
+    from bench import packing
+    cfg = Config(model=model, source="uniform", num_examples=24, cap=64, seed=2, hidden=8,
+                 embed=8, heads=2, **batching)
+    result = run_strategy(parse_strategy("pack"), cfg, Files())
+    data = load_data(cfg)
+    packed_cfg = strategies.Pack().packed_config(cfg)   # under a budget: 192 // 64 = 3 rows
+    assert packed_cfg.batch_size == 3
+    epochs = [packing.pack_epoch(packed_cfg, data, e) for e in range(cfg.epochs)]
+    assert result["strategy"] == "pack" and result["batching"] == "packed"
+    assert result["compiles"] == result["traces"] == result["backend_compiles"] == 1
+    assert result["compile_s"] > 0 and result["distinct_shapes"] == 1
+    # Several examples a row: fewer steps than batches of 3 examples.
+    assert result["steps"] == sum(map(len, epochs)) < 2 * math.ceil(data.lengths.size / 3)
+    assert result["padding_efficiency"] == pytest.approx(
+        packing.row_efficiency([b for ep in epochs for b in ep]))
+    assert len(result["epoch_loss"]) == cfg.epochs and np.isfinite(result["epoch_loss"]).all()
+    # The schedule: each packed batch's examples, every example once an epoch.
+    for ep, batches in zip(strategies.Pack().schedule(cfg, data, None), epochs):
+        assert [i.tolist() for i in ep] == [[i for r in b.examples for i in r] for b in batches]
+        assert sorted(np.concatenate(ep).tolist()) == list(range(data.lengths.size))
+
+
 def test_strategies_reject_arguments_they_do_not_take():
     with pytest.raises(px.OptionError, match="pad-max: expected no ':' arguments, received "
                                              "pad-max:3"):
@@ -215,6 +279,8 @@ def test_combine_limits_takes_the_fastest_pass_per_group():
     (["--lr", "inf"], "Config: learning_rate: expected a finite number > 0, received inf"),
     (["--lr", "nan"], "Config: learning_rate: expected a finite number > 0, received nan"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "No such file or directory"),
+    (["--model", "filter-mlp", "--strategies", "pack"],
+     "--strategies pack: expected --model gru / lstm / attention, received --model filter-mlp"),
 ])
 def test_bad_flags_are_one_line_usage_errors_before_any_worker(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -435,6 +501,38 @@ def test_quick_train_mode(tmp_path):
         assert by["polyexec"]["padding_efficiency"] == pytest.approx(own)
     # Same random batches, same Adam steps: padding to the cap and exact shapes agree.
     np.testing.assert_allclose(per["pad-max"]["final_loss"], per["exact"]["final_loss"], rtol=1e-4)
+
+
+def test_quick_pack_beside_polyexec(tmp_path, capsys):
+    """``--quick --strategies pack,polyexec``: the pack row (one compile, Grain's row
+    efficiency, a finite loss) and the polyexec / pack ratios in the summary. In inference
+    the weights never change, so both epochs' mean losses -- summed nats / predictions over
+    the same examples, however batched -- agree between the two."""
+    pytest.importorskip("grain")
+    from bench import packing
+    out = tmp_path / "p.json"
+    flags = ["--quick", "--steps", "3", "--buckets", "2"]
+    assert main([*flags, "--limit-rounds", "1", "--limit-seconds", "0.05",
+                 "--strategies", "pack,polyexec", "--json", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    doc = report.validate(json.loads(out.read_text()))
+    by = {r["strategy"]: r for r in doc["results"]}
+    per = doc["workload"]["per_strategy"]
+    assert list(by) == ["pack", "polyexec"] and doc["workload"]["batching"]["pack"] == "packed"
+    assert by["pack"]["compiles"] == 1 and by["pack"]["traces"] == 1
+    cfg = config_from_args(build_parser().parse_args(flags))
+    data = load_data(cfg)
+    epochs = [packing.pack_epoch(cfg, data, e) for e in range(cfg.epochs)]
+    assert by["pack"]["padding_efficiency"] == pytest.approx(
+        packing.row_efficiency([b for ep in epochs for b in ep]))
+    assert per["pack"]["steps"] == sum(map(len, epochs))
+    assert np.isfinite(per["pack"]["epoch_loss"]).all() and np.isfinite(per["pack"]["final_loss"])
+    np.testing.assert_allclose(per["pack"]["epoch_loss"], per["polyexec"]["epoch_loss"],
+                               rtol=1e-5)
+    ratio = (f"polyexec vs pack: "
+             f"{by['polyexec']['tokens_per_s_warm'] / by['pack']['tokens_per_s_warm']:.2f}x warm, "
+             f"{by['polyexec']['tokens_per_s_cold'] / by['pack']['tokens_per_s_cold']:.2f}x cold")
+    assert ratio in " ".join(printed.split())     # rich may wrap the line
 
 
 @pytest.mark.parametrize("name", ["bench", "bench.workloads", "bench.strategies", "bench.report",

@@ -14,7 +14,7 @@ pytest.importorskip("grain")  # the bench/test extra; Grain 0.2.18 needs Python 
 from bench import packing  # noqa: E402
 from bench.workloads import AttentionLM, Config, Data, build_model, load_data  # noqa: E402
 from examples.rnn.model import CharLM, loss_and_count, loss_fn  # noqa: E402
-from polyexec._cache import xla_events, xla_events_since  # noqa: E402
+import polyexec as px  # noqa: E402
 from polyexec._errors import OptionError  # noqa: E402
 
 from conftest import assert_trees_close  # noqa: E402
@@ -249,11 +249,11 @@ def test_packed_step_compiles_once_and_trains_like_the_reference(model):
     step = packing.build_packed_step(cfg)
     loss, state = step(step.state, batches[0])
     losses = [float(loss)]
-    before = xla_events()           # XLA's own compile events (jax.monitoring), process-wide
-    for b in batches[1:]:
-        loss, state = step(state, b)
-        losses.append(float(loss))
-    assert xla_events_since(before)["backend_compiles"] == 0
+    with px.count_compiles() as events:   # XLA's own compile events (jax.monitoring)
+        for b in batches[1:]:
+            loss, state = step(state, b)
+            losses.append(float(loss))
+    assert events.counts().backend_compiles == 0
     assert step.compiles == 1 and step.traces == 1
     assert all(np.isfinite(losses))
 
