@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 import polyexec as px
-from examples.rnn.model import CharLM, loss_fn
+from examples.rnn.model import CharLM, loss_fn, masked_loss_fn
 from polyexec.training import TrainState, train_step_fn
 
 Model = Literal["gru", "lstm", "attention", "filter-mlp"]
@@ -256,8 +256,8 @@ class AttentionLM(eqx.Module):
     """One pre-LayerNorm causal transformer encoder layer over bytes; (T,) -> (T, 256).
 
     Causal attention means a real position never sees a later (padding) position, so
-    padding the end of a sequence changes no real logit: `loss_fn`'s mask is all the
-    masking it needs. Attention scores are (heads, T, T): cost quadratic in length.
+    padding the end of a sequence changes no real logit: the loss's mask (or polyexec's
+    ragged rows) is all the masking it needs. Attention scores are (heads, T, T): cost quadratic in length.
     Positions are sinusoidal, computed from the input's own length (no table of a
     maximum length, which would make the trace reshaping-impossible).
     """
@@ -330,8 +330,10 @@ class Step:
         return out, state
 
 
-def build_step(cfg: Config, state_file: str | None = None) -> Step:
-    """The step of ``cfg`` and its initial state.
+def build_step(cfg: Config, state_file: str | None = None, *, masked: bool = True) -> Step:
+    """The step of ``cfg`` and its initial state; its loss masked by hand (``masked``, for
+    plain jax.jit of padded batches) or as the model is written, without a mask (for
+    polyexec, whose ragged rows make every row its own length).
 
     With ``state_file``: the state is read from it when it exists (no eager random ops: under
     load each costs an XLA compile of ~0.2-1.5 s, ~10 s per process in all), and otherwise
@@ -349,6 +351,7 @@ def build_step(cfg: Config, state_file: str | None = None) -> Step:
         state = initial_state()
         if state_file is not None:
             eqx.tree_serialise_leaves(state_file, state)
+    loss = masked_loss_fn if masked else loss_fn
     if cfg.mode == "infer":
-        return Step(loss_fn, state, updates_state=False)
-    return Step(train_step_fn(loss_fn, optimizer), state, updates_state=True)
+        return Step(loss, state, updates_state=False)
+    return Step(train_step_fn(loss, optimizer), state, updates_state=True)

@@ -32,7 +32,7 @@ from polyexec import training
 
 from . import data as corpus_data
 from .generate import generate
-from .model import CharLM, loss_and_count, loss_fn
+from .model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, masked_loss_fn
 
 # Defaults, measured on 2 shared CPU cores (see README): hidden 256 trains at ~8-10k tokens/s
 # there, so three epochs of the ~400k training bytes take ~2 min, plus ~45 s for the 16 bucket
@@ -210,14 +210,18 @@ def run(args: argparse.Namespace) -> dict:
     # The polymorphism verdict of the loss, from its one symbolic trace (plus the two-size check),
     # over the run's own B and T.
     masking = not args.no_masking
+    # The loss has no mask: the logical rewrite makes every row its own length. Without the
+    # rewrite the padding would count, so --no-masking trains the same loss masked by hand.
+    loss, eval_loss = (loss_fn, loss_and_count) if masking else (masked_loss_fn,
+                                                                 masked_loss_and_count)
     longest = max(train_lengths.max(), max(map(len, corpus.validation)))
     T = px.LengthVar("T", min=2, max=int(longest if policy == "auto" else max(policy.largest, longest)))
     B = px.LengthVar("B", max=args.batch_size or buckets.batch_size_for(2, max_tokens))
-    plan = px.trace(loss_fn, model, px.Spec((B, T), jnp.int32), px.Spec((B,), jnp.int32),
-                    masking=masking)
+    plan = px.trace(loss, model, px.Spec((B, T), jnp.int32),
+                    px.Spec((B,), jnp.int32, lengths_of=T), masking=masking)
     console.print(f"polymorphism: plan.reshaping_is_impossible = {plan.reshaping_is_impossible}"
                   + (f"; reason: {plan.reason}" if plan.reshaping_is_impossible else
-                     f" — loss_fn traced once over symbolic B, T in [2, {T.max}] "
+                     f" — {loss.__name__} traced once over symbolic B, T in [2, {T.max}] "
                      f"({len(plan.jaxpr.eqns)} top-level equations), compiled per bucket")
                   + ("" if masking else " | logical-length rewrite off (--no-masking)"))
 
@@ -225,8 +229,8 @@ def run(args: argparse.Namespace) -> dict:
         px.disable_persistent_cache()   # asked for on the command line: off, whoever turned it on
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
     result = training.fit(
-        model, loss_fn, corpus.train, optimizer=optimizer, epochs=args.epochs,
-        validation=corpus.validation, eval_fn=loss_and_count, batch_size=args.batch_size,
+        model, loss, corpus.train, optimizer=optimizer, epochs=args.epochs,
+        validation=corpus.validation, eval_fn=eval_loss, batch_size=args.batch_size,
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
         cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
