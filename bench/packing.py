@@ -56,7 +56,7 @@ import numpy as np
 import optax
 
 from examples.rnn.model import CharLM
-from polyexec._errors import OptionError
+from polyexec import OptionError
 from polyexec.training import train_step_fn
 
 from .workloads import AttentionLM, Config, Data, build_step

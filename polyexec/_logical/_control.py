@@ -88,8 +88,10 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
                           f"reading the rows (a step counter?): with per-row lengths its "
                           f"final value is ambiguous")
         carry_axes.append(axes[0] if axes else None)
-    stop = ctx.uniform_length(length)
     per_row = ctx.per_row(length)
+    # Up to the longest real row, never past it: a batch padded to its bucket (as training
+    # pads it) still stops where its longest sequence does.
+    stop = jnp.max(jnp.where(ctx.row_mask(rows), per_row, 0)).astype(np.int32)
     ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
 
     def loop(state):

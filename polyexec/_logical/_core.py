@@ -271,10 +271,6 @@ class _Ctx:
                           f"per row (ragged along {rows}); it has no per-row rule")
         return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
 
-    def uniform_length(self, d):
-        """The longest row's length of ``d`` (the real size of a ragged variable)."""
-        return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
-
     def _has_rows(self, eqn, rows: str) -> bool:
         return any(self.row_axes(getattr(v.aval, "shape", ()), rows)
                    for v in (*eqn.invars, *eqn.outvars))
