@@ -44,7 +44,6 @@ Interface (all the ``pack`` strategy needs):
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -203,23 +202,12 @@ def _charlm_logits(model: CharLM, tokens, positions):
 
 
 def _attention_logits(model: AttentionLM, tokens, segment_ids, positions):
-    """`AttentionLM.__call__` with each segment's own positions in the sinusoidal encoding and
+    """`AttentionLM` with each segment's own positions in the sinusoidal encoding and
     attention restricted to earlier positions of the same segment. Padding attends to
     padding (never an empty softmax row); no real position sees padding or another segment."""
-    pos = positions.astype(jnp.float32)
-    half = model.dim // 2
-    freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
-    angle = pos[:, None] * freq[None, :]
-    enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
-    x = jax.vmap(model.embed)(tokens)
-    x = x.at[:, :2 * half].add(enc)
     index = jnp.arange(tokens.shape[0])
     mask = (index[:, None] >= index[None, :]) & (segment_ids[:, None] == segment_ids[None, :])
-    h = jax.vmap(model.ln1)(x)
-    x = x + model.attn(h, h, h, mask=mask)
-    h = jax.vmap(model.ln2)(x)
-    x = x + jax.vmap(lambda v: model.mlp_out(jax.nn.gelu(model.mlp_in(v))))(h)
-    return jax.vmap(lambda v: model.head(model.ln_f(v)))(x)
+    return model.logits(tokens, positions, mask)
 
 
 def packed_logits(model, tokens, segment_ids, positions):

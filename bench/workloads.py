@@ -283,16 +283,22 @@ class AttentionLM(eqx.Module):
         self.head = eqx.nn.Linear(dim, 256, key=k[4])
 
     def __call__(self, tokens):
-        pos = px.arange_like(tokens).astype(jnp.float32)
+        pos = px.arange_like(tokens)
+        return self.logits(tokens, pos, pos[:, None] >= pos[None, :])
+
+    def logits(self, tokens, positions, mask):
+        """The forward pass with the positions the sinusoidal encoding reads and the attention
+        mask given: `__call__` is one causal sequence; the packing peer gives each packed
+        segment its own positions and a mask within the segment (`bench.packing`)."""
+        pos = positions.astype(jnp.float32)
         half = self.dim // 2
         freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
         angle = pos[:, None] * freq[None, :]
         enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
         x = jax.vmap(self.embed)(tokens)
         x = x.at[:, :2 * half].add(enc)
-        causal = pos[:, None] >= pos[None, :]
         h = jax.vmap(self.ln1)(x)
-        x = x + self.attn(h, h, h, mask=causal)
+        x = x + self.attn(h, h, h, mask=mask)
         h = jax.vmap(self.ln2)(x)
         x = x + jax.vmap(lambda v: self.mlp_out(jax.nn.gelu(self.mlp_in(v))))(h)
         return jax.vmap(lambda v: self.head(self.ln_f(v)))(x)

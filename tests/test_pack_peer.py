@@ -13,7 +13,7 @@ pytest.importorskip("grain")  # the bench/test extra; Grain 0.2.18 needs Python 
 
 from bench import packing  # noqa: E402
 from bench.workloads import AttentionLM, Config, Data, build_model, load_data  # noqa: E402
-from examples.rnn.model import CharLM, loss_and_count, loss_fn  # noqa: E402
+from examples.rnn.model import CharLM, loss_and_count, masked_loss_fn  # noqa: E402
 import polyexec as px  # noqa: E402
 from polyexec._errors import OptionError  # noqa: E402
 
@@ -186,9 +186,10 @@ def test_packed_loss_and_grads_equal_each_sequence_alone(kind):
         assert int(pcount) == count == b.predictions
         np.testing.assert_allclose(ptotal, total, rtol=1e-5)
 
-        # ...and loss_fn itself on the same examples padded one per row (the bucketed loss).
+        # ...and the loss masked by hand on the same examples padded one per row (what the
+        # bucketed, unmasked loss_fn computes with ragged rows).
         padded = jnp.asarray(data.tokens[members])
-        lf, gf = _jitted(loss_fn, params, static, padded,
+        lf, gf = _jitted(masked_loss_fn, params, static, padded,
                          jnp.asarray(data.lengths[members], jnp.int32))
         np.testing.assert_allclose(lp, lf, rtol=1e-5, atol=1e-6)
         assert_trees_close(gp, gf, rtol=1e-4, atol=1e-6)
