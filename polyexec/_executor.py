@@ -477,7 +477,8 @@ class Bucketed:
             env = {n: int(s) for n, s in sizes.items()}
             # Sliced on the host, like inputs are padded there: slicing a device array would
             # compile one small program per distinct real size.
-            real = [evaluate_shape(aval.shape, env) for aval in segment.exported.out_avals]
+            real = [tuple(_real_size(d, env, ragged) for d in aval.shape)
+                    for aval in segment.exported.out_avals]
             leaves = [leaf if shape == tuple(leaf.shape) else
                       np.asarray(leaf)[tuple(slice(0, n) for n in shape)]
                       for leaf, shape in zip(leaves, real)]
@@ -543,6 +544,20 @@ class Bucketed:
                         seen.add(key)
                         jobs.append((seg, sizes))
         return jobs
+
+
+def _real_size(d, env: Mapping[str, int], ragged: Mapping[str, tuple[np.ndarray, str]]) -> int:
+    """An output dimension at the real sizes: a count over rows of a length ragged along them
+    (``B*T``, a reshape merging the rows) is the sum of the rows' own counts."""
+    if not export.is_symbolic_dim(d):
+        return int(d)
+    names = d._get_vars()
+    for name, (lengths, rows) in ragged.items():
+        if name in names and rows in names:
+            per_row = np.maximum(np.asarray((d // export.symbolic_shape(rows, scope=d.scope)[0])
+                                            ._evaluate({**env, name: lengths})), 0)
+            return int(np.sum(per_row))
+    return int(d._evaluate(env))
 
 
 def _clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],

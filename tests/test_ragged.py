@@ -60,6 +60,11 @@ PER_ROW = {
     "reverse scan": lambda r: jax.lax.scan(lambda h, xt: (jnp.tanh(h + xt), h), jnp.zeros(3), r,
                                            reverse=True)[0],
     "attention": lambda r: jax.nn.softmax(r @ r.T, -1) @ r, "causal attention": _causal,
+    "pad": lambda r: jnp.pad(r, ((1, 2), (0, 0)), constant_values=5.0),
+    "concatenate": lambda r: jnp.concatenate([r, 2 * r]),
+    "conv": lambda r: jax.lax.conv_general_dilated(r[None], np.full((3, 3, 3), 0.1, np.float32),
+                                                   (1,), "SAME",
+                                                   dimension_numbers=("NWC", "WIO", "NWC"))[0],
 }
 
 
@@ -94,8 +99,10 @@ def test_batch_reductions_take_only_real_elements():
     lengths = [5, 1, 9, 3]
     x, rows = ragged_batch(lengths)
     every = np.concatenate(rows)
-    _, (mean, sums, top) = run(lambda x: (jnp.mean(x), jnp.sum(x, (0, 1)), jnp.max(x)), x, lengths,
-                              strict=True)
+    _, (mean, sums, top, flat) = run(
+        lambda x: (jnp.mean(x), jnp.sum(x, (0, 1)), jnp.max(x), x.reshape(-1, 3) * 2), x, lengths,
+        strict=True)
+    np.testing.assert_allclose(flat, every * 2)      # (B*T, 3): every real row, in order
     np.testing.assert_allclose(mean, every.mean(), rtol=1e-5)
     np.testing.assert_allclose(sums, every.sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(top, every.max(), rtol=1e-6)
@@ -146,9 +153,8 @@ def test_hand_written_masks_stay_correct():
 
 
 @pytest.mark.parametrize("g, words", [
-    (jax.vmap(lambda r: jnp.pad(r, ((1, 1), (0, 0)))), "pad: pad reads the length T"),
-    (jax.vmap(lambda r: jnp.concatenate([r, r])), "concatenate reads the length T"),
-    (lambda x: jnp.mean(x.reshape(-1, 3), 0), "reshape reads the length T"),
+    (jax.vmap(lambda r: jnp.tile(r, (2, 1))), "tile reads the length T"),
+    (lambda x: x.reshape(x.shape[0], -1).sum(1), "a reshape of"),
 ])
 def test_what_has_no_per_row_rule_is_flagged_naming_the_line(g, words):
     x, _ = ragged_batch([5, 1, 9, 3])

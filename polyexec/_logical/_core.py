@@ -389,13 +389,22 @@ def _place(ctx: _Ctx, x, axis, lo, interior, size, fill):
     """``lax.pad`` along one axis with the *logical* configuration: the result (``size``
     positions) holds ``x[j]`` at ``lo(t) + j * (interior + 1)`` for ``j`` below the logical
     length, and ``fill`` everywhere else. Used where the low padding is a length expression,
-    or where the high padding must start at the logical end."""
-    q = _iota((size,), 0) - ctx.length(lo)
+    or where the high padding must start at the logical end. Ragged: per row."""
+    n, low = ctx.length(x.shape[axis], x.shape), ctx.length(lo, x.shape)
+    per_row = bool(jnp.ndim(n) or jnp.ndim(low))
+    shape = [1] * x.ndim if per_row else [size]
+    if per_row:
+        shape[axis] = size
+    q = _iota(shape, axis if per_row else 0) - low
     step = interior + 1
     src = q // step if step > 1 else q
-    valid = (q >= 0) & (src < ctx.length(x.shape[axis]))
+    valid = (q >= 0) & (src < n)
     if step > 1:
         valid = valid & (q % step == 0)
+    if per_row:
+        taken = _take_rows(ctx, x, src, axis)
+        return lax.select(jnp.broadcast_to(valid, taken.shape), taken,
+                          _full(taken.shape, fill, x.dtype))
     taken = _take(ctx, x, src, axis)
     return lax.select(_broadcast_along(valid, taken.shape, axis), taken,
                       _full(taken.shape, fill, x.dtype))

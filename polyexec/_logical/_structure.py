@@ -141,16 +141,21 @@ def _concatenate(ctx, eqn, invals):
         return None             # every operand starts at a constant offset
     (joined,) = _bind(eqn, invals)
     # Output position p belongs to operand k when logical_offset_k <= p: read it from
-    # p - logical_offset_k + physical_offset_k of the physical concatenation.
+    # p - logical_offset_k + physical_offset_k of the physical concatenation. Ragged: the
+    # logical offsets are each row's own.
     n = joined.shape[axis]
-    pos = _iota((n,), 0)
+    lengths = [ctx.length(size, joined.shape) for size in sizes[:-1]]
+    per_row = any(jnp.ndim(v) for v in lengths)
+    shape = [1] * joined.ndim
+    shape[axis] = n
+    pos = _iota(shape, axis) if per_row else _iota((n,), 0)
     src = pos
     logical_off, physical_off = 0, 0
-    for size in sizes[:-1]:
-        logical_off = logical_off + ctx.length(size)
+    for size, length in zip(sizes[:-1], lengths):
+        logical_off = logical_off + length
         physical_off = physical_off + ctx.physical(size)
         src = jnp.where(pos >= logical_off, pos - logical_off + physical_off, src)
-    return [_take(ctx, joined, src, axis)]
+    return [_take_rows(ctx, joined, src, axis) if per_row else _take(ctx, joined, src, axis)]
 
 
 @_rule("pad")
@@ -168,7 +173,7 @@ def _pad(ctx, eqn, invals):
     for a in masked:
         # A constant low padding: the value must also fill from the operand's logical end on.
         lo, _, interior = config[a]
-        end = lo + (ctx.length(x.shape[a]) - 1) * (interior + 1) + 1
+        end = lo + (ctx.length(x.shape[a], y.shape) - 1) * (interior + 1) + 1
         keep = _iota(y.shape, a) < end
         y = lax.select(keep, y, _full(y.shape, value, y.dtype))
     for a in general:
@@ -186,6 +191,9 @@ def _reshape(ctx, eqn, invals):
     src, dst = x.shape, eqn.params["new_sizes"]
     if _prefix_preserving(src, dst):
         return None
+    merged = _ragged_merge(ctx, x, src, dst)
+    if merged is not None:
+        return [merged]
     # The general case, e.g. (B, T, H) -> (B*T, H): lay the logical elements out row-major.
     # Each output position's logical row-major offset, unravelled over the logical input
     # shape and ravelled over the physical one, is where its value lives.
@@ -201,6 +209,32 @@ def _reshape(ctx, eqn, invals):
         stride = math.prod(ctx.physical(d) for d in src[a + 1:]) if a + 1 < len(src) else 1
         pos = pos + comp * stride
     return [_take(ctx, flat, pos.reshape(-1), 0).reshape(dst)]
+
+
+def _ragged_merge(ctx, x, src, dst):
+    """``(..., B, T, ...) -> (..., B*T, ...)`` with T ragged along B: the real elements of
+    every row, one row after another (the logical length of ``B*T`` is the sum of the rows'
+    lengths). None when the reshape is not that merge."""
+    for i in range(len(src) - 1):
+        rows = ctx.rows_of(src[i + 1])
+        if rows is None or str(src[i]) != rows:
+            continue
+        j = i
+        if (len(dst) != len(src) - 1 or not _core.definitely_equal_shape(src[:i], dst[:j])
+                or not _core.definitely_equal_shape(src[i + 2:], dst[j + 1:])
+                or not _core.definitely_equal(dst[j], src[i] * src[i + 1])):
+            raise _NoRule(f"a reshape of {tuple(src)} to {tuple(dst)} other than merging the "
+                          f"rows {rows} with their ragged axis")
+        lengths = jnp.where(ctx.row_mask(rows), ctx.per_row(src[i + 1]), 0)
+        ends = jnp.cumsum(lengths)
+        p = _iota((dst[j],), 0)
+        # The row of position p: how many rows end at or before it (searchsorted's default
+        # method needs a constant size; B is symbolic).
+        b = jnp.sum(p[:, None] >= ends[None, :], axis=1).astype(np.int32)
+        t = p - (ends - lengths)[jnp.clip(b, 0, ctx.physical(src[i]) - 1)]
+        flat = lax.reshape(x, (*src[:i], src[i] * src[i + 1], *src[i + 2:]))
+        return _take(ctx, flat, b * ctx.physical(src[i + 1]) + t, i)
+    return None
 
 
 def _prefix_preserving(src, dst) -> bool:
