@@ -35,7 +35,7 @@ from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecEr
 from ._plan import CutPoint, Plan, Segment
 from ._planner import plan_function
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables
-from ._trace import SHAPE_ERRORS, TraceCounter, evaluate_shape
+from ._trace import SHAPE_ERRORS, TraceCounter
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import inspect
 import os
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,7 @@ import buckets as _buckets
 
 from .. import Bucketed
 from .._cache import count_compiles, enable_persistent_cache
-from .._errors import OptionError, check_bool, check_int, is_int
+from .._errors import OptionError, check_int, is_int
 from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, load_checkpoint, read_meta,
                           save_checkpoint)
 from ._auto import choose_buckets, rebucket
