@@ -595,7 +595,8 @@ def assert_ragged_transparent(g: Callable, batch: LengthVar | str, length: Lengt
 
     @settings(max_examples=max_examples if max_examples is not None else defaults.max_examples,
               deadline=None, phases=phases,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+              report_multiple_bugs=False)  # one AssertionError, never an ExceptionGroup
     @given(drawn=strategy)
     def check(drawn: RaggedBatch):
         x, lengths = drawn
