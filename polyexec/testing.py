@@ -4,7 +4,10 @@ Bucketing must be invisible: ``px.bucketed(f)(x)`` pads ``x`` up to a bucket, ru
 program and slices the result back, and that has to equal ``f(x)`` run at the exact size — for
 values and for gradients. `assert_bucket_transparent` property-tests exactly that over random
 sizes within each `LengthVar`'s bounds; the strategies it is built from are public so that your
-own tests can draw sizes, spec-shaped arrays and per-example lengths.
+own tests can draw sizes, spec-shaped arrays and per-example lengths. For ragged batches (a
+``lengths_of`` input), `ragged_batches` draws rows at the lengths where padding bugs live with
+padding that poisons whatever reads it, and `assert_ragged_transparent` checks that per-row code
+gives each row exactly what it gives that row alone.
 
 This module needs ``hypothesis`` (the ``test`` extra); ``import polyexec`` alone never imports it.
 
