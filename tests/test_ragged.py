@@ -173,3 +173,24 @@ def test_lengths_beyond_a_rows_size_are_refused_before_compiling():
         f(x, np.array([6, 1], np.int32))
     with px.forbid_compiles(), pytest.raises(px.SpecError, match=r"args\[1\]\[1\] = -1"):
         f(x, np.array([5, -1], np.int32))
+
+
+def test_ragged_transparency_through_polyexec_testing():
+    # The testing tool's batches: edge lengths (0 included), NaN/inf/3e38 padding, batches
+    # padded past their longest row; values and gradients against each row alone.
+    from polyexec import testing as pxt
+
+    g = lambda r: {"mean": r.mean(0), "carry": _scan_final(r), "softmax": jax.nn.softmax(r[:, 0])}
+    report = pxt.assert_ragged_transparent(g, B, T, feature_shape=(3,), grad=True,
+                                           buckets={T: [16, 64]}, extra_padding=True,
+                                           max_examples=4)
+    assert report.values.plan.padding_safe and report.grads.plan.padding_safe
+
+
+@pytest.mark.xfail(strict=True, reason="outputs come back at x.shape[1], not at the longest real "
+                                       "length, when a batch is padded past its longest row")
+def test_a_batch_padded_past_its_longest_row_comes_back_at_the_longest_real_length():
+    x, _ = ragged_batch([2, 4, 1])
+    x = np.concatenate([x, np.full((3, 12, 3), np.nan, np.float32)], 1)   # T = 16, longest 4
+    _, flipped = run(jax.vmap(lambda r: jnp.flip(r, 0)), x, [2, 4, 1])
+    assert flipped.shape == (3, 4, 3)

@@ -4,10 +4,11 @@ fails on functions that padding does change (values, output shapes, gradients)."
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import find as hypothesis_find, given, settings
 from hypothesis import strategies as st
 
 import polyexec as px
@@ -189,3 +190,128 @@ def test_argument_checks():
                                              r"received \[1\]"):
         pxt.assert_bucket_transparent(lambda x, w: x * w, (px.Spec("T"), None), fixed_args=(1.0,),
                                       elements={1: st.floats()})
+
+
+# -- ragged batches ---------------------------------------------------------------------------
+
+def _ragged_vars():
+    return px.LengthVar("B", max=3), px.LengthVar("T", min=1, max=20)
+
+
+def test_edge_lengths():
+    B, T = _ragged_vars()
+    assert pxt.edge_lengths(T, [8]) == (0, 1, 2, 7, 8, 9, 19, 20)
+    assert pxt.edge_lengths(px.LengthVar("T", min=4, max=9), [6], min_len=4) == (4, 5, 6, 7, 8, 9)
+    with pytest.raises(px.OptionError, match=r"min_len: expected 0 <= min_len <= 20, received 21"):
+        pxt.edge_lengths(T, min_len=21)
+
+
+def test_ragged_batches_draw_the_edge_lengths_and_poison_the_padding():
+    B, T = _ragged_vars()
+    drawn, pads, extra = set(), set(), []
+
+    @settings(max_examples=200)  # pure numpy, cheap: enough to reach every edge
+    @given(pxt.ragged_batches(B, T, buckets=[8], feature_shape=(2,)))
+    def check(batch):
+        x, lengths = batch
+        assert x.dtype == np.float32 and lengths.dtype == np.int32 and x.shape[2:] == (2,)
+        assert 1 <= x.shape[0] <= 3 and x.shape == (len(lengths), max(1, *lengths), 2)
+        for b, n in enumerate(lengths):
+            assert (np.abs(x[b, :n]) <= 1).all()
+            tail = x[b, n:]
+            assert not (np.abs(tail) <= 1).any()
+            pads.update(str(v) for v in tail.ravel())
+        drawn.update(int(n) for n in lengths)
+
+    check()
+    assert {0, 1, 7, 8, 9, 20} <= drawn
+    assert {"nan", "inf", "-inf", "3e+38", "-3e+38"} <= pads
+
+    # A batch already padded past its longest row; integer rows padded with the extremes.
+    @given(pxt.ragged_batches(2, T, dtype=np.int32, extra_padding=True, min_len=3))
+    def padded(batch):
+        x, lengths = batch
+        assert x.shape[0] == 2 and lengths.min() >= 3 and max(lengths) <= x.shape[1] <= 20
+        assert all(set(x[b, n:].ravel()) <= {2**31 - 1, -2**31} for b, n in enumerate(lengths))
+        extra.append(x.shape[1] - max(lengths))
+
+    padded()
+    assert max(extra) > 0
+
+
+def test_ragged_batches_find_a_bucket_edge():
+    B, T = _ragged_vars()
+    found = hypothesis_find(pxt.ragged_batches(B, T, buckets=[8]),
+                            lambda batch: 9 in batch.lengths and 0 in batch.lengths)
+    assert sorted(found.lengths) == [0, 9]
+
+
+def _scan_carry(r):
+    return jax.lax.scan(lambda h, xt: (jnp.tanh(h * 0.5 + xt), None), jnp.zeros(2), r)[0]
+
+
+RAGGED_ROWS = {
+    "mean": lambda r: jnp.mean(r, 0),
+    "softmax": lambda r: jax.nn.softmax(r[:, 0]),
+    "last": lambda r: r[-1],
+    "flip": lambda r: jnp.flip(r, 0),
+    "scan final carry": _scan_carry,
+    "attention": lambda r: jax.nn.softmax(r @ r.T, -1) @ r,
+}
+
+
+@pytest.mark.parametrize("name", sorted(RAGGED_ROWS))
+def test_assert_ragged_transparent_passes_on_per_row_code(name):
+    B, T = _ragged_vars()
+    report = pxt.assert_ragged_transparent(RAGGED_ROWS[name], B, T, feature_shape=(2,),
+                                           buckets={T: [8]}, max_examples=5)
+    assert report.values.traces == 1 and report.values.plan.padding_safe
+    assert report.values.stats.compiles == len(report.buckets) <= 4
+    if name == "last":  # g raises on an empty row: rows of length 0 are skipped, only those
+        assert all(report.lengths[e][b] == 0 for e, b in report.skipped)
+    else:
+        assert report.skipped == ()
+
+
+def test_assert_ragged_transparent_checks_gradients_and_pytree_outputs():
+    B, T = _ragged_vars()
+
+    def stats(r):  # a pytree output; the gradient is of the sum of every element
+        return {"last": r[-1], "mean": jnp.mean(r, 0), "carry": _scan_carry(r)}
+
+    report = pxt.assert_ragged_transparent(stats, B, T, feature_shape=(2,), grad=True,
+                                           buckets={T: [8]}, max_examples=4, extra_padding=True)
+    assert report.grads.traces == 1
+    assert any(s[1] > max(n) for s, n in zip(report.shapes, report.lengths))
+
+
+def test_assert_ragged_transparent_fails_when_the_padding_is_read():
+    B, T = _ragged_vars()
+    with pytest.raises(AssertionError, match=r"ragged values: row \d+ \(length \d+, bucket "
+                                             r"\{'B': \d+, 'T': \d+\}\) at out: differs from "
+                                             r"g\(x\[\d+, :\d+\]\) run alone"):
+        pxt.assert_ragged_transparent(lambda r: jnp.mean(r, 0), B, T, feature_shape=(2,),
+                                      buckets={T: [8]}, max_examples=5, shrink=False,
+                                      masking=False)
+
+
+def test_assert_ragged_transparent_fails_on_wrong_gradients_and_unsafe_plans():
+    B, T = _ragged_vars()
+    # Masked by hand (the padding is NaN), the values are right without the rewrite; the
+    # gradient is not: d(r_i * r_j)/dr_i = r_j reaches real positions as 0 * nan = nan
+    # (`where` zeroes the cotangent, not the other factor).
+    def masked_gram(r):
+        real = jnp.isfinite(r)
+        return jnp.sum(jnp.where(real[:, None] & real[None, :], r[:, None] * r[None, :], 0.0))
+
+    with pytest.raises(AssertionError, match=r"ragged gradients: row \d+ \(length \d+, bucket"):
+        pxt.assert_ragged_transparent(masked_gram, B, T, grad=True, padding=st.just(np.nan),
+                                      buckets={T: [8]}, max_examples=5, shrink=False,
+                                      masking=False)
+    # The same function passes when polyexec masks.
+    pxt.assert_ragged_transparent(masked_gram, B, T, grad=True, padding=st.just(np.nan),
+                                  buckets={T: [8]}, max_examples=3)
+    with pytest.warns(UserWarning, match="not padding-safe"), \
+            pytest.raises(AssertionError, match=r"the plan is not padding-safe.*pad"):
+        pxt.assert_ragged_transparent(lambda r: jnp.pad(r, (1, 1)), B, T, buckets={T: [8]},
+                                      max_examples=2, shrink=False)
