@@ -557,7 +557,10 @@ def _real_size(d, env: Mapping[str, int], ragged: Mapping[str, tuple[np.ndarray,
             per_row = np.maximum(np.asarray((d // export.symbolic_shape(rows, scope=d.scope)[0])
                                             ._evaluate({**env, name: lengths})), 0)
             return int(np.sum(per_row))
-    return int(d._evaluate(env))
+    # A ragged length alone: the longest real row's (the input may be wider than that).
+    longest = {name: int(lengths.max(initial=0)) for name, (lengths, _) in ragged.items()
+               if name in names}
+    return max(int(d._evaluate({**env, **longest})), 0)
 
 
 def _clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],

@@ -187,8 +187,6 @@ def test_ragged_transparency_through_polyexec_testing():
     assert report.values.plan.padding_safe and report.grads.plan.padding_safe
 
 
-@pytest.mark.xfail(strict=True, reason="outputs come back at x.shape[1], not at the longest real "
-                                       "length, when a batch is padded past its longest row")
 def test_a_batch_padded_past_its_longest_row_comes_back_at_the_longest_real_length():
     x, _ = ragged_batch([2, 4, 1])
     x = np.concatenate([x, np.full((3, 12, 3), np.nan, np.float32)], 1)   # T = 16, longest 4
