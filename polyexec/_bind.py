@@ -311,8 +311,10 @@ def pad_inputs(call: BoundCall, bucket: Mapping[str, int]) -> tuple[list[Any], i
     """
     flat = []
     real = padded = 0
+    # A global array across processes cannot be read here: its rows count whole.
     lengths = {spec.lengths_of: (spec.dims, np.asarray(arr))
-               for arr, (spec, _) in zip(call.poly, call.signature.poly) if spec.lengths_of}
+               for arr, (spec, _) in zip(call.poly, call.signature.poly)
+               if spec.lengths_of and _readable(arr)}
     for arr, (spec, dtype), path in zip(call.poly, call.signature.poly,
                                         call.signature.leaf_paths("poly")):
         if (isinstance(arr, jax.Array) and not arr.is_fully_addressable
@@ -329,6 +331,10 @@ def pad_inputs(call: BoundCall, bucket: Mapping[str, int]) -> tuple[list[Any], i
         padded += int(np.prod(bucket_shape(spec, bucket)))
         real += _real_elements(spec, tuple(arr.shape), lengths)
     return flat, real, padded
+
+
+def _readable(arr: Any) -> bool:
+    return not isinstance(arr, jax.Array) or arr.is_fully_addressable
 
 
 def _real_elements(spec: Spec, shape: tuple[int, ...], lengths: Mapping[str, Any]) -> int:

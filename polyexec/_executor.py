@@ -425,8 +425,11 @@ class Bucketed:
         n_user = len(outputs) - len(segment.count_names)
         for name, count in zip(segment.count_names, outputs[n_user:]):
             sizes[name] = int(count)
+        # Global arrays across processes cannot be read on one: their outputs' ragged tails
+        # stay as computed (polyexec.training's steps return losses, which have none).
         ragged = {name: (np.asarray(flat[at])[:sizes[rows]], rows)
-                  for name, (at, rows) in segment.convention.rows_at.items()}
+                  for name, (at, rows) in segment.convention.rows_at.items()
+                  if _bind._readable(flat[at])}
         return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes, ragged)
 
     def _hand_over(self, plan: Plan, cut: CutPoint, outputs: Sequence[Any],
