@@ -635,7 +635,11 @@ class ExactJit:
 
     def _call(self, params, tokens, lengths):
         self.traces += 1                 # Python runs only when jit traces
-        return self.step.fn(eqx.combine(params, self._static), tokens, lengths)
+        loss, state = self.step.loss_and_state(
+            self.step.fn(eqx.combine(params, self._static), tokens, lengths), params)
+        # Arrays only, filtered here: jit would return a module's Python scalars (an equinox
+        # Dropout's p) as arrays, and the next call's arguments would not match the compiled.
+        return loss, eqx.filter(state, eqx.is_array)
 
     @property
     def compiles(self) -> int:
@@ -650,8 +654,7 @@ class ExactJit:
             executable = self._jitted.lower(state, tokens, lengths).compile()
             self.compile_seconds += time.perf_counter() - start
             self._executables[key] = executable
-        loss, state = self.step.loss_and_state(executable(state, tokens, lengths), state)
-        return loss, eqx.filter(state, eqx.is_array)
+        return executable(state, tokens, lengths)
 
 
 def padded_batch(data: Data, idx: np.ndarray, rows: int, t: int) -> tuple[np.ndarray, np.ndarray]:
