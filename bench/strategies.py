@@ -782,7 +782,11 @@ class BucketedRun(Run):
         else:   # the bucket px picks for the unpadded batch: it pads to it itself
             tokens = data.tokens[idx, :longest]
             lengths = data.lengths[idx].astype(np.int32)
-        loss, state = self._step.loss_and_state(self.f(state, tokens, lengths), state)
+        loss, new = self._step.loss_and_state(self.f(state, tokens, lengths), state)
+        # A bucketed step returns a module's Python scalars (an equinox Dropout's p) as arrays,
+        # as jax.jit does; fed back, they would be traced (and Dropout branches on p). Keep
+        # the state's own non-array leaves.
+        state = jax.tree_util.tree_map(lambda old, x: x if eqx.is_array(old) else old, state, new)
         if self._warm is not None:
             self._warm.mark_ready((rows, t))
         return loss, state, (rows, t)
