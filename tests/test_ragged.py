@@ -192,3 +192,13 @@ def test_a_batch_padded_past_its_longest_row_comes_back_at_the_longest_real_leng
     x = np.concatenate([x, np.full((3, 12, 3), np.nan, np.float32)], 1)   # T = 16, longest 4
     _, flipped = run(jax.vmap(lambda r: jnp.flip(r, 0)), x, [2, 4, 1])
     assert flipped.shape == (3, 4, 3)
+
+
+def test_a_per_row_length_after_a_uniform_one_is_each_rows_own():
+    """`x.shape[0]` inside per-row code after the same length was used batch-wide (and cached
+    as the longest row's): each row still gets its own."""
+    lengths = [2, 6, 3]
+    x, rows = ragged_batch(lengths)
+    g = lambda x: jnp.mean(x) * 0 + jax.vmap(lambda r: r.shape[0] + jnp.sum(r[-1]))(x)  # noqa: E731
+    _, got = run(g, x, lengths, strict=True)
+    np.testing.assert_allclose(got, [n + r[-1].sum() for n, r in zip(lengths, rows)], rtol=1e-5)

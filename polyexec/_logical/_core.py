@@ -158,6 +158,7 @@ class _Ctx:
         self.rows = dict(rows or {})
         self.alive = alive
         self.current = None     # the equation a rule is rewriting right now
+        self.own_sizes = False  # True for a per-row context (see _eval_row_varying)
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
 
@@ -184,7 +185,8 @@ class _Ctx:
             cache = getattr(ctx, table)
             if d in cache:
                 return cache[d]
-            ctx = ctx.parent
+            # A per-row context binds other sizes: its parents' cached lengths are not its own.
+            ctx = None if ctx.own_sizes else ctx.parent
         return None
 
     def _cached(self, table: str, d, compute):
@@ -570,6 +572,7 @@ def _eval_row_varying(ctx: _Ctx, eqn, invals) -> list:
         sizes = {**ctx.sizes, **dict(zip(ragged, lengths))}
         row = _Ctx(sizes, ctx.recorder, ctx, ctx.eqn,
                    {n: v for n, v in ctx.rows.items() if n not in ragged})
+        row.own_sizes = True
         return tuple(_eval_eqn(row, eqn, list(xs)))
 
     lengths = [v[0] for v in ragged.values()]
