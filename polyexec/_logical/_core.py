@@ -343,7 +343,6 @@ def _logical_mask(ctx: _Ctx, shape, axes):
     axes = tuple(axes)
     checked = set()
     for a in axes:
-        rows = None
         for b in (a, *[o for o in range(len(shape)) if o not in axes]):
             if not _is_sym(shape[b]) or b in checked:
                 continue
