@@ -17,6 +17,7 @@ Optimal(sizes=(7, 31, 120))
 
 from . import corpus
 from ._batching import Batch, Overflow, PartialRows, batch_plan, batch_size_for, batches
+from ._packing import Packing, first_fit
 from ._cost import Auto, CostModel, Prediction, predict
 from ._policies import (
     BucketOverflowError,
@@ -40,6 +41,7 @@ __all__ = [
     "Geometric",
     "MultipleOf",
     "Optimal",
+    "Packing",
     "Overflow",
     "PartialRows",
     "Prediction",
@@ -49,6 +51,7 @@ __all__ = [
     "batch_size_for",
     "batches",
     "corpus",
+    "first_fit",
     "predict",
     "report",
 ]
