@@ -19,19 +19,22 @@ import itertools
 import os
 import threading
 import time
+import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax import export
 from rich.progress import Progress
 
+import buckets as _buckets
+
 from . import _bind
 from ._cache import compiles_forbidden
 from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
-                      PolymorphismError, SpecError, check_bool, check_int)
+                      PolymorphismError, SpecError, check_bool, check_int, check_option)
 from ._plan import CutPoint, Plan, Segment
 from ._planner import plan_function
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables
@@ -162,7 +165,8 @@ class Bucketed:
                  donate_argnums: Sequence[int] = (), max_cached: int = 64,
                  check_sizes: bool = False, name: str | None = None,
                  in_shardings: Sequence[Any] | None = None, partition: bool = True,
-                 masking: bool = True, variables: Sequence[LengthVar] = ()):
+                 masking: bool = True, variables: Sequence[LengthVar] = (),
+                 layout: Layout = "pad"):
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         where = f"bucketed({self.name})"
         if not isinstance(in_specs, (tuple, list)):
@@ -179,6 +183,9 @@ class Bucketed:
         # The logical-length rewrite (padding never changes a result); False for code that
         # masks by itself and wants no overhead.
         self.masking = check_bool(masking, f"{where}: masking")
+        # "pad": one sequence per padded row; "pack": several per row of a row-length bucket
+        # (T's buckets), the rows bucketed by B's; "auto": pack when the plan can.
+        self.layout = check_option(layout, LAYOUTS, f"{where}: layout")
         self.donate_argnums = tuple(check_int(i, f"{where}: donate_argnums", min=0)
                                     for i in donate_argnums)
         # One jax.sharding.Sharding (or None) per positional argument, applied to every array
@@ -372,7 +379,8 @@ class Bucketed:
                                  self.out_specs, self._counters.traces, name=self.name,
                                  partition=self.partition, masking=self.masking,
                                  check_sizes=self.check_sizes,
-                                 bucket_sizes={n: self.bucket_sizes(n) for n in self._input_names})
+                                 bucket_sizes={n: self.bucket_sizes(n) for n in self._input_names},
+                                 pack=self.layout != "pad")
         # A loaded plan runs as it is, for the fixed arrays it was traced with.
         expected = [s for s in self._loaded.input_specs if not isinstance(s, Spec)]
         for path, (shape, dtype), want in zip(signature.leaf_paths("array"),
@@ -384,7 +392,12 @@ class Bucketed:
 
     def _verdict(self, plan: Plan) -> None:
         """Never silent: a plan that cannot guarantee a result warns once, or raises (strict)."""
-        if plan.reshaping_is_impossible:
+        if self.layout == "pack" and not plan.can_pack and not plan.reshaping_is_impossible \
+                and plan.padding_safe:
+            message = (f"{self.name} cannot run packed rows, so it runs one sequence per padded "
+                       f"row (layout='pad', the same results): {plan.packing_reason}")
+            reason = plan.packing_reason
+        elif plan.reshaping_is_impossible:
             message = (f"{self.name} is not shape-polymorphic, so it is retraced and compiled per "
                        f"bucket: {plan.reason}")
             reason = plan.reason
@@ -406,6 +419,8 @@ class Bucketed:
     def _run(self, plan: Plan, call: _bind.BoundCall):
         """One call: each segment at its bucket, in order; between two, the count of the
         data-dependent size is read on the host and the handed values cut to its bucket."""
+        if self.layout != "pad" and plan.can_pack:
+            return self._run_packed(plan, call)
         sizes = dict(call.sizes)
         bucket = {n: self.bucket_for(n, s, plan) for n, s in sizes.items()}
         poly, real, padded = _bind.pad_inputs(call, bucket)   # before compiling: it may refuse
@@ -431,6 +446,56 @@ class Bucketed:
                   for name, (at, rows) in segment.convention.rows_at.items()
                   if _bind._readable(flat[at])}
         return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes, ragged)
+
+    def _run_packed(self, plan: Plan, call: _bind.BoundCall):
+        """One call with several sequences per row: first-fit into rows of the smallest
+        row length (a bucket of T) that holds the longest, the rows bucketed by B's buckets;
+        per-sequence outputs cut back out of their rows."""
+        segment = plan.segments[0]
+        ((var, (at, rows_var)),) = segment.convention.rows_at.items()
+        poly_at = at - segment.convention.count("array")
+        lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
+        longest = int(lengths.max(initial=0))
+        row_length = self.bucket_for(var, max(longest, 1), plan)
+        packing = _buckets.first_fit(lengths, row_length)
+        n_rows = self.bucket_for(rows_var, max(packing.rows, 1), plan)
+        layout = _PackedLayout(lengths, packing, n_rows, var, rows_var)
+        poly, real, padded = [], 0, 0
+        for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
+            poly.append(layout.pack(np.asarray(arr), spec, dtype, self.bucket_for, plan))
+            if var in spec.dims and rows_var in spec.dims:
+                rest = int(np.prod(poly[-1].shape)) // (n_rows * row_length)
+                real += int(lengths.sum()) * rest
+                padded += n_rows * row_length * rest
+        sizes = {**call.sizes, rows_var: len(lengths), var: longest}
+        key = ((f"rows({rows_var})", n_rows), (f"row_length({var})", row_length))
+        compiled = self._packed_executable(plan, segment, {rows_var: n_rows, var: row_length}, key)
+        flat = segment.convention.assemble(arrays=call.arrays, poly=poly, sizes=sizes)
+        outputs = compiled.executable(*flat, layout.pos, layout.seglen)
+        self._counters.add(key, calls=1, real_elements=real, padded_elements=padded)
+        leaves = [layout.unpack(np.asarray(leaf), aval.shape, sizes)
+                  for leaf, aval in zip(outputs, segment.packed.out_avals)]
+        return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
+
+    def _packed_executable(self, plan: Plan, segment: Segment, bucket: Mapping[str, int],
+                           key: tuple) -> _Compiled:
+        def refuse():
+            if compiles_forbidden():
+                raise CompileError(f"{self.name}: packed rows {dict(bucket)} are not compiled "
+                                   f"and compiles are forbidden here")
+
+        def compile_packed():
+            avals = [jax.ShapeDtypeStruct(_evaluate(a.shape, bucket), a.dtype)
+                     for a in segment.packed.in_avals]
+            avals = self_shardings(segment.convention, avals, self.in_shardings)
+            lowered = jax.jit(segment.packed.call).lower(*avals)
+            return _Compiled(lowered.compile(), segment.out_tree, segment.out_paths)
+
+        compiled, seconds = self._executables.get((id(segment), "pack", key), compile_packed,
+                                                  refuse)
+        if seconds is not None:
+            self._counters.add(key, compiles=1, compile_seconds=seconds)
+        return compiled
 
     def _hand_over(self, plan: Plan, cut: CutPoint, outputs: Sequence[Any],
                    sizes: dict[str, int], bucket: dict[str, int]) -> tuple[list[Any], int, int]:
@@ -547,6 +612,76 @@ class Bucketed:
                         seen.add(key)
                         jobs.append((seg, sizes))
         return jobs
+
+
+Layout = Literal["pad", "pack", "auto"]
+LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
+
+
+def _evaluate(shape, env: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(int(d._evaluate(env)) if export.is_symbolic_dim(d) else int(d) for d in shape)
+
+
+def self_shardings(convention, avals, shardings):
+    """The packed program's avals: the convention's inputs with their shardings, then the
+    two layout arrays."""
+    n = len(convention.slots)
+    return convention.with_shardings(avals[:n], shardings) + list(avals[n:])
+
+
+class _PackedLayout:
+    """Where each sequence of one packed call sits, and the moves in and out of that grid
+    (on the host, like padding: a device gather would compile per call shape)."""
+
+    def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str):
+        self.lengths, self.packing, self.rows = lengths, packing, rows
+        self.var, self.rows_var = var, rows_var
+        self.seq = np.repeat(np.arange(len(lengths)), lengths)            # per real cell
+        self.offset = np.arange(len(self.seq)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        self.row = packing.row[self.seq]
+        self.column = packing.start[self.seq] + self.offset
+        grid = (rows, packing.row_length)
+        self.pos = np.full(grid, -1, np.int32)
+        self.seglen = np.zeros(grid, np.int32)
+        self.pos[self.row, self.column] = self.offset
+        self.seglen[self.row, self.column] = lengths[self.seq]
+
+    def pack(self, arr: np.ndarray, spec: Spec, dtype, bucket_for, plan) -> np.ndarray:
+        dims = list(spec.dims)
+        if self.rows_var in dims and self.var in dims:
+            b, t = dims.index(self.rows_var), dims.index(self.var)
+            x = np.moveaxis(arr, (b, t), (0, 1))
+            out = np.full((self.rows, self.packing.row_length) + x.shape[2:], spec.pad, dtype)
+            out[self.row, self.column] = x[self.seq, self.offset]
+            return np.moveaxis(out, (0, 1), (b, t))
+        if self.rows_var in dims:      # per-sequence (the lengths): never read by a packed plan
+            shape = [self.rows if d == self.rows_var else s for d, s in zip(dims, arr.shape)]
+            return np.zeros(shape, dtype)
+        bucket = {n: bucket_for(n, s, plan) for n, s in zip(dims, arr.shape) if isinstance(n, str)}
+        bucket[self.var] = self.packing.row_length
+        return _bind.pad_to(arr.astype(dtype, copy=False),
+                            [bucket.get(d, s) if isinstance(d, str) else s
+                             for d, s in zip(dims, arr.shape)], spec.pad)
+
+    def unpack(self, leaf: np.ndarray, shape, sizes: Mapping[str, int]) -> np.ndarray:
+        """An output as the pad layout returns it: a ``(B, T-like)`` pair of axes becomes
+        ``(sequences, e(longest))`` with each sequence's own ``e(n)`` positions and zeros
+        after; other length axes are cut to their real sizes."""
+        names = [set(d._get_vars()) if export.is_symbolic_dim(d) else set() for d in shape]
+        b = [a for a, n in enumerate(names) if n == {self.rows_var}]
+        t = [a for a, n in enumerate(names) if self.var in n and self.rows_var not in n]
+        if len(b) == 1 and len(t) == 1:
+            b, t = b[0], t[0]
+            d = shape[t]
+            per = np.maximum(np.asarray(d._evaluate({**sizes, self.var: self.lengths})), 0)
+            per = np.broadcast_to(per, self.lengths.shape).astype(np.int64)
+            x = np.moveaxis(leaf, (b, t), (0, 1))
+            out = np.zeros((len(self.lengths), int(per.max(initial=0))) + x.shape[2:], x.dtype)
+            keep = self.offset < per[self.seq]
+            out[self.seq[keep], self.offset[keep]] = x[self.row[keep], self.column[keep]]
+            return np.moveaxis(out, (0, 1), (b, t))
+        real = _evaluate(shape, sizes)
+        return leaf[tuple(slice(0, n) for n in real)] if real != tuple(leaf.shape) else leaf
 
 
 def _real_size(d, env: Mapping[str, int], ragged: Mapping[str, tuple[np.ndarray, str]]) -> int:

@@ -114,6 +114,10 @@ class Segment:
     cut: CutPoint | None = None
     inputs_from: tuple[CutPoint, ...] = ()
     count_names: tuple[str, ...] = ()
+    # layout="pack": the program with several sequences per row (`_logical.rewrite_packed`),
+    # None with the reason when there is none (never asked for: "the pad layout was asked").
+    packed: Any = None
+    packing_reason: str | None = "only the pad layout was asked for"
 
     @property
     def variables(self) -> tuple[LengthVar, ...]:
@@ -252,6 +256,18 @@ class Plan:
     padding_reason = property(lambda self: self.verdict.padding)
     padding_safe = property(lambda self: self.verdict.padding is None)
     split_sizes = property(lambda self: self.verdict.split_sizes)
+
+    @property
+    def packing_reason(self) -> str | None:
+        """Why ``layout="pack"`` cannot run this plan (naming the user's line), None when it
+        can: several sequences then share each physical row with the same results."""
+        if self.reshaping_is_impossible:
+            return f"reshaping is impossible: {self.reason}"
+        if self.mode != "single":
+            return "a plan with data-dependent sizes runs one sequence per row"
+        return self.segments[0].packing_reason
+
+    can_pack = property(lambda self: self.packing_reason is None)
 
     # -- the first program and the last one's outputs ---------------------------------------------
 

@@ -112,6 +112,32 @@ def logical_export(traced: Traced, convention: Convention,
                              + (f" (and {more} more)" if more else ""))
 
 
+def packed_export(traced: Traced, convention: Convention) -> tuple[Any, str | None]:
+    """The packed program (``layout="pack"``) of one traced program: ``(exported, None)``, or
+    ``(None, reason)`` naming the user's line where packed rows cannot keep a result."""
+    names = {v.name for v in convention.variables}
+    rows_at = convention.rows_at
+    if rows_at and names - set(rows_at) - {by for _, by in rows_at.values()}:
+        return None, (f"length variables other than the packed one and its rows "
+                      f"({', '.join(sorted(names))})")
+    try:
+        logical = _logical.rewrite_packed(traced.jaxpr, convention.sizes_at, rows_at)
+        if not logical.unsupported:
+            ((var, (_, rows)),) = rows_at.items()
+            scope = next(d.scope for a in traced.avals for d in a.shape if export.is_symbolic_dim(d))
+            grid = export.symbolic_shape(f"{rows}, {var}", scope=scope)
+            cells = jax.ShapeDtypeStruct(tuple(grid), np.int32)
+            exported, _ = export_flat(logical.fn, [*traced.avals, cells, cells])
+            return exported, None
+    except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
+        return None, (f"the packed rewrite failed ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    first = logical.unsupported[0]
+    more = len(logical.unsupported) - 1
+    return None, (f"{first.where}: {first.primitive}: {first.detail}"
+                  + (f" (and {more} more)" if more else ""))
+
+
 # -- tracing ------------------------------------------------------------------------------------
 
 
@@ -196,7 +222,7 @@ def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
 
 
 def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
-            masking: bool) -> Plan:
+            masking: bool, pack: bool = False) -> Plan:
     """The plan of a function without data-dependent sizes: one segment, every input live."""
     in_vars = convention.variables
     everything = dict(live_variables=tuple(in_vars), live_inputs=(True,) * len(convention.slots))
@@ -207,8 +233,13 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
             traced.reason, "reshaping is impossible: each bucket runs the function as retraced "
                            "at the bucket's sizes", traced.split_sizes))
     exported, padding_reason = logical_export(traced, convention, masking)
+    packing = {}
+    if pack:
+        packing = dict(zip(("packed", "packing_reason"),
+                           packed_export(traced, convention) if masking and padding_reason is None
+                           else (None, f"the pad layout is not exact either: {padding_reason}")))
     segment = Segment(0, convention, exported, traced.jaxpr, traced.out_tree, traced.out_paths,
-                      padding_reason, **everything)
+                      padding_reason, **everything, **packing)
     return Plan(name, tuple(in_vars), (segment,), Verdict(padding=padding_reason), fn=fn)
 
 
@@ -216,7 +247,8 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
                   input_names: Sequence[str], out_specs: Any, counter: TraceCounter, *,
                   name: str, partition: bool = True, masking: bool = True,
                   check_sizes: bool = False,
-                  bucket_sizes: Mapping[str, Sequence[int]] | None = None) -> Plan:
+                  bucket_sizes: Mapping[str, Sequence[int]] | None = None,
+                  pack: bool = False) -> Plan:
     """Trace ``fn`` into its `Plan`: one segment when it defines no data-dependent size, else
     one segment per partition point plus one (one Python trace each). Pure: nothing but
     ``counter`` is written."""
@@ -239,12 +271,12 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
             raise SpecError(
                 f"{name}: out_specs name {data_named}, which no input Spec uses and no "
                 f"px.compact/nonzero/loop_until/partition(..., length=...) defines")
-        plan = _single(fn, name, convention, traced, masking)
+        plan = _single(fn, name, convention, traced, masking, pack)
         if check_sizes and not failed:
             reason = size_dependence(fn, convention, plan.exported.out_avals, plan.out_paths,
                                      counter, bucket_sizes)
             if reason is not None:
-                plan = _single(fn, name, convention, Failed(reason), masking)
+                plan = _single(fn, name, convention, Failed(reason), masking, pack)
         return plan
 
     segments = [_segment(context, 0, (), convention, traced, masking)]

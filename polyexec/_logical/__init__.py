@@ -44,5 +44,6 @@ room for its logical positions.
 # this package, so it always sees the full registry.
 from . import _contractions, _control, _indexing, _pointwise, _reductions, _structure  # noqa: F401
 from ._core import Logical, RuleContext, Unsupported, register_rule, rewrite
+from ._packed import rewrite_packed
 
-__all__ = ["Logical", "RuleContext", "Unsupported", "register_rule", "rewrite"]
+__all__ = ["Logical", "RuleContext", "Unsupported", "register_rule", "rewrite", "rewrite_packed"]

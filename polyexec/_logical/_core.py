@@ -168,6 +168,11 @@ class _Ctx:
         return _Ctx(self.sizes, self.recorder, self, eqn, self.rows,
                     self.alive if alive is None else alive)
 
+    def evaluate(self, eqn, invals) -> list:
+        """One equation's outputs in this context's layout (padded rows here; a packed
+        context overrides it)."""
+        return _eval_padded(self, eqn, invals)
+
     def flag(self, eqn, detail: str):
         """Record an equation no rule makes logical, at the user's line: its own, or else
         (equations JAX's own functions trace, e.g. inside ``jnp.linalg``) that of the
@@ -516,6 +521,10 @@ def _eval_closed(ctx: _Ctx, closed, args) -> list:
 
 
 def _eval_eqn(ctx: _Ctx, eqn, invals) -> list:
+    return ctx.evaluate(eqn, invals)
+
+
+def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
     if any(isinstance(x, RowVarying) for x in invals):
         return _eval_row_varying(ctx, eqn, invals)
     if not _eqn_touches(eqn, ctx.recorder.touches):

@@ -1,0 +1,670 @@
+"""Packed rows: the logical program when several sequences share each physical row.
+
+With ``layout="pack"`` the sequences of a call (the rows of its ``(B, T)`` inputs, T ragged
+along B) are laid end to end in rows of one row length, first-fit (`buckets.first_fit`), and
+the one symbolic program runs with ``B`` bound to the number of packed rows and ``T`` to the
+row length. Two extra inputs describe the layout, per cell of the ``(B, T)`` grid: ``pos``,
+the cell's position inside its sequence (-1 in padding), and ``seglen``, its sequence's length.
+
+The frame
+---------
+A sequence starts at the same column in every value with a ``(B, T-like)`` pair of axes: a
+value whose T-like axis has length ``e(T)`` (``T``, ``T - 1``) holds position ``p`` of a
+sequence of length ``n`` at column ``start + p`` for ``p < e(n)``; every other cell is "don't
+care". Slicing ``x[:, 1:]`` and ``x[:, :-1]`` keeps that by construction (column ``q`` reads
+``q + 1``), which is why the frame is the segments' start columns and not their contents. A
+length that can exceed ``T`` (``2*T``) has no room in the frame and is not packable.
+
+Rules
+-----
+Inside a packed row the pad layout's rules would mix sequences, so this context admits only:
+
+- per-position equations (elementwise, layout, contractions over feature axes, gathers and
+  scatters that index feature axes) -- they run unchanged;
+- reductions and contractions over *both* the rows and a packed length (a loss summed over
+  every token, a weight gradient), with the cells outside the frame masked;
+- a scan over a packed length: it walks the columns, restarts each row's carry from its
+  initial value at every sequence start, and freezes it outside the frame; its body sees one
+  cell per row, and a reduction over the rows there reads only the rows whose cell is real;
+- broadcasting a per-position value (``pe[:T]``) into the rows, ``iota`` along the packed
+  length (each cell's position), and ``pad`` along it (per sequence);
+- ``x.shape`` as a number when it counts over the rows (``nll.size`` is the number of real
+  predictions) or is the number of sequences.
+
+A per-sequence value (a scan's final carry, a reduction over T alone, ``x.shape[1]`` as a
+number, a ``(B,)`` input such as the lengths) has no cell of its own in a packed row: it
+becomes a `NotPacked` placeholder that fails the plan only if something reads it -- a dropped
+final carry costs nothing. Everything else is `Unsupported` with the user's line, and
+``layout="auto"`` then runs the pad layout, where the same program is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.export import shape_poly as _shape_poly
+
+from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _Ctx, _eqn_touches,
+                    _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule, _Recorder, _replay,
+                    _where)
+from . import _contractions, _control, _reductions
+
+
+@dataclasses.dataclass(frozen=True)
+class NotPacked:
+    """A value that differs per sequence and has no cell of its own in a packed row; reading it
+    makes the program unpackable (the reason names where it was made)."""
+
+    why: str
+
+
+def _names(d) -> set[str]:
+    return set(d._get_vars()) if _is_sym(d) else set()
+
+
+class _PackedCtx(_Ctx):
+    """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B)."""
+
+    def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
+                 rows: str, pos, seglen):
+        super().__init__(sizes, recorder, parent, eqn, {var: (None, rows)}, alive)
+        self.var, self.rows_name, self.pos, self.seglen = var, rows, pos, seglen
+
+    def child(self, eqn, *, alive=None) -> "_PackedCtx":
+        if alive is not None and self.alive is not None:
+            alive = lax.bitwise_and(alive, self.alive)
+        return _PackedCtx(self.sizes, self.recorder, self, eqn,
+                          self.alive if alive is None else alive, var=self.var,
+                          rows=self.rows_name, pos=self.pos, seglen=self.seglen)
+
+    # -- axes -----------------------------------------------------------------------------------
+
+    def row_axes(self, shape, rows: str | None = None) -> list[int]:
+        return [i for i, s in enumerate(shape) if _is_sym(s) and str(s) == self.rows_name]
+
+    def packed_axes(self, shape) -> list[int]:
+        """Axes whose length is an expression of the packed variable (T, T - 1), not a count
+        over the rows."""
+        return [i for i, s in enumerate(shape)
+                if self.var in _names(s) and self.rows_name not in _names(s)]
+
+    def rows_of(self, d) -> str | None:
+        return self.rows_name if self.var in _names(d) else None
+
+    # -- lengths --------------------------------------------------------------------------------
+
+    def length(self, d, shape=None):
+        """A length in the packed frame. The rows axis: every physical row (their cells say
+        which are real). A packed length of a value with a rows axis: per cell, the column
+        where its sequence's part of the axis ends (``iota < length`` is the frame). A count
+        over the rows (``B*T``): the sum over the sequences."""
+        if not _is_sym(d):
+            return int(d)
+        names = _names(d)
+        if self.var not in names:
+            if self.rows_name in names:
+                if str(d) != self.rows_name:
+                    raise _NoRule(f"the length {d} counts packed rows")
+                return self.physical(d)
+            return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+        if self.rows_name in names:
+            return self._summed(d, self.rows_name)
+        if shape is not None:
+            rows, packed = self.row_axes(shape), self.packed_axes(shape)
+            if rows:
+                if len(rows) != 1 or len(packed) != 1:
+                    raise _NoRule(f"a value of shape {tuple(shape)} mixes sequences of a packed "
+                                  f"row (it needs exactly one rows axis and one packed length)")
+                return _along(self.ends(shape[packed[0]]), len(shape), rows[0], packed[0])
+        elif self.current is not None and self._has_rows(self.current, self.rows_name):
+            raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
+                          f"per sequence of a packed row")
+        # A value without rows: per position, real up to the longest sequence.
+        return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+
+    def _has_rows(self, eqn, rows: str) -> bool:
+        return any(self.row_axes(getattr(v.aval, "shape", ()))
+                   for v in (*eqn.invars, *eqn.outvars))
+
+    def cells(self, d):
+        """``(pos, seglen)`` of the first ``d`` columns (an axis of packed length ``d``)."""
+        return (lax.slice_in_dim(self.pos, 0, d, axis=1),
+                lax.slice_in_dim(self.seglen, 0, d, axis=1))
+
+    def in_frame(self, d):
+        """``(rows, d)`` bool: the cells inside the frame of an axis of packed length ``d``."""
+        pos, seglen = self.cells(d)
+        return (pos >= 0) & (pos < self._at(d, seglen))
+
+    def ends(self, d):
+        """``(rows, d)`` int32: per cell, the column where its sequence's part ends (-1 in
+        padding), so ``column < ends`` is the frame."""
+        pos, seglen = self.cells(d)
+        column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+        return jnp.where(pos >= 0, column - pos + self._at(d, seglen), -1).astype(np.int32)
+
+    def _at(self, d, seglen):
+        return jnp.maximum(d._evaluate({**self.sizes, self.var: seglen}), 0).astype(np.int32)
+
+    def _summed(self, d, rows: str):
+        b = _shape_poly._DimExpr._from_var(rows, d.scope)
+        q = d // b
+        if q * b != d or rows in _names(q):
+            raise _NoRule(f"the length {d} is not a count over the sequences")
+        starts = self.pos == 0
+        per = (self._at(q, self.seglen) if _is_sym(q) else jnp.full(jnp.shape(self.pos), int(q)))
+        return jnp.sum(jnp.where(starts, per, 0)).astype(np.int32)
+
+    def row_mask(self, rows: str):
+        return self.alive
+
+    def per_row(self, d):
+        raise _NoRule(f"the length {d} is per row, and a packed row holds several sequences")
+
+    # -- equations ------------------------------------------------------------------------------
+
+    def evaluate(self, eqn, invals) -> list:
+        marker = next((x for x in invals if isinstance(x, NotPacked)), None)
+        if marker is not None:
+            self.flag(eqn, f"reads {marker.why}")
+            return [marker] * len(eqn.outvars)
+        if any(isinstance(x, RowVarying) for x in invals):   # never made here; defensive
+            self.flag(eqn, "reads a per-row value")
+            return [NotPacked("a per-row value")] * len(eqn.outvars)
+        if not _eqn_touches(eqn, self.recorder.touches):
+            return _bind(eqn, invals)
+        for v in eqn.outvars:
+            for d in getattr(v.aval, "shape", ()):
+                if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
+                                                               self.rows_name):
+                    self.flag(eqn, f"the length {d} can exceed its sequence's room in a packed row")
+                    return [NotPacked(f"the length {d}")] * len(eqn.outvars)
+        rule = _PACKED_RULES.get(eqn.primitive.name, _generic)
+        try:
+            self.current = eqn
+            out = rule(self, eqn, invals)
+        except _NoRule as e:
+            self.flag(eqn, str(e))
+            return [NotPacked(str(e))] * len(eqn.outvars)
+        except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict
+            self.flag(eqn, f"the packed {eqn.primitive.name} rule failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+            return [NotPacked("a failed rule")] * len(eqn.outvars)
+        finally:
+            self.current = None
+        if out is None:
+            return _bind(eqn, invals)
+        self.recorder.rewritten.add(id(eqn))
+        return [x if isinstance(x, NotPacked) else _like(x, v.aval)
+                for x, v in zip(out, eqn.outvars)]
+
+    def per_sequence(self, eqn, what: str) -> list:
+        where = _where(eqn) or "<unknown>"
+        return [NotPacked(f"{what} made at {where}, a per-sequence value (a packed row holds "
+                          f"several sequences)")] * len(eqn.outvars)
+
+
+def _along(v2, ndim: int, rows_axis: int, packed_axis: int):
+    """A ``(rows, cells)`` array shaped to broadcast against a value of rank ``ndim`` whose
+    rows and packed axes are those."""
+    if rows_axis > packed_axis:
+        v2 = v2.T
+    return jnp.expand_dims(v2, [a for a in range(ndim) if a not in (rows_axis, packed_axis)])
+
+
+def _into(v2, shape, rows_axis: int, packed_axis: int):
+    """A ``(rows, cells)`` array broadcast to ``shape``."""
+    if rows_axis > packed_axis:
+        return lax.broadcast_in_dim(v2.T, tuple(shape), (packed_axis, rows_axis))
+    return lax.broadcast_in_dim(v2, tuple(shape), (rows_axis, packed_axis))
+
+
+def _fits(recorder: _Recorder, d, var: str, rows: str) -> bool:
+    """Whether a packed length never exceeds its sequence: ``d(n) <= n`` for every n within
+    the variable's bounds (a sequence's part of the axis stays inside its own cells)."""
+    names = _names(d)
+    if var not in names or rows in names:
+        return True
+    key = ("fits", d)
+    if key not in recorder._monotone:
+        ok = names == {var}
+        if ok:
+            v = _shape_poly._DimExpr._from_var(var, d.scope)
+            lo, hi = _shape_poly._bounds_decision(v, _shape_poly.BoundsPrecision.BEST)
+            ok = np.isfinite(hi) and hi - lo <= 1 << 14 and all(
+                int(d._evaluate({var: n})) <= n for n in range(max(int(lo), 0), int(hi) + 1))
+        recorder._monotone[key] = bool(ok)
+    return recorder._monotone[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Rules
+
+_PACKED_RULES: dict[str, Any] = {}
+
+
+def _packed(*names):
+    def register(rule):
+        for name in names:
+            _PACKED_RULES[name] = rule
+        return rule
+    return register
+
+
+# Primitives that act along the axes their parameter names; elsewhere they are per position.
+_AXIS_PARAMS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+                "cumlogsumexp": "axis", "rev": "dimensions", "sort": "dimension",
+                "concatenate": "dimension", "split": "axis", "argsort": "dimension"}
+_RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
+              "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "cond"}
+
+
+def _generic(ctx: _PackedCtx, eqn, invals):
+    name = eqn.primitive.name
+    entry = _lookup(eqn.primitive)
+    if entry is not None and entry.rule is ELEMENTWISE:
+        return None
+    if name in _RECURSING:
+        return entry.rule(ctx, eqn, invals)
+    if name in _AXIS_PARAMS:
+        axes = eqn.params[_AXIS_PARAMS[name]]
+        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+        if not any(_is_sym(x.shape[a]) for x in invals if hasattr(x, "shape") for a in axes
+                   if a < x.ndim):
+            return None
+        raise _NoRule(f"{name} along a length axis of a packed row (several sequences share it)")
+    if entry is None:
+        raise _NoRule(f"no rule for {name} on a length axis")
+    if name in _SCATTERS and ctx.alive is not None:
+        invals = _drop_dead_rows(ctx, eqn, invals)
+    if name in ("gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+                "scatter-max", "dynamic_slice", "dynamic_update_slice"):
+        # Their rules bound indices by lengths read through `length`, which refuses a length
+        # that differs per sequence; indexing feature axes passes unchanged.
+        return entry.rule(ctx, eqn, invals)
+    raise _NoRule(f"{name} has no rule for packed rows")
+
+
+_SCATTERS = {"scatter": None, "scatter-add": 0, "scatter-sub": 0, "scatter-mul": 1,
+             "scatter-min": "max", "scatter-max": "min"}
+
+
+def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
+    """Inside a packed scan: the updates of rows whose cell is not real become the combiner's
+    identity, so they change nothing (a plain scatter cannot be told to skip them)."""
+    x, idx, updates = invals
+    dn = eqn.params["dimension_numbers"]
+    axes = [d for d in ctx.row_axes(updates.shape) if d not in dn.update_window_dims]
+    if not axes:
+        return invals
+    identity = _SCATTERS[eqn.primitive.name]
+    if identity is None:
+        raise _NoRule("a scatter from the rows inside a scan over packed rows")
+    if isinstance(identity, str):
+        identity = (_reductions._highest if identity == "max" else _reductions._lowest)(updates.dtype)
+    keep = lax.broadcast_in_dim(ctx.alive, updates.shape, (axes[0],))
+    return [x, idx, lax.select(keep, updates, _full(updates.shape, identity, updates.dtype))]
+
+
+@_packed("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+         "reduce_xor", "argmax", "argmin", "reduce")
+def _reduction(ctx: _PackedCtx, eqn, invals):
+    x = invals[0]
+    axes = set(eqn.params["axes"] if "axes" in eqn.params else eqn.params["dimensions"])
+    lengths = {a for a in range(x.ndim) if _is_sym(x.shape[a])}
+    if not axes & lengths:
+        return None
+    rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
+    arg = eqn.primitive.name in ("argmax", "argmin")
+    rule = _reductions._reduce if eqn.primitive.name == "reduce" else _reductions._reduction
+    if not rows:                       # per position: real up to the longest sequence
+        return rule(ctx, eqn, invals)
+    if packed:
+        if rows | packed <= axes and not arg:
+            return rule(ctx, eqn, invals)       # over every real cell
+        return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
+    if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
+        return rule(ctx, eqn, invals)
+    return ctx.per_sequence(eqn, f"{eqn.primitive.name} over the rows")
+
+
+@_packed("dot_general")
+def _dot_general(ctx: _PackedCtx, eqn, invals):
+    lhs, rhs = invals
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    out = eqn.outvars[0].aval.shape
+    if len(ctx.row_axes(out)) > 1 or len(ctx.packed_axes(out)) > 1:
+        raise _NoRule("a contraction pairing cells of a packed row (attention across its "
+                      "sequences)")
+    for x, contracted in ((lhs, lc), (rhs, rc)):
+        rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
+        c = set(contracted)
+        if packed & c and not rows <= c:
+            return ctx.per_sequence(eqn, "a contraction over a packed length alone")
+        if rows & c and not packed <= c:
+            return ctx.per_sequence(eqn, "a contraction over the rows alone")
+        if rows & c and not packed and ctx.alive is None:
+            return ctx.per_sequence(eqn, "a contraction over the rows")
+    return _contractions._dot_general(ctx, eqn, invals)
+
+
+@_packed("dim_as_value")
+def _dim_as_value(ctx: _PackedCtx, eqn, invals):
+    d = eqn.params["dim"]
+    names = _names(d)
+    if ctx.var in names and ctx.rows_name not in names:
+        return ctx.per_sequence(eqn, f"the length {d} used as a number")
+    if ctx.var in names:
+        return [ctx.length(d)]
+    # The rows as a number are the sequences, not the packed rows.
+    return [lax.convert_element_type(d._evaluate(ctx.sizes), np.int32)]
+
+
+@_packed("broadcast_in_dim")
+def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
+    (x,) = invals[:1]
+    shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if len(rows) != 1 or len(packed) != 1:
+        return None
+    if rows[0] in dims or packed[0] not in dims:
+        return None                    # rows kept (per position) or a per-row broadcast
+    # A per-position value (pe[:T]) into packed rows: each cell reads its own position.
+    k = dims.index(packed[0])
+    pos, _ = ctx.cells(shape[packed[0]])
+    taken = jnp.take(x, jnp.clip(pos, 0, ctx.physical(x.shape[k]) - 1), axis=k, mode="clip")
+    targets = [*dims[:k], rows[0], packed[0], *dims[k + 1:]]
+    order = sorted(range(len(targets)), key=targets.__getitem__)
+    return [lax.broadcast_in_dim(jnp.transpose(taken, order), tuple(shape),
+                                 tuple(sorted(targets)))]
+
+
+@_packed("iota")
+def _iota(ctx: _PackedCtx, eqn, invals):
+    shape, dim = eqn.params["shape"], eqn.params["dimension"]
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if len(rows) != 1 or len(packed) != 1:
+        return None
+    if dim == rows[0]:
+        raise _NoRule("iota along the rows of packed rows (which sequence is which?)")
+    if dim != packed[0]:
+        return None
+    pos, _ = ctx.cells(shape[dim])
+    return [_into(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, rows[0], dim)]
+
+
+@_packed("slice")
+def _slice(ctx: _PackedCtx, eqn, invals):
+    (x,) = invals
+    rows = ctx.row_axes(x.shape)
+    if not rows:
+        return _structure_rule("slice")(ctx, eqn, invals)
+    p = eqn.params
+    strides = p["strides"] or (1,) * x.ndim
+    out = eqn.outvars[0].aval.shape
+    for a in range(x.ndim):
+        if not _is_sym(x.shape[a]):
+            continue
+        start, stride = p["start_indices"][a], strides[a]
+        if a in rows:
+            if _is_sym(start) or start != 0 or stride != 1 or not _core_equal(out[a], x.shape[a]):
+                raise _NoRule("a slice of the rows of packed rows")
+        elif _is_sym(start) or stride != 1 or not _is_sym(out[a]):
+            # x[:, -1], x[:, T//2:], x[:, ::2]: where each sequence's part starts or ends.
+            raise _NoRule("a slice of a packed length that does not keep each sequence's "
+                          "start column (a per-sequence start, a stride, a constant size)")
+    return None     # column q of the result reads column q + start: the same sequence
+
+
+@_packed("pad")
+def _pad(ctx: _PackedCtx, eqn, invals):
+    x, fill = invals
+    config = eqn.params["padding_config"]
+    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
+    touched = [a for a, c in enumerate(config) if tuple(c) != (0, 0, 0)]
+    if not rows or not any(a in rows or a in packed for a in touched):
+        return _structure_rule("pad")(ctx, eqn, invals) if not rows else None
+    if any(a in rows for a in touched) or len(packed) != 1:
+        raise _NoRule("pad along the rows of packed rows")
+    a = packed[0]
+    lo, hi, interior = config[a]
+    if any(_is_sym(v) for v in (lo, hi, interior)) or lo < 0 or hi < 0 or interior:
+        raise _NoRule("pad of a packed length by a length, negative or interior amount")
+    (y,) = _bind(eqn, invals)
+    # Column q of the result holds column q - lo of the operand: the sequence's own values
+    # for positions lo .. lo + n, the fill before and after them.
+    pos, seglen = ctx.cells(y.shape[a])
+    inside = (pos >= lo) & (pos - lo < ctx._at(x.shape[a], seglen))
+    keep = _into(inside, y.shape, rows[0], a)
+    return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
+
+
+@_packed("reshape")
+def _reshape(ctx: _PackedCtx, eqn, invals):
+    (x,) = invals
+    src, dst = x.shape, eqn.params["new_sizes"]
+    if not ctx.row_axes(src) and not ctx.row_axes(dst):
+        return _structure_rule("reshape")(ctx, eqn, invals)
+    if eqn.params.get("dimensions") is None and _keeps_length_axes(src, dst):
+        return None
+    raise _NoRule("a reshape that merges or splits the rows or a packed length")
+
+
+def _keeps_length_axes(src, dst) -> bool:
+    """Length axes in the same order, with the same constant block before and between them:
+    each cell keeps its (row, column) coordinates."""
+    def blocks(shape):
+        out, run = [], 1
+        for d in shape:
+            if _is_sym(d):
+                out.append((run, str(d)))
+                run = 1
+            else:
+                run *= int(d)
+        return out
+    return blocks(src) == blocks(dst)
+
+
+@_packed("concatenate")
+def _concatenate(ctx: _PackedCtx, eqn, invals):
+    axis = eqn.params["dimension"]
+    if any(_is_sym(x.shape[axis]) for x in invals):
+        raise _NoRule("concatenate along a length axis of packed rows")
+    return None
+
+
+@_packed("while")
+def _while(ctx: _PackedCtx, eqn, invals):
+    raise _NoRule("a while loop over packed rows (a per-sequence trip count)")
+
+
+@_packed("scan")
+def _scan(ctx: _PackedCtx, eqn, invals):
+    p = eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    length = p["length"]
+    has_rows = [bool(ctx.row_axes(x.shape)) for x in (*init, *xs)]
+    if ctx.var not in _names(length) or not any(has_rows):
+        return _control._scan(ctx, eqn, invals)
+    return _packed_scan(ctx, eqn, consts, init, xs)
+
+
+def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
+    """A scan over a packed length: every column once, up to the last real cell. At each
+    sequence's first step (its last, for a reverse scan) the row's carry restarts from its
+    initial value; outside the frame it is frozen; ``alive`` marks the rows whose cell is
+    real, so a gradient summed over the rows inside the body reads those only."""
+    p = eqn.params
+    ncarry, body, length = p["num_carry"], p["jaxpr"], p["length"]
+    if any(not ctx.row_axes(x.shape[1:]) for x in xs):
+        raise _NoRule("a scan over a packed length whose scanned input has no rows axis")
+    if any(ctx.row_axes(c.shape) and ctx.packed_axes(c.shape) for c in consts):
+        raise _NoRule("a scan over a packed length that reads a whole packed value at each step")
+    carry_axes = []
+    for j, c in enumerate(init):
+        axes = ctx.row_axes(c.shape)
+        if len(axes) > 1:
+            raise _NoRule(f"a carry of shape {tuple(c.shape)} has several rows axes")
+        if not axes and not _accumulates(body.jaxpr, p["num_consts"] + j, j, ctx):
+            raise _NoRule(f"carry {j} has no rows axis and is not a sum over the rows (a step "
+                          f"counter?): over packed rows its steps are not any sequence's")
+        carry_axes.append(axes[0] if axes else None)
+    in_frame = ctx.in_frame(length)                       # (rows, columns)
+    pos, seglen = ctx.cells(length)
+    first = in_frame & ((pos == ctx._at(length, seglen) - 1) if p["reverse"] else (pos == 0))
+    columns = lax.broadcasted_iota(np.int32, jnp.shape(in_frame), 1)
+    stop = jnp.max(jnp.where(in_frame, columns + 1, 0), initial=0).astype(np.int32)
+    ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+
+    def loop(state):
+        i, carry, ys = state
+        at = stop - 1 - i if p["reverse"] else i
+        alive = lax.dynamic_index_in_dim(in_frame, at, 1, keepdims=False)
+        restart = lax.dynamic_index_in_dim(first, at, 1, keepdims=False)
+        carry = [c if a is None else
+                 lax.select(lax.broadcast_in_dim(restart, jnp.shape(c), (a,)), c0, c)
+                 for c, c0, a in zip(carry, init, carry_axes)]
+        x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
+        out = _control._eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
+        new = [n if a is None else
+               lax.select(lax.broadcast_in_dim(alive, jnp.shape(n), (a,)), n, old)
+               for n, old, a in zip(out[:ncarry], carry, carry_axes)]
+        ys = [lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 0)
+              for y, v in zip(ys, out[ncarry:])]
+        return i + 1, new, ys
+
+    _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
+    final = [c if a is None else ctx.per_sequence(eqn, "the final carry of a scan")[0]
+             for c, a in zip(carry, carry_axes)]
+    return [*final, *ys]
+
+
+_PASS_THROUGH = {"reduce_sum", "convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
+                 "broadcast_in_dim", "neg", "reduce_precision"}
+
+
+def _accumulates(jaxpr, invar: int, outvar: int, ctx: _PackedCtx) -> bool:
+    """Whether a carry without a rows axis is left alone or grows by a sum over the rows that
+    does not read it (``ct_w + x.T @ g``: a weight gradient of a scan's transpose). Then the
+    order in which cells are visited does not matter, and the frozen rows add nothing."""
+    out, inv = jaxpr.outvars[outvar], jaxpr.invars[invar]
+    if out is inv:
+        return True
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    eqn = made.get(out)
+    if eqn is None or eqn.primitive.name not in ("add", "add_any") or inv not in eqn.invars:
+        return False
+    (other,) = [v for v in eqn.invars if v is not inv] or [None]
+    if other is None or _reads(other, inv, made):
+        return False
+    while True:
+        e = made.get(other)
+        if e is None:
+            return False
+        name = e.primitive.name
+        if name == "reduce_sum" and any(a in ctx.row_axes(e.invars[0].aval.shape)
+                                        for a in e.params["axes"]):
+            return True
+        if name == "dot_general":
+            (lc, rc), _ = e.params["dimension_numbers"]
+            return any(a in ctx.row_axes(e.invars[0].aval.shape) for a in lc)
+        if name == "scatter-add":     # an embedding's gradient: rows added into the table
+            return bool(ctx.row_axes(e.invars[2].aval.shape))
+        if name not in _PASS_THROUGH:
+            return False
+        other = e.invars[0]
+
+
+def _reads(v, target, made) -> bool:
+    seen, stack = set(), [v]
+    while stack:
+        u = stack.pop()
+        if u is target:
+            return True
+        if id(u) in seen or u not in made:
+            continue
+        seen.add(id(u))
+        stack.extend(w for w in made[u].invars if not isinstance(w, jax.extend.core.Literal))
+    return False
+
+
+def _structure_rule(name):
+    from . import _structure
+    return {"slice": _structure._slice, "pad": _structure._pad,
+            "reshape": _structure._reshape}[name]
+
+
+def _core_equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - undecidable: not equal for our purposes
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
+    """The packed program of a symbolic flat program whose variable ``T`` is ragged along
+    ``B`` (``rows_at``): the same inputs plus ``pos`` and ``seglen`` (int32 ``(B, T)``) last,
+    run with ``B`` = packed rows and ``T`` = row length; ``sizes_at``'s ``B`` is the number of
+    sequences and ``T`` the longest sequence's length. Outputs with a ``(B, T-like)`` pair of
+    axes come back packed (the caller unpacks them per sequence).
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> B, T = jax.export.symbolic_shape("B, T", constraints=["T <= 16"])
+    >>> i32 = lambda *s: jax.ShapeDtypeStruct(s, np.int32)
+    >>> avals = [jax.ShapeDtypeStruct((B, T), np.float32), i32(B), i32(), i32()]
+    >>> program = jax.jit(lambda x, n, b, t: (jnp.sum(x[:, 1:] * x[:, :-1]),)).trace(*avals).jaxpr
+    >>> packed = rewrite_packed(program, {"B": 2, "T": 3}, {"T": (1, "B")})
+    >>> x = np.array([[1, 2, 3, 4, 5, 6, 0, 0]], np.float32)   # sequences [1,2,3] and [4,5,6]
+    >>> pos = np.array([[0, 1, 2, 0, 1, 2, -1, -1]], np.int32)
+    >>> seglen = np.array([[3, 3, 3, 3, 3, 3, 0, 0]], np.int32)
+    >>> exported = jax.export.export(jax.jit(packed.fn))(*avals, i32(B, T), i32(B, T))
+    >>> float(exported.call(x, np.zeros(1, np.int32), np.int32(2), np.int32(3), pos, seglen)[0])
+    58.0
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    recorder = _Recorder()
+    if len(rows_at) != 1:
+        why = ("no input gives per-sequence lengths (a `lengths_of` Spec)" if not rows_at else
+               "several length variables are ragged")
+        return Logical(fn=_replay(closed_jaxpr), rewritten=0,
+                       unsupported=(Unsupported("layout", "<inputs>", why),))
+    ((var, (_, rows)),) = rows_at.items()
+    dims = [d for v in jaxpr.invars for d in getattr(v.aval, "shape", ()) if _is_sym(d)]
+    grid = jax.export.symbolic_shape(f"{rows}, {var}", scope=dims[0].scope)
+
+    def packed(*args):
+        *flat, pos, seglen = args
+        sizes = {name: flat[at] for name, at in sizes_at.items()}
+        ctx = _PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen)
+        inputs = []
+        for i, (v, x) in enumerate(zip(jaxpr.invars, flat)):
+            shape = getattr(v.aval, "shape", ())
+            if ctx.row_axes(shape) and not ctx.packed_axes(shape):
+                x = NotPacked(f"input {i} (shape {tuple(shape)}), a per-sequence value such as "
+                              f"the lengths -- hand-written masks need layout='pad'")
+            inputs.append(x)
+        outs = _eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, inputs)
+        for i, (out, v) in enumerate(zip(outs, jaxpr.outvars)):
+            shape = getattr(v.aval, "shape", ())
+            if isinstance(out, NotPacked) or (ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1):
+                recorder.unsupported.setdefault(("output", i), Unsupported(
+                    "output", f"output {i}", "a per-sequence value is returned: a packed row "
+                    "holds several sequences"))
+                outs[i] = _full(v.aval.shape, 0, v.aval.dtype)
+        return tuple(outs)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in jaxpr.invars]
+    avals += [jax.ShapeDtypeStruct(tuple(grid), np.int32)] * 2
+    traced = jax.jit(packed).trace(*avals).jaxpr
+    return Logical(fn=_replay(traced), unsupported=tuple(recorder.unsupported.values()),
+                   rewritten=len(recorder.rewritten))
