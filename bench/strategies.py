@@ -457,6 +457,87 @@ class Pack(Strategy):
                 f"packed rows, row efficiency {row['padding_efficiency']:.3f}")
 
 
+@register
+@dataclasses.dataclass(frozen=True)
+class PolyexecPack(Strategy):
+    """polyexec with ``layout="pack"``: the model exactly as ``polyexec`` runs it (no segment
+    ids, no masks), its sequences packed first-fit into rows of a few row lengths (a quarter
+    of the cap, and the cap; each example into the shortest that holds it) by
+    `buckets.packed_batch_plan`, the same tokens a step as ``pack``. One compile per row
+    length: the executor's rewrite keeps the sequences of a row apart."""
+
+    token: ClassVar[str] = "polyexec-pack"
+    usage: ClassVar[str] = "polyexec-pack"
+    description: ClassVar[str] = ("polyexec, layout='pack': the unchanged model over rows "
+                                  "packed first-fit into a few row lengths")
+    batching: ClassVar[str] = "packed"
+    hand_masked: ClassVar[bool] = False
+
+    @staticmethod
+    def budget(cfg: Config) -> int:
+        return Pack.rows(cfg) * cfg.cap          # the tokens of one of pack's batches
+
+    def row_lengths(self, cfg: Config) -> list[int]:
+        return sorted({max(MIN_T, cfg.cap // 4), cfg.cap})
+
+    def row_sizes(self, cfg):
+        return sorted({max(1, self.budget(cfg) // n) for n in self.row_lengths(cfg)})
+
+    def schedule(self, cfg, data, policy):
+        return [buckets.packed_batch_plan(data.padded_lengths, self.row_lengths(cfg),
+                                          max_tokens=self.budget(cfg), seed=cfg.seed,
+                                          epoch=epoch)
+                for epoch in range(cfg.epochs)]
+
+    def padded_shape(self, cfg, policy, rows, longest):
+        n = _bucket(self.row_lengths(cfg), max(longest, MIN_T))
+        return max(1, self.budget(cfg) // n), n
+
+    def prepare(self, cfg, data, step, files):
+        lengths = self.row_lengths(cfg)
+        T = px.LengthVar("T", min=MIN_T, max=max(lengths))
+        B = px.LengthVar("B", max=max(self.budget(cfg) // MIN_T, 1))
+        f = px.bucketed(step.fn, in_specs=(None, px.Spec((B, T), jnp.int32),
+                                           px.Spec((B,), jnp.int32, lengths_of=T)),
+                        buckets={T: lengths}, name=self.name, layout="pack",
+                        pack_rows={n: max(1, self.budget(cfg) // n) for n in lengths})
+        return PackedBucketedRun(cfg, data, step, f, self.schedule(cfg, data, None), lengths)
+
+
+class PackedBucketedRun(Run):
+    """`PolyexecPack`'s worker: each batch's examples (padded to its longest, as any
+    polyexec batch) through the packed ``px.bucketed`` step."""
+
+    def __init__(self, cfg: Config, data: Data, step: Step, f, epochs, row_lengths):
+        self.cfg, self.data, self._step, self.f = cfg, data, step, f
+        self.epochs, self.row_lengths = epochs, row_lengths
+        self.state = step.state
+
+    def real_tokens(self, batch):
+        return super().real_tokens(batch.indices)
+
+    def predictions(self, batch):
+        return super().predictions(batch.indices)
+
+    def own_shape(self, batch):
+        return batch.rows, batch.row_length
+
+    def step(self, state, batch):
+        idx = batch.indices
+        longest = max(int(self.data.lengths[idx].max()), MIN_T)
+        tokens = self.data.tokens[idx, :longest]
+        lengths = self.data.lengths[idx].astype(np.int32)
+        loss, new = self._step.loss_and_state(self.f(state, tokens, lengths), state)
+        state = jax.tree_util.tree_map(lambda old, x: x if eqx.is_array(old) else old, state, new)
+        return loss, state, (batch.rows, batch.row_length)
+
+    def summary(self, events):
+        return {"compiles": self.f.stats.compiles - events.cache_hits, "traces": self.f.traces,
+                "compile_s": self.f.stats.compile_seconds, "bucket_count": len(self.row_lengths),
+                "buckets": list(self.row_lengths), "partial_rows": [], "auto": None,
+                "upgraded_batches": 0, "warmup": None}
+
+
 # ------------------------------------------------------------------------------- parsing
 
 

@@ -166,7 +166,7 @@ class Bucketed:
                  check_sizes: bool = False, name: str | None = None,
                  in_shardings: Sequence[Any] | None = None, partition: bool = True,
                  masking: bool = True, variables: Sequence[LengthVar] = (),
-                 layout: Layout = "pad"):
+                 layout: Layout = "pad", pack_rows: Mapping[int, int] | None = None):
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         where = f"bucketed({self.name})"
         if not isinstance(in_specs, (tuple, list)):
@@ -186,6 +186,11 @@ class Bucketed:
         # "pad": one sequence per padded row; "pack": several per row of a row-length bucket
         # (T's buckets), the rows bucketed by B's; "auto": pack when the plan can.
         self.layout = check_option(layout, LAYOUTS, f"{where}: layout")
+        # Rows per row length for packed calls (a packed batch plan's shapes), so a partial
+        # batch runs at its row length's full shape instead of compiling a smaller one.
+        self.pack_rows = {check_int(k, f"{where}: pack_rows key (a row length)", min=1):
+                          check_int(v, f"{where}: pack_rows[{k}]", min=1)
+                          for k, v in (pack_rows or {}).items()}
         self.donate_argnums = tuple(check_int(i, f"{where}: donate_argnums", min=0)
                                     for i in donate_argnums)
         # One jax.sharding.Sharding (or None) per positional argument, applied to every array
@@ -458,7 +463,9 @@ class Bucketed:
         longest = int(lengths.max(initial=0))
         row_length = self.bucket_for(var, max(longest, 1), plan)
         packing = _buckets.first_fit(lengths, row_length)
-        n_rows = self.bucket_for(rows_var, max(packing.rows, 1), plan)
+        n_rows = self.pack_rows.get(row_length, 0)
+        if n_rows < packing.rows:
+            n_rows = self.bucket_for(rows_var, max(packing.rows, 1), plan)
         layout = _PackedLayout(lengths, packing, n_rows, var, rows_var)
         poly, real, padded = [], 0, 0
         for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
@@ -777,7 +784,13 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
     there and the rest runs at the bucket of ``K``; False: one program at the upper bound — see
     `Plan.segments`), ``in_shardings`` (one ``jax.sharding.Sharding`` or None per positional
     argument, for all its arrays: each bucket is compiled for them and host-padded inputs are
-    placed by them — e.g. a model replicated and the batch split over a Mesh). A `Plan` read by
+    placed by them — e.g. a model replicated and the batch split over a Mesh), ``layout``
+    (``"pad"``, the default: one sequence per padded row; ``"pack"``: with a ``lengths_of``
+    input, the sequences are laid end to end first-fit into rows of T's bucket for the
+    longest, the rows bucketed by B's buckets or given per row length by ``pack_rows``, and a
+    rewritten program keeps every sequence apart -- same results, fewer padded cells; a plan
+    that cannot (`Plan.packing_reason` names the line) runs padded, with one warning;
+    ``"auto"``: pack when the plan can, silently pad otherwise). A `Plan` read by
     `Plan.load` runs through ``bucketed(plan)`` (`Bucketed.from_plan`).
 
     >>> import jax.numpy as jnp, numpy as np, polyexec as px
