@@ -17,7 +17,15 @@ Optimal(sizes=(7, 31, 120))
 
 from . import corpus
 from ._batching import Batch, Overflow, PartialRows, batch_plan, batch_size_for, batches
-from ._packing import Packing, first_fit
+from ._packing import (
+    PackedBatch,
+    PackedOverflow,
+    Packing,
+    first_fit,
+    packed_batch_plan,
+    packed_batches,
+    packed_cells,
+)
 from ._cost import Auto, CostModel, Prediction, predict
 from ._policies import (
     BucketOverflowError,
@@ -41,8 +49,10 @@ __all__ = [
     "Geometric",
     "MultipleOf",
     "Optimal",
-    "Packing",
     "Overflow",
+    "PackedBatch",
+    "PackedOverflow",
+    "Packing",
     "PartialRows",
     "Prediction",
     "Report",
@@ -52,6 +62,9 @@ __all__ = [
     "batches",
     "corpus",
     "first_fit",
+    "packed_batch_plan",
+    "packed_batches",
+    "packed_cells",
     "predict",
     "report",
 ]
