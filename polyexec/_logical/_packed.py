@@ -52,7 +52,14 @@ from jax._src.export import shape_poly as _shape_poly
 from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _Ctx, _eqn_touches,
                     _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule, _Recorder, _replay,
                     _where)
-from . import _contractions, _control, _reductions
+from ._contractions import _dot_general as _padded_dot_general
+from ._control import _scan as _padded_scan
+from ._reductions import _reduce as _padded_reduce
+from ._reductions import _reduction as _padded_reduction
+from ._structure import _pad as _padded_pad
+from ._structure import _reshape as _padded_reshape
+from ._structure import _slice as _padded_slice
+from ._core import _eval_closed, _highest, _lowest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +313,7 @@ def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
     if identity is None:
         raise _NoRule("a scatter from the rows inside a scan over packed rows")
     if isinstance(identity, str):
-        identity = (_reductions._highest if identity == "max" else _reductions._lowest)(updates.dtype)
+        identity = (_highest if identity == "max" else _lowest)(updates.dtype)
     keep = lax.broadcast_in_dim(ctx.alive, updates.shape, (axes[0],))
     return [x, idx, lax.select(keep, updates, _full(updates.shape, identity, updates.dtype))]
 
@@ -321,7 +328,7 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
         return None
     rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
     arg = eqn.primitive.name in ("argmax", "argmin")
-    rule = _reductions._reduce if eqn.primitive.name == "reduce" else _reductions._reduction
+    rule = _padded_reduce if eqn.primitive.name == "reduce" else _padded_reduction
     if not rows:                       # per position: real up to the longest sequence
         return rule(ctx, eqn, invals)
     if packed:
@@ -350,7 +357,7 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
             return ctx.per_sequence(eqn, "a contraction over the rows alone")
         if rows & c and not packed and ctx.alive is None:
             return ctx.per_sequence(eqn, "a contraction over the rows")
-    return _contractions._dot_general(ctx, eqn, invals)
+    return _padded_dot_general(ctx, eqn, invals)
 
 
 @_packed("dim_as_value")
@@ -403,7 +410,7 @@ def _slice(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     rows = ctx.row_axes(x.shape)
     if not rows:
-        return _structure_rule("slice")(ctx, eqn, invals)
+        return _padded_slice(ctx, eqn, invals)
     p = eqn.params
     strides = p["strides"] or (1,) * x.ndim
     out = eqn.outvars[0].aval.shape
@@ -428,7 +435,7 @@ def _pad(ctx: _PackedCtx, eqn, invals):
     rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
     touched = [a for a, c in enumerate(config) if tuple(c) != (0, 0, 0)]
     if not rows or not any(a in rows or a in packed for a in touched):
-        return _structure_rule("pad")(ctx, eqn, invals) if not rows else None
+        return _padded_pad(ctx, eqn, invals) if not rows else None
     if any(a in rows for a in touched) or len(packed) != 1:
         raise _NoRule("pad along the rows of packed rows")
     a = packed[0]
@@ -449,7 +456,7 @@ def _reshape(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     src, dst = x.shape, eqn.params["new_sizes"]
     if not ctx.row_axes(src) and not ctx.row_axes(dst):
-        return _structure_rule("reshape")(ctx, eqn, invals)
+        return _padded_reshape(ctx, eqn, invals)
     if eqn.params.get("dimensions") is None and _keeps_length_axes(src, dst):
         return None
     raise _NoRule("a reshape that merges or splits the rows or a packed length")
@@ -491,7 +498,7 @@ def _scan(ctx: _PackedCtx, eqn, invals):
     length = p["length"]
     has_rows = [bool(ctx.row_axes(x.shape)) for x in (*init, *xs)]
     if ctx.var not in _names(length) or not any(has_rows):
-        return _control._scan(ctx, eqn, invals)
+        return _padded_scan(ctx, eqn, invals)
     return _packed_scan(ctx, eqn, consts, init, xs)
 
 
@@ -531,7 +538,7 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
                  lax.select(lax.broadcast_in_dim(restart, jnp.shape(c), (a,)), c0, c)
                  for c, c0, a in zip(carry, init, carry_axes)]
         x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
-        out = _control._eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
+        out = _eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
         new = [n if a is None else
                lax.select(lax.broadcast_in_dim(alive, jnp.shape(n), (a,)), n, old)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
@@ -592,12 +599,6 @@ def _reads(v, target, made) -> bool:
         seen.add(id(u))
         stack.extend(w for w in made[u].invars if not isinstance(w, jax.extend.core.Literal))
     return False
-
-
-def _structure_rule(name):
-    from . import _structure
-    return {"slice": _structure._slice, "pad": _structure._pad,
-            "reshape": _structure._reshape}[name]
 
 
 def _core_equal(a, b) -> bool:
