@@ -464,7 +464,7 @@ class Bucketed:
         row_length = self.bucket_for(var, max(longest, 1), plan)
         packing = _buckets.first_fit(lengths, row_length)
         n_rows = self.pack_rows.get(row_length, 0)
-        if n_rows < packing.rows:
+        if n_rows < max(packing.rows, 1):    # no pack_rows entry, or too few for this call
             n_rows = self.bucket_for(rows_var, max(packing.rows, 1), plan)
         layout = _PackedLayout(lengths, packing, n_rows, var, rows_var)
         poly, real, padded = [], 0, 0

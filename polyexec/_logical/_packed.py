@@ -275,7 +275,7 @@ def _generic(ctx: _PackedCtx, eqn, invals):
     name = eqn.primitive.name
     entry = _lookup(eqn.primitive)
     if entry is not None and entry.rule is ELEMENTWISE:
-        return None
+        return _implicit_broadcasts(ctx, eqn, invals)
     if name in _RECURSING:
         return entry.rule(ctx, eqn, invals)
     if name in _AXIS_PARAMS:
@@ -316,6 +316,27 @@ def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
         identity = (_highest if identity == "max" else _lowest)(updates.dtype)
     keep = lax.broadcast_in_dim(ctx.alive, updates.shape, (axes[0],))
     return [x, idx, lax.select(keep, updates, _full(updates.shape, identity, updates.dtype))]
+
+
+def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
+    """Elementwise operands of a unit rows axis (``x + pe[:T]`` adds ``(B, T)`` and ``(1, T)``
+    with no ``broadcast_in_dim`` between): a per-position value broadcast over the rows,
+    placed by position like `_broadcast_in_dim` places it."""
+    out = getattr(eqn.outvars[0].aval, "shape", ())
+    rows, packed = ctx.row_axes(out), ctx.packed_axes(out)
+    if len(rows) != 1 or len(packed) != 1:
+        return None
+    r, t = rows[0], packed[0]
+    changed, new = False, []
+    for x in invals:
+        if (jnp.ndim(x) == len(out) and not _is_sym(x.shape[r]) and _is_sym(x.shape[t])
+                and t in ctx.packed_axes(x.shape)):
+            dims = tuple(a for a in range(len(out)) if a != r)
+            shape = tuple(out[r] if a == r else d for a, d in enumerate(x.shape))
+            x = _by_position(ctx, lax.squeeze(x, (r,)), dims, shape, r, t)
+            changed = True
+        new.append(x)
+    return _bind(eqn, new) if changed else None
 
 
 @_packed("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
@@ -379,16 +400,28 @@ def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
     if len(rows) != 1 or len(packed) != 1:
         return None
-    if rows[0] in dims or packed[0] not in dims:
-        return None                    # rows kept (per position) or a per-row broadcast
-    # A per-position value (pe[:T]) into packed rows: each cell reads its own position.
-    k = dims.index(packed[0])
-    pos, _ = ctx.cells(shape[packed[0]])
+    if rows[0] in dims:
+        k_rows = dims.index(rows[0])
+        if _is_sym(x.shape[k_rows]):
+            return None                # the rows kept: per position
+        # A unit axis broadcast onto the rows ((T,) -> (1, T) -> (B, T), jnp's implicit
+        # broadcasting): a per-position value all the same, so drop it and place as below.
+        x = lax.squeeze(x, (k_rows,))
+        dims = dims[:k_rows] + dims[k_rows + 1:]
+    if packed[0] not in dims or not _is_sym(x.shape[dims.index(packed[0])]):
+        return None                    # a per-row broadcast, constant along the packed length
+    return [_by_position(ctx, x, dims, shape, rows[0], packed[0])]
+
+
+def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axis: int):
+    """A per-position value (``pe[:T]``, no rows axis; its axes go to ``dims`` of ``shape``)
+    into packed rows: each cell reads its own position inside its sequence."""
+    k = dims.index(packed_axis)
+    pos, _ = ctx.cells(shape[packed_axis])
     taken = jnp.take(x, jnp.clip(pos, 0, ctx.physical(x.shape[k]) - 1), axis=k, mode="clip")
-    targets = [*dims[:k], rows[0], packed[0], *dims[k + 1:]]
+    targets = [*dims[:k], rows_axis, packed_axis, *dims[k + 1:]]
     order = sorted(range(len(targets)), key=targets.__getitem__)
-    return [lax.broadcast_in_dim(jnp.transpose(taken, order), tuple(shape),
-                                 tuple(sorted(targets)))]
+    return lax.broadcast_in_dim(jnp.transpose(taken, order), tuple(shape), tuple(sorted(targets)))
 
 
 @_packed("iota")
@@ -657,9 +690,9 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         for i, (out, v) in enumerate(zip(outs, jaxpr.outvars)):
             shape = getattr(v.aval, "shape", ())
             if isinstance(out, NotPacked) or (ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1):
+                made = out.why if isinstance(out, NotPacked) else "a per-sequence value"
                 recorder.unsupported.setdefault(("output", i), Unsupported(
-                    "output", f"output {i}", "a per-sequence value is returned: a packed row "
-                    "holds several sequences"))
+                    "output", f"output {i}", f"returns {made}"))
                 outs[i] = _full(v.aval.shape, 0, v.aval.dtype)
         return tuple(outs)
 

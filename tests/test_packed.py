@@ -1,0 +1,552 @@
+"""layout="pack": several sequences share each physical row, and nothing a sequence computes
+may see another one or the padding.
+
+1. Packable programs (plain JAX, no masks): packed == padded == each sequence alone, for
+   values, per-token outputs and gradients. The exact reference is the same per-token code run
+   on every sequence alone in a fixed zero-padded buffer (causality keeps the zeros out of the
+   real positions) with the sums and means masked by hand -- one compile, not one per length.
+   Inputs are poisoned: NaN beyond each sequence's length, a large pad value (1e3) in the
+   executor's own padding cells, so reading padding shows. Lengths where packing bugs live:
+   0, 1, the LengthVar's min, a sequence exactly filling a row, many tiny ones per row, the
+   bucket edges.
+2. Unpackable programs: the verdict names the line, the call falls back to the pad layout
+   (same results, one warning), strict raises.
+3. Traces, compiles per (rows, row_length) bucket and padding efficiency, counted.
+4. The char-LM example's train step, packed vs padded vs masked by hand.
+
+The xfail(strict=True) tests are bugs found while writing these (see their reasons).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, strategies as st
+
+import polyexec as px
+from polyexec.testing import edge_lengths
+
+from conftest import assert_trees_close
+
+T = px.LengthVar("T", min=2, max=32)     # T - 1 >= 1: x[:, 1:] can be scanned
+B = px.LengthVar("B", max=8)
+F, H, L, S = 3, 4, 32, 8          # features, hidden, the reference's buffer length and batch
+PAD = 1e3                          # the executor's padding cells (every layout): read = wrong
+SPECS = (None, px.Spec("B T 3", jnp.float32, pad=PAD), px.Spec("B", jnp.int32, lengths_of="T"))
+BUCKETS = {T: [8, 32], B: [8]}
+
+_rng = np.random.default_rng(0)
+PARAMS = {
+    "W": jnp.asarray(_rng.normal(size=(H, H)) * 0.6, jnp.float32),
+    "U": jnp.asarray(_rng.normal(size=(F, H)), jnp.float32),
+    "V": jnp.asarray(_rng.normal(size=(H,)), jnp.float32),
+    "w": jnp.asarray(_rng.normal(size=(F,)), jnp.float32),
+}
+PE = jnp.asarray(_rng.normal(size=(L, F)), jnp.float32)   # a positional table (a constant)
+
+
+# -- the functions: plain JAX, no mask, no lengths ---------------------------------------------
+
+def _rnn(p, r, reverse=False):
+    """One sequence (n, F) -> one output per token (n,): an Elman RNN via lax.scan."""
+    def step(h, xt):
+        h = jnp.tanh(h @ p["W"] + xt @ p["U"])
+        return h, h @ p["V"]
+    return jax.lax.scan(step, jnp.zeros(H), r, reverse=reverse)[1]
+
+
+def rnn(p, x):
+    return jax.vmap(_rnn, (None, 0))(p, x)                              # (B, T)
+
+
+def reverse_rnn(p, x):
+    # Over x[:, 1:] (a length of T - 1): the frame of each sequence ends one cell early.
+    return jax.vmap(lambda p, r: _rnn(p, r, reverse=True), (None, 0))(p, x[:, 1:])  # (B, T - 1)
+
+
+def shifted(p, x):
+    return x[:, 1:] * x[:, :-1] * p["w"]                                # (B, T - 1, F)
+
+
+def feature_cumsum(p, x):
+    return jnp.cumsum(x * p["w"], axis=-1)                              # (B, T, F)
+
+
+def positional(p, x):
+    # jnp.broadcast_to: `x + PE[:T]` itself is packed wrong (see
+    # test_positional_values_follow_each_sequence below).
+    return jnp.tanh(x * p["w"] + jnp.broadcast_to(PE[:x.shape[1]], x.shape))  # (B, T, F)
+
+
+class Case:
+    """``per_token(params, x)`` -> (B, e(T), ...) with e(T) = T - ``shift``. The function under
+    test returns the sum of squares over every token, the mean over every real token (jnp.mean
+    over B and T at once, per feature), the gradients of their total with respect to the
+    parameters and to ``x``, and the per-token outputs -- no mask anywhere. ``right`` aligns each
+    sequence at the end of the reference buffer (a reverse scan's causality runs backwards)."""
+
+    def __init__(self, per_token, shift=0, right=False):
+        self.per_token, self.shift, self.right = per_token, shift, right
+        self.name = per_token.__name__
+
+    def user(self):
+        def loss(p, x):
+            out = self.per_token(p, x)
+            total, mean = jnp.sum(out ** 2), jnp.mean(out, axis=(0, 1))
+            return total + jnp.sum(mean), (out, total, mean)
+
+        def fn(p, x, lengths):
+            (_, (out, total, mean)), (gp, gx) = jax.value_and_grad(
+                loss, argnums=(0, 1), has_aux=True)(p, x)
+            return {"sum": total, "mean": mean, "grad": gp, "out": out, "grad_x": gx}
+        fn.__name__ = self.name
+        return fn
+
+    def reference(self):
+        """The exact computation: every sequence alone in a zero-padded (S, L, F) buffer (the
+        per-token code is causal, so its real positions never see the zeros), the sum and the
+        mean over the real positions only, by hand."""
+        shift = self.shift
+
+        def fn(p, buf, n):
+            t = jnp.arange(L - shift)[None, :]
+            real = (t >= L - n[:, None]) if self.right else (t < n[:, None] - shift)
+
+            def loss(p, buf):
+                out = self.per_token(p, buf)
+                keep = real.reshape(real.shape + (1,) * (out.ndim - 2))
+                total = jnp.sum(jnp.where(keep, out ** 2, 0.0))
+                mean = (jnp.sum(jnp.where(keep, out, 0.0), axis=(0, 1))
+                        / jnp.sum(jnp.maximum(n - shift, 0)))
+                return total + jnp.sum(mean), (out, total, mean)
+            (_, (out, total, mean)), (gp, gx) = jax.value_and_grad(
+                loss, argnums=(0, 1), has_aux=True)(p, buf)
+            return {"sum": total, "mean": mean, "grad": gp, "out": out, "grad_x": gx}
+        return jax.jit(fn)
+
+
+CASES = [Case(rnn), Case(reverse_rnn, shift=1, right=True), Case(shifted, shift=1),
+         Case(feature_cumsum), Case(positional)]
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+def batch(lengths, seed):
+    """(x: NaN beyond each length, the reference buffers: left- and right-aligned zeros)."""
+    lengths = np.asarray(lengths, np.int32)
+    rng = np.random.default_rng(seed)
+    x = np.full((len(lengths), max(int(lengths.max()), T.min), F), np.nan, np.float32)
+    left, right = np.zeros((S, L, F), np.float32), np.zeros((S, L, F), np.float32)
+    for b, n in enumerate(lengths):
+        x[b, :n] = rng.normal(size=(n, F))
+        left[b, :n], right[b, L - n:] = x[b, :n], x[b, :n]
+    return x, left, right
+
+
+EDGES = edge_lengths(T, BUCKETS[T])        # 0 (an empty sequence), 1, 2, 3, 7, 8, 9, 31, 32
+
+
+lengths_strategy = st.one_of(
+    st.lists(st.sampled_from(EDGES) | st.integers(1, T.max), min_size=1, max_size=B.max),
+    st.lists(st.integers(1, 3), min_size=4, max_size=B.max),                  # many tiny ones
+    st.sampled_from([8, 32]).flatmap(
+        lambda row: st.integers(1, row - 1).map(lambda k: [row, k, row - k])),  # exact fill
+)
+
+
+def close(a, b, what, rtol=2e-5, atol=2e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=what)
+
+
+def per_sequence(got, want, lengths, shift, what, right=False):
+    """``got``: (sequences, e(longest), ...) as the pad layout returns it; ``want``: the
+    reference buffer. Each sequence's own e(n) positions equal; exact zeros after them."""
+    got = np.asarray(got)
+    longest = int(max(lengths))
+    assert got.shape[:2] == (len(lengths), max(longest - shift, 0)), (what, got.shape)
+    for b, n in enumerate(int(n) for n in lengths):
+        e = max(n - shift, 0)
+        ref = np.asarray(want)[b, want.shape[1] - e:] if right else np.asarray(want)[b, :e]
+        close(got[b, :e], ref, f"{what}: sequence {b} (length {n}) of {list(lengths)}")
+        assert np.all(got[b, e:] == 0), f"{what}: sequence {b} (length {n}): not 0 after it"
+
+
+# -- 1. packed == padded == exact ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def functions():
+    made = {}
+
+    def get(case):
+        if case.name not in made:
+            user = case.user()
+            made[case.name] = (px.bucketed(user, SPECS, buckets=BUCKETS, layout="pack",
+                                           strict=True),
+                               px.bucketed(user, SPECS, buckets=BUCKETS, layout="pad",
+                                           strict=True),
+                               case.reference())
+        return made[case.name]
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_packed_equals_padded_equals_each_sequence_alone(case, functions):
+    packed, padded, reference = functions(case)
+
+    @given(lengths=lengths_strategy, seed=st.integers(0, 2 ** 16))
+    @example(lengths=[1], seed=0)
+    @example(lengths=[32], seed=1)                      # one sequence fills the row exactly
+    @example(lengths=[5, 1, 8, 3, 2, 1, 4, 7], seed=2)  # row length 8: 8 | 7+1 | 5+3 | 4+2+1
+    @example(lengths=[1] * 8, seed=3)                   # eight sequences in one row
+    @example(lengths=[31, 1, 16, 16, 9, 23], seed=4)    # rows of 32 filled exactly
+    @example(lengths=[0, 3, 0, 1], seed=5)               # empty sequences take no cells
+    def check(lengths, seed):
+        x, left, right = batch(lengths, seed)
+        lengths = np.asarray(lengths, np.int32)
+        n = np.zeros(S, np.int32)
+        n[:len(lengths)] = lengths
+        got = packed(PARAMS, x, lengths)
+        assert packed.plan.can_pack, packed.plan.packing_reason
+        pad = padded(PARAMS, x, lengths)
+        want = reference(PARAMS, right if case.right else left, n)
+        where = f"{case.name}, lengths {lengths.tolist()}"
+        for name in ("sum", "mean"):
+            close(got[name], want[name], f"{name}, packed vs exact, {where}", rtol=1e-4)
+            close(pad[name], want[name], f"{name}, padded vs exact, {where}", rtol=1e-4)
+            close(got[name], pad[name], f"{name}, packed vs padded, {where}")
+        assert_trees_close(got["grad"], want["grad"], rtol=1e-4, atol=1e-4)
+        assert_trees_close(got["grad"], pad["grad"], rtol=1e-4, atol=1e-4)
+        for name in ("out", "grad_x"):
+            shift = case.shift if name == "out" else 0
+            per_sequence(got[name], want[name], lengths, shift, f"packed {name}, {where}",
+                         case.right)
+            per_sequence(pad[name], want[name], lengths, shift, f"padded {name}, {where}",
+                         case.right)
+
+    check()
+    assert packed.traces == 1 and padded.traces == 1
+    assert all(s.compiles == 1 for s in packed.stats.buckets.values())
+
+
+# -- 2. what cannot be packed: the verdict, the fallback, strict ---------------------------------
+
+WC = jnp.asarray(_rng.normal(size=(H, 2)), jnp.float32)
+SPECS_V = (px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+
+
+def attention(x, lengths):
+    def one(r):
+        return jax.nn.softmax(r @ r.T, axis=-1) @ r  # verdict: attention
+    return jax.vmap(one)(x)
+
+
+def classify_last_state(x, lengths):
+    def one(r):
+        def step(h, xt):
+            return jnp.tanh(h @ PARAMS["W"] + xt @ PARAMS["U"]), None
+        h, _ = jax.lax.scan(step, jnp.zeros(H), r)
+        return h @ WC  # verdict: final carry
+    return jax.vmap(one)(x)
+
+
+def last_token(x, lengths):
+    return x[:, -1] * 2.0  # verdict: last token
+
+
+def hand_masked(x, lengths):
+    mask = px.sequence_mask(lengths, x, axis=1)  # verdict: lengths
+    return jnp.where(mask[..., None], x * 2.0, 0.0)
+
+
+def flipped(x, lengths):
+    return jnp.flip(x, axis=1)  # verdict: flip
+
+
+def time_cumsum(x, lengths):
+    return jnp.cumsum(x, axis=1)  # verdict: cumsum
+
+
+def per_sequence_sum(x, lengths):
+    return jnp.sum(x, axis=1)  # verdict: sum over T
+
+
+def _np_rnn_last(r):
+    h = np.zeros(H, np.float32)
+    for xt in r:
+        h = np.tanh(h @ np.asarray(PARAMS["W"]) + xt @ np.asarray(PARAMS["U"]))
+    return h @ np.asarray(WC)
+
+
+def _np_attention(r):
+    s = r @ r.T
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ r
+
+
+# name -> (function, the tag of the line its reason names, each sequence alone (numpy), per token)
+UNPACKABLE = {
+    "attention": (attention, "attention", _np_attention, True),
+    "final carry": (classify_last_state, "final carry", _np_rnn_last, False),
+    "x[:, -1]": (last_token, "last token", lambda r: r[-1] * 2, False),
+    "reads the lengths": (hand_masked, "lengths", lambda r: r * 2, True),
+    "flip": (flipped, "flip", lambda r: r[::-1], True),
+    "cumsum along T": (time_cumsum, "cumsum", lambda r: np.cumsum(r, 0), True),
+    # A per-sequence value returned: its reason does not name the line (the xfail below).
+    "sum over T alone": (per_sequence_sum, None, lambda r: r.sum(0), False),
+}
+
+
+def line_of(tag):
+    """``test_packed.py:N: `line``` for the one line of this file marked ``# verdict: tag``."""
+    with open(__file__) as f:
+        lines = f.read().splitlines()
+    hits = [i for i, line in enumerate(lines) if line.rstrip().endswith("# verdict: " + tag)]
+    assert len(hits) == 1, tag
+    return f"test_packed.py:{hits[0] + 1}: `{lines[hits[0]].strip()}`"
+
+
+@pytest.mark.parametrize("name", list(UNPACKABLE))
+def test_unpackable_programs_name_the_line_and_fall_back_to_pad(name):
+    fn, tag, alone, per_token = UNPACKABLE[name]
+    f = px.bucketed(fn, SPECS_V, buckets={T: [8], B: [8]}, layout="pack")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for lengths in ([5, 1, 8, 3], [2, 4, 2]):          # three sequences could share a row
+            x, _, _ = batch(lengths, seed=len(lengths))
+            got = np.asarray(f(x, np.asarray(lengths, np.int32)))
+            assert got.shape[0] == len(lengths)
+            for b, n in enumerate(lengths):
+                want = alone(x[b, :n].astype(np.float64))
+                close(got[b, :len(want)] if per_token else got[b], want,
+                      f"{name}: sequence {b} (length {n}) of {lengths}", rtol=1e-5, atol=1e-5)
+                if per_token:
+                    assert np.all(got[b, n:] == 0)
+    assert not f.plan.can_pack and f.plan.padding_safe
+    named = line_of(tag) if tag else ""
+    assert named in f.plan.packing_reason, f.plan.packing_reason
+    fallback = [w for w in caught if "cannot run packed rows" in str(w.message)]
+    assert len(fallback) == 1 and named in str(fallback[0].message)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    # It ran the pad layout: one sequence per row of the (B, T) bucket, never a packed row.
+    assert set(f.stats.buckets) == {(("B", 8), ("T", 8))} and f.traces == 1
+    strict = px.bucketed(fn, SPECS_V, buckets={T: [8], B: [8]}, layout="pack", strict=True)
+    x, _, _ = batch([3, 2], seed=0)
+    with pytest.raises(px.PolymorphismError) as raised:
+        strict(x, np.asarray([3, 2], np.int32))
+    assert named in str(raised.value) and str(raised.value) == f.plan.packing_reason
+
+
+def test_a_positional_tables_gradient_is_not_packed_but_exact():
+    """The gradient of a learned ``pe[:T]`` sums over the rows at each position: per position
+    across packed sequences, which the packed rules do not do -- so the pad layout runs it."""
+    def pe_grad(x, lengths):
+        def loss(pe):
+            table = jnp.broadcast_to(pe[:x.shape[1]], x.shape)  # verdict: pe gradient
+            return jnp.sum((x + table) ** 2)
+        return jax.grad(loss)(PE)
+    f = px.bucketed(pe_grad, SPECS_V, buckets={T: [8], B: [8]}, layout="pack")
+    lengths = [5, 1, 3]
+    x, _, _ = batch(lengths, seed=0)
+    with pytest.warns(UserWarning, match="cannot run packed rows"):
+        got = np.asarray(f(x, np.asarray(lengths, np.int32)))
+    want = np.zeros((L, F))
+    for b, n in enumerate(lengths):
+        want[:n] += 2 * (x[b, :n] + np.asarray(PE)[:n])
+    close(got, want, "d loss / d pe")
+    assert not f.plan.can_pack and line_of("pe gradient") in f.plan.packing_reason
+
+
+def test_a_returned_per_sequence_value_names_its_line():
+    f = px.bucketed(per_sequence_sum, SPECS_V, buckets={T: [8], B: [8]}, layout="pack")
+    x, _, _ = batch([3, 2], seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(x, np.asarray([3, 2], np.int32))
+    assert line_of("sum over T") in f.plan.packing_reason
+
+
+# Implicit broadcasting ((T,) -> (1, T) -> add, as jnp and vmap write it) once read a
+# per-position value at the row's column: a sequence not at column 0 got another position's.
+PE1 = jnp.arange(32, dtype=jnp.float32) * 100
+POSITIONAL_FORMS = {
+    "x + pe[:T]": lambda x, n: x + PE1[:x.shape[1]],
+    "x + arange(T)": lambda x, n: x + 100 * jnp.arange(x.shape[1], dtype=jnp.float32),
+    "vmap(r + pe[:len(r)])": lambda x, n: jax.vmap(lambda r: r + PE1[:r.shape[0]])(x),
+    # The same value broadcast explicitly to (B, T) follows each sequence (the working form).
+    "x + broadcast_to(pe[:T], x.shape)": (
+        lambda x, n: x + jnp.broadcast_to(PE1[:x.shape[1]], x.shape)),
+}
+
+
+@pytest.mark.parametrize("form", list(POSITIONAL_FORMS))
+def test_positional_values_follow_each_sequence(form):
+    specs = (px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+    f = px.bucketed(POSITIONAL_FORMS[form], specs, buckets={T: [4], B: [1]}, layout="pack",
+                    strict=True)
+    x = np.array([[1, 2], [3, np.nan]], np.float32)       # lengths 2 and 1: one row [1 2 3 _]
+    got = np.asarray(f(x, np.array([2, 1], np.int32)))
+    assert set(f.stats.buckets) == {(("rows(B)", 1), ("row_length(T)", 4))}
+    # The second sequence sits at column 2 of the row; its position 0 must read pe[0].
+    np.testing.assert_array_equal(got, [[1, 102], [3, 0]])
+
+
+def _accumulate_over_time(init):
+    def fn(x, lengths):
+        def step(total, xt):                                # xt: (B, 3), one time step
+            return total + jnp.sum(xt ** 2), None
+        return jax.lax.scan(step, init, jnp.swapaxes(x, 0, 1))[0]
+    return fn
+
+
+@pytest.mark.parametrize("init", [
+    "jnp.zeros(())",
+    pytest.param("0.0", marks=pytest.mark.xfail(strict=True, reason=(
+        "a scan whose initial carry is a Python literal: the scan rules read `.shape` of every "
+        "init value (polyexec/_logical/_control.py _scan: `ctx.row_axes(x.shape, rows) for x "
+        "in (*init, *xs)`, and _packed._scan likewise), a jaxpr Literal has none: "
+        "AttributeError, so the pad layout is not padding-safe (NaN here) and nothing packs")))])
+def test_a_time_major_scan_accumulating_over_the_rows_packs(init):
+    """A scan over time with a scalar carry that sums over the rows (batch-major code
+    transposed): the order of the cells does not matter, so it packs."""
+    f = px.bucketed(_accumulate_over_time(jnp.zeros(()) if init != "0.0" else 0.0), SPECS_V,
+                    buckets={T: [8], B: [8]}, layout="pack", strict=True)
+    lengths = [5, 1, 8, 3, 2, 0, 4]
+    x, _, _ = batch(lengths, seed=0)
+    got = f(x, np.asarray(lengths, np.int32))
+    close(got, sum(float(np.sum(x[b, :n] ** 2)) for b, n in enumerate(lengths)), "sum",
+          rtol=1e-5)
+    assert f.plan.can_pack and next(iter(f.stats.buckets))[0][0] == "rows(B)"
+
+
+# -- 3. traces, compiles and padding efficiency, counted -------------------------------------------
+
+def first_fit_rows(lengths, row_length):
+    """First-fit decreasing, written again: the number of rows it fills."""
+    free = []
+    for n in sorted((int(n) for n in lengths if n > 0), reverse=True):
+        for r, left in enumerate(free):
+            if left >= n:
+                free[r] -= n
+                break
+        else:
+            free.append(row_length - n)
+    return len(free)
+
+
+def smallest(sizes, n):
+    return min(s for s in sizes if s >= n)
+
+
+def products(x, lengths):
+    return jnp.sum(x[:, 1:] * x[:, :-1]), x[:, 1:] * x[:, :-1]
+
+
+def _np_products(x, lengths):
+    return sum(float(np.sum(x[b, 1:n] * x[b, :n - 1])) for b, n in enumerate(lengths))
+
+
+def test_one_trace_and_one_compile_per_packed_bucket():
+    tb, bb = [4, 8, 16, 32], [1, 2, 4, 8]
+    f = px.bucketed(products, SPECS_V, buckets={T: tb, B: bb}, layout="pack", strict=True)
+    batches = [[1], [4], [2, 2], [3, 1, 1, 3], [5], [8, 8, 8], [7, 1, 6, 2], [16, 15, 1],
+               [32], [17, 16, 16, 15], [1] * 8, [4, 4, 4, 4, 4, 4, 4, 4], [2, 3], [32] * 8]
+    expected: dict = {}
+    with px.count_compiles() as first:
+        for i, lengths in enumerate(batches):
+            x, _, _ = batch(lengths, seed=i)
+            total, _ = f(x, np.asarray(lengths, np.int32))
+            close(total, _np_products(x, lengths), f"batch {lengths}", rtol=1e-5)
+            row_length = smallest(tb, max(lengths))
+            key = (("rows(B)", smallest(bb, first_fit_rows(lengths, row_length))),
+                   ("row_length(T)", row_length))
+            expected[key] = expected.get(key, 0) + 1
+    assert f.traces == 1
+    assert {k: (s.calls, s.compiles) for k, s in f.stats.buckets.items()} == \
+        {k: (calls, 1) for k, calls in expected.items()}
+    assert len(expected) >= 8            # the batches above really spread over the buckets
+    assert first.xla_compiles >= len(expected)
+    # Every bucket is compiled: the same batches again compile nothing.
+    with px.forbid_compiles(), px.count_compiles() as again:
+        for i, lengths in enumerate(batches):
+            x, _, _ = batch(lengths, seed=i)
+            f(x, np.asarray(lengths, np.int32))
+    assert again.backend_compiles == 0 and f.traces == 1 and f.stats.compiles == len(expected)
+
+
+def test_packing_is_at_least_as_efficient_as_padding_on_a_long_tail():
+    tb, bb = [8, 16, 32], [1, 2, 4, 8]
+    options = dict(buckets={T: tb, B: bb}, strict=True)
+    packed = px.bucketed(products, SPECS_V, layout="pack", **options)
+    padded = px.bucketed(products, SPECS_V, layout="pad", **options)
+    rng = np.random.default_rng(7)
+    real = pack_cells = pad_cells = 0
+    for i in range(6):
+        lengths = np.clip(np.round(rng.lognormal(1.0, 0.9, size=8)), 1, 32).astype(np.int32)
+        lengths[0] = rng.integers(20, 33)                         # one long sequence each
+        x, _, _ = batch(lengths, seed=i)
+        a, b = packed(x, lengths), padded(x, lengths)
+        close(a[0], b[0], f"{lengths}")
+        close(a[0], _np_products(x, lengths), f"{lengths}", rtol=1e-5)
+        row_length = smallest(tb, int(lengths.max()))
+        real += int(lengths.sum())
+        pack_cells += smallest(bb, first_fit_rows(lengths, row_length)) * row_length
+        pad_cells += smallest(bb, len(lengths)) * row_length
+    assert packed.stats.padding_efficiency == pytest.approx(real / pack_cells)
+    assert padded.stats.padding_efficiency == pytest.approx(real / pad_cells)
+    assert packed.stats.padding_efficiency >= 1.5 * padded.stats.padding_efficiency
+    assert packed.traces == padded.traces == 1
+
+
+def test_auto_layout_packs_when_it_can_and_pads_silently_otherwise():
+    x, _, _ = batch([3, 2, 1], seed=0)
+    lengths = np.asarray([3, 2, 1], np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        good = px.bucketed(products, SPECS_V, buckets={T: [8], B: [1, 8]}, layout="auto")
+        close(good(x, lengths)[0], _np_products(x, lengths), "auto, packable", rtol=1e-5)
+        assert good.plan.can_pack and set(good.stats.buckets) == {
+            (("rows(B)", 1), ("row_length(T)", 8))}
+        bad = px.bucketed(flipped, SPECS_V, buckets={T: [8], B: [1, 8]}, layout="auto")
+        close(bad(x, lengths)[1, :2], x[1, 1::-1], "auto, unpackable")
+        assert not bad.plan.can_pack and set(bad.stats.buckets) == {(("B", 8), ("T", 8))}
+
+
+# -- 4. the training example ----------------------------------------------------------------------
+
+def test_the_char_lm_trains_the_same_packed_as_padded():
+    eqx = pytest.importorskip("equinox")
+    from examples.rnn.model import CharLM, loss_fn, masked_loss_fn
+
+    model = CharLM(hidden=8, embed=4, key=jax.random.PRNGKey(0))
+    specs = (None, px.Spec("B T", jnp.int32), px.Spec("B", jnp.int32, lengths_of="T"))
+
+    def step(m, tokens, lengths):
+        return jax.value_and_grad(loss_fn)(m, tokens, lengths)
+
+    options = dict(buckets={T: [32], B: [8]}, strict=True)
+    packed = px.bucketed(step, specs, layout="pack", **options)
+    padded = px.bucketed(step, specs, layout="pad", **options)
+    # The exact loss: masked by hand at one fixed shape, under plain jax.jit.
+    exact = jax.jit(jax.value_and_grad(masked_loss_fn))
+    rng = np.random.default_rng(3)
+    for lengths in ([5, 17, 3, 30, 9, 2, 12], [1, 2, 32], [4] * 8, [31, 1, 16, 16]):
+        lengths = np.asarray(lengths, np.int32)
+        tokens = rng.integers(1, 256, (len(lengths), max(int(lengths.max()), 2))).astype(np.int32)
+        tokens[np.arange(tokens.shape[1])[None, :] >= lengths[:, None]] = 255  # never read
+        buf = np.zeros((8, 32), np.int32)
+        buf[:len(lengths), :tokens.shape[1]] = np.where(
+            np.arange(tokens.shape[1])[None, :] < lengths[:, None], tokens, 0)
+        n = np.zeros(8, np.int32)
+        n[:len(lengths)] = lengths
+        (l1, g1), (l2, g2), (l3, g3) = (packed(model, tokens, lengths),
+                                        padded(model, tokens, lengths), exact(model, buf, n))
+        where = f"lengths {lengths.tolist()}"
+        close(l1, l2, f"loss packed vs padded, {where}", rtol=1e-5, atol=1e-6)
+        close(l1, l3, f"loss packed vs exact, {where}", rtol=1e-5, atol=1e-6)
+        a, b, c = (eqx.filter(g, eqx.is_array) for g in (g1, g2, g3))
+        assert_trees_close(a, b, rtol=1e-4, atol=1e-6)
+        assert_trees_close(a, c, rtol=1e-4, atol=1e-6)
+    assert packed.plan.can_pack and packed.traces == 1 and packed.stats.compiles == 1
+    assert all(k[0][0] == "rows(B)" for k in packed.stats.buckets)
