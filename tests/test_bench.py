@@ -34,7 +34,7 @@ def test_parse_strategies_fixed_sizes_and_order():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("pad-max,bogus", "expected one of pad-max, exact, pow2, .*, polyexec-nomask, pack; "
+    ("pad-max,bogus", "expected one of pad-max, exact, pow2, .*, polyexec-nomask, pack, polyexec-pack; "
                       "received unknown strategy 'bogus'"),
     ("fixed:", "fixed sizes: expected integers .*, received ''"),
     ("pad-max,pad-max", "expected each strategy once, received pad-max given twice"),
