@@ -506,6 +506,16 @@ class PolyexecPack(Strategy):
         return PackedBucketedRun(cfg, data, step, f, self.schedule(cfg, data, None), lengths)
 
 
+def bucketed_update(step: Step, f, state, tokens, lengths):
+    """``(loss, new state)`` of one batch through the bucketed step ``f``. A bucketed step
+    returns a module's Python scalars (an equinox Dropout's p) as arrays, as jax.jit does; fed
+    back, they would be traced (and Dropout branches on p): the state keeps its own non-array
+    leaves."""
+    loss, new = step.loss_and_state(f(state, tokens, lengths), state)
+    return loss, jax.tree_util.tree_map(lambda old, x: x if eqx.is_array(old) else old,
+                                        state, new)
+
+
 class PackedBucketedRun(Run):
     """`PolyexecPack`'s worker: each batch's examples (padded to its longest, as any
     polyexec batch) through the packed ``px.bucketed`` step."""
@@ -529,8 +539,7 @@ class PackedBucketedRun(Run):
         longest = max(int(self.data.lengths[idx].max()), MIN_T)
         tokens = self.data.tokens[idx, :longest]
         lengths = self.data.lengths[idx].astype(np.int32)
-        loss, new = self._step.loss_and_state(self.f(state, tokens, lengths), state)
-        state = jax.tree_util.tree_map(lambda old, x: x if eqx.is_array(old) else old, state, new)
+        loss, state = bucketed_update(self._step, self.f, state, tokens, lengths)
         return loss, state, (batch.rows, batch.row_length)
 
     def summary(self, events):
@@ -865,11 +874,7 @@ class BucketedRun(Run):
         else:   # the bucket px picks for the unpadded batch: it pads to it itself
             tokens = data.tokens[idx, :longest]
             lengths = data.lengths[idx].astype(np.int32)
-        loss, new = self._step.loss_and_state(self.f(state, tokens, lengths), state)
-        # A bucketed step returns a module's Python scalars (an equinox Dropout's p) as arrays,
-        # as jax.jit does; fed back, they would be traced (and Dropout branches on p). Keep
-        # the state's own non-array leaves.
-        state = jax.tree_util.tree_map(lambda old, x: x if eqx.is_array(old) else old, state, new)
+        loss, state = bucketed_update(self._step, self.f, state, tokens, lengths)
         if self._warm is not None:
             self._warm.mark_ready((rows, t))
         return loss, state, (rows, t)

@@ -89,3 +89,16 @@ def check_batching(where: str, batch_size, max_tokens) -> tuple[int | None, int 
     if max_tokens is not None:
         max_tokens = check_int(where, "max_tokens", max_tokens, minimum=1)
     return batch_size, max_tokens
+
+
+def check_epoch_shard(where: str, seed, epoch, num_shards, shard_index) -> tuple[int, int, int, int]:
+    """``(seed, epoch, num_shards, shard_index)`` of a batch plan, checked: the shard within
+    ``[0, num_shards)``."""
+    seed = check_int(where, "seed", seed, minimum=0)
+    epoch = check_int(where, "epoch", epoch, minimum=0)
+    num_shards = check_int(where, "num_shards", num_shards, minimum=1)
+    shard_index = check_int(where, "shard_index", shard_index, minimum=0)
+    if shard_index >= num_shards:
+        raise ValueError(f"{where}: shard_index: expected an int in [0, num_shards="
+                         f"{num_shards}), received {shard_index}")
+    return seed, epoch, num_shards, shard_index

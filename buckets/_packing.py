@@ -12,7 +12,7 @@ from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
-from ._checks import check_bool, check_int, check_option, lengths_array
+from ._checks import check_bool, check_epoch_shard, check_int, check_option, lengths_array
 from ._policies import BucketOverflowError, as_policy
 
 __all__ = ["PackedBatch", "PackedOverflow", "Packing", "first_fit", "packed_batch_plan",
@@ -194,13 +194,7 @@ def packed_batch_plan(
     if max_tokens is not None:
         max_tokens = check_int(where, "max_tokens", max_tokens, minimum=1)
     shuffle = check_bool(where, "shuffle", shuffle)
-    seed = check_int(where, "seed", seed, minimum=0)
-    epoch = check_int(where, "epoch", epoch, minimum=0)
-    S = check_int(where, "num_shards", num_shards, minimum=1)
-    shard_index = check_int(where, "shard_index", shard_index, minimum=0)
-    if shard_index >= S:
-        raise ValueError(f"{where}: shard_index: expected an int in [0, num_shards={S}), "
-                         f"received {shard_index}")
+    seed, epoch, S, shard_index = check_epoch_shard(where, seed, epoch, num_shards, shard_index)
     overflow = check_option(where, "overflow", overflow, _PACKED_OVERFLOW_OPTIONS)
     arr = lengths_array(lengths, where=where)
     try:

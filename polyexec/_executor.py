@@ -38,7 +38,7 @@ from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecEr
 from ._plan import CutPoint, Plan, Segment
 from ._planner import plan_function
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables
-from ._trace import SHAPE_ERRORS, TraceCounter
+from ._trace import SHAPE_ERRORS, TraceCounter, evaluate_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,7 +476,7 @@ class Bucketed:
                 padded += n_rows * row_length * rest
         sizes = {**call.sizes, rows_var: len(lengths), var: longest}
         key = ((f"rows({rows_var})", n_rows), (f"row_length({var})", row_length))
-        compiled = self._packed_executable(plan, segment, {rows_var: n_rows, var: row_length}, key)
+        compiled = self._packed_executable(segment, {rows_var: n_rows, var: row_length}, key)
         flat = segment.convention.assemble(arrays=call.arrays, poly=poly, sizes=sizes)
         outputs = compiled.executable(*flat, layout.pos, layout.seglen)
         self._counters.add(key, calls=1, real_elements=real, padded_elements=padded)
@@ -484,25 +484,19 @@ class Bucketed:
                   for leaf, aval in zip(outputs, segment.packed.out_avals)]
         return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
 
-    def _packed_executable(self, plan: Plan, segment: Segment, bucket: Mapping[str, int],
+    def _packed_executable(self, segment: Segment, bucket: Mapping[str, int],
                            key: tuple) -> _Compiled:
-        def refuse():
-            if compiles_forbidden():
-                raise CompileError(f"{self.name}: packed rows {dict(bucket)} are not compiled "
-                                   f"and compiles are forbidden here")
-
         def compile_packed():
-            avals = [jax.ShapeDtypeStruct(_evaluate(a.shape, bucket), a.dtype)
+            n = len(segment.convention.slots)
+            avals = [jax.ShapeDtypeStruct(evaluate_shape(a.shape, bucket), a.dtype)
                      for a in segment.packed.in_avals]
-            avals = self_shardings(segment.convention, avals, self.in_shardings)
+            # The convention's inputs carry their shardings; the two layout arrays follow.
+            avals = segment.convention.with_shardings(avals[:n], self.in_shardings) + avals[n:]
             lowered = jax.jit(segment.packed.call).lower(*avals)
             return _Compiled(lowered.compile(), segment.out_tree, segment.out_paths)
 
-        compiled, seconds = self._executables.get((id(segment), "pack", key), compile_packed,
-                                                  refuse)
-        if seconds is not None:
-            self._counters.add(key, compiles=1, compile_seconds=seconds)
-        return compiled
+        return self._cached((id(segment), "pack", key), key, f"packed rows {dict(bucket)}",
+                            compile_packed)
 
     def _hand_over(self, plan: Plan, cut: CutPoint, outputs: Sequence[Any],
                    sizes: dict[str, int], bucket: dict[str, int]) -> tuple[list[Any], int, int]:
@@ -572,16 +566,21 @@ class Bucketed:
         """The compiled program of one segment at one bucket (counted in the stats when this
         call compiled it)."""
         key = self._key(segment, bucket)
+        return self._cached((id(segment), key), key, f"bucket {dict(bucket)}",
+                            lambda: self._compile(plan, segment, bucket))
 
+    def _cached(self, cache_key: tuple, stats_key: tuple, what: str,
+                compile: Callable[[], _Compiled]) -> _Compiled:
+        """An executable compiled once (refused under `forbid_compiles`), its compile counted
+        in the stats under ``stats_key`` by the call that made it."""
         def refuse():
             if compiles_forbidden():
-                raise CompileError(f"{self.name}: bucket {dict(bucket)} is not compiled and "
-                                   f"compiles are forbidden here")
+                raise CompileError(f"{self.name}: {what} is not compiled and compiles are "
+                                   f"forbidden here")
 
-        compiled, seconds = self._executables.get(
-            (id(segment), key), lambda: self._compile(plan, segment, bucket), refuse)
+        compiled, seconds = self._executables.get(cache_key, compile, refuse)
         if seconds is not None:
-            self._counters.add(key, compiles=1, compile_seconds=seconds)
+            self._counters.add(stats_key, compiles=1, compile_seconds=seconds)
         return compiled
 
     def _compile(self, plan: Plan, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
@@ -623,17 +622,6 @@ class Bucketed:
 
 Layout = Literal["pad", "pack", "auto"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
-
-
-def _evaluate(shape, env: Mapping[str, int]) -> tuple[int, ...]:
-    return tuple(int(d._evaluate(env)) if export.is_symbolic_dim(d) else int(d) for d in shape)
-
-
-def self_shardings(convention, avals, shardings):
-    """The packed program's avals: the convention's inputs with their shardings, then the
-    two layout arrays."""
-    n = len(convention.slots)
-    return convention.with_shardings(avals[:n], shardings) + list(avals[n:])
 
 
 class _PackedLayout:
@@ -687,7 +675,7 @@ class _PackedLayout:
             keep = self.offset < per[self.seq]
             out[self.seq[keep], self.offset[keep]] = x[self.row[keep], self.column[keep]]
             return np.moveaxis(out, (0, 1), (b, t))
-        real = _evaluate(shape, sizes)
+        real = evaluate_shape(shape, sizes)
         return leaf[tuple(slice(0, n) for n in real)] if real != tuple(leaf.shape) else leaf
 
 

@@ -77,7 +77,7 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     step is its own last position). Inside the body the ended rows are not real rows, so a
     reduction over the rows (a gradient summed over the batch) leaves them out."""
     p = eqn.params
-    ncarry, body, length = p["num_carry"], p["jaxpr"], p["length"]
+    body, length = p["jaxpr"], p["length"]
     carry_axes = []
     for j, x in enumerate(init):
         axes = ctx.row_axes(x.shape, rows)
@@ -92,24 +92,44 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     # Up to the longest real row, never past it: a batch padded to its bucket (as training
     # pads it) still stops where its longest sequence does.
     stop = jnp.max(jnp.where(ctx.row_mask(rows), per_row, 0)).astype(np.int32)
+    carry, ys = frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop,
+                            alive_at=lambda at: at < per_row)
+    ctx.recorder.rewritten.add(id(eqn))
+    return [*carry, *ys]
+
+
+def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, restart_at=None):
+    """The scan ``eqn`` as a while loop over steps ``0 .. stop - 1`` (from ``stop - 1`` down
+    when reversed), for carries with a rows axis (``carry_axes``: its position, None for a
+    carry without one): at step ``at`` the rows ``alive_at(at)`` compute, the others keep
+    their carry; the rows ``restart_at(at)`` first take their initial carry again (a new
+    sequence of a packed row). The body sees ``alive`` in its context, so a reduction over
+    the rows there reads the live ones. Returns the final carries and the stacked outputs."""
+    p = eqn.params
+    ncarry, body = p["num_carry"], p["jaxpr"]
     ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+
+    def by_rows(mask, value, other, axis):
+        return lax.select(lax.broadcast_in_dim(mask, jnp.shape(value), (axis,)), value, other)
 
     def loop(state):
         i, carry, ys = state
         at = stop - 1 - i if p["reverse"] else i
-        alive = at < per_row
+        alive = alive_at(at)
+        if restart_at is not None:
+            restart = restart_at(at)
+            carry = [c if a is None else by_rows(restart, c0, c, a)
+                     for c, c0, a in zip(carry, init, carry_axes)]
         x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
         out = _eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
-        new = [n if a is None else
-               lax.select(lax.broadcast_in_dim(alive, jnp.shape(n), (a,)), n, old)
+        new = [n if a is None else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
         ys = [lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 0)
               for y, v in zip(ys, out[ncarry:])]
         return i + 1, new, ys
 
     _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
-    ctx.recorder.rewritten.add(id(eqn))
-    return [*carry, *ys]
+    return carry, ys
 
 
 def _invariant_or_per_row(jaxpr, invar: int, outvar: int, ctx, rows) -> bool:

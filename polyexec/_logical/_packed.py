@@ -54,12 +54,13 @@ from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _Ctx, 
                     _where)
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
+from ._control import frozen_scan
 from ._reductions import _reduce as _padded_reduce
 from ._reductions import _reduction as _padded_reduction
 from ._structure import _pad as _padded_pad
 from ._structure import _reshape as _padded_reshape
 from ._structure import _slice as _padded_slice
-from ._core import _eval_closed, _highest, _lowest
+from ._core import _highest, _lowest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,7 +542,7 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     initial value; outside the frame it is frozen; ``alive`` marks the rows whose cell is
     real, so a gradient summed over the rows inside the body reads those only."""
     p = eqn.params
-    ncarry, body, length = p["num_carry"], p["jaxpr"], p["length"]
+    body, length = p["jaxpr"], p["length"]
     if any(not ctx.row_axes(x.shape[1:]) for x in xs):
         raise _NoRule("a scan over a packed length whose scanned input has no rows axis")
     if any(ctx.row_axes(c.shape) and ctx.packed_axes(c.shape) for c in consts):
@@ -560,26 +561,10 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     first = in_frame & ((pos == ctx._at(length, seglen) - 1) if p["reverse"] else (pos == 0))
     columns = lax.broadcasted_iota(np.int32, jnp.shape(in_frame), 1)
     stop = jnp.max(jnp.where(in_frame, columns + 1, 0), initial=0).astype(np.int32)
-    ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
-
-    def loop(state):
-        i, carry, ys = state
-        at = stop - 1 - i if p["reverse"] else i
-        alive = lax.dynamic_index_in_dim(in_frame, at, 1, keepdims=False)
-        restart = lax.dynamic_index_in_dim(first, at, 1, keepdims=False)
-        carry = [c if a is None else
-                 lax.select(lax.broadcast_in_dim(restart, jnp.shape(c), (a,)), c0, c)
-                 for c, c0, a in zip(carry, init, carry_axes)]
-        x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
-        out = _eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
-        new = [n if a is None else
-               lax.select(lax.broadcast_in_dim(alive, jnp.shape(n), (a,)), n, old)
-               for n, old, a in zip(out[:ncarry], carry, carry_axes)]
-        ys = [lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 0)
-              for y, v in zip(ys, out[ncarry:])]
-        return i + 1, new, ys
-
-    _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
+    carry, ys = frozen_scan(
+        ctx, eqn, consts, init, xs, carry_axes, stop,
+        alive_at=lambda at: lax.dynamic_index_in_dim(in_frame, at, 1, keepdims=False),
+        restart_at=lambda at: lax.dynamic_index_in_dim(first, at, 1, keepdims=False))
     final = [c if a is None else ctx.per_sequence(eqn, "the final carry of a scan")[0]
              for c, a in zip(carry, carry_axes)]
     return [*final, *ys]
