@@ -32,7 +32,7 @@ from polyexec import training
 from . import report
 from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, combine_limits,
                          parse_strategies, strategies_help, worker_main)
-from .workloads import DISTS, MODELS, MODES, WARMUPS, Config, load_data
+from .workloads import DISTS, LAYOUTS, MODELS, MODES, WARMUPS, Config, load_data
 
 # --quick: a workload small enough to run every strategy in under a minute on 2 cores (most
 # of that is process start-up and XLA compiles of the train step: ~1-3 s each on CPU).
@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="polyexec: compile the buckets on a background thread while the first "
                         "batches run in the largest bucket compiled so far (default), or compile "
                         "them all before the first step (blocking)")
+    w.add_argument("--layout", choices=LAYOUTS, default="auto",
+                   help="polyexec: one sequence per padded row (pad), several per row of the "
+                        "longest length (pack), or the one with the least predicted time, "
+                        "from the packed step measured in the cold epoch (auto, default)")
     w.add_argument("--rows", type=int, help="filter-mlp: rows per batch")
     w.add_argument("--keep", type=float, help="filter-mlp: fraction of rows the filter keeps")
     o = p.add_argument_group("run and output")
@@ -132,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   seed=args.seed, hidden=pick("hidden"), embed=pick("embed"),
                   heads=pick("heads"), learning_rate=args.lr, buckets=pick("buckets"),
                   limit_rounds=pick("limit_rounds"), limit_seconds=pick("limit_seconds"),
-                  warmup=args.warmup)
+                  warmup=args.warmup, layout=args.layout)
 
 
 # ------------------------------------------------------------------------------ workers
@@ -408,15 +412,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = next((r for r in results if r.get("auto") and not r["auto"].get("reused")), None)
     if chosen is not None:
         auto, cost = chosen["auto"], chosen["auto"]["cost"]
-        console.print(f"--buckets auto ({chosen['strategy']}, {chosen['choosing_seconds']:.1f} s of "
-                      f"its cold epoch): compile {cost['compile_seconds']:.2f} s a bucket "
-                      f"(counted at 1/2 when they overlap training in the background), "
-                      f"{cost['seconds_per_cell'] * 1e6:.2f} us per padded cell; chose "
-                      f"T={auto['sizes']}" + (f" (partial batches at their own rows for "
-                                               f"T={auto['partial_rows']})" if auto["partial_rows"]
-                                               else "")
-                      + f"; predicted {auto['predicted']['compiles']} compiles, padding "
-                      f"efficiency {auto['predicted_padding_efficiency']:.3f} (rows included)")
+        picked = (f"packed rows ({', '.join(f'{r} rows of {n}' for n, r in auto['pack_rows'].items())})"
+                  if auto["layout"] == "pack" else
+                  f"T={auto['sizes']}" + (f" (partial batches at their own rows for "
+                                           f"T={auto['partial_rows']})" if auto["partial_rows"]
+                                           else ""))
+        console.print(f"--buckets auto --layout {cfg.layout} ({chosen['strategy']}, "
+                      f"{chosen['choosing_seconds']:.1f} s of its cold epoch): compile "
+                      f"{cost['compile_seconds']:.2f} s a shape (counted at 1/2 when they overlap "
+                      f"training in the background), {cost['seconds_per_cell'] * 1e6:.2f} us per "
+                      f"cell; chose {picked}: {auto['reason']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)

@@ -47,7 +47,7 @@ import numpy as np
 
 import buckets
 import polyexec as px
-from polyexec.training import choose_buckets
+from polyexec.training import choose_layout
 
 from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
@@ -344,15 +344,28 @@ class Polyexec(Strategy):
                                  f"folder, received None")
         px.enable_persistent_cache(files.cache_dir)
         policy = self.t_policy(cfg, data)
-        f = bucketed_step(self, cfg, step, policy or buckets.Fixed([int(data.padded_lengths.max())]))
+        # The packed rewrite needs the logical one (masking); --layout pad keeps plans pad-only.
+        layout = cfg.layout if self.masking and policy is None else "pad"
+        f = bucketed_step(self, cfg, step, policy or buckets.Fixed([int(data.padded_lengths.max())]),
+                          layout="pad" if layout == "pad" else "auto")
         setup, choice, rows = 0.0, None, None
         if policy is None:      # part of the cold epoch's time: measured here, added to it
             if files.choice_file is None:
                 raise px.OptionError(f"{self.name}: choice_file: expected a path with --buckets "
                                      f"auto, received None")
             start = time.perf_counter()
-            policy, f, rows, choice = choose_auto(cfg, data, step, f, files.choice_file)
+            chosen, choice = choose_auto(cfg, data, step, f, files.choice_file, layout)
             setup = time.perf_counter() - start
+            if chosen.layout == "pack":
+                run = PackedBucketedRun(cfg, data, step, chosen.step, [
+                    buckets.packed_batch_plan(data.padded_lengths, chosen.row_lengths,
+                                              rows=max(chosen.pack_rows.values()), seed=cfg.seed,
+                                              epoch=epoch) for epoch in range(cfg.epochs)],
+                    chosen.row_lengths, auto_choice=choice)
+                run.setup_seconds = setup
+                return run
+            policy, f = chosen.buckets.policy, chosen.step
+            rows = list(chosen.buckets.sizes["B"])
         run = BucketedRun(self, cfg, data, step, policy, self.schedule(cfg, data, policy), f=f,
                           rows_buckets=rows, warmup=cfg.warmup, auto_choice=choice)
         run.setup_seconds = setup
@@ -520,9 +533,10 @@ class PackedBucketedRun(Run):
     """`PolyexecPack`'s worker: each batch's examples (padded to its longest, as any
     polyexec batch) through the packed ``px.bucketed`` step."""
 
-    def __init__(self, cfg: Config, data: Data, step: Step, f, epochs, row_lengths):
+    def __init__(self, cfg: Config, data: Data, step: Step, f, epochs, row_lengths, *,
+                 auto_choice: dict | None = None):
         self.cfg, self.data, self._step, self.f = cfg, data, step, f
-        self.epochs, self.row_lengths = epochs, row_lengths
+        self.epochs, self.row_lengths, self.auto_choice = epochs, row_lengths, auto_choice
         self.state = step.state
 
     def real_tokens(self, batch):
@@ -545,7 +559,7 @@ class PackedBucketedRun(Run):
     def summary(self, events):
         return {"compiles": self.f.stats.compiles - events.cache_hits, "traces": self.f.traces,
                 "compile_s": self.f.stats.compile_seconds, "bucket_count": len(self.row_lengths),
-                "buckets": list(self.row_lengths), "partial_rows": [], "auto": None,
+                "buckets": list(self.row_lengths), "partial_rows": [], "auto": self.auto_choice,
                 "upgraded_batches": 0, "warmup": None}
 
 
@@ -658,38 +672,53 @@ def random_batches(cfg: Config, data: Data, epoch: int, padded_len) -> list[np.n
 # ------------------------------------------------------------------------------- choosing buckets
 
 
-def choose_auto(cfg: Config, data: Data, step: Step, f, path: str):
-    """``--buckets auto``: `polyexec.training.choose_buckets` -- compile and time ``f`` once at
-    the largest length's full batch, then `buckets.Auto.fit` for ``cfg.epochs`` epochs, then
-    ``f`` at exactly the (rows, length) shapes its batches use; returns (policy, f at its
-    shapes, the rows it uses, and the choice as a dict: measured cost, prediction).
+def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str):
+    """``--buckets auto``: `polyexec.training.choose_layout` -- compile and time ``f`` once
+    (packed when its plan can pack and ``layout`` allows, else at the largest length's full
+    batch), price pad (`buckets.Auto.fit`) and pack for ``cfg.epochs`` epochs, and pin the
+    cheaper; returns (the `LayoutChoice`, the choice as a dict: layout, measured cost,
+    predictions).
 
     The first grouped worker of a run writes its choice to ``path`` and the later ones reuse
-    it (``known=``), so they compare on the same buckets: ``polyexec-cached`` (the same job run
-    again -- timed on a cache hit, a compile would look nearly free) and ``polyexec-nomask``.
+    it (``known=``), so they compare on the same layout and buckets: ``polyexec-cached`` (the
+    same job run again -- timed on a cache hit, a compile would look nearly free) and
+    ``polyexec-nomask`` (which cannot pack: after a packed choice it chooses its own buckets).
     """
     known = saved = None
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             saved = json.load(fh)
-        known = buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
-        saved["reused"] = True
+        if saved["layout"] == "pad":
+            known = {"layout": "pad",
+                     "policy": buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))}
+        elif layout != "pad":
+            known = saved
+        saved = dict(saved, reused=True) if known is not None else None
     # In the background the other compiles overlap training: on 2 cores their wall cost
     # was 1/2-2/3 of their compile seconds. Parallel threads (--warmup blocking) gained
     # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, ~24.5 s at the
     # rate of one compile alone.
     overlap = 2 if cfg.warmup == "background" and (os.cpu_count() or 1) >= 2 else 1
-    choice = choose_buckets(f, step.state, data.padded_lengths, epochs=cfg.epochs,
-                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, known=known,
-                            min_length=MIN_T, parallel=overlap)
-    policy = choice.policy
+    choice = choose_layout(f, step.state, data.padded_lengths, epochs=cfg.epochs,
+                           batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, layout=layout,
+                           seed=cfg.seed, min_length=MIN_T, parallel=overlap, known=known)
     if saved is None:
-        saved = {"sizes": list(policy.sizes), "partial_rows": list(policy.partial_rows),
-                 "cost": dataclasses.asdict(choice.cost), "predicted": policy.prediction._asdict(),
-                 "predicted_padding_efficiency": policy.prediction.padding_efficiency}
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(saved, fh)
-    return policy, choice.steps[0], list(choice.sizes["B"]), saved
+        saved = {"layout": choice.layout, "reason": choice.reason,
+                 "cost": dataclasses.asdict(choice.cost) if choice.cost else None,
+                 "predicted": choice.prediction._asdict(),
+                 "predicted_padding_efficiency": choice.prediction.padding_efficiency,
+                 "predicted_pad": choice.pad._asdict() if choice.pad else None,
+                 "predicted_pack": choice.pack._asdict() if choice.pack else None}
+        if choice.layout == "pad":
+            saved.update(sizes=list(choice.buckets.policy.sizes),
+                         partial_rows=list(choice.buckets.policy.partial_rows))
+        else:
+            saved.update(row_lengths=list(choice.row_lengths),
+                         pack_rows={str(k): v for k, v in choice.pack_rows.items()})
+        if not os.path.exists(path):
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(saved, fh)
+    return choice, saved
 
 
 # ------------------------------------------------------------------------------- the worker
@@ -807,15 +836,16 @@ class BackgroundWarmup:
             raise self._error
 
 
-def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy):
+def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy, layout: str = "pad"):
     """``step`` through ``px.bucketed`` with the strategy's (B, T) buckets."""
     rows = strategy.row_sizes(cfg)
     T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
-    B = px.LengthVar("B", max=max(rows))
+    # Packed, B counts sequences: as many as the largest grid holds of the shortest.
+    B = px.LengthVar("B", max=max(rows) * (1 if layout == "pad" else T.max // MIN_T))
     return px.bucketed(step.fn, in_specs=(None, px.Spec((B, T), jnp.int32),
                                           px.Spec((B,), jnp.int32, lengths_of=T)),
                        buckets={T: list(policy.sizes), B: rows}, name=strategy.name,
-                       masking=getattr(strategy, "masking", True))
+                       masking=getattr(strategy, "masking", True), layout=layout)
 
 
 def _combos_by_benefit(run: "BucketedRun") -> list[Shape]:

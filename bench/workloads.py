@@ -33,12 +33,14 @@ Mode = Literal["train", "infer"]
 Source = Literal["pydoc", "file", "lognormal", "uniform", "bimodal"]
 Dist = Literal["lognormal", "uniform", "bimodal"]
 Warmup = Literal["background", "blocking"]
+Layout = Literal["auto", "pad", "pack"]
 
 MODELS: tuple[str, ...] = typing.get_args(Model)
 MODES: tuple[str, ...] = typing.get_args(Mode)
 SOURCES: tuple[str, ...] = typing.get_args(Source)
 DISTS: tuple[str, ...] = typing.get_args(Dist)
 WARMUPS: tuple[str, ...] = typing.get_args(Warmup)
+LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
 
 # The padded time axis is never below 2: ``loss_fn`` predicts byte t+1 from byte t, so it slices
 # ``tokens[:, :-1]`` and needs T >= 2 (a 1-byte example is padded to 2 and contributes no
@@ -98,10 +100,11 @@ class Config:
     limit_rounds: int = 3             # timed chunks per limit shape; the fastest one counts
     limit_seconds: float = 1.0        # the chunks of a shape last this long together
     warmup: str = "background"        # polyexec: "background" or "blocking" warmup
+    layout: str = "auto"              # polyexec: "auto" (pad or pack, by cost), "pad", "pack"
 
     def __post_init__(self):
         for name, options in (("model", MODELS), ("mode", MODES), ("source", SOURCES),
-                              ("warmup", WARMUPS)):
+                              ("warmup", WARMUPS), ("layout", LAYOUTS)):
             _check_option(getattr(self, name), options, f"Config: {name}")
         if self.source == "file" and not self.lengths_file:
             raise px.OptionError(f"Config: lengths_file: expected a path with source='file', "

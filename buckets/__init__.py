@@ -26,7 +26,7 @@ from ._packing import (
     packed_batches,
     packed_cells,
 )
-from ._cost import Auto, CostModel, Prediction, predict
+from ._cost import Auto, CostModel, Prediction, predict, predict_packed
 from ._policies import (
     BucketOverflowError,
     BucketPolicy,
@@ -66,5 +66,6 @@ __all__ = [
     "packed_batches",
     "packed_cells",
     "predict",
+    "predict_packed",
     "report",
 ]

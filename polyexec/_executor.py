@@ -15,6 +15,7 @@ import collections
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import itertools
 import os
 import threading
@@ -186,11 +187,11 @@ class Bucketed:
         # "pad": one sequence per padded row; "pack": several per row of a row-length bucket
         # (T's buckets), the rows bucketed by B's; "auto": pack when the plan can.
         self.layout = check_option(layout, LAYOUTS, f"{where}: layout")
+        # Whether plans hold the packed program (kept by `with_layout("pad")` copies).
+        self._with_packed = self.layout != "pad"
         # Rows per row length for packed calls (a packed batch plan's shapes), so a partial
         # batch runs at its row length's full shape instead of compiling a smaller one.
-        self.pack_rows = {check_int(k, f"{where}: pack_rows key (a row length)", min=1):
-                          check_int(v, f"{where}: pack_rows[{k}]", min=1)
-                          for k, v in (pack_rows or {}).items()}
+        self.pack_rows = _check_pack_rows(pack_rows, where)
         self.donate_argnums = tuple(check_int(i, f"{where}: donate_argnums", min=0)
                                     for i in donate_argnums)
         # One jax.sharding.Sharding (or None) per positional argument, applied to every array
@@ -213,7 +214,7 @@ class Bucketed:
         self._loaded: Plan | None = None
 
         self._lock = threading.Lock()
-        self._plans: dict[_bind.Signature, concurrent.futures.Future] = {}
+        self._plans: dict[tuple[_bind.Signature, bool], concurrent.futures.Future] = {}
         self._executables = _Executables(check_int(max_cached, f"{where}: max_cached", min=1))
         self._counters = _Counters()
         self._latest_plan: Plan | None = None
@@ -250,6 +251,11 @@ class Bucketed:
                                 f"arguments without a Spec decide the plan")
             self._plan(self._example_call(()).signature)
         return self._latest_plan
+
+    def plan_for(self, *args) -> Plan:
+        """The plan of a call with these arguments -- the ones without a Spec (e.g. the
+        model), or a full call -- traced once, compiling nothing."""
+        return self._plan(self._example_call(args).signature)
 
     @property
     def stats(self) -> Stats:
@@ -295,6 +301,8 @@ class Bucketed:
                                    f"{self.name}.warmup")   # before anything traces
         call = self._example_call(args)
         plan = self._plan(call.signature)
+        if self.layout == "pack" and plan.can_pack:
+            return self._warmup_packed(plan, sizes, max_workers, progress)
         if sizes is None:
             names = list(self._input_names)
             combos = [dict(zip(names, c))
@@ -302,15 +310,39 @@ class Bucketed:
         else:
             combos = [{n: self.bucket_for(n, int(s), plan) for n, s in d.items()} for d in sizes]
         jobs = self._warmup_jobs(plan, combos)
+        self._compile_all([functools.partial(self._executable, plan, seg, combo)
+                           for seg, combo in jobs], max_workers, progress)
+        return [combo for _, combo in jobs]
+
+    def _warmup_packed(self, plan: Plan, sizes, max_workers, progress) -> list[dict[str, int]]:
+        """`warmup` under ``layout="pack"``: ``{B: rows, T: row length}`` sizes are packed
+        grids, at the rows a call of that many rows would run (``pack_rows``, else B's
+        bucket); by default every ``pack_rows`` entry, or else every B x T bucket."""
+        ((var, (_, rows_var)),) = plan.segments[0].convention.rows_at.items()
+        if sizes is None:
+            grids = ([{rows_var: r, var: n} for n, r in sorted(self.pack_rows.items())]
+                     or [{rows_var: r, var: n} for r in self.bucket_sizes(rows_var, plan)
+                         for n in self.bucket_sizes(var, plan)])
+        else:
+            grids = []
+            for d in sizes:
+                n = self.bucket_for(var, int(d[var]), plan)
+                r = int(d[rows_var])
+                grids.append({var: n, rows_var: r if self.pack_rows.get(n, 0) >= r
+                              else self.bucket_for(rows_var, r, plan)})
+        self._compile_all([functools.partial(self._packed_executable, plan.segments[0], grid)
+                           for grid in grids], max_workers, progress)
+        return grids
+
+    def _compile_all(self, jobs: Sequence[Callable[[], Any]], max_workers, progress) -> None:
         workers = max_workers or min(len(jobs), os.cpu_count() or 1) or 1
         bar = _progress(progress, f"compiling {self.name}", len(jobs))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self._executable, plan, seg, combo) for seg, combo in jobs]
+            futures = [pool.submit(job) for job in jobs]
             for future in concurrent.futures.as_completed(futures):
                 future.result()
                 bar.advance()
         bar.close()
-        return [combo for _, combo in jobs]
 
     def with_buckets(self, buckets: Mapping[LengthVar | str, Any]) -> "Bucketed":
         """This function at other bucket sizes, sharing its trace, compiled buckets and stats.
@@ -339,6 +371,32 @@ class Bucketed:
         other._policies, other._sizes = policies, sizes
         return other
 
+    def with_layout(self, layout: Layout, pack_rows: Mapping[int, int] | None = None
+                    ) -> "Bucketed":
+        """This function under another ``layout`` (and ``pack_rows``), sharing its trace,
+        compiled programs and stats: a run that chose its layout by cost (`fit`,
+        ``polyexec-bench``) pins it on a step made with ``layout="auto"`` without tracing
+        again. From a ``layout="pad"`` function, a packing copy traces once more (the pad
+        plan holds no packed program).
+
+        >>> import jax.numpy as jnp, numpy as np, polyexec as px
+        >>> T, B = px.LengthVar("T", max=64), px.LengthVar("B", max=8)
+        >>> f = px.bucketed(lambda x, n: jnp.sum(x), layout="auto", buckets={T: [64]},
+        ...                 in_specs=(px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of=T)))
+        >>> x, n = np.ones((4, 10), np.float32), np.array([10, 3, 7, 1], np.int32)
+        >>> [float(g(x, n)) for g in (f.with_layout("pad"), f.with_layout("pack"))], f.traces
+        ([21.0, 21.0], 1)
+        >>> sorted(f.stats.buckets)     # one padded (B, T) bucket, one packed row
+        [(('B', 4), ('T', 64)), (('rows(B)', 1), ('row_length(T)', 64))]
+        """
+        where = f"{self.name}.with_layout"
+        other = copy.copy(self)     # shares the lock, plans, executables and counters
+        other.layout = check_option(layout, LAYOUTS, f"{where}: layout")
+        other._with_packed = self._with_packed or other.layout != "pad"
+        other.pack_rows = _check_pack_rows(pack_rows, where) if pack_rows is not None \
+            else self.pack_rows
+        return other
+
     # -- planning -------------------------------------------------------------------------------
 
     def _bind(self, args: Sequence[Any]) -> _bind.BoundCall:
@@ -359,17 +417,20 @@ class Bucketed:
 
     def _plan(self, signature: _bind.Signature) -> Plan:
         """The plan of a signature: made once (threads asking at the same time wait for it)."""
+        # A pad-only plan has no packed program: a copy that may pack (`with_layout`) makes
+        # its own plan rather than run padded for ever.
+        key = (signature, self._with_packed)
         with self._lock:
-            future = self._plans.get(signature)
+            future = self._plans.get(key)
             owner = future is None
             if owner:
-                future = self._plans[signature] = concurrent.futures.Future()
+                future = self._plans[key] = concurrent.futures.Future()
         if owner:
             try:
                 plan = self._make_plan(signature)
             except BaseException as e:
                 with self._lock:
-                    del self._plans[signature]
+                    del self._plans[key]
                 future.set_exception(e)
                 raise
             future.set_result(plan)
@@ -385,7 +446,7 @@ class Bucketed:
                                  partition=self.partition, masking=self.masking,
                                  check_sizes=self.check_sizes,
                                  bucket_sizes={n: self.bucket_sizes(n) for n in self._input_names},
-                                 pack=self.layout != "pad")
+                                 pack=self._with_packed)
         # A loaded plan runs as it is, for the fixed arrays it was traced with.
         expected = [s for s in self._loaded.input_specs if not isinstance(s, Spec)]
         for path, (shape, dtype), want in zip(signature.leaf_paths("array"),
@@ -425,7 +486,11 @@ class Bucketed:
         """One call: each segment at its bucket, in order; between two, the count of the
         data-dependent size is read on the host and the handed values cut to its bucket."""
         if self.layout != "pad" and plan.can_pack:
-            return self._run_packed(plan, call)
+            layout = self._pack(plan, call)
+            # auto: the layout with fewer cells for this call (a step's cost is per cell);
+            # equal cells stay padded, one sequence a row.
+            if self.layout == "pack" or layout.cells < self._padded_cells(plan, layout):
+                return self._run_packed(plan, call, layout)
         sizes = dict(call.sizes)
         bucket = {n: self.bucket_for(n, s, plan) for n, s in sizes.items()}
         poly, real, padded = _bind.pad_inputs(call, bucket)   # before compiling: it may refuse
@@ -452,21 +517,35 @@ class Bucketed:
                   if _bind._readable(flat[at])}
         return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes, ragged)
 
-    def _run_packed(self, plan: Plan, call: _bind.BoundCall):
-        """One call with several sequences per row: first-fit into rows of the smallest
-        row length (a bucket of T) that holds the longest, the rows bucketed by B's buckets;
-        per-sequence outputs cut back out of their rows."""
-        segment = plan.segments[0]
-        ((var, (at, rows_var)),) = segment.convention.rows_at.items()
-        poly_at = at - segment.convention.count("array")
+    def _pack(self, plan: Plan, call: _bind.BoundCall) -> "_PackedLayout":
+        """Where this call's sequences go: first-fit into rows of the smallest row length (a
+        bucket of T) that holds the longest, the rows bucketed by B's buckets (or
+        ``pack_rows``)."""
+        ((var, (at, rows_var)),) = plan.segments[0].convention.rows_at.items()
+        poly_at = at - plan.segments[0].convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
-        longest = int(lengths.max(initial=0))
-        row_length = self.bucket_for(var, max(longest, 1), plan)
+        row_length = self.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
         packing = _buckets.first_fit(lengths, row_length)
         n_rows = self.pack_rows.get(row_length, 0)
         if n_rows < max(packing.rows, 1):    # no pack_rows entry, or too few for this call
             n_rows = self.bucket_for(rows_var, max(packing.rows, 1), plan)
-        layout = _PackedLayout(lengths, packing, n_rows, var, rows_var)
+        return _PackedLayout(lengths, packing, n_rows, var, rows_var)
+
+    def _padded_cells(self, plan: Plan, layout: "_PackedLayout") -> int | float:
+        """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
+        has no bucket that holds the sequences)."""
+        try:
+            rows = self.bucket_for(layout.rows_var, max(len(layout.lengths), 1), plan)
+        except LengthOverflowError:
+            return float("inf")
+        return rows * self.bucket_for(layout.var, max(layout.longest, 1), plan)
+
+    def _run_packed(self, plan: Plan, call: _bind.BoundCall, layout: "_PackedLayout"):
+        """One call with several sequences per row (`_pack`); per-sequence outputs cut back
+        out of their rows."""
+        segment = plan.segments[0]
+        var, rows_var, lengths = layout.var, layout.rows_var, layout.lengths
+        n_rows, row_length, longest = layout.rows, layout.packing.row_length, layout.longest
         poly, real, padded = [], 0, 0
         for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
             poly.append(layout.pack(np.asarray(arr), spec, dtype, self.bucket_for, plan))
@@ -475,8 +554,8 @@ class Bucketed:
                 real += int(lengths.sum()) * rest
                 padded += n_rows * row_length * rest
         sizes = {**call.sizes, rows_var: len(lengths), var: longest}
-        key = ((f"rows({rows_var})", n_rows), (f"row_length({var})", row_length))
-        compiled = self._packed_executable(segment, {rows_var: n_rows, var: row_length}, key)
+        compiled = self._packed_executable(segment, {rows_var: n_rows, var: row_length})
+        key = _packed_key(segment, {rows_var: n_rows, var: row_length})
         flat = segment.convention.assemble(arrays=call.arrays, poly=poly, sizes=sizes)
         outputs = compiled.executable(*flat, layout.pos, layout.seglen)
         self._counters.add(key, calls=1, real_elements=real, padded_elements=padded)
@@ -484,15 +563,19 @@ class Bucketed:
                   for leaf, aval in zip(outputs, segment.packed.out_avals)]
         return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
 
-    def _packed_executable(self, segment: Segment, bucket: Mapping[str, int],
-                           key: tuple) -> _Compiled:
+    def _packed_executable(self, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
+        """The packed program at ``{rows: R, row length: L}``, compiled once."""
+        key = _packed_key(segment, bucket)
+
         def compile_packed():
             n = len(segment.convention.slots)
             avals = [jax.ShapeDtypeStruct(evaluate_shape(a.shape, bucket), a.dtype)
                      for a in segment.packed.in_avals]
             # The convention's inputs carry their shardings; the two layout arrays follow.
             avals = segment.convention.with_shardings(avals[:n], self.in_shardings) + avals[n:]
-            lowered = jax.jit(segment.packed.call).lower(*avals)
+            donate = (segment.convention.donated(self.donate_argnums) if segment.can_donate
+                      else ())
+            lowered = jax.jit(segment.packed.call, donate_argnums=donate).lower(*avals)
             return _Compiled(lowered.compile(), segment.out_tree, segment.out_paths)
 
         return self._cached((id(segment), "pack", key), key, f"packed rows {dict(bucket)}",
@@ -620,6 +703,20 @@ class Bucketed:
         return jobs
 
 
+def _packed_key(segment: Segment, bucket: Mapping[str, int]) -> tuple:
+    """A packed program's stats key: ``(("rows(B)", R), ("row_length(T)", L))``."""
+    ((var, (_, rows_var)),) = segment.convention.rows_at.items()
+    return ((f"rows({rows_var})", bucket[rows_var]), (f"row_length({var})", bucket[var]))
+
+
+def _check_pack_rows(pack_rows: Mapping[int, int] | None, where: str) -> dict[int, int]:
+    if pack_rows is not None and not isinstance(pack_rows, Mapping):
+        raise OptionError(f"{where}: pack_rows: expected a mapping row length -> rows, "
+                          f"received {pack_rows!r}")
+    return {check_int(k, f"{where}: pack_rows key (a row length)", min=1):
+            check_int(v, f"{where}: pack_rows[{k}]", min=1) for k, v in (pack_rows or {}).items()}
+
+
 Layout = Literal["pad", "pack", "auto"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
 
@@ -640,6 +737,14 @@ class _PackedLayout:
         self.seglen = np.zeros(grid, np.int32)
         self.pos[self.row, self.column] = self.offset
         self.seglen[self.row, self.column] = lengths[self.seq]
+
+    @property
+    def longest(self) -> int:
+        return int(self.lengths.max(initial=0))
+
+    @property
+    def cells(self) -> int:
+        return self.rows * self.packing.row_length
 
     def pack(self, arr: np.ndarray, spec: Spec, dtype, bucket_for, plan) -> np.ndarray:
         dims = list(spec.dims)

@@ -26,7 +26,7 @@ See `fit` for checkpoints, data parallelism (including multi-host with
 ``jax.distributed.initialize()``), metrics files and the persistent compile cache.
 """
 
-from ._auto import BucketChoice, choose_buckets, measure_cost
+from ._auto import BucketChoice, LayoutChoice, choose_buckets, choose_layout, measure_cost
 from ._checkpoint import (CheckpointError, CheckpointWarning, CorruptCheckpointError,
                           checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
                           load_checkpoint, read_meta, save_checkpoint, verify_checkpoint)
@@ -40,7 +40,8 @@ from ._steps import eval_step_fn, make_eval_step, make_train_step, train_step_fn
 
 __all__ = [
     "fit", "FitOptions", "FitResult", "StepInfo", "StopTraining", "evaluate",
-    "TrainState", "measure_cost", "choose_buckets", "BucketChoice", "train_step_fn",
+    "TrainState", "measure_cost", "choose_buckets", "BucketChoice", "choose_layout",
+    "LayoutChoice", "train_step_fn",
     "eval_step_fn", "make_train_step", "make_eval_step",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
     "verify_checkpoint", "checkpoint_dir_lock", "CheckpointError", "CorruptCheckpointError",

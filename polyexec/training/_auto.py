@@ -30,6 +30,7 @@ import buckets as _buckets
 
 from .. import Bucketed
 from .._cache import count_compiles
+from .._errors import OptionError
 from ._data import Batching
 from ._parallel import DataParallel
 
@@ -99,6 +100,9 @@ class _Record:
         self.folder = jax.config.jax_compilation_cache_dir
         modules = [getattr(f.plan, "exported", None) for f in steps]
         self.key = None
+        # A packed step's program is its packed rewrite: its cost is not the padded one's.
+        modules = [f.plan.segments[0].packed if f.layout == "pack" and f.plan.can_pack else m
+                   for f, m in zip(steps, modules)]
         if self.folder and None not in modules:
             # Without debug locations: they name the caller's file and line, so the same
             # program traced from another line (or an edited script) would miss its record
@@ -290,3 +294,115 @@ def choose_buckets(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     steps = (step,) + ((eval_step,) if eval_step is not None else ())
     steps, sizes, train_shapes, eval_shapes = rebucket(steps, batching, lengths, val)
     return BucketChoice(policy, cost, measured_at, steps, sizes, train_shapes, eval_shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutChoice:
+    """What `choose_layout` chose: ``layout`` ("pad" or "pack") and why; ``step``, the train
+    step pinned to it; for pad, ``buckets`` (the `BucketChoice`); for pack, the
+    ``row_lengths`` and ``pack_rows`` (rows a step per row length); the cost they were
+    priced by, where it was measured, and both predictions (``pack`` is None when the plan
+    cannot pack)."""
+
+    layout: str
+    reason: str
+    step: Bucketed
+    buckets: BucketChoice | None
+    row_lengths: tuple[int, ...] = ()
+    pack_rows: dict = dataclasses.field(default_factory=dict)
+    cost: _buckets.CostModel | None = None
+    measured_at: tuple[int, int] | None = None
+    pad: _buckets.Prediction | None = None
+    pack: _buckets.Prediction | None = None
+
+    @property
+    def prediction(self) -> _buckets.Prediction | None:
+        return self.pack if self.layout == "pack" else self.pad
+
+    def describe(self) -> str:
+        """The choice and its reason, with the buckets (pad) or rows (pack) chosen."""
+        if self.layout == "pack":
+            rows = ", ".join(f"{r} rows of {n}" for n, r in sorted(self.pack_rows.items()))
+            return f"layout pack ({rows}): {self.reason}"
+        return f"layout pad: {self.reason}\n  {self.buckets.describe()}"
+
+
+def _versus(pack: _buckets.Prediction, pad: _buckets.Prediction) -> str:
+    return (f"predicted {pack.seconds:.1f} s packed ({pack.compiles} compiles, padding "
+            f"efficiency {pack.padding_efficiency:.3f}) against {pad.seconds:.1f} s padded "
+            f"({pad.compiles} compiles, {pad.padding_efficiency:.3f})")
+
+
+def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
+                  batch_size: int | None = None, max_tokens: int | None = None,
+                  layout: str = "auto", seed: int = 0, min_length: int = 1, parallel: int = 1,
+                  pad_id: int = 0, known: dict | None = None) -> LayoutChoice:
+    """Pad or pack, by predicted run time; ``step`` is a train step made with
+    ``layout="auto"`` (so its one trace holds the packed program too).
+
+    A plan that can pack is compiled and timed once at its packed shape -- ``batch_size``
+    rows (or ``max_tokens // L``) of the longest length ``L`` -- and that one cost model
+    prices both layouts for ``epochs`` epochs: packed rows by `buckets.predict_packed` (the
+    very plans `buckets.packed_batch_plan` makes), one sequence a row by `buckets.Auto.fit`
+    (its best bucket set). The cheaper wins (``layout="pack"`` packs regardless); the
+    measured compile is the packed run's only one, so a packed run pays no extra compile.
+    A plan that cannot pack, or ``layout="pad"``, goes to `choose_buckets` as before.
+    ``known``: an earlier choice's ``{"layout", "row_lengths", "pack_rows"}``, repeated
+    without measuring (a padded one passes its policy to `choose_buckets` instead).
+
+    >>> import equinox as eqx, jax, numpy as np, optax
+    >>> from polyexec.training import TrainState, choose_layout, make_train_step
+    >>> loss = lambda model, tokens, lengths: jax.numpy.sum(tokens * model.weight[0, 0])
+    >>> step = make_train_step(loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
+    ...                        layout="auto")
+    >>> state = TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), optax.sgd(0.1))
+    >>> lengths = np.array([3, 5, 6, 7, 40, 41, 64, 9] * 4)
+    >>> choice = choose_layout(step, state, lengths, epochs=3, batch_size=4)
+    >>> choice.layout, choice.pack_rows, choice.pack.compiles
+    ('pack', {64: 4}, 0)
+    """
+    if layout not in ("auto", "pad", "pack"):
+        raise OptionError(f"choose_layout: layout: expected one of 'auto', 'pad', 'pack', "
+                          f"received {layout!r}")
+    lengths = np.maximum(np.asarray(lengths), min_length)
+
+    def padded(reason: str, policy: _buckets.Auto | None = None,
+               pack: _buckets.Prediction | None = None, cost=None, measured_at=None):
+        chosen = choose_buckets(step.with_layout("pad"), arg, lengths, epochs=epochs,
+                                batch_size=batch_size, max_tokens=max_tokens, known=policy,
+                                min_length=min_length, parallel=parallel, pad_id=pad_id)
+        return LayoutChoice("pad", reason, chosen.steps[0], chosen, cost=chosen.cost or cost,
+                            measured_at=chosen.measured_at or measured_at,
+                            pad=chosen.prediction, pack=pack)
+
+    if known is not None and known.get("layout") == "pad":
+        return padded("as chosen before", known.get("policy"))
+    if layout == "pad":
+        return padded("layout='pad' was asked for")
+    plan = step.plan_for(arg)
+    if not plan.can_pack:
+        if layout == "pack":
+            warnings.warn(f"choose_layout: {step.name} cannot run packed rows, so it runs one "
+                          f"sequence per padded row: {plan.packing_reason}", stacklevel=2)
+        return padded(f"the plan cannot pack: {plan.packing_reason}")
+    row_length = step.bucket_for("T", int(lengths.max()))
+    rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
+    pack_rows = {row_length: rows}
+    packer = step.with_layout("pack", pack_rows)
+    if known is not None:
+        pack_rows = {int(k): int(v) for k, v in known["pack_rows"].items()}
+        return LayoutChoice("pack", "as chosen before", step.with_layout("pack", pack_rows),
+                            None, tuple(known["row_lengths"]), pack_rows)
+    cost = measure_cost(packer, arg, np.full((rows, row_length), pad_id, np.int32),
+                        np.full(rows, row_length, np.int32), parallel=parallel)
+    pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
+                                   seed=seed, compiled=[(rows, row_length)])
+    # The padded steps would compile every shape, the longest included (not yet compiled).
+    pad_policy = _buckets.Auto.fit(lengths, cost, epochs=epochs, batch_size=batch_size,
+                                   max_tokens=max_tokens)
+    versus = _versus(pack, pad_policy.prediction)
+    if layout == "auto" and pad_policy.prediction.seconds < pack.seconds:
+        return padded(versus, pad_policy, pack, cost, (rows, row_length))
+    return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
+                        packer, None, (row_length,), pack_rows, cost, (rows, row_length),
+                        pad_policy.prediction, pack)

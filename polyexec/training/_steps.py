@@ -82,7 +82,7 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None):
 def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
                    batch_buckets: Sequence[int], min_length: int, pad_id: int,
                    shardings: tuple | None, masking: bool,
-                   donate_argnums: tuple[int, ...] = ()) -> Bucketed:
+                   donate_argnums: tuple[int, ...] = (), layout: str = "pad") -> Bucketed:
     """``step(state or model, tokens (B, T), lengths (B,))`` compiled once per (B, T) bucket.
 
     ``B`` and ``T`` are this step's own LengthVars, carried by its Specs and keyed in
@@ -91,13 +91,14 @@ def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
     trace: next-token losses slice ``tokens[:, :-1]``, which needs T >= 2. ``lengths`` makes
     ``T`` ragged along ``B``: the loss sees each row at its own length (no mask needed).
     """
-    B = LengthVar("B", max=max(batch_buckets))
     T = LengthVar("T", min=min_length, max=max(length_buckets))
+    # Packed, B counts sequences: as many as the largest grid holds of the shortest.
+    B = LengthVar("B", max=max(batch_buckets) * (1 if layout == "pad" else T.max // min_length))
     batch = None if shardings is None else shardings[1]
     return bucketed(step, in_specs=(None, Spec((B, T), jnp.int32, pad=pad_id),
                                     Spec((B,), jnp.int32, lengths_of=T)),
                     buckets={T: list(length_buckets), B: list(batch_buckets)},
-                    donate_argnums=donate_argnums, name=name, masking=masking,
+                    donate_argnums=donate_argnums, name=name, masking=masking, layout=layout,
                     in_shardings=None if shardings is None else (shardings[0], batch, batch))
 
 
@@ -105,13 +106,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     length_buckets: Sequence[int], batch_buckets: Sequence[int],
                     min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
                     donate: bool = True,
-                    return_grads: bool = False, masking: bool = True) -> Bucketed:
+                    return_grads: bool = False, masking: bool = True,
+                    layout: str = "pad") -> Bucketed:
     """`train_step_fn` as a `px.bucketed` function, compiled once per (B, T) bucket.
 
     ``state`` is not length-polymorphic (its arrays keep their shapes) and is donated, so XLA
     updates the parameters and optimiser state in place. ``shardings`` = (state sharding, batch
     sharding) for data parallelism: parameters replicated, the batch axis split over a Mesh.
-    ``masking=False`` turns off the executor's logical-length rewrite (`px.bucketed`).
+    ``masking=False`` turns off the executor's logical-length rewrite; ``layout`` is
+    `px.bucketed`'s (``"auto"`` for `choose_layout`, which pins pad or pack by cost).
 
     >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
     >>> from polyexec.training import TrainState, make_train_step
@@ -129,7 +132,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     return _bucketed_step(train_step_fn(loss_fn, optimizer, return_grads=return_grads),
                           name="train_step", length_buckets=length_buckets,
                           batch_buckets=batch_buckets, min_length=min_length, pad_id=pad_id,
-                          shardings=shardings, masking=masking,
+                          shardings=shardings, masking=masking, layout=layout,
                           donate_argnums=(0,) if donate else ())
 
 
