@@ -302,9 +302,10 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
                  + (f"{', '.join(grouped)} visit them in length-grouped batches "
                     "(buckets.batch_plan), the others in one shared random order"
                     if grouped else "all strategies share one random order")
-                 + (f"; {', '.join(packed)} packs the shared order first-fit into rows of the "
-                    f"cap (Grain), several examples a row, so it takes fewer steps; loss: each "
-                    f"epoch's summed nats / predictions, equal data for all"
+                 + (f"; {', '.join(packed)} pack examples first-fit into rows, several a row, "
+                    f"so they take fewer steps (pack: the shared order into rows of the cap, by "
+                    f"Grain; polyexec: buckets.packed_batch_plan); loss: each epoch's summed "
+                    f"nats / predictions, equal data for all"
                     if packed else "")
                  + ("" if cfg.max_tokens is None else
                     f"; under --max-tokens random batches are cut per strategy, so that rows x "
@@ -417,11 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"T={auto['sizes']}" + (f" (partial batches at their own rows for "
                                            f"T={auto['partial_rows']})" if auto["partial_rows"]
                                            else ""))
+        measured = ("nothing measured" if cost is None else
+                    f"compile {cost['compile_seconds']:.2f} s a shape (counted at 1/2 when they "
+                    f"overlap training in the background), {cost['seconds_per_cell'] * 1e6:.2f} "
+                    f"us per cell")
         console.print(f"--buckets auto --layout {cfg.layout} ({chosen['strategy']}, "
-                      f"{chosen['choosing_seconds']:.1f} s of its cold epoch): compile "
-                      f"{cost['compile_seconds']:.2f} s a shape (counted at 1/2 when they overlap "
-                      f"training in the background), {cost['seconds_per_cell'] * 1e6:.2f} us per "
-                      f"cell; chose {picked}: {auto['reason']}")
+                      f"{chosen['choosing_seconds']:.1f} s of its cold epoch): {measured}; chose "
+                      f"{picked}: {auto['reason']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)

@@ -530,8 +530,11 @@ def bucketed_update(step: Step, f, state, tokens, lengths):
 
 
 class PackedBucketedRun(Run):
-    """`PolyexecPack`'s worker: each batch's examples (padded to its longest, as any
-    polyexec batch) through the packed ``px.bucketed`` step."""
+    """`PolyexecPack`'s worker, and ``polyexec``'s when it chose to pack: each batch's
+    examples (padded to its longest, as any polyexec batch) through the packed
+    ``px.bucketed`` step."""
+
+    batching = "packed"
 
     def __init__(self, cfg: Config, data: Data, step: Step, f, epochs, row_lengths, *,
                  auto_choice: dict | None = None):
@@ -1039,7 +1042,7 @@ def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dic
     warm_tokens, warm_seconds = sum(epoch_tokens[1:]), sum(epoch_seconds[1:])
     return {
         "strategy": strategy.name,
-        "batching": strategy.batching,
+        "batching": getattr(run, "batching", strategy.batching),
         "compiles": int(own["compiles"]),
         "traces": int(own["traces"]),
         "compile_s": float(own["compile_s"]),

@@ -340,12 +340,14 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     """Pad or pack, by predicted run time; ``step`` is a train step made with
     ``layout="auto"`` (so its one trace holds the packed program too).
 
-    A plan that can pack is compiled and timed once at its packed shape -- ``batch_size``
-    rows (or ``max_tokens // L``) of the longest length ``L`` -- and that one cost model
+    A plan that can pack is compiled and timed once (one call) at its packed shape --
+    ``batch_size`` rows (or ``max_tokens // L``) of the longest length ``L`` -- and that cost
     prices both layouts for ``epochs`` epochs: packed rows by `buckets.predict_packed` (the
     very plans `buckets.packed_batch_plan` makes), one sequence a row by `buckets.Auto.fit`
     (its best bucket set). The cheaper wins (``layout="pack"`` packs regardless); the
-    measured compile is the packed run's only one, so a packed run pays no extra compile.
+    measured compile is the packed run's only one. (A padded set with no compile cost has
+    fewer cells than the packed rows on the pydoc corpus -- 282 buckets -- so counts alone
+    never decide: the compile has to be timed.)
     A plan that cannot pack, or ``layout="pad"``, goes to `choose_buckets` as before.
     ``known``: an earlier choice's ``{"layout", "row_lengths", "pack_rows"}``, repeated
     without measuring (a padded one passes its policy to `choose_buckets` instead).
@@ -358,8 +360,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     >>> state = TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), optax.sgd(0.1))
     >>> lengths = np.array([3, 5, 6, 7, 40, 41, 64, 9] * 4)
     >>> choice = choose_layout(step, state, lengths, epochs=3, batch_size=4)
-    >>> choice.layout, choice.pack_rows, choice.pack.compiles
-    ('pack', {64: 4}, 0)
+    >>> choice.layout, choice.pack_rows, choice.pack.compiles, step.stats.compiles
+    ('pack', {64: 4}, 0, 1)
     """
     if layout not in ("auto", "pad", "pack"):
         raise OptionError(f"choose_layout: layout: expected one of 'auto', 'pad', 'pack', "
@@ -393,8 +395,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         pack_rows = {int(k): int(v) for k, v in known["pack_rows"].items()}
         return LayoutChoice("pack", "as chosen before", step.with_layout("pack", pack_rows),
                             None, tuple(known["row_lengths"]), pack_rows)
+    # One timed call: the step is a training-sized one, and a second would cost the cold
+    # epoch as much again for a decision the first already makes.
     cost = measure_cost(packer, arg, np.full((rows, row_length), pad_id, np.int32),
-                        np.full(rows, row_length, np.int32), parallel=parallel)
+                        np.full(rows, row_length, np.int32), runs=1, parallel=parallel)
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
                                    seed=seed, compiled=[(rows, row_length)])
     # The padded steps would compile every shape, the longest included (not yet compiled).

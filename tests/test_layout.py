@@ -1,0 +1,205 @@
+"""Choosing the layout: ``layout="auto"`` per call (fewer cells), `Bucketed.with_layout`,
+packed warmup, `buckets.predict_packed` against the cells the executor counts, and
+`polyexec.training.choose_layout` (pad or pack by predicted run time).
+
+Traces and compiles are counted directly (``f.traces``, ``f.stats``); a cost model is fixed
+by hand where a test needs a known decision (a measured one depends on the machine).
+"""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, strategies as st
+
+import buckets
+import polyexec as px
+from polyexec.training import TrainState, choose_layout, make_train_step
+from polyexec.training import _auto
+
+T = px.LengthVar("T", min=1, max=64)
+B = px.LengthVar("B", max=256)
+SPECS = (px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+
+
+def total(x, n):
+    """Plain code, no mask: the sum of every real token."""
+    return jnp.sum(x)
+
+
+def ragged(lengths, fill=np.nan):
+    """A (B, longest) batch: token j of sequence i is i + j / 100; NaN past each length."""
+    lengths = np.asarray(lengths, np.int32)
+    x = np.full((len(lengths), max(int(lengths.max(initial=0)), 1)), fill, np.float32)
+    for i, n in enumerate(lengths):
+        x[i, :n] = i + np.arange(n) / 100
+    return x, lengths
+
+
+def exact_total(lengths):
+    return sum(float(i * n + np.arange(n).sum() / 100) for i, n in enumerate(lengths))
+
+
+def test_auto_packs_a_call_only_when_it_saves_cells():
+    f = px.bucketed(total, in_specs=SPECS, buckets={T: [16, 64], B: [2, 4, 8]}, layout="auto")
+    skewed = [64, 3, 5, 2]             # pad: 4 x 64 cells; packed: 2 rows of 64 (74 tokens)
+    even = [60, 61, 62, 63]            # packed needs 4 rows of 64 too: no saving, stays padded
+    for lengths in (skewed, even):
+        np.testing.assert_allclose(float(f(*ragged(lengths))), exact_total(lengths), rtol=1e-6)
+    assert sorted(f.stats.buckets) == [(("B", 4), ("T", 64)),
+                                       (("rows(B)", 2), ("row_length(T)", 64))]
+    packed = f.stats.buckets[(("rows(B)", 2), ("row_length(T)", 64))]
+    assert (packed.real_elements, packed.padded_elements) == (74, 128)
+    assert f.traces == 1
+
+
+def test_with_layout_shares_one_trace_and_the_compiled_programs():
+    f = px.bucketed(total, in_specs=SPECS, buckets={T: [64], B: [4]}, layout="auto")
+    pad, pack = f.with_layout("pad"), f.with_layout("pack", pack_rows={64: 3})
+    x, n = ragged([10, 3, 7, 1])
+    assert float(pad(x, n)) == pytest.approx(float(pack(x, n))) == pytest.approx(exact_total(n))
+    assert float(pack(x, n)) == pytest.approx(exact_total(n))        # compiled: not again
+    assert f.traces == 1
+    assert sorted(f.stats.buckets) == [(("B", 4), ("T", 64)),
+                                       (("rows(B)", 3), ("row_length(T)", 64))]
+    assert f.stats.compiles == 2
+    with pytest.raises(px.OptionError, match="layout"):
+        f.with_layout("packed")
+    with pytest.raises(px.OptionError, match="pack_rows"):
+        f.with_layout("pack", pack_rows=[64])
+
+
+def test_a_pad_function_traces_again_for_packed_rows():
+    f = px.bucketed(total, in_specs=SPECS, buckets={T: [64], B: [4]})
+    x, n = ragged([10, 3])
+    f(x, n)
+    g = f.with_layout("pack")
+    assert float(g(x, n)) == pytest.approx(exact_total(n))
+    assert f.traces == 2 and any(k[0][0] == "rows(B)" for k in f.stats.buckets)
+
+
+def test_packed_warmup_compiles_the_grid_a_call_runs():
+    f = px.bucketed(total, in_specs=SPECS, buckets={T: [16, 64]}, layout="pack",
+                    pack_rows={64: 3})
+    assert f.warmup(sizes=[{"B": 3, "T": 50}]) == [{"T": 64, "B": 3}]
+    assert f.stats.compiles == 1
+    with px.forbid_compiles():
+        x, n = ragged([50, 40, 30, 20, 9])     # first-fit: 3 rows of 64
+        assert float(f(x, n)) == pytest.approx(exact_total(n), rel=1e-6)
+    assert f.stats.compiles == 1 and f.traces == 1
+
+
+@given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=60),
+       rows=st.integers(1, 4), epochs=st.integers(1, 3))
+def test_predicted_packed_cells_are_the_cells_the_executor_runs(lengths, rows, epochs):
+    """`predict_packed` prices the plans `packed_batch_plan` makes; run through the executor
+    at ``pack_rows``, the cells it counts are the predicted ones, step for step."""
+    cost = buckets.CostModel(compile_seconds=1.0, seconds_per_cell=1e-6)
+    predicted = buckets.predict_packed(lengths, [64], cost, rows=rows, epochs=epochs, seed=3)
+    f = _PACKED.with_layout("pack", pack_rows={64: rows})
+    before = _cells(f)
+    steps = 0
+    for epoch in range(epochs):
+        for batch in buckets.packed_batch_plan(lengths, [64], rows=rows, seed=3, epoch=epoch):
+            x, n = ragged(np.asarray(lengths)[batch.indices])
+            assert float(f(x, n)) == pytest.approx(exact_total(n), rel=1e-5, abs=1e-4)
+            steps += 1
+    assert (_cells(f) - before, steps) == (predicted.cells, predicted.steps)
+    assert predicted.real == epochs * sum(lengths)
+
+
+_PACKED = px.bucketed(total, in_specs=SPECS, buckets={T: [64]}, layout="pack")
+
+
+def _cells(f):
+    return sum(b.padded_elements for k, b in f.stats.buckets.items() if k[0][0] == "rows(B)")
+
+
+# -- choose_layout --------------------------------------------------------------------------
+
+def _loss(model, tokens, lengths):
+    """Plain per-token code with a per-token mean: packable."""
+    return jnp.mean(tokens.astype(jnp.float32) * model.weight[0, 0])
+
+
+def _attention_loss(model, tokens, lengths):
+    """Scores between every pair of positions: a (T, T) matrix would pair packed sequences."""
+    x = tokens.astype(jnp.float32) * model.weight[0, 0]
+    return jnp.mean(jnp.einsum("bt,bs->bts", x, x))
+
+
+def _state():
+    return TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), optax.sgd(0.1))
+
+
+LENGTHS = np.array([3, 5, 6, 7, 40, 41, 64, 9, 2, 12] * 8)
+
+
+@pytest.fixture
+def fixed_cost(monkeypatch):
+    """measure_cost's compile and step still happen; the returned model is fixed, so the
+    decision does not depend on this machine's speed."""
+    chosen = {}
+
+    def measure(step, arg, tokens, lengths, **kw):
+        _original(step, arg, tokens, lengths, **kw)
+        return chosen["cost"]
+
+    _original = _auto.measure_cost
+    monkeypatch.setattr(_auto, "measure_cost", measure)
+    return chosen
+
+
+def test_choose_layout_packs_when_packing_is_cheaper(fixed_cost):
+    fixed_cost["cost"] = buckets.CostModel(compile_seconds=1.0, seconds_per_cell=1e-3)
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
+                           layout="auto")
+    choice = choose_layout(step, _state(), LENGTHS, epochs=2, batch_size=4)
+    assert choice.layout == "pack" and choice.row_lengths == (64,) and choice.pack_rows == {64: 4}
+    assert choice.pack.seconds < choice.pad.seconds
+    assert choice.pack.compiles == 0                 # the measured program is the one that runs
+    assert step.traces == 1 and step.stats.compiles == 1
+    assert "packed" in choice.describe() or "pack" in choice.describe()
+    # The pinned step runs the plan's batches at the measured shape: no more compiles.
+    state = _state()
+    with px.forbid_compiles():
+        for batch in buckets.packed_batch_plan(LENGTHS, [64], rows=4, epoch=0):
+            n = LENGTHS[batch.indices].astype(np.int32)
+            state, _ = choice.step(state, np.ones((len(n), int(n.max())), np.int32), n)
+
+
+def test_choose_layout_pads_when_padding_is_cheaper(fixed_cost):
+    # Compiles free, cells dear, and every example as long as the row: packing saves no
+    # cell, while the padded plan's partial batch runs at its own rows.
+    fixed_cost["cost"] = buckets.CostModel(compile_seconds=0.0, seconds_per_cell=1.0)
+    lengths = np.full(5, 64)
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
+                           layout="auto")
+    choice = choose_layout(step, _state(), lengths, epochs=1, batch_size=4)
+    assert choice.layout == "pad", choice.describe()
+    assert choice.pad.cells < choice.pack.cells
+    assert choice.buckets.policy.sizes == (64,) and step.traces == 1
+    assert choice.step.layout == "pad"
+
+
+def test_choose_layout_names_the_line_when_the_plan_cannot_pack():
+    step = make_train_step(_attention_loss, optax.sgd(0.1), length_buckets=[64],
+                           batch_buckets=[4], layout="auto")
+    choice = choose_layout(step, _state(), LENGTHS, epochs=1, batch_size=4)
+    assert choice.layout == "pad" and choice.pack is None
+    assert "test_layout.py" in choice.reason, choice.reason
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forced = choose_layout(step, _state(), LENGTHS, epochs=1, batch_size=4, layout="pack")
+    assert forced.layout == "pad" and any("cannot run packed rows" in str(w.message)
+                                          for w in caught)
+
+
+def test_choose_layout_checks_its_layout():
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4])
+    with pytest.raises(px.OptionError, match="layout: expected one of 'auto', 'pad', 'pack'"):
+        choose_layout(step, _state(), LENGTHS, epochs=1, batch_size=4, layout="packed")
