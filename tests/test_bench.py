@@ -374,8 +374,9 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     # Blocking warmup: every batch runs in its own bucket, so the padding accounting is exact
     # (the background warmup is exercised by test_quick_train_mode).
-    argv = ["--quick", "--warmup", "blocking", "--strategies", ALL, "--json", str(out / "q.json"),
-            "--plot", str(out / "q.png"), "--no-progress"]
+    # --layout pad: these tests count padded buckets (the packed choice has its own test).
+    argv = ["--quick", "--warmup", "blocking", "--layout", "pad", "--strategies", ALL,
+            "--json", str(out / "q.json"), "--plot", str(out / "q.png"), "--no-progress"]
     assert main(argv) == 0
     doc = json.loads((out / "q.json").read_text())
     return doc, out, config_from_args(build_parser().parse_args(argv))
@@ -533,6 +534,31 @@ def test_quick_pack_beside_polyexec(tmp_path, capsys):
              f"{by['polyexec']['tokens_per_s_warm'] / by['pack']['tokens_per_s_warm']:.2f}x warm, "
              f"{by['polyexec']['tokens_per_s_cold'] / by['pack']['tokens_per_s_cold']:.2f}x cold")
     assert ratio in " ".join(printed.split())     # rich may wrap the line
+
+
+def test_quick_layout_auto_follows_its_prediction(tmp_path):
+    """``--layout auto`` (the default): polyexec times its packed step once and pins the
+    layout its own predictions favour; a packed run's padding efficiency is the predicted
+    one (the plans it ran are the plans it priced), in one compile that the cached worker
+    then loads."""
+    out = tmp_path / "a.json"
+    assert main(["--quick", "--steps", "3", "--limit-rounds", "1", "--limit-seconds", "0.05",
+                 "--strategies", "polyexec,polyexec-cached", "--json", str(out),
+                 "--no-progress"]) == 0
+    doc = report.validate(json.loads(out.read_text()))
+    by = {r["strategy"]: r for r in doc["results"]}
+    auto = doc["workload"]["per_strategy"]["polyexec"]["auto"]
+    pack, pad = auto["predicted_pack"], auto["predicted_pad"]
+    assert auto["layout"] == ("pack" if pack["seconds"] <= pad["seconds"] else "pad")
+    if auto["layout"] == "pack":
+        assert doc["workload"]["batching"]["polyexec"] == "packed"
+        assert by["polyexec"]["padding_efficiency"] == pytest.approx(
+            auto["predicted_padding_efficiency"])
+        assert by["polyexec"]["compiles"] == 1 and by["polyexec"]["traces"] == 1
+        assert by["polyexec-cached"]["compiles"] == 0
+    np.testing.assert_allclose(
+        doc["workload"]["per_strategy"]["polyexec-cached"]["epoch_loss"],
+        doc["workload"]["per_strategy"]["polyexec"]["epoch_loss"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["bench", "bench.workloads", "bench.strategies", "bench.report",
