@@ -185,7 +185,7 @@ class Bucketed:
         # masks by itself and wants no overhead.
         self.masking = check_bool(masking, f"{where}: masking")
         # "pad": one sequence per padded row; "pack": several per row of a row-length bucket
-        # (T's buckets), the rows bucketed by B's; "auto": pack when the plan can.
+        # (T's buckets), the rows bucketed by B's; "auto": per call, the fewer cells.
         self.layout = check_option(layout, LAYOUTS, f"{where}: layout")
         # Whether plans hold the packed program (kept by `with_layout("pad")` copies).
         self._with_packed = self.layout != "pad"
@@ -883,7 +883,9 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
     longest, the rows bucketed by B's buckets or given per row length by ``pack_rows``, and a
     rewritten program keeps every sequence apart -- same results, fewer padded cells; a plan
     that cannot (`Plan.packing_reason` names the line) runs padded, with one warning;
-    ``"auto"``: pack when the plan can, silently pad otherwise). A `Plan` read by
+    ``"auto"``: per call, the layout with fewer cells when the plan can pack, silently pad
+    otherwise; a run that chooses by predicted time pins one with `Bucketed.with_layout`,
+    as `polyexec.training.choose_layout` does). A `Plan` read by
     `Plan.load` runs through ``bucketed(plan)`` (`Bucketed.from_plan`).
 
     >>> import jax.numpy as jnp, numpy as np, polyexec as px
