@@ -374,9 +374,9 @@ class Bucketed:
     def with_layout(self, layout: Layout, pack_rows: Mapping[int, int] | None = None
                     ) -> "Bucketed":
         """This function under another ``layout`` (and ``pack_rows``), sharing its trace,
-        compiled programs and stats: a run that chose its layout by cost (`fit`,
-        ``polyexec-bench``) pins it on a step made with ``layout="auto"`` without tracing
-        again. From a ``layout="pad"`` function, a packing copy traces once more (the pad
+        compiled programs and stats: a run that chose its layout by cost
+        (`polyexec.training.choose_layout`) pins it on a step made with ``layout="auto"``
+        without tracing again. From a ``layout="pad"`` function, a packing copy traces once more (the pad
         plan holds no packed program).
 
         >>> import jax.numpy as jnp, numpy as np, polyexec as px
