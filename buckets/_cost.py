@@ -145,12 +145,18 @@ def predict(lengths, policy, cost: CostModel, *, epochs: int = 1, batch_size: in
         rows = -(-rows // m) * m
         shapes.add((rows, size))
         cells += S * rows * size
+    return _priced(cost, shapes, free, epochs * len(steps), epochs * cells, epochs * int(arr.sum()))
+
+
+def _priced(cost: CostModel, shapes: set, free: frozenset, steps: int, cells: int,
+            real: int) -> Prediction:
+    """The `Prediction` of a run's totals: every shape not in ``free`` compiles once."""
     new = shapes - free
     compile_s = cost.compile_seconds * len(new)
-    step_s = epochs * (cost.seconds_per_step * len(steps) + cost.seconds_per_cell * cells)
+    step_s = cost.seconds_per_step * steps + cost.seconds_per_cell * cells
     return Prediction(seconds=compile_s + step_s, compile_seconds=compile_s, step_seconds=step_s,
-                      compiles=len(new), steps=epochs * len(steps), cells=epochs * cells,
-                      real=epochs * int(arr.sum()), shapes=tuple(sorted(shapes)))
+                      compiles=len(new), steps=steps, cells=cells, real=real,
+                      shapes=tuple(sorted(shapes)))
 
 
 def predict_packed(lengths, row_lengths, cost: CostModel, *, epochs: int = 1,
@@ -181,12 +187,7 @@ def predict_packed(lengths, row_lengths, cost: CostModel, *, epochs: int = 1,
         shapes.update((b.rows, b.row_length) for b in plan)
         cells += packed_cells(plan, num_shards=S)
         steps += len(plan)
-    new = shapes - free
-    compile_s = cost.compile_seconds * len(new)
-    step_s = cost.seconds_per_step * steps + cost.seconds_per_cell * cells
-    return Prediction(seconds=compile_s + step_s, compile_seconds=compile_s, step_seconds=step_s,
-                      compiles=len(new), steps=steps, cells=cells, real=epochs * int(arr.sum()),
-                      shapes=tuple(sorted(shapes)))
+    return _priced(cost, shapes, free, steps, cells, epochs * int(arr.sum()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -327,9 +327,8 @@ class Bucketed:
             grids = []
             for d in sizes:
                 n = self.bucket_for(var, int(d[var]), plan)
-                r = int(d[rows_var])
-                grids.append({var: n, rows_var: r if self.pack_rows.get(n, 0) >= r
-                              else self.bucket_for(rows_var, r, plan)})
+                grids.append({var: n,
+                              rows_var: self._packed_rows(plan, rows_var, n, int(d[rows_var]))})
         self._compile_all([functools.partial(self._packed_executable, plan.segments[0], grid)
                            for grid in grids], max_workers, progress)
         return grids
@@ -526,10 +525,14 @@ class Bucketed:
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
         row_length = self.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
         packing = _buckets.first_fit(lengths, row_length)
-        n_rows = self.pack_rows.get(row_length, 0)
-        if n_rows < max(packing.rows, 1):    # no pack_rows entry, or too few for this call
-            n_rows = self.bucket_for(rows_var, max(packing.rows, 1), plan)
+        n_rows = self._packed_rows(plan, rows_var, row_length, packing.rows)
         return _PackedLayout(lengths, packing, n_rows, var, rows_var)
+
+    def _packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
+        """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:
+        ``pack_rows[row_length]`` when it holds them, else B's bucket."""
+        rows = self.pack_rows.get(row_length, 0)
+        return rows if rows >= max(needed, 1) else self.bucket_for(rows_var, max(needed, 1), plan)
 
     def _padded_cells(self, plan: Plan, layout: "_PackedLayout") -> int | float:
         """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
@@ -728,15 +731,37 @@ class _PackedLayout:
     def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str):
         self.lengths, self.packing, self.rows = lengths, packing, rows
         self.var, self.rows_var = var, rows_var
-        self.seq = np.repeat(np.arange(len(lengths)), lengths)            # per real cell
-        self.offset = np.arange(len(self.seq)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        self.row = packing.row[self.seq]
-        self.column = packing.start[self.seq] + self.offset
-        grid = (rows, packing.row_length)
-        self.pos = np.full(grid, -1, np.int32)
-        self.seglen = np.zeros(grid, np.int32)
-        self.pos[self.row, self.column] = self.offset
-        self.seglen[self.row, self.column] = lengths[self.seq]
+
+    # Per real cell, built only when the call runs packed: layout="auto" prices a call by
+    # its cells alone and may run it padded.
+    @functools.cached_property
+    def seq(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.lengths)), self.lengths)
+
+    @functools.cached_property
+    def offset(self) -> np.ndarray:
+        starts = np.cumsum(self.lengths) - self.lengths
+        return np.arange(len(self.seq)) - np.repeat(starts, self.lengths)
+
+    @functools.cached_property
+    def row(self) -> np.ndarray:
+        return self.packing.row[self.seq]
+
+    @functools.cached_property
+    def column(self) -> np.ndarray:
+        return self.packing.start[self.seq] + self.offset
+
+    @functools.cached_property
+    def pos(self) -> np.ndarray:
+        pos = np.full((self.rows, self.packing.row_length), -1, np.int32)
+        pos[self.row, self.column] = self.offset
+        return pos
+
+    @functools.cached_property
+    def seglen(self) -> np.ndarray:
+        seglen = np.zeros((self.rows, self.packing.row_length), np.int32)
+        seglen[self.row, self.column] = self.lengths[self.seq]
+        return seglen
 
     @property
     def longest(self) -> int:

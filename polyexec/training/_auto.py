@@ -98,11 +98,10 @@ class _Record:
 
     def __init__(self, steps: list[Bucketed], shape: dict):
         self.folder = jax.config.jax_compilation_cache_dir
-        modules = [getattr(f.plan, "exported", None) for f in steps]
         self.key = None
         # A packed step's program is its packed rewrite: its cost is not the padded one's.
-        modules = [f.plan.segments[0].packed if f.layout == "pack" and f.plan.can_pack else m
-                   for f, m in zip(steps, modules)]
+        modules = [f.plan.segments[0].packed if f.layout == "pack" and f.plan.can_pack
+                   else getattr(f.plan, "exported", None) for f in steps]
         if self.folder and None not in modules:
             # Without debug locations: they name the caller's file and line, so the same
             # program traced from another line (or an edited script) would miss its record
@@ -387,14 +386,14 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
             warnings.warn(f"choose_layout: {step.name} cannot run packed rows, so it runs one "
                           f"sequence per padded row: {plan.packing_reason}", stacklevel=2)
         return padded(f"the plan cannot pack: {plan.packing_reason}")
-    row_length = step.bucket_for("T", int(lengths.max()))
-    rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
-    pack_rows = {row_length: rows}
-    packer = step.with_layout("pack", pack_rows)
     if known is not None:
         pack_rows = {int(k): int(v) for k, v in known["pack_rows"].items()}
         return LayoutChoice("pack", "as chosen before", step.with_layout("pack", pack_rows),
                             None, tuple(known["row_lengths"]), pack_rows)
+    row_length = step.bucket_for("T", int(lengths.max()))
+    rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
+    pack_rows = {row_length: rows}
+    packer = step.with_layout("pack", pack_rows)
     # One timed call: the step is a training-sized one, and a second would cost the cold
     # epoch as much again for a decision the first already makes.
     cost = measure_cost(packer, arg, np.full((rows, row_length), pad_id, np.int32),
