@@ -13,8 +13,6 @@ may see another one or the padding.
    (same results, one warning), strict raises.
 3. Traces, compiles per (rows, row_length) bucket and padding efficiency, counted.
 4. The char-LM example's train step, packed vs padded vs masked by hand.
-
-The xfail(strict=True) tests are bugs found while writing these (see their reasons).
 """
 
 import warnings
@@ -400,13 +398,7 @@ def _accumulate_over_time(init):
     return fn
 
 
-@pytest.mark.parametrize("init", [
-    "jnp.zeros(())",
-    pytest.param("0.0", marks=pytest.mark.xfail(strict=True, reason=(
-        "a scan whose initial carry is a Python literal: the scan rules read `.shape` of every "
-        "init value (polyexec/_logical/_control.py _scan: `ctx.row_axes(x.shape, rows) for x "
-        "in (*init, *xs)`, and _packed._scan likewise), a jaxpr Literal has none: "
-        "AttributeError, so the pad layout is not padding-safe (NaN here) and nothing packs")))])
+@pytest.mark.parametrize("init", ["jnp.zeros(())", "0.0"])   # 0.0: a jaxpr literal, weakly typed
 def test_a_time_major_scan_accumulating_over_the_rows_packs(init):
     """A scan over time with a scalar carry that sums over the rows (batch-major code
     transposed): the order of the cells does not matter, so it packs."""

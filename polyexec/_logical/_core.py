@@ -496,7 +496,11 @@ def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
     env: dict[Any, Any] = {}
 
     def read(v):
-        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+        # A literal (a Python scalar in the user's code, e.g. a scan's ``0.0`` carry) becomes
+        # a numpy scalar of its aval's dtype: rules read ``.shape`` and ``.dtype`` of inputs.
+        if isinstance(v, jax.extend.core.Literal):
+            return np.asarray(v.val, v.aval.dtype)
+        return env[v]
 
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x

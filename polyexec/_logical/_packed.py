@@ -583,9 +583,12 @@ def _accumulates(jaxpr, invar: int, outvar: int, ctx: _PackedCtx) -> bool:
         return True
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     eqn = made.get(out)
-    if eqn is None or eqn.primitive.name not in ("add", "add_any") or inv not in eqn.invars:
+    if eqn is None or eqn.primitive.name not in ("add", "add_any"):
         return False
-    (other,) = [v for v in eqn.invars if v is not inv] or [None]
+    carried = [v for v in eqn.invars if _is_carry(v, inv, made)]
+    if len(carried) != 1:
+        return False
+    (other,) = [v for v in eqn.invars if v is not carried[0]] or [None]
     if other is None or _reads(other, inv, made):
         return False
     while True:
@@ -604,6 +607,17 @@ def _accumulates(jaxpr, invar: int, outvar: int, ctx: _PackedCtx) -> bool:
         if name not in _PASS_THROUGH:
             return False
         other = e.invars[0]
+
+
+def _is_carry(v, inv, made) -> bool:
+    """Whether ``v`` is the carry ``inv`` itself, or it cast (a Python ``0.0`` initial carry
+    is weakly typed: the body converts it before adding)."""
+    while v is not inv:
+        e = made.get(v) if not isinstance(v, jax.extend.core.Literal) else None
+        if e is None or e.primitive.name not in ("convert_element_type", "copy", "copy_p"):
+            return False
+        v = e.invars[0]
+    return True
 
 
 def _reads(v, target, made) -> bool:
