@@ -8,6 +8,7 @@ padding element read makes a result wrong. What has no per-row rule is flagged, 
 
 import warnings
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +47,17 @@ def _causal(r):
     return jax.nn.softmax(s, -1) @ r
 
 
+_PROJECT = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
+_MHA = eqx.nn.MultiheadAttention(num_heads=2, query_size=4, key=jax.random.PRNGKey(0))
+
+
+def _multi_head(r, mha=_MHA):
+    """equinox's attention: its heads are a reshape (n, 4) -> (n, 2, 2) of the feature axis."""
+    h = r @ _PROJECT
+    t = h.shape[0]
+    return mha(h, h, h, mask=jnp.tril(jnp.ones((t, t), bool)))
+
+
 PER_ROW = {
     "mean": lambda r: jnp.mean(r, 0), "var": lambda r: jnp.var(r, 0),
     "softmax": lambda r: jax.nn.softmax(r[:, 0]), "logsumexp": lambda r: jax.nn.logsumexp(r, 0),
@@ -60,6 +72,7 @@ PER_ROW = {
     "reverse scan": lambda r: jax.lax.scan(lambda h, xt: (jnp.tanh(h + xt), h), jnp.zeros(3), r,
                                            reverse=True)[0],
     "attention": lambda r: jax.nn.softmax(r @ r.T, -1) @ r, "causal attention": _causal,
+    "multi-head attention": _multi_head,
     "pad": lambda r: jnp.pad(r, ((1, 2), (0, 0)), constant_values=5.0),
     "concatenate": lambda r: jnp.concatenate([r, 2 * r]),
     "conv": lambda r: jax.lax.conv_general_dilated(r[None], np.full((3, 3, 3), 0.1, np.float32),
@@ -202,3 +215,23 @@ def test_a_per_row_length_after_a_uniform_one_is_each_rows_own():
     g = lambda x: jnp.mean(x) * 0 + jax.vmap(lambda r: r.shape[0] + jnp.sum(r[-1]))(x)  # noqa: E731
     _, got = run(g, x, lengths, strict=True)
     np.testing.assert_allclose(got, [n + r[-1].sum() for n, r in zip(lengths, rows)], rtol=1e-5)
+
+
+def test_multi_head_attention_gradients_follow_the_rows():
+    """The head split (a reshape of the feature axis) keeps padding out of the gradients."""
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+    params, static = eqx.partition(_MHA, eqx.is_array)
+
+    def loss(p, x):
+        return jnp.sum(jax.vmap(lambda r: _multi_head(r, eqx.combine(p, static)))(x) ** 2)
+
+    def exact(p):
+        return sum(jnp.sum(_multi_head(r, eqx.combine(p, static)) ** 2) for r in rows)
+
+    f, (value, grad) = run(lambda x: jax.value_and_grad(loss)(params, x), x, lengths, strict=True)
+    assert f.plan.padding_safe
+    want_value, want_grad = jax.value_and_grad(exact)(params)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for have, want in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(want_grad)):
+        np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-5)

@@ -58,7 +58,7 @@ from ._control import frozen_scan
 from ._reductions import _reduce as _padded_reduce
 from ._reductions import _reduction as _padded_reduction
 from ._structure import _pad as _padded_pad
-from ._structure import _reshape as _padded_reshape
+from ._structure import _keeps_length_axes, _reshape as _padded_reshape
 from ._structure import _slice as _padded_slice
 from ._core import _highest, _lowest
 
@@ -494,21 +494,6 @@ def _reshape(ctx: _PackedCtx, eqn, invals):
     if eqn.params.get("dimensions") is None and _keeps_length_axes(src, dst):
         return None
     raise _NoRule("a reshape that merges or splits the rows or a packed length")
-
-
-def _keeps_length_axes(src, dst) -> bool:
-    """Length axes in the same order, with the same constant block before and between them:
-    each cell keeps its (row, column) coordinates."""
-    def blocks(shape):
-        out, run = [], 1
-        for d in shape:
-            if _is_sym(d):
-                out.append((run, str(d)))
-                run = 1
-            else:
-                run *= int(d)
-        return out
-    return blocks(src) == blocks(dst)
 
 
 @_packed("concatenate")

@@ -7,8 +7,9 @@ reshaping, and the pieces of ``slice``/``split``/``concatenate``/``pad``.
 - ``slice``/``split``/``concatenate``/``pad``: pieces start at logical offsets (gathers where an
   offset is a length expression); ``pad`` writes its value from the logical end on.
 - ``reshape``: passes through when it keeps each length axis' logical block a prefix (only unit
-  axes added or removed; or one length axis, same constant row count before it:
-  ``(T, 4) <-> (4*T,)``); any other reshape (e.g.
+  axes added or removed; one length axis, same constant row count before it:
+  ``(T, 4) <-> (4*T,)``; or constant axes regrouped around unchanged length axes:
+  ``(B, T, 256) <-> (B, T, 4, 64)``); any other reshape (e.g.
   ``(B, T, H) -> (B*T, H)``) is a gather that lays out the logical elements row-major.
 """
 
@@ -189,7 +190,7 @@ def _reshape(ctx, eqn, invals):
     if eqn.params.get("dimensions") is not None:
         raise _NoRule("reshape with a dimensions permutation")
     src, dst = x.shape, eqn.params["new_sizes"]
-    if _prefix_preserving(src, dst):
+    if _prefix_preserving(src, dst) or _keeps_length_axes(src, dst):
         return None
     merged = _ragged_merge(ctx, x, src, dst)
     if merged is not None:
@@ -249,6 +250,22 @@ def _prefix_preserving(src, dst) -> bool:
     if len(s) != 1 or len(d) != 1:
         return False
     return math.prod(src[:s[0]]) == math.prod(dst[:d[0]])
+
+
+def _keeps_length_axes(src, dst) -> bool:
+    """Length axes in the same order, with the same constant block before and between them
+    (a head split ``(B, T, 256) -> (B, T, 4, 64)``): each element keeps its coordinates on
+    every length axis, so its padding stays padding."""
+    def blocks(shape):
+        out, run = [], 1
+        for d in shape:
+            if _is_sym(d):
+                out.append((run, str(d)))
+                run = 1
+            else:
+                run *= int(d)
+        return out
+    return blocks(src) == blocks(dst)
 
 
 def _is_unit(d) -> bool:
