@@ -21,6 +21,8 @@ import polyexec as px
 from polyexec.training import TrainState, choose_layout, make_train_step
 from polyexec.training import _auto
 
+from conftest import assert_trees_close
+
 T = px.LengthVar("T", min=1, max=64)
 B = px.LengthVar("B", max=256)
 SPECS = (px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
@@ -170,6 +172,29 @@ def test_choose_layout_packs_when_packing_is_cheaper(fixed_cost):
         for batch in buckets.packed_batch_plan(LENGTHS, [64], rows=4, epoch=0):
             n = LENGTHS[batch.indices].astype(np.int32)
             state, _ = choice.step(state, np.ones((len(n), int(n.max())), np.int32), n)
+
+
+def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fixed_cost):
+    fixed_cost["cost"] = buckets.CostModel(compile_seconds=1.0, seconds_per_cell=1e-3)
+    tokens = np.random.default_rng(0).integers(1, 9, size=(len(LENGTHS), 64)).astype(np.int32)
+
+    def examples(indices):
+        n = LENGTHS[indices].astype(np.int32)
+        return tokens[indices, :int(n.max())], n
+
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[16, 64], batch_buckets=[4],
+                           layout="auto")
+    choice = choose_layout(step, _state(), LENGTHS, epochs=2, batch_size=4, seed=3,
+                           examples=examples)
+    first = buckets.packed_batch_plan(LENGTHS, [64], rows=4, seed=3, epoch=0)[0]
+    indices, output = choice.first_step
+    np.testing.assert_array_equal(indices, first.indices)
+    # The output is that batch's step from the initial state: the run goes on from it.
+    again = choice.step(_state(), *examples(first.indices))
+    assert_trees_close(output, again)
+    # One compile, at the plan's grid (a batch of short examples still runs in rows of 64).
+    assert set(step.stats.buckets) == {(("rows(B)", 4), ("row_length(T)", 64))}
+    assert step.stats.compiles == 1
 
 
 def test_choose_layout_pads_when_padding_is_cheaper(fixed_cost):

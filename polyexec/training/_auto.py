@@ -17,7 +17,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -42,14 +42,17 @@ _LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
                  extra_compiles: Bucketed | None = None, extra_arg: Any = None,
-                 parallel: int = 1) -> _buckets.CostModel:
+                 parallel: int = 1, on_output: Callable[[Any], None] | None = None,
+                 grid: tuple[int, int] | None = None) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
 
     ``extra_compiles``: a second step compiled at the same shape whose compile seconds are
     added (each length bucket compiles the eval step as well as the train step).
     ``parallel``: the other compiles will overlap this many ways (e.g. beside training on a
-    background thread), so count this fraction of their seconds.
+    background thread), so count this fraction of their seconds. ``on_output``: called with
+    each timed call's output (a real batch's step, kept rather than thrown away). ``grid``:
+    the (rows, row length) a packed step runs ``tokens`` at (default: ``tokens.shape``).
 
     With JAX's persistent compile cache on, the cost is kept beside it; when the program is
     then loaded from the cache (no compile to time), the kept cost is returned, so a second run
@@ -64,7 +67,7 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     >>> cost.compile_seconds > 0 and cost.seconds_per_cell > 0, step.stats.compiles
     (True, 1)
     """
-    rows, length = tokens.shape
+    rows, length = grid if grid is not None else tokens.shape
     shape = {"B": rows, "T": length}
     steps = [(step, arg)] + ([(extra_compiles, extra_arg)] if extra_compiles is not None else [])
     before = [f.stats.compile_seconds for f, _ in steps]
@@ -84,8 +87,10 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
             fresh = jax.tree_util.tree_map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, arg)
             jax.block_until_ready(fresh)
             start = time.perf_counter()
-            jax.block_until_ready(step(fresh, tokens, lengths))
+            output = jax.block_until_ready(step(fresh, tokens, lengths))
             fastest = min(fastest, time.perf_counter() - start)
+            if on_output is not None:
+                on_output(output)
         compile_s, per_cell = seconds, fastest / (rows * length)
         if not hit:
             record.save(compile_s, per_cell)
@@ -301,7 +306,9 @@ class LayoutChoice:
     step pinned to it; for pad, ``buckets`` (the `BucketChoice`); for pack, the
     ``row_lengths`` and ``pack_rows`` (rows a step per row length); the cost they were
     priced by, where it was measured, and both predictions (``pack`` is None when the plan
-    cannot pack)."""
+    cannot pack). ``first_step``: when the measured call was the run's first packed batch
+    (``examples`` given) and the choice packs, ``(its example indices, the step's output)``:
+    the run goes on from that output instead of running the batch again."""
 
     layout: str
     reason: str
@@ -313,6 +320,7 @@ class LayoutChoice:
     measured_at: tuple[int, int] | None = None
     pad: _buckets.Prediction | None = None
     pack: _buckets.Prediction | None = None
+    first_step: tuple[np.ndarray, Any] | None = None
 
     @property
     def prediction(self) -> _buckets.Prediction | None:
@@ -332,10 +340,18 @@ def _versus(pack: _buckets.Prediction, pad: _buckets.Prediction) -> str:
             f"({pad.compiles} compiles, {pad.padding_efficiency:.3f})")
 
 
+def _packing(step: Bucketed, row_lengths: tuple[int, ...], pack_rows: dict) -> Bucketed:
+    """``step`` packing into exactly ``row_lengths``: a batch runs at the smallest one that
+    holds its longest example (`buckets.packed_batch_plan`'s row length for it)."""
+    return step.with_buckets({"T": list(row_lengths)}).with_layout("pack", pack_rows)
+
+
 def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                   batch_size: int | None = None, max_tokens: int | None = None,
                   layout: str = "auto", seed: int = 0, min_length: int = 1, parallel: int = 1,
-                  pad_id: int = 0, known: dict | None = None) -> LayoutChoice:
+                  pad_id: int = 0, known: dict | None = None,
+                  examples: Callable[[np.ndarray], tuple[Any, Any]] | None = None
+                  ) -> LayoutChoice:
     """Pad or pack, by predicted run time; ``step`` is a train step made with
     ``layout="auto"`` (so its one trace holds the packed program too).
 
@@ -350,6 +366,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     A plan that cannot pack, or ``layout="pad"``, goes to `choose_buckets` as before.
     ``known``: an earlier choice's ``{"layout", "row_lengths", "pack_rows"}``, repeated
     without measuring (a padded one passes its policy to `choose_buckets` instead).
+    ``examples``: example indices -> their ``(tokens, lengths)``; given, the timed call is the
+    first step of ``buckets.packed_batch_plan(lengths, row_lengths, rows=..., seed=seed,
+    epoch=0)`` rather than a throwaway one, and a packed choice keeps its output
+    (``first_step``) for the run to go on from.
 
     >>> import equinox as eqx, jax, numpy as np, optax
     >>> from polyexec.training import TrainState, choose_layout, make_train_step
@@ -388,16 +408,22 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return padded(f"the plan cannot pack: {plan.packing_reason}")
     if known is not None:
         pack_rows = {int(k): int(v) for k, v in known["pack_rows"].items()}
-        return LayoutChoice("pack", "as chosen before", step.with_layout("pack", pack_rows),
-                            None, tuple(known["row_lengths"]), pack_rows)
+        row_lengths = tuple(int(n) for n in known["row_lengths"])
+        return LayoutChoice("pack", "as chosen before", _packing(step, row_lengths, pack_rows),
+                            None, row_lengths, pack_rows)
     row_length = step.bucket_for("T", int(lengths.max()))
     rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
     pack_rows = {row_length: rows}
-    packer = step.with_layout("pack", pack_rows)
+    packer = _packing(step, (row_length,), pack_rows)
     # One timed call: the step is a training-sized one, and a second would cost the cold
     # epoch as much again for a decision the first already makes.
-    cost = measure_cost(packer, arg, np.full((rows, row_length), pad_id, np.int32),
-                        np.full(rows, row_length, np.int32), runs=1, parallel=parallel)
+    tokens, full = np.full((rows, row_length), pad_id, np.int32), np.full(rows, row_length, np.int32)
+    first, outputs = None, []
+    if examples is not None:
+        first = _buckets.packed_batch_plan(lengths, [row_length], rows=rows, seed=seed)[0].indices
+        tokens, full = examples(first)
+    cost = measure_cost(packer, arg, tokens, full, runs=1, parallel=parallel,
+                        on_output=outputs.append, grid=(rows, row_length))
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
                                    seed=seed, compiled=[(rows, row_length)])
     # The padded steps would compile every shape, the longest included (not yet compiled).
@@ -408,4 +434,5 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return padded(versus, pad_policy, pack, cost, (rows, row_length))
     return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
                         packer, None, (row_length,), pack_rows, cost, (rows, row_length),
-                        pad_policy.prediction, pack)
+                        pad_policy.prediction, pack,
+                        (first, outputs[0]) if first is not None and outputs else None)
