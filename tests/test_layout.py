@@ -174,7 +174,8 @@ def test_choose_layout_packs_when_packing_is_cheaper(fixed_cost):
             state, _ = choice.step(state, np.ones((len(n), int(n.max())), np.int32), n)
 
 
-def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fixed_cost):
+def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fixed_cost,
+                                                                             tmp_path):
     fixed_cost["cost"] = buckets.CostModel(compile_seconds=1.0, seconds_per_cell=1e-3)
     tokens = np.random.default_rng(0).integers(1, 9, size=(len(LENGTHS), 64)).astype(np.int32)
 
@@ -182,19 +183,25 @@ def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fix
         n = LENGTHS[indices].astype(np.int32)
         return tokens[indices, :int(n.max())], n
 
-    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[16, 64], batch_buckets=[4],
-                           layout="auto")
-    choice = choose_layout(step, _state(), LENGTHS, epochs=2, batch_size=4, seed=3,
-                           examples=examples)
     first = buckets.packed_batch_plan(LENGTHS, [64], rows=4, seed=3, epoch=0)[0]
-    indices, output = choice.first_step
-    np.testing.assert_array_equal(indices, first.indices)
-    # The output is that batch's step from the initial state: the run goes on from it.
-    again = choice.step(_state(), *examples(first.indices))
-    assert_trees_close(output, again)
-    # One compile, at the plan's grid (a batch of short examples still runs in rows of 64).
-    assert set(step.stats.buckets) == {(("rows(B)", 4), ("row_length(T)", 64))}
-    assert step.stats.compiles == 1
+    px.enable_persistent_cache(str(tmp_path))
+    try:
+        # The second run loads the program from the persistent cache and its recorded cost:
+        # nothing is timed, yet the first batch still runs once and is kept.
+        for _ in range(2):
+            step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[16, 64],
+                                   batch_buckets=[4], layout="auto")
+            choice = choose_layout(step, _state(), LENGTHS, epochs=2, batch_size=4, seed=3,
+                                   examples=examples)
+            indices, output = choice.first_step
+            np.testing.assert_array_equal(indices, first.indices)
+            # That batch's step from the initial state: the run goes on from it.
+            assert_trees_close(output, choice.step(_state(), *examples(first.indices)))
+            # One program, at the plan's grid (short examples still run in rows of 64).
+            assert set(step.stats.buckets) == {(("rows(B)", 4), ("row_length(T)", 64))}
+            assert step.stats.compiles == 1
+    finally:
+        px.disable_persistent_cache()
 
 
 def test_choose_layout_pads_when_padding_is_cheaper(fixed_cost):
