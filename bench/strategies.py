@@ -556,7 +556,6 @@ class PackedBucketedRun(Run):
         # (indices, output) of the first batch, run (and timed) while choosing the layout.
         self._first_step = first_step
 
-
     def real_tokens(self, batch):
         return super().real_tokens(batch.indices)
 

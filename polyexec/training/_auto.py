@@ -84,10 +84,10 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
         jax.block_until_ready(fresh)
         start = time.perf_counter()
         output = jax.block_until_ready(step(fresh, tokens, lengths))
-        seconds = time.perf_counter() - start
+        took = time.perf_counter() - start
         if on_output is not None:
             on_output(output)
-        return seconds
+        return took
 
     if hit and record.known is not None:
         # Loaded from the persistent cache: the load is no compile. The cost measured when it
