@@ -576,7 +576,8 @@ class PackedBucketedRun(Run):
 
     def summary(self, events):
         return {"compiles": self.f.stats.compiles - events.cache_hits, "traces": self.f.traces,
-                "compile_s": self.f.stats.compile_seconds, "bucket_count": len(self.row_lengths),
+                "compile_s": self.f.stats.compile_seconds,
+                "plan_seconds": dict(self.f.plan.seconds), "bucket_count": len(self.row_lengths),
                 "buckets": list(self.row_lengths), "partial_rows": [], "auto": self.auto_choice,
                 "upgraded_batches": 0, "warmup": None}
 
@@ -940,6 +941,7 @@ class BucketedRun(Run):
             # A persistent-cache hit builds the executable without running XLA: not a compile.
             "compiles": self.f.stats.compiles - events.cache_hits,
             "traces": self.f.traces, "compile_s": self.f.stats.compile_seconds,
+            "plan_seconds": dict(self.f.plan.seconds),
             "bucket_count": len(self.policy.sizes), "buckets": list(self.policy.sizes),
             "partial_rows": list(getattr(self.policy, "partial_rows", ())),
             "auto": self.auto_choice,    # --buckets auto: the measured cost and the prediction
@@ -1073,6 +1075,7 @@ def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dic
         "partial_rows": own["partial_rows"],
         "auto": own["auto"],
         "choosing_seconds": run.setup_seconds,
+        "plan_seconds": own.get("plan_seconds"),
         "cache_hits": events.cache_hits,
         "backend_compiles": events.backend_compiles,
         "upgraded_batches": own["upgraded_batches"],
@@ -1146,7 +1149,9 @@ def run_limit(cfg: Config, state_file: str | None = None, *, cache_dir: str | No
             jax.block_until_ready((loss, state))
             return time.perf_counter() - start, state
 
+        compiled_before = step.compile_seconds
         first, state = chunk(1, state)                  # compile + first run: not timed
+        compile_s = step.compile_seconds - compiled_before
         budget = cfg.limit_seconds / cfg.limit_rounds
         n, (elapsed, state) = 1, chunk(1, state)
         while elapsed < budget and n < 4096:           # calibrate the chunk length
@@ -1158,7 +1163,7 @@ def run_limit(cfg: Config, state_file: str | None = None, *, cache_dir: str | No
             per_step.append(elapsed / n)
         best = min(per_step)
         out_groups.append({k: v for k, v in g.items() if k != "members"} |
-                          {"calls_per_chunk": n, "seconds_per_step": best,
+                          {"calls_per_chunk": n, "seconds_per_step": best, "compile_s": compile_s,
                            "seconds_per_step_all": per_step, "tokens_per_s": rows * t / best})
         emit("step", strategy=name, done=i + 1)
     return {"strategy": name, "groups": out_groups,

@@ -562,7 +562,7 @@ class Bucketed:
         flat = segment.convention.assemble(arrays=call.arrays, poly=poly, sizes=sizes)
         outputs = compiled.executable(*flat, layout.pos, layout.seglen)
         self._counters.add(key, calls=1, real_elements=real, padded_elements=padded)
-        leaves = [layout.unpack(np.asarray(leaf), aval.shape, sizes)
+        leaves = [layout.unpack(leaf, aval.shape, sizes)
                   for leaf, aval in zip(outputs, segment.packed.out_avals)]
         return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
 
@@ -788,11 +788,16 @@ class _PackedLayout:
                             [bucket.get(d, s) if isinstance(d, str) else s
                              for d, s in zip(dims, arr.shape)], spec.pad)
 
-    def unpack(self, leaf: np.ndarray, shape, sizes: Mapping[str, int]) -> np.ndarray:
+    def unpack(self, leaf, shape, sizes: Mapping[str, int]):
         """An output as the pad layout returns it: a ``(B, T-like)`` pair of axes becomes
         ``(sequences, e(longest))`` with each sequence's own ``e(n)`` positions and zeros
-        after; other length axes are cut to their real sizes."""
+        after; other length axes are cut to their real sizes (on the host). An output with
+        no length axis (a loss, a train step's new parameters) stays on the device: reading
+        it would wait for the step, and the caller's next batch could not overlap it."""
         names = [set(d._get_vars()) if export.is_symbolic_dim(d) else set() for d in shape]
+        if not any(names):
+            return leaf
+        leaf = np.asarray(leaf)
         b = [a for a, n in enumerate(names) if n == {self.rows_var}]
         t = [a for a, n in enumerate(names) if self.var in n and self.rows_var not in n]
         if len(b) == 1 and len(t) == 1:

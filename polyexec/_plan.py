@@ -248,6 +248,10 @@ class Plan:
     dynamic: tuple[LengthVar, ...] = ()       # defined by data-dependent ops
     constants: tuple[Any, ...] | None = None  # the non-Spec arrays px.trace saw (Plan.save)
     fn: Callable | None = dataclasses.field(default=None, repr=False)   # None: loaded
+    # Wall seconds of making the plan, per stage: "trace" (the user's function, once per
+    # segment, exported), "rewrite" (the padding-exact program), "packed rewrite", "size check".
+    # Compiles come later, per bucket (`Stats.compile_seconds`); a loaded plan has none.
+    seconds: Mapping[str, float] = dataclasses.field(default_factory=dict, repr=False)
 
     # -- the verdict ----------------------------------------------------------------------------
 

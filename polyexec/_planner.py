@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -199,11 +200,22 @@ def _trace_segment(fn, signature: Signature, in_vars: Sequence[LengthVar],
                                        inject if cuts else None)
 
 
+def _timed(seconds: dict[str, float], stage: str, fn: Callable, *args):
+    """``fn(*args)``, its wall seconds added to ``seconds[stage]`` (`Plan.seconds`)."""
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
 def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
-             convention: Convention, traced: Traced, masking: bool) -> Segment:
+             convention: Convention, traced: Traced, masking: bool,
+             seconds: dict[str, float]) -> Segment:
     """A segment of a partitioned (or bounded) plan: its logical program, what it hands on,
     and which of its inputs and variables the live program uses."""
-    exported, padding_reason = logical_export(traced, convention, masking)
+    exported, padding_reason = _timed(seconds, "rewrite", logical_export, traced, convention,
+                                      masking)
     variables = convention.variables
     live_jaxpr, live_inputs, live_names = _liveness(traced.jaxpr, [v.name for v in variables])
     if context.cut is not None:
@@ -222,25 +234,28 @@ def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
 
 
 def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
-            masking: bool, pack: bool = False) -> Plan:
+            masking: bool, pack: bool, seconds: dict[str, float]) -> Plan:
     """The plan of a function without data-dependent sizes: one segment, every input live."""
     in_vars = convention.variables
     everything = dict(live_variables=tuple(in_vars), live_inputs=(True,) * len(convention.slots))
     if isinstance(traced, Failed):
         segment = Segment(0, convention, exported=None, jaxpr=None, out_tree=None, out_paths=(),
                           padding_reason=None, **everything)
-        return Plan(name, tuple(in_vars), (segment,), fn=fn, verdict=Verdict(
+        return Plan(name, tuple(in_vars), (segment,), fn=fn, seconds=seconds, verdict=Verdict(
             traced.reason, "reshaping is impossible: each bucket runs the function as retraced "
                            "at the bucket's sizes", traced.split_sizes))
-    exported, padding_reason = logical_export(traced, convention, masking)
+    exported, padding_reason = _timed(seconds, "rewrite", logical_export, traced, convention,
+                                      masking)
     packing = {}
     if pack:
         packing = dict(zip(("packed", "packing_reason"),
-                           packed_export(traced, convention) if masking and padding_reason is None
+                           _timed(seconds, "packed rewrite", packed_export, traced, convention)
+                           if masking and padding_reason is None
                            else (None, f"the pad layout is not exact either: {padding_reason}")))
     segment = Segment(0, convention, exported, traced.jaxpr, traced.out_tree, traced.out_paths,
                       padding_reason, **everything, **packing)
-    return Plan(name, tuple(in_vars), (segment,), Verdict(padding=padding_reason), fn=fn)
+    return Plan(name, tuple(in_vars), (segment,), Verdict(padding=padding_reason), fn=fn,
+                seconds=seconds)
 
 
 def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
@@ -258,8 +273,9 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
     def new_context():
         return _dynamic.Context(mode, [], input_names=frozenset(input_names), variables=variables)
 
-    context = new_context()
-    convention, traced = _trace_segment(fn, signature, in_vars, (), context, counter)
+    context, seconds = new_context(), {}
+    convention, traced = _timed(seconds, "trace", _trace_segment, fn, signature, in_vars, (),
+                                context, counter)
     data_named = [n for s in spec_leaves(out_specs) for n in s.var_names if n not in input_names]
     failed = isinstance(traced, Failed)
     if failed or not context.points:
@@ -271,35 +287,37 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
             raise SpecError(
                 f"{name}: out_specs name {data_named}, which no input Spec uses and no "
                 f"px.compact/nonzero/loop_until/partition(..., length=...) defines")
-        plan = _single(fn, name, convention, traced, masking, pack)
+        plan = _single(fn, name, convention, traced, masking, pack, seconds)
         if check_sizes and not failed:
-            reason = size_dependence(fn, convention, plan.exported.out_avals, plan.out_paths,
-                                     counter, bucket_sizes)
+            reason = _timed(seconds, "size check", size_dependence, fn, convention,
+                            plan.exported.out_avals, plan.out_paths, counter, bucket_sizes)
             if reason is not None:
-                plan = _single(fn, name, convention, Failed(reason), masking, pack)
+                plan = _single(fn, name, convention, Failed(reason), masking, pack, seconds)
         return plan
 
-    segments = [_segment(context, 0, (), convention, traced, masking)]
+    segments = [_segment(context, 0, (), convention, traced, masking, seconds)]
     cuts: list[CutPoint] = []
     dynamic = [context.defined[n] for n, _ in context.points] if mode == "bounded" else []
     while context.cut is not None:
         cuts.append(context.cut)
         dynamic.append(context.cut.var)
         context = new_context()
-        convention, traced = _trace_segment(fn, signature, in_vars, tuple(cuts), context, counter)
+        convention, traced = _timed(seconds, "trace", _trace_segment, fn, signature, in_vars,
+                                    tuple(cuts), context, counter)
         if isinstance(traced, Failed):
             raise PolymorphismError(
                 f"segment {len(cuts)} of {name} (after {cuts[-1].where}): {traced.reason}; every "
                 f"segment after a data-dependent op must be shape-polymorphic (or run with "
                 f"partition=False)")
-        segments.append(_segment(context, len(cuts), tuple(cuts), convention, traced, masking))
+        segments.append(_segment(context, len(cuts), tuple(cuts), convention, traced, masking,
+                                 seconds))
     missing = [n for n in data_named if n not in {v.name for v in dynamic}]
     if missing:
         raise SpecError(f"{name}: out_specs name {missing}, which no input Spec uses and "
                         f"no partition point defines (defined: {[v.name for v in dynamic]})")
     padding = next((s.padding_reason for s in segments if s.padding_reason), None)
     return Plan(name, tuple(in_vars), tuple(segments), Verdict(padding=padding), mode=mode,
-                dynamic=tuple(dynamic), fn=fn)
+                dynamic=tuple(dynamic), fn=fn, seconds=seconds)
 
 
 def trace(fn: Callable, *args_or_specs: Any, buckets: Mapping[Any, Any] | None = None,

@@ -391,6 +391,14 @@ def test_quick_json_matches_the_schema(quick):
     passes = doc["workload"]["limit"]["passes"]
     assert len(passes) == 2
     assert doc["limit_tokens_per_s"] >= max(p["limit_tokens_per_s"] for p in passes) * (1 - 1e-9)
+    # The first pass compiles each shape with jax.jit (the second loads them): polyexec's
+    # compile seconds a shape are reported against those, and its plan's stages apart.
+    assert all(g["compile_s"] > 0 for g in passes[0]["groups"])
+    plan = doc["workload"]["per_strategy"]["polyexec"]["plan_seconds"]
+    assert {"trace", "rewrite"} <= set(plan) and all(s > 0 for s in plan.values())
+    line = report.compile_line(next(r for r in doc["results"] if r["strategy"] == "polyexec"),
+                               doc["workload"]["per_strategy"]["polyexec"], passes)
+    assert line.startswith("compiles: polyexec ") and "trace " in line
 
 
 def _schedule_shapes(cfg, name, doc=None):

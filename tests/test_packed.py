@@ -467,6 +467,28 @@ def test_one_trace_and_one_compile_per_packed_bucket():
     assert again.backend_compiles == 0 and f.traces == 1 and f.stats.compiles == len(expected)
 
 
+def test_an_output_without_a_length_axis_stays_on_the_device():
+    # A train step's loss and parameters: reading them on the host would wait for the step,
+    # and the caller could not prepare its next batch while this one runs.
+    f = px.bucketed(products, SPECS_V, buckets={T: [8], B: [4]}, layout="pack", strict=True)
+    x, _, _ = batch([3, 5], seed=0)
+    total, per_token = f(x, np.asarray([3, 5], np.int32))
+    assert isinstance(total, jax.Array) and not isinstance(total, np.ndarray)
+    assert isinstance(per_token, np.ndarray) and per_token.shape == (2, 4, 3)
+    close(total, _np_products(x, [3, 5]), "the sum", rtol=1e-5)
+
+
+def test_the_plan_times_its_trace_and_each_rewrite_once():
+    f = px.bucketed(products, SPECS_V, buckets={T: [8], B: [4]}, layout="auto")
+    x, _, _ = batch([3, 5], seed=0)
+    f(x, np.asarray([3, 5], np.int32))
+    f(x, np.asarray([2, 5], np.int32))
+    seconds = dict(f.plan.seconds)
+    assert set(seconds) == {"trace", "rewrite", "packed rewrite"}, seconds
+    assert all(s > 0 for s in seconds.values()), seconds
+    assert f.traces == 1 and dict(f.plan.seconds) == seconds     # made once, not per call
+
+
 def test_packing_is_at_least_as_efficient_as_padding_on_a_long_tail():
     tb, bb = [8, 16, 32], [1, 2, 4, 8]
     options = dict(buckets={T: tb, B: bb}, strict=True)
