@@ -392,8 +392,9 @@ AUTO_DATA = random_sentences(40, 40, seed=8)
 def auto_fit(tmp_path_factory):
     """Interrupted after 3 steps with a checkpoint, then resumed: the default buckets="auto"."""
     folder = tmp_path_factory.mktemp("auto")
+    # layout="pad": these tests follow the padded bucket choice (packed rows: packed_fit).
     args = dict(optimizer=OPT, epochs=2, batch_size=8, cache=False, verbose=False,
-                checkpoint_dir=folder)
+                checkpoint_dir=folder, layout="pad")
     part = training.fit(tiny_model(), loss_fn, AUTO_DATA, max_steps=3, **args)
     rest = training.fit(tiny_model(), loss_fn, AUTO_DATA, **args)
     return part, rest, args
@@ -440,6 +441,72 @@ def test_auto_refits_when_the_run_is_extended(auto_fit):
     assert longer.prediction.steps == len(buckets.batch_plan(
         np.maximum([len(s) for s in AUTO_DATA], 2), longer.policy, batch_size=8))  # ... for 1 epoch
     assert [r["epoch"] for r in longer.epochs()] == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def packed_fit(tmp_path_factory):
+    """layout="pack": interrupted after 3 steps and resumed, and the same run uninterrupted."""
+    folder = tmp_path_factory.mktemp("packed")
+    args = dict(optimizer=OPT, epochs=2, batch_size=4, cache=False, verbose=False,
+                layout="pack", validation=AUTO_DATA[:9], eval_fn=loss_and_count)
+    part = training.fit(tiny_model(), loss_fn, AUTO_DATA, max_steps=3, checkpoint_dir=folder,
+                        **args)
+    rest = training.fit(tiny_model(), loss_fn, AUTO_DATA, checkpoint_dir=folder, **args)
+    whole = training.fit(tiny_model(), loss_fn, AUTO_DATA, **args)
+    return part, rest, whole
+
+
+def test_packed_fit_trains_every_example_once_an_epoch_in_the_predicted_rows(packed_fit):
+    _, _, whole = packed_fit
+    assert whole.layout == "pack" and whole.train_step.traces == 1
+    lengths = np.maximum([len(s) for s in AUTO_DATA], 2)
+    (row_length,) = whole.policy.sizes
+    plans = [buckets.packed_batch_plan(lengths, [row_length], rows=4, seed=0, epoch=e)
+             for e in (0, 1)]
+    steps = [r for r in whole.history if r["kind"] == "step"]
+    assert [tuple(r["bucket"]) for r in steps] == [(4, row_length)] * sum(map(len, plans))
+    for epoch, plan in enumerate(plans):
+        # Several examples a row, each exactly once: the tokens each step trained are its own.
+        ran = [r["tokens"] for r in steps if r["epoch"] == epoch]
+        assert ran == [int(lengths[b.indices].sum()) for b in plan]
+        assert sorted(np.concatenate([b.indices for b in plan])) == list(range(len(AUTO_DATA)))
+    assert whole.prediction.steps == len(steps)
+    padded = np.ceil(len(lengths) / 4) * 4 * row_length
+    assert whole.epochs()[-1]["padding_efficiency"] > lengths.sum() / padded
+    assert {k for k, b in whole.train_step.stats.buckets.items() if b.compiles} == \
+        {(("rows(B)", 4), ("row_length(T)", row_length))}
+    assert np.isfinite(whole.val_loss)
+
+
+def test_packed_fit_resumes_to_the_same_parameters(packed_fit):
+    part, rest, whole = packed_fit
+    assert part.stopped_early and part.layout == rest.layout == "pack"
+    assert rest.policy.sizes == whole.policy.sizes
+    assert_trees_close(rest.model, whole.model, rtol=0, atol=0)
+    assert rest.val_loss == whole.val_loss
+
+
+def test_layout_pack_is_refused_where_it_cannot_run_and_pads_a_loss_that_reads_lengths():
+    with pytest.raises(px.OptionError, match=r"fit: layout: 'pack' needs buckets='auto'"):
+        training.fit(tiny_model(), loss_fn, AUTO_DATA, optimizer=OPT, buckets=[16, 40],
+                     layout="pack", verbose=False)
+    with pytest.raises(px.OptionError, match=r"fit: layout: expected one of 'auto', 'pad'"):
+        training.fit(tiny_model(), loss_fn, AUTO_DATA, optimizer=OPT, layout="packed")
+    # masked_loss_fn reads the lengths (one per example): a packed row holds several.
+    with pytest.warns(UserWarning, match="cannot run packed rows"):
+        result = training.fit(tiny_model(), masked_loss_fn, AUTO_DATA, optimizer=OPT, epochs=1,
+                              batch_size=8, layout="pack", verbose=False, cache=False)
+    assert result.layout == "pad"
+
+
+def test_fit_leaves_the_callers_model_readable():
+    """The steps donate the state's buffers; they are fit's own copies, not the caller's."""
+    model = tiny_model()
+    before = np.asarray(model.head.weight).copy()
+    for _ in range(2):
+        training.fit(model, loss_fn, AUTO_DATA[:8], optimizer=OPT, batch_size=4, buckets=[40],
+                     verbose=False, cache=False)
+    np.testing.assert_array_equal(np.asarray(model.head.weight), before)
 
 
 def test_auto_choice_is_repeated_by_passing_the_policy(auto_fit):

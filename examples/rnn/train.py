@@ -38,7 +38,7 @@ from .model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, maske
 # there, so three epochs of the ~400k training bytes take ~2 min, plus ~45 s for the 16 bucket
 # compiles on a cold persistent cache (~4 s warm); 1.47 nats/char on validation.
 DEFAULTS = dict(cell="gru", epochs=3, hidden=256, embed=64, max_tokens=8192, lr=3e-3,
-                buckets="auto", cap=1024, seed=0)
+                buckets="auto", layout="auto", cap=1024, seed=0)
 PROMPTS = [b"The ", b"A ", b"If ", b"In "]
 
 
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default: the (length x rows) set with the least predicted time for "
                         "this run, from one measured compile and step), optimal[:K] (K buckets "
                         "fitted to the training lengths), pow2, fixed:64,128,..., multiple:K")
+    p.add_argument("--layout", choices=["auto", "pad", "pack"], default=DEFAULTS["layout"],
+                   help="auto (default, with --buckets auto): packed rows -- several sentences "
+                        "a row, the model unchanged -- when they are predicted faster, else "
+                        "padded buckets; pack: always packed rows; pad: never")
     p.add_argument("--cap", type=_int_flag(2, zero="no cap"), default=DEFAULTS["cap"],
                    help="truncate sentences to this many bytes (0: no cap)")
     p.add_argument("--limit", type=_int_flag(2), help="use only this many sentences (quick runs)")
@@ -233,12 +237,19 @@ def run(args: argparse.Namespace) -> dict:
         validation=corpus.validation, eval_fn=eval_loss, batch_size=args.batch_size,
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
         cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
+        layout=args.layout if masking else "pad",
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         metrics_file=args.metrics, progress=False if args.no_progress else None, console=console)
 
-    console.print(buckets.report(train_lengths, result.policy, batch_size=args.batch_size,
-                                 max_tokens=max_tokens,
-                                 partial_rows=result.partial_rows).rich_table())
+    if result.layout == "pack":
+        (row_length,) = result.policy.sizes
+        console.print(f"packed rows of {row_length} bytes, several sentences a row: padding "
+                      f"efficiency {result.train_step.stats.padding_efficiency:.3f} (real bytes "
+                      f"/ cells of the rows)")
+    else:
+        console.print(buckets.report(train_lengths, result.policy, batch_size=args.batch_size,
+                                     max_tokens=max_tokens,
+                                     partial_rows=result.partial_rows).rich_table())
     epochs = result.epochs()
     val = result.val_loss
     warm = [r for r in result.history if r["kind"] == "warmup"]

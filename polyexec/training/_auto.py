@@ -328,6 +328,7 @@ class LayoutChoice:
     pad: _buckets.Prediction | None = None
     pack: _buckets.Prediction | None = None
     first_step: tuple[np.ndarray, Any] | None = None
+    eval_step: Bucketed | None = None       # packed like ``step`` (a padded choice: in buckets)
 
     @property
     def prediction(self) -> _buckets.Prediction | None:
@@ -357,7 +358,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                   batch_size: int | None = None, max_tokens: int | None = None,
                   layout: str = "auto", seed: int = 0, min_length: int = 1, parallel: int = 1,
                   pad_id: int = 0, known: dict | None = None,
-                  examples: Callable[[np.ndarray], tuple[Any, Any]] | None = None
+                  examples: Callable[[np.ndarray], tuple[Any, Any]] | None = None,
+                  eval_step: Bucketed | None = None, eval_arg: Any = None,
+                  validation_lengths: Any = None, data_parallel: DataParallel | None = None
                   ) -> LayoutChoice:
     """Pad or pack, by predicted run time; ``step`` is a train step made with
     ``layout="auto"`` (so its one trace holds the packed program too).
@@ -377,6 +380,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     first step of ``buckets.packed_batch_plan(lengths, row_lengths, rows=..., seed=seed,
     epoch=0)`` rather than a throwaway one, and a packed choice keeps its output
     (``first_step``) for the run to go on from.
+    ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``: as for
+    `choose_buckets`; a packed choice packs the eval step into the same rows
+    (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
 
     >>> import equinox as eqx, jax, numpy as np, optax
     >>> from polyexec.training import TrainState, choose_layout, make_train_step
@@ -398,7 +404,11 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                pack: _buckets.Prediction | None = None, cost=None, measured_at=None):
         chosen = choose_buckets(step.with_layout("pad"), arg, lengths, epochs=epochs,
                                 batch_size=batch_size, max_tokens=max_tokens, known=policy,
-                                min_length=min_length, parallel=parallel, pad_id=pad_id)
+                                min_length=min_length, parallel=parallel, pad_id=pad_id,
+                                eval_step=(eval_step.with_layout("pad")
+                                           if eval_step is not None else None),
+                                eval_arg=eval_arg, validation_lengths=validation_lengths,
+                                data_parallel=data_parallel)
         return LayoutChoice("pad", reason, chosen.steps[0], chosen, cost=chosen.cost or cost,
                             measured_at=chosen.measured_at or measured_at,
                             pad=chosen.prediction, pack=pack)
@@ -407,17 +417,23 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return padded("as chosen before", known.get("policy"))
     if layout == "pad":
         return padded("layout='pad' was asked for")
-    plan = step.plan_for(arg)
-    if not plan.can_pack:
-        if layout == "pack":
-            warnings.warn(f"choose_layout: {step.name} cannot run packed rows, so it runs one "
-                          f"sequence per padded row: {plan.packing_reason}", stacklevel=2)
-        return padded(f"the plan cannot pack: {plan.packing_reason}")
+    for name, f, on in ((step.name, step, arg), ("the eval step", eval_step, eval_arg)):
+        plan = f.plan_for(on) if f is not None else None
+        if plan is not None and not plan.can_pack:
+            if layout == "pack":
+                warnings.warn(f"choose_layout: {name} cannot run packed rows, so it runs one "
+                              f"sequence per padded row: {plan.packing_reason}", stacklevel=2)
+            return padded(f"{name} cannot pack: {plan.packing_reason}")
+
+    def packed_eval(row_lengths, pack_rows):
+        return _packing(eval_step, row_lengths, pack_rows) if eval_step is not None else None
+
     if known is not None:
         pack_rows = {int(k): int(v) for k, v in known["pack_rows"].items()}
         row_lengths = tuple(int(n) for n in known["row_lengths"])
         return LayoutChoice("pack", "as chosen before", _packing(step, row_lengths, pack_rows),
-                            None, row_lengths, pack_rows)
+                            None, row_lengths, pack_rows,
+                            eval_step=packed_eval(row_lengths, pack_rows))
     row_length = step.bucket_for("T", int(lengths.max()))
     rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
     pack_rows = {row_length: rows}
@@ -442,4 +458,5 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
                         packer, None, (row_length,), pack_rows, cost, (rows, row_length),
                         pad_policy.prediction, pack,
-                        (first, outputs[0]) if first is not None and outputs else None)
+                        (first, outputs[0]) if first is not None and outputs else None,
+                        packed_eval((row_length,), pack_rows))

@@ -120,6 +120,10 @@ class Batching:
             out[key] = out.get(key, 0) + int(lengths[batch.indices].sum())
         return out
 
+    def shape(self, batch: _buckets.Batch) -> tuple[int, int]:
+        """The (rows, length) bucket ``batch`` runs at (this process's share)."""
+        return self.batch_rows(batch), batch.bucket_size
+
     def stack(self, examples: Examples, batch: _buckets.Batch,
               pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """``batch`` as ``(tokens (rows, length) int32, lengths (rows,) int32)`` (see above)."""
@@ -128,6 +132,41 @@ class Batching:
         else:
             length = max(int(examples.lengths[batch.indices].max()), self.min_length)
         return pad_batch(examples, batch.indices, self.batch_rows(batch), length, pad_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatching:
+    """`Batching`'s counterpart for ``layout="pack"``: each step is a set of examples that
+    `buckets.first_fit` packs into ``rows`` rows of ``row_length``
+    (`buckets.packed_batch_plan`, deterministic in (seed, epoch)). A step reaches the train
+    step as its examples stacked to their own longest; the executor packs them into the rows
+    (several a row), so ``stats`` count the cells of the rows. One process, one device."""
+
+    row_length: int
+    rows: int
+    shuffle: bool
+    seed: int
+    min_length: int = 2
+
+    policy = property(lambda self: _buckets.Fixed([self.row_length]))
+    length_buckets = property(lambda self: (self.row_length,))
+
+    def epoch(self, lengths: np.ndarray, epoch: int, *, shuffle: bool | None = None,
+              partial_rows: Any = None) -> list:
+        return _buckets.packed_batch_plan(
+            np.maximum(lengths, self.min_length), [self.row_length], rows=self.rows,
+            shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch)
+
+    def shape(self, batch: _buckets.PackedBatch) -> tuple[int, int]:
+        return batch.rows, batch.row_length
+
+    def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
+        return {(self.rows, self.row_length): int(np.sum(lengths))} if len(lengths) else {}
+
+    def stack(self, examples: Examples, batch: _buckets.PackedBatch,
+              pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        length = max(int(examples.lengths[batch.indices].max()), self.min_length)
+        return pad_batch(examples, batch.indices, len(batch.indices), length, pad_id)
 
 
 def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,

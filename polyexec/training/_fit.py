@@ -19,6 +19,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -31,8 +32,8 @@ from .._cache import count_compiles, enable_persistent_cache
 from .._errors import OptionError, check_int, is_int
 from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, load_checkpoint, read_meta,
                           save_checkpoint)
-from ._auto import choose_buckets, rebucket
-from ._data import Batching, Examples, as_examples
+from ._auto import choose_buckets, choose_layout, rebucket
+from ._data import Batching, Examples, PackedBatching, as_examples
 from ._options import FitOptions, check_callable
 from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel
@@ -74,6 +75,7 @@ class FitResult:
     stopped_early: bool
     partial_rows: Any = "full"     # the buckets whose partial batch ran at its own rows
     prediction: Any = None         # buckets="auto": the predicted cost (`buckets.Prediction`)
+    layout: str = "pad"            # "pack": several examples a row (see fit's ``layout``)
 
     @property
     def model(self) -> Any:
@@ -98,8 +100,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ``min_length=2``, ``pad_id=0``, ``seed=0``, ``shuffle=True``, ``devices``, ``cache``,
     ``warmup=True``, ``warmup_workers``, ``checkpoint_dir``, ``checkpoint_every``,
     ``keep_checkpoints=3``, ``resume=True``, ``max_steps``, ``metrics_file``, ``callbacks``,
-    ``progress``, ``verbose=True``, ``console``, ``masking=True``) are the fields of
-    `FitOptions`, declared and checked there; what they do is below.
+    ``progress``, ``verbose=True``, ``console``, ``masking=True``, ``layout="auto"``) are the
+    fields of `FitOptions`, declared and checked there; what they do is below.
 
     ``data`` (and ``validation``) is a sequence of variable-length examples: 1-D integer arrays
     or ``bytes``. Each epoch groups them into batches whose lengths fall in one bucket
@@ -122,6 +124,15 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     full rows (an `Auto` policy's own ``partial_rows`` excepted). ``min_length`` (default 2,
     for next-token losses that slice ``tokens[:, :-1]``) is the smallest padded length. Every (rows, length) shape the data uses is compiled before
     the first step (``warmup``) on parallel threads, those carrying the most tokens first.
+
+    Layout: ``layout="auto"`` (the default) also prices packed rows when ``buckets="auto"``
+    and the run is on one device: several examples share each row (`buckets.packed_batch_plan`,
+    first-fit), ``batch_size`` rows of the longest bucket a step (or ``max_tokens // L``),
+    one compiled shape, and the loss unchanged -- the executor keeps the examples of a row
+    apart (`px.bucketed`'s ``layout="pack"``), so they train as if padded. It packs when the
+    prediction says packing is faster and both steps can pack (a loss that reads ``lengths``
+    cannot: each row holds several); otherwise it pads, and says why. ``layout="pack"`` packs
+    whatever the prediction, ``"pad"`` never packs. ``result.layout`` says which ran.
 
     Compile cache: ``cache=None`` (default) leaves JAX's process-wide compile-cache
     configuration as it is. ``cache=True`` turns on JAX's persistent compile cache in
@@ -183,7 +194,10 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     if options.checkpoint_dir is not None and run.main:
         folder.enter_context(checkpoint_dir_lock(options.checkpoint_dir))
     with folder:
-        state, position, history, restored = _restore(run, TrainState.create(model, optimizer))
+        # The steps donate the state's buffers: on the caller's own arrays, a second fit (or
+        # any use of ``model`` afterwards) would read deleted buffers.
+        own = jax.tree_util.tree_map(lambda x: jax.numpy.copy(x) if eqx.is_array(x) else x, model)
+        state, position, history, restored = _restore(run, TrainState.create(own, optimizer))
         state = place(state, run.dp.replicated)
         run = _settle(run, state, position, restored)
         log = MetricsLog(options.metrics_file if run.main else None, history,
@@ -206,7 +220,7 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
                      batch_buckets=run.batch_buckets, checkpoint=checkpoint,
                      stopped_early=stopped,
                      partial_rows=getattr(run.batching.policy, "partial_rows", "full"),
-                     prediction=run.prediction)
+                     prediction=run.prediction, layout=run.layout)
 
 
 def _signature() -> inspect.Signature:
@@ -234,7 +248,7 @@ class _Run:
     options: FitOptions
     train: Examples
     validation: Examples | None
-    batching: Batching
+    batching: Batching | PackedBatching
     dp: DataParallel
     train_step: Bucketed
     eval_step: Bucketed | None
@@ -249,6 +263,10 @@ class _Run:
     def main(self) -> bool:
         """Process 0 writes checkpoints, metrics and output."""
         return self.dp.process_index == 0
+
+    @property
+    def layout(self) -> str:
+        return "pack" if isinstance(self.batching, PackedBatching) else "pad"
 
     @property
     def used_train(self) -> tuple[int, ...]:
@@ -283,12 +301,16 @@ class _Run:
         mesh = self.dp.mesh is not None
         P = self.dp.processes
         rows = {t: sorted({r * P for r, u in self.train_shapes if u == t}) for t in self.used}
+        if self.layout == "pack":
+            shape = (f"packed rows: {self.batching.rows} rows of {self.batching.row_length}, "
+                     f"several examples a row")
+        else:
+            shape = (f"length buckets {list(self.used)} | rows per bucket "
+                     + ", ".join(f"T={t}: B={'/'.join(map(str, r)) or self.batching.rows(t) * P}"
+                                 for t, r in rows.items()))
         return (f"devices: {self.dp.size} ({jax.devices()[0].platform}"
                 + (f", batch axis split over a {self.dp.size}-device mesh" if mesh else "")
-                + f") | length buckets {list(self.used)} | rows per bucket "
-                + ", ".join(f"T={t}: B={'/'.join(map(str, r)) or self.batching.rows(t) * P}"
-                            for t, r in rows.items())
-                + f" | compile cache: {cache or 'off'}")
+                + f") | {shape} | compile cache: {cache or 'off'}")
 
     def describe_trace(self) -> str:
         plan = self.train_step.plan
@@ -337,10 +359,17 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     # full rows of the shortest bucket). The sizes within them are settled by `_settle`.
     shortest = options.min_length if policy is None else policy.sizes[0]
     P = dp.processes
+    # Packed rows are chosen by cost among the buckets, for one process on one device.
+    packs = options.layout != "pad" and auto and dp.size == 1 and options.masking
+    if options.layout == "pack" and not packs:
+        why = ("buckets='auto' (the row length is chosen by cost)" if not auto else
+               "masking=True (the rewrite keeps the sequences of a row apart)"
+               if not options.masking else f"one device (received {dp.size})")
+        raise OptionError(f"fit: layout: 'pack' needs {why}; use layout='auto' or 'pad'")
     step_args = dict(length_buckets=[top],
                      batch_buckets=[batching.rows(top) * P, batching.rows(shortest) * P],
                      min_length=options.min_length, pad_id=options.pad_id, shardings=dp.shardings,
-                     masking=options.masking)
+                     masking=options.masking, layout="auto" if packs else "pad")
     train_step = make_train_step(loss_fn, optimizer, **step_args)
     eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
@@ -393,9 +422,10 @@ def _with_policy(run: _Run, policy: Any) -> _Run:
 
 
 def _settle(run: _Run, state: TrainState, position: Position, restored: str | None) -> _Run:
-    """``buckets="auto"``: the bucket set with the least predicted time for the epochs still to
-    run (`choose_buckets`: one compile and one step measured at the largest bucket, then
-    `buckets.Auto.fit`).
+    """``buckets="auto"``: the layout and bucket set with the least predicted time for the
+    epochs still to run -- packed rows (`choose_layout`, when the steps can pack and ``layout``
+    allows) or padded buckets (`choose_buckets`: one compile and one step measured at the
+    largest bucket, then `buckets.Auto.fit`).
 
     A resumed run keeps the choice its checkpoint holds -- the data order depends on it --
     unless the run was extended (more ``epochs`` than the checkpoint's run planned) and
@@ -404,27 +434,55 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     if not run.auto:
         return run
     options = run.options
-    saved = read_meta(restored).get("auto_buckets") if restored is not None else None
+    meta = read_meta(restored) if restored is not None else {}
+    saved = meta.get("auto_layout") or meta.get("auto_buckets")
     remaining = max(options.epochs - position.epoch, 1)
     known = None
     if saved is not None and (saved["epochs"] == options.epochs or position.batch > 0):
-        known = _buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
-        run.display.print(f"buckets (auto): the checkpoint's {list(known.sizes)}")
+        if saved.get("layout") == "pack":
+            known = saved
+            run.display.print(f"layout (auto): the checkpoint's packed rows, {saved['pack_rows']}")
+        else:
+            known = _buckets.Auto(tuple(saved["sizes"]), tuple(saved["partial_rows"]))
+            run.display.print(f"buckets (auto): the checkpoint's {list(known.sizes)}")
     elif position.epoch >= options.epochs:      # nothing to train: nothing worth measuring
         known = _buckets.Auto(_buckets.Optimal.fit(
             np.maximum(run.train.lengths, options.min_length)).sizes)
-    choose = functools.partial(
-        choose_buckets, run.train_step, state, run.train.lengths, epochs=remaining,
-        batch_size=options.batch_size, max_tokens=options.max_tokens, eval_step=run.eval_step,
-        eval_arg=state.model, known=known, min_length=options.min_length, pad_id=options.pad_id,
-        data_parallel=run.dp, validation_lengths=(run.validation.lengths
-                                                  if run.validation is not None else None))
+    pads = dict(batch_size=options.batch_size, max_tokens=options.max_tokens,
+                eval_step=run.eval_step, eval_arg=state.model, min_length=options.min_length,
+                pad_id=options.pad_id, data_parallel=run.dp,
+                validation_lengths=run.validation.lengths if run.validation is not None else None)
+    if run.train_step.layout != "pad":
+        as_known = known if isinstance(known, dict) else (
+            {"layout": "pad", "policy": known} if known is not None else None)
+        choose = functools.partial(choose_layout, run.train_step, state, run.train.lengths,
+                                   epochs=remaining, layout=options.layout, seed=options.seed,
+                                   known=as_known, **pads)
+    else:
+        choose = functools.partial(choose_buckets, run.train_step, state, run.train.lengths,
+                                   epochs=remaining, known=known, **pads)
     if known is not None:
         choice = choose()
     else:
         with run.display.task("measuring one bucket", 1) as advance:
             choice = choose()
             advance()
+    if getattr(choice, "layout", "pad") == "pack":
+        if known is None:
+            run.display.print(f"layout (auto, for {remaining} epoch(s)): {choice.describe()}")
+        ((row_length, rows),) = choice.pack_rows.items()
+        batching = PackedBatching(row_length, rows, options.shuffle, options.seed,
+                                  options.min_length)
+        val = run.validation
+        return dataclasses.replace(
+            run, prediction=choice.prediction, batching=batching, train_step=choice.step,
+            eval_step=choice.eval_step, train_shapes=batching.shapes(run.train.lengths),
+            eval_shapes=batching.shapes(val.lengths) if val is not None else {})
+    if hasattr(choice, "layout"):           # choose_layout padded: its buckets' choice
+        if known is None:
+            run.display.print(f"layout (auto): pad, {choice.reason}")
+        choice = choice.buckets
+    if known is None:
         (rows, top), cost, policy = choice.measured_at, choice.cost, choice.policy
         run.display.print(
             f"buckets (auto, for {remaining} epoch(s); measured at B={rows}, T={top}: compile "
@@ -525,7 +583,11 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
     if run.options.checkpoint_dir is None or not run.main:
         return None
     meta = position.meta(log.history, run.fingerprint)
-    if run.auto:
+    if run.auto and run.layout == "pack":
+        meta["auto_layout"] = {"layout": "pack", "row_lengths": [run.batching.row_length],
+                               "pack_rows": {str(run.batching.row_length): run.batching.rows},
+                               "epochs": run.options.epochs}
+    elif run.auto:
         meta["auto_buckets"] = {"sizes": list(run.batching.policy.sizes),
                                 "partial_rows": list(run.batching.policy.partial_rows),
                                 "epochs": run.options.epochs}
@@ -607,7 +669,8 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
                                     run.dp.global_batch(lengths))
     loss = float(metrics["loss"])
     seconds = time.perf_counter() - start
-    bucket = (run.batching.batch_rows(batch) * run.dp.processes, batch.bucket_size)
+    rows, length = run.batching.shape(batch)
+    bucket = (rows * run.dp.processes, length)
     # The executor pads the batch to `bucket` (see Batching); across processes the other
     # shares' real tokens are estimated by this one's.
     tokens_real = int(lengths.sum()) * run.dp.processes

@@ -59,6 +59,7 @@ class FitOptions:
     verbose: bool = True
     console: Any = None
     masking: bool = True
+    layout: str = "auto"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, *, also: Sequence[str] = ("optimizer", "validation",
@@ -104,12 +105,15 @@ class FitOptions:
             raise OptionError(f"fit: callbacks: expected a sequence of callables "
                               f"(StepInfo) -> None, received {self.callbacks!r}")
         normalise("callbacks", tuple(self.callbacks))
+        if self.layout not in ("auto", "pad", "pack"):
+            raise OptionError(f"fit: layout: expected one of 'auto', 'pad', 'pack', received "
+                              f"{self.layout!r}")
 
     @property
     def fingerprint(self) -> dict:
         """The options a checkpoint only resumes under: they decide the order of the batches."""
         return {"batch_size": self.batch_size, "max_tokens": self.max_tokens,
-                "shuffle": self.shuffle, "seed": self.seed}
+                "shuffle": self.shuffle, "seed": self.seed, "layout": self.layout}
 
 
 def check_callable(value: Any, where: str, what: str, *, optional: bool = False) -> None:

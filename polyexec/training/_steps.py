@@ -139,9 +139,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 def make_eval_step(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
                    length_buckets: Sequence[int], batch_buckets: Sequence[int],
                    min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
-                   masking: bool = True) -> Bucketed:
+                   masking: bool = True, layout: str = "pad") -> Bucketed:
     """`eval_step_fn` as a `px.bucketed` function: ``(model, tokens, lengths) -> (total, count)``."""
-    return _bucketed_step(eval_step_fn(loss_fn, eval_fn), name="eval_step",
+    return _bucketed_step(eval_step_fn(loss_fn, eval_fn), name="eval_step", layout=layout,
                           length_buckets=length_buckets, batch_buckets=batch_buckets,
                           min_length=min_length, pad_id=pad_id, shardings=shardings,
                           masking=masking)
