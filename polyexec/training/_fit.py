@@ -565,7 +565,8 @@ def _restore(run: _Run, state: TrainState) -> tuple[TrainState, Position, list[d
             if options.checkpoint_dir is not None and options.resume else None)
     if path is None:
         return state, Position(), [], None
-    saved = read_meta(path)["fingerprint"]
+    # Checkpoints from before fit took a layout were padded runs.
+    saved = {"layout": "pad", **read_meta(path)["fingerprint"]}
     mismatch = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
                 for k, v in run.fingerprint.items() if saved.get(k) != v]
     if mismatch:
