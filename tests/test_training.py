@@ -499,6 +499,17 @@ def test_layout_pack_is_refused_where_it_cannot_run_and_pads_a_loss_that_reads_l
     assert result.layout == "pad"
 
 
+def test_a_packed_checkpoint_resumes_only_where_it_can_pack(tmp_path):
+    args = dict(optimizer=OPT, epochs=2, batch_size=4, cache=False, verbose=False,
+                checkpoint_dir=tmp_path)
+    # layout="auto" both times (the option is part of what a checkpoint must match); on these
+    # long-tailed lengths packed rows hold far fewer cells, so auto packs.
+    part = training.fit(tiny_model(), loss_fn, AUTO_DATA, max_steps=2, **args)
+    assert part.layout == "pack" and part.stopped_early
+    with pytest.raises(px.OptionError, match="its run trained packed rows, which this one cannot"):
+        training.fit(tiny_model(), loss_fn, AUTO_DATA, masking=False, **args)
+
+
 def test_fit_leaves_the_callers_model_readable():
     """The steps donate the state's buffers; they are fit's own copies, not the caller's."""
     model = tiny_model()

@@ -452,6 +452,10 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
                 eval_step=run.eval_step, eval_arg=state.model, min_length=options.min_length,
                 pad_id=options.pad_id, data_parallel=run.dp,
                 validation_lengths=run.validation.lengths if run.validation is not None else None)
+    if isinstance(known, dict) and run.train_step.layout == "pad":
+        raise OptionError(f"fit: cannot resume from {restored}: its run trained packed rows, "
+                          f"which this one cannot (packing needs one device and masking=True; "
+                          f"this run has {run.dp.size} device(s), masking={options.masking})")
     if run.train_step.layout != "pad":
         as_known = known if isinstance(known, dict) else (
             {"layout": "pad", "policy": known} if known is not None else None)
