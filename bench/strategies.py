@@ -359,7 +359,7 @@ class Polyexec(Strategy):
             if chosen.layout == "pack":
                 run = PackedBucketedRun(cfg, data, step, chosen.step, [
                     buckets.packed_batch_plan(data.padded_lengths, chosen.row_lengths,
-                                              rows=max(chosen.pack_rows.values()), seed=cfg.seed,
+                                              max_tokens=chosen.max_tokens, seed=cfg.seed,
                                               epoch=epoch) for epoch in range(cfg.epochs)],
                     chosen.row_lengths, auto_choice=choice, first_step=chosen.first_step)
                 run.setup_seconds = setup

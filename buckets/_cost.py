@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from ._batching import batch_size_for, exact_sizes, global_steps
 from ._checks import check_batching, check_int, lengths_array, normalise_sizes
-from ._packing import packed_batch_plan, packed_cells
+from ._packing import packed_batch_plan
 from ._policies import BucketPolicy, as_policy, distinct_counts
 
 __all__ = ["Auto", "CostModel", "Prediction", "predict", "predict_packed"]
@@ -159,14 +159,16 @@ def _priced(cost: CostModel, shapes: set, free: frozenset, steps: int, cells: in
                       shapes=tuple(sorted(shapes)))
 
 
-def predict_packed(lengths, row_lengths, cost: CostModel, *, epochs: int = 1,
-                   rows: int | None = None, max_tokens: int | None = None, seed: int = 0,
-                   num_shards: int = 1, compiled: Collection[tuple[int, int]] = ()
+def predict_packed(lengths, row_lengths, cost: CostModel | Mapping[int, CostModel], *,
+                   epochs: int = 1, rows: int | None = None, max_tokens: int | None = None,
+                   seed: int = 0, num_shards: int = 1, compiled: Collection[tuple[int, int]] = ()
                    ) -> Prediction:
     """The predicted cost of ``epochs`` epochs of `packed_batch_plan` over ``lengths``:
     counted from the very plans the run makes (epoch ``e`` shuffled from ``(seed, e)``; the
     first-fit rows differ a little from epoch to epoch), so ``cells`` are the cells that run.
     ``shapes``: the compiled ``(rows, row_length)`` pairs; ``compiled`` ones are free.
+    ``cost``: one for every row length, or one per row length (``{L: CostModel}``) where
+    they were measured apart -- a cell of a short row can cost less than one of a long row.
 
     >>> cost = CostModel(compile_seconds=1.0, seconds_per_cell=0.01)
     >>> p = predict_packed([3, 4, 9, 10, 2], [16], cost, rows=1, epochs=2)
@@ -174,20 +176,40 @@ def predict_packed(lengths, row_lengths, cost: CostModel, *, epochs: int = 1,
     (1, 5, 80, ((1, 16),), 0.7)
     >>> predict([3, 4, 9, 10, 2], [4, 16], cost, batch_size=2, epochs=2).cells   # padded rows
     96
+    >>> cheap = CostModel(compile_seconds=1.0, seconds_per_cell=0.005)
+    >>> p = predict_packed([3, 4, 9, 10, 2], [4, 16], {4: cheap, 16: cost}, max_tokens=16)
+    >>> p.shapes, p.cells, round(p.step_seconds, 2)   # 16 cells of rows of 4 at the cheap rate
+    (((1, 16), (4, 4)), 48, 0.4)
     """
     arr = lengths_array(lengths, where="predict_packed", minimum=0)
-    cost = _check_cost("predict_packed", cost)
+    costs = ({int(n): _check_cost("predict_packed", c) for n, c in cost.items()}
+             if isinstance(cost, Mapping) else None)
+    cost = _check_cost("predict_packed", cost) if costs is None else None
     epochs = check_int("predict_packed", "epochs", epochs, minimum=1)
     S = check_int("predict_packed", "num_shards", num_shards, minimum=1)
     free = _check_shapes("predict_packed", compiled)
-    shapes, cells, steps = set(), 0, 0
+    shapes, cells, steps = set(), {}, {}
     for epoch in range(epochs):
         plan = packed_batch_plan(arr, row_lengths, rows=rows, max_tokens=max_tokens, seed=seed,
                                  epoch=epoch, num_shards=S)
         shapes.update((b.rows, b.row_length) for b in plan)
-        cells += packed_cells(plan, num_shards=S)
-        steps += len(plan)
-    return _priced(cost, shapes, free, steps, cells, epochs * int(arr.sum()))
+        for b in plan:
+            cells[b.row_length] = cells.get(b.row_length, 0) + b.rows * b.row_length * S
+            steps[b.row_length] = steps.get(b.row_length, 0) + 1
+    real = epochs * int(arr.sum())
+    if costs is None:
+        return _priced(cost, shapes, free, sum(steps.values()), sum(cells.values()), real)
+    missing = sorted(set(cells) - set(costs))
+    if missing:
+        raise ValueError(f"predict_packed: cost: expected a CostModel for every row length the "
+                         f"plan uses, received none for {missing}")
+    parts = [_priced(costs[n], {s for s in shapes if s[1] == n}, free, steps[n], cells[n], 0)
+             for n in sorted(cells)]
+    return Prediction(seconds=sum(p.seconds for p in parts),
+                      compile_seconds=sum(p.compile_seconds for p in parts),
+                      step_seconds=sum(p.step_seconds for p in parts),
+                      compiles=sum(p.compiles for p in parts), steps=sum(steps.values()),
+                      cells=sum(cells.values()), real=real, shapes=tuple(sorted(shapes)))
 
 
 @dataclasses.dataclass(frozen=True)

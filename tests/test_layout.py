@@ -204,6 +204,50 @@ def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fix
         px.disable_persistent_cache()
 
 
+def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkeypatch):
+    lengths = np.array([3, 5, 6, 7, 9, 12, 2, 4, 10, 11, 64] * 8)     # half the tokens <= 16
+    per_cell = {64: 1e-3, 16: 1e-4}
+    original = _auto.measure_cost
+
+    def measure(step, arg, tokens, n, *, grid=None, **kw):
+        original(step, arg, tokens, n, grid=grid, **kw)
+        return buckets.CostModel(compile_seconds=0.01,
+                                 seconds_per_cell=per_cell[(grid or tokens.shape)[1]])
+
+    monkeypatch.setattr(_auto, "measure_cost", measure)
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
+                           layout="auto")
+    choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4)
+    # The same 256 cells a step: 16 rows of 16, or 4 rows of 64.
+    assert choice.layout == "pack" and choice.row_lengths == (16, 64), choice.describe()
+    assert choice.pack_rows == {16: 16, 64: 4} and choice.max_tokens == 256
+    assert set(choice.pack.shapes) == {(16, 16), (4, 64)} and choice.pack.compiles == 0
+    assert step.traces == 1 and step.stats.compiles == 2
+    state = _state()
+    with px.forbid_compiles():          # the plan's batches run at the two measured shapes
+        for batch in buckets.packed_batch_plan(lengths, [16, 64], max_tokens=256, epoch=0):
+            n = lengths[batch.indices].astype(np.int32)
+            state, _ = choice.step(state, np.ones((len(n), int(n.max())), np.int32), n)
+    # Measured as dear as the long rows' cells, the short rows only lose efficiency: the
+    # packed price is one row length's (here padding, with compiles this cheap, wins anyway).
+    per_cell[16] = 1e-3
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
+                           layout="auto")
+    again = choose_layout(step, _state(), lengths, epochs=3, batch_size=4)
+    assert step.stats.compiles == 2 and set(again.pack.shapes) == {(4, 64)}
+
+
+def test_packed_batching_keeps_the_tokens_a_step_at_every_row_length():
+    from polyexec.training._data import PackedBatching
+    lengths = np.array([3, 5, 6, 7, 9, 12, 2, 4, 10, 11, 64, 40] * 3)
+    batching = PackedBatching((16, 64), 256, shuffle=True, seed=1, min_length=2)
+    steps = batching.epoch(lengths, 0)
+    assert sorted(np.concatenate([b.indices for b in steps])) == list(range(len(lengths)))
+    assert {batching.shape(b) for b in steps} == {(16, 16), (4, 64)}
+    assert batching.shapes(lengths) == {(16, 16): int(lengths[lengths <= 16].sum()),
+                                        (4, 64): int(lengths[lengths > 16].sum())}
+
+
 def test_choose_layout_pads_when_padding_is_cheaper(fixed_cost):
     # Compiles free, cells dear, and every example as long as the row: packing saves no
     # cell, while the padded plan's partial batch runs at its own rows.

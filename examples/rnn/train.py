@@ -242,10 +242,10 @@ def run(args: argparse.Namespace) -> dict:
         metrics_file=args.metrics, progress=False if args.no_progress else None, console=console)
 
     if result.layout == "pack":
-        (row_length,) = result.policy.sizes
-        console.print(f"packed rows of {row_length} bytes, several sentences a row: padding "
-                      f"efficiency {result.train_step.stats.padding_efficiency:.3f} (real bytes "
-                      f"/ cells of the rows)")
+        console.print(f"packed rows of {' and '.join(map(str, result.policy.sizes))} bytes, "
+                      f"several sentences a row: padding efficiency "
+                      f"{result.train_step.stats.padding_efficiency:.3f} (real bytes / cells "
+                      f"of the rows)")
     else:
         console.print(buckets.report(train_lengths, result.policy, batch_size=args.batch_size,
                                      max_tokens=max_tokens,

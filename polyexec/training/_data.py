@@ -137,31 +137,38 @@ class Batching:
 @dataclasses.dataclass(frozen=True)
 class PackedBatching:
     """`Batching`'s counterpart for ``layout="pack"``: each step is a set of examples that
-    `buckets.first_fit` packs into ``rows`` rows of ``row_length``
-    (`buckets.packed_batch_plan`, deterministic in (seed, epoch)). A step reaches the train
-    step as its examples stacked to their own longest; the executor packs them into the rows
-    (several a row), so ``stats`` count the cells of the rows. One process, one device."""
+    `buckets.first_fit` packs into rows of one of ``row_lengths`` -- the shortest that holds
+    them -- ``max_tokens // length`` rows a step (`buckets.packed_batch_plan`, deterministic in
+    (seed, epoch)). A step reaches the train step as its examples stacked to their own longest;
+    the executor packs them into the rows (several a row), so ``stats`` count the cells of the
+    rows. One process, one device."""
 
-    row_length: int
-    rows: int
+    row_lengths: tuple[int, ...]
+    max_tokens: int
     shuffle: bool
     seed: int
     min_length: int = 2
 
-    policy = property(lambda self: _buckets.Fixed([self.row_length]))
-    length_buckets = property(lambda self: (self.row_length,))
+    policy = property(lambda self: _buckets.Fixed(self.row_lengths))
+    length_buckets = property(lambda self: tuple(self.row_lengths))
+
+    def rows(self, row_length: int) -> int:
+        return max(1, self.max_tokens // row_length)
 
     def epoch(self, lengths: np.ndarray, epoch: int, *, shuffle: bool | None = None,
               partial_rows: Any = None) -> list:
         return _buckets.packed_batch_plan(
-            np.maximum(lengths, self.min_length), [self.row_length], rows=self.rows,
+            np.maximum(lengths, self.min_length), self.row_lengths, max_tokens=self.max_tokens,
             shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch)
 
     def shape(self, batch: _buckets.PackedBatch) -> tuple[int, int]:
         return batch.rows, batch.row_length
 
     def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
-        return {(self.rows, self.row_length): int(np.sum(lengths))} if len(lengths) else {}
+        """Every (rows, row length) an epoch runs at, and the real tokens each one carries."""
+        at = self.policy.assign(np.maximum(lengths, self.min_length))
+        return {(self.rows(n), n): int(np.sum(lengths[at == n]))
+                for n in self.row_lengths if np.any(at == n)}
 
     def stack(self, examples: Examples, batch: _buckets.PackedBatch,
               pad_id: int) -> tuple[np.ndarray, np.ndarray]:

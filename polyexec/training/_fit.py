@@ -302,8 +302,9 @@ class _Run:
         P = self.dp.processes
         rows = {t: sorted({r * P for r, u in self.train_shapes if u == t}) for t in self.used}
         if self.layout == "pack":
-            shape = (f"packed rows: {self.batching.rows} rows of {self.batching.row_length}, "
-                     f"several examples a row")
+            shape = ("packed rows: " + ", ".join(f"{self.batching.rows(n)} rows of {n}"
+                                                 for n in self.batching.row_lengths)
+                     + ", several examples a row")
         else:
             shape = (f"length buckets {list(self.used)} | rows per bucket "
                      + ", ".join(f"T={t}: B={'/'.join(map(str, r)) or self.batching.rows(t) * P}"
@@ -474,9 +475,8 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     if getattr(choice, "layout", "pad") == "pack":
         if known is None:
             run.display.print(f"layout (auto, for {remaining} epoch(s)): {choice.describe()}")
-        ((row_length, rows),) = choice.pack_rows.items()
-        batching = PackedBatching(row_length, rows, options.shuffle, options.seed,
-                                  options.min_length)
+        batching = PackedBatching(choice.row_lengths, choice.max_tokens, options.shuffle,
+                                  options.seed, options.min_length)
         val = run.validation
         return dataclasses.replace(
             run, prediction=choice.prediction, batching=batching, train_step=choice.step,
@@ -589,8 +589,9 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
         return None
     meta = position.meta(log.history, run.fingerprint)
     if run.auto and run.layout == "pack":
-        meta["auto_layout"] = {"layout": "pack", "row_lengths": [run.batching.row_length],
-                               "pack_rows": {str(run.batching.row_length): run.batching.rows},
+        meta["auto_layout"] = {"layout": "pack", "row_lengths": list(run.batching.row_lengths),
+                               "pack_rows": {str(n): run.batching.rows(n)
+                                             for n in run.batching.row_lengths},
                                "epochs": run.options.epochs}
     elif run.auto:
         meta["auto_buckets"] = {"sizes": list(run.batching.policy.sizes),
