@@ -34,9 +34,9 @@ from . import data as corpus_data
 from .generate import generate
 from .model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, masked_loss_fn
 
-# Defaults, measured on 2 idle CPU cores (see README): packed rows of 1,024 (the layout
-# chosen by cost) train at ~21k tokens/s, so three epochs of the ~400k training bytes take
-# ~1 min with 2 compiles; 1.61 nats/char on validation (padded buckets: 68 s, 1.51).
+# Defaults, measured on 2 idle CPU cores (see README): packed rows of 256 and 1,024 (the
+# layout chosen by cost) train at ~26k tokens/s, so three epochs of the ~400k training bytes
+# take ~56 s with 4 compiles; 1.65 nats/char on validation (padded buckets: 68 s, 1.51).
 DEFAULTS = dict(cell="gru", epochs=3, hidden=256, embed=64, max_tokens=8192, lr=3e-3,
                 buckets="auto", layout="auto", cap=1024, seed=0)
 PROMPTS = [b"The ", b"A ", b"If ", b"In "]

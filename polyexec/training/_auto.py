@@ -495,7 +495,8 @@ def _shorter_rows(step, arg, lengths, row_length, rows, cost, single, min_length
     budget = rows * row_length
     short_rows = max(1, budget // short)
     could_gain = single.step_seconds * float(lengths[lengths <= short].sum()) / total / 4
-    if could_gain <= cost.compile_seconds + cost.step_seconds(short_rows, short):
+    # This compile blocks the run (`parallel` discounts only those that overlap it).
+    if could_gain <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short):
         return None
     short_cost = measure_cost(_packing(step, (short,), {short: short_rows}), arg,
                               np.zeros((short_rows, short), np.int32),
