@@ -20,9 +20,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -33,6 +31,7 @@ from .._cache import count_compiles
 from .._errors import OptionError
 from ._data import Batching
 from ._parallel import DataParallel
+from ._state import copy_arrays
 
 # Beside JAX's persistent compile cache: what each program cost to compile and to run.
 _COSTS = "polyexec-costs.json"
@@ -80,8 +79,7 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
 
     def call() -> float:
         # On a copy of ``arg``: the step may donate it.
-        fresh = jax.tree_util.tree_map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, arg)
-        jax.block_until_ready(fresh)
+        fresh = jax.block_until_ready(copy_arrays(arg))
         start = time.perf_counter()
         output = jax.block_until_ready(step(fresh, tokens, lengths))
         took = time.perf_counter() - start
@@ -489,12 +487,13 @@ def _shorter_rows(step, arg, lengths, row_length, rows, cost, single, min_length
     quarter cheaper (the most measured: 26%; a short run that cannot gain skips it)."""
     total = float(lengths.sum())
     candidates = [row_length // k for k in (8, 4, 2) if row_length // k >= max(min_length, 2)]
-    short = next((n for n in candidates if lengths[lengths <= n].sum() >= total / 2), None)
-    if short is None or total == 0:
+    shares = [(n, float(lengths[lengths <= n].sum()) / total) for n in candidates if total]
+    short, share = next(((n, f) for n, f in shares if f >= 0.5), (None, 0.0))
+    if short is None:
         return None
     budget = rows * row_length
     short_rows = max(1, budget // short)
-    could_gain = single.step_seconds * float(lengths[lengths <= short].sum()) / total / 4
+    could_gain = single.step_seconds * share / 4
     # This compile blocks the run (`parallel` discounts only those that overlap it).
     if could_gain <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short):
         return None

@@ -19,7 +19,6 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -39,7 +38,7 @@ from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel
 from ._progress import RunDisplay
 from ._records import MetricsLog, Position, epoch_record, step_record, warmup_record
-from ._state import TrainState, place
+from ._state import TrainState, copy_arrays, place
 from ._steps import EvalFn, LossFn, make_eval_step, make_train_step
 
 
@@ -194,10 +193,10 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     if options.checkpoint_dir is not None and run.main:
         folder.enter_context(checkpoint_dir_lock(options.checkpoint_dir))
     with folder:
-        # The steps donate the state's buffers: on the caller's own arrays, a second fit (or
-        # any use of ``model`` afterwards) would read deleted buffers.
-        own = jax.tree_util.tree_map(lambda x: jax.numpy.copy(x) if eqx.is_array(x) else x, model)
-        state, position, history, restored = _restore(run, TrainState.create(own, optimizer))
+        # On the caller's own arrays, a second fit (or any use of ``model`` afterwards) would
+        # read buffers the steps donated.
+        state, position, history, restored = _restore(
+            run, TrainState.create(copy_arrays(model), optimizer))
         state = place(state, run.dp.replicated)
         run = _settle(run, state, position, restored)
         log = MetricsLog(options.metrics_file if run.main else None, history,

@@ -42,6 +42,12 @@ class TrainState(eqx.Module):
         return cls(model=model, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
 
 
+def copy_arrays(tree: Any) -> Any:
+    """``tree`` with every array leaf copied (other leaves as they are): the steps donate their
+    state's buffers, so what a caller still holds must not be those buffers."""
+    return jax.tree_util.tree_map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)
+
+
 def place(tree: Any, sharding: Any) -> Any:
     """Put every array leaf of ``tree`` on ``sharding``; other leaves (static) stay as they are.
 
