@@ -125,8 +125,22 @@ class Case:
         return jax.jit(fn)
 
 
+def causal_attention(p, x):
+    """Scores for every pair of positions (B, T, T), a learned (T, T) table added by position,
+    causal, softmax over the keys: packed, a row's pairs of two sequences are never read."""
+    def one(r):
+        n = r.shape[0]
+        q, k = r @ p["U"], jnp.tanh(r @ p["U"]) @ p["W"]
+        s = q @ k.T + BIAS[:n, :n]
+        s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, jnp.finfo(s.dtype).min)
+        return jax.nn.softmax(s, axis=-1) @ r
+    return jax.vmap(one)(x)                                              # (B, T, F)
+
+
+BIAS = jnp.asarray(_rng.normal(size=(L, L)), jnp.float32)
+
 CASES = [Case(rnn), Case(reverse_rnn, shift=1, right=True), Case(shifted, shift=1),
-         Case(feature_cumsum), Case(positional)]
+         Case(feature_cumsum), Case(positional), Case(causal_attention)]
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -234,10 +248,8 @@ WC = jnp.asarray(_rng.normal(size=(H, 2)), jnp.float32)
 SPECS_V = (px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
 
 
-def attention(x, lengths):
-    def one(r):
-        return jax.nn.softmax(r @ r.T, axis=-1) @ r  # verdict: attention
-    return jax.vmap(one)(x)
+def key_argmax(x, lengths):
+    return jax.vmap(lambda r: jnp.argmax(r @ r.T, axis=-1))(x)  # verdict: argmax
 
 
 def classify_last_state(x, lengths):
@@ -277,15 +289,10 @@ def _np_rnn_last(r):
     return h @ np.asarray(WC)
 
 
-def _np_attention(r):
-    s = r @ r.T
-    e = np.exp(s - s.max(-1, keepdims=True))
-    return (e / e.sum(-1, keepdims=True)) @ r
-
-
 # name -> (function, the tag of the line its reason names, each sequence alone (numpy), per token)
 UNPACKABLE = {
-    "attention": (attention, "attention", _np_attention, True),
+    # Which key: a column of the row, not a position of the sequence.
+    "argmax over the keys": (key_argmax, "argmax", lambda r: np.argmax(r @ r.T, -1), True),
     "final carry": (classify_last_state, "final carry", _np_rnn_last, False),
     "x[:, -1]": (last_token, "last token", lambda r: r[-1] * 2, False),
     "reads the lengths": (hand_masked, "lengths", lambda r: r * 2, True),
@@ -334,6 +341,65 @@ def test_unpackable_programs_name_the_line_and_fall_back_to_pad(name):
     with pytest.raises(px.PolymorphismError) as raised:
         strict(x, np.asarray([3, 2], np.int32))
     assert named in str(raised.value) and str(raised.value) == f.plan.packing_reason
+
+
+def attention(x, lengths):
+    """Not causal: every position attends to its whole sequence, and only to it."""
+    def loss(x):
+        out = jax.vmap(lambda r: jax.nn.softmax(r @ r.T, axis=-1) @ r)(x)
+        return jnp.sum(jnp.sin(out)), out
+    (_, out), grad = jax.value_and_grad(loss, has_aux=True)(x)
+    return out, grad
+
+
+def _np_attention(r):
+    s = r @ r.T
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ r
+
+
+@given(lengths=lengths_strategy, seed=st.integers(0, 2 ** 16))
+@example(lengths=[5, 1, 8, 3, 2, 1, 4, 7], seed=2)
+@example(lengths=[1] * 8, seed=3)
+def test_attention_sees_only_its_own_sequence(lengths, seed):
+    packed = _attention_functions("pack")
+    padded = _attention_functions("pad")
+    x, _, _ = batch(lengths, seed)
+    n = np.asarray(lengths, np.int32)
+    (out, grad), (pad_out, pad_grad) = packed(x, n), padded(x, n)
+    assert packed.plan.can_pack, packed.plan.packing_reason
+    for b, k in enumerate(lengths):
+        where = f"sequence {b} (length {k}) of {lengths}"
+        if k:
+            close(out[b, :k], _np_attention(x[b, :k].astype(np.float64)), where, rtol=1e-4,
+                  atol=1e-5)
+        assert np.all(np.asarray(out)[b, k:] == 0) and np.all(np.asarray(grad)[b, k:] == 0)
+    close(grad, pad_grad, f"the gradient, packed vs padded, {lengths}", rtol=1e-4, atol=1e-5)
+    assert all(s.compiles == 1 for s in packed.stats.buckets.values())
+
+
+def pair_mean(x, lengths):
+    return jnp.mean(jnp.einsum("btf,bsf->bts", x, x))
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 8, 3], [1] * 8, [32], [0, 3, 2]])
+def test_a_mean_over_pairs_of_positions_counts_each_sequences_own_pairs(lengths):
+    f = px.bucketed(pair_mean, SPECS_V, buckets=BUCKETS, layout="pack", strict=True)
+    x, _, _ = batch(lengths, seed=7)
+    total = sum(float(np.sum(x[b, :k] @ x[b, :k].T)) for b, k in enumerate(lengths))
+    close(f(x, np.asarray(lengths, np.int32)), total / sum(k * k for k in lengths),
+          f"lengths {lengths}", rtol=1e-5)
+    assert f.plan.can_pack
+
+
+_ATTENTION = {}
+
+
+def _attention_functions(layout):
+    if layout not in _ATTENTION:
+        _ATTENTION[layout] = px.bucketed(attention, SPECS_V, buckets=BUCKETS, layout=layout,
+                                         strict=True)
+    return _ATTENTION[layout]
 
 
 def test_a_positional_tables_gradient_is_not_packed_but_exact():

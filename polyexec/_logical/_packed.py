@@ -26,8 +26,12 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 - a scan over a packed length: it walks the columns, restarts each row's carry from its
   initial value at every sequence start, and freezes it outside the frame; its body sees one
   cell per row, and a reduction over the rows there reads only the rows whose cell is real;
-- broadcasting a per-position value (``pe[:T]``) into the rows, ``iota`` along the packed
-  length (each cell's position), and ``pad`` along it (per sequence);
+- values pairing two cells of a row (attention's ``(B, H, T, T)`` scores): their frame is
+  the pairs of real cells of one sequence. ``q @ k.T`` runs unchanged; a reduction over one of
+  the pair's lengths (softmax) or a contraction over it (``w @ v``) reads the frame only;
+- broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
+  ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
+  sequence);
 - ``x.shape`` as a number when it counts over the rows (``nll.size`` is the number of real
   predictions) or is the number of sequences.
 
@@ -55,7 +59,7 @@ from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _Ctx, 
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
 from ._control import frozen_scan
-from ._reductions import _reduce as _padded_reduce
+from ._reductions import _REDUCE_IDENTITY, _reduce as _padded_reduce
 from ._reductions import _reduction as _padded_reduction
 from ._structure import _pad as _padded_pad
 from ._structure import _keeps_length_axes, _reshape as _padded_reshape
@@ -149,6 +153,26 @@ class _PackedCtx(_Ctx):
         pos, seglen = self.cells(d)
         return (pos >= 0) & (pos < self._at(d, seglen))
 
+    def starts(self, d, fill: int):
+        """``(rows, d)`` int32: per cell in the frame of an axis of packed length ``d``, the
+        column where its sequence starts (the same in every axis: the frame); ``fill``
+        elsewhere."""
+        pos, _ = self.cells(d)
+        column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+        return jnp.where(self.in_frame(d), column - pos, fill)
+
+    def frame(self, shape):
+        """bool ``shape``: the cells of a value with one rows axis and one or two packed
+        lengths that hold a real position (one axis), or a pair of real positions of the same
+        sequence (two axes: attention's scores)."""
+        (r,), packed = self.row_axes(shape), self.packed_axes(shape)
+        if len(packed) == 1:
+            return _into(self.in_frame(shape[packed[0]]), shape, r, packed[0])
+        p, q = packed
+        same = (self.starts(shape[p], -1)[:, :, None]
+                == self.starts(shape[q], -2)[:, None, :])          # (rows, p, q)
+        return _spread(same, shape, (r, p, q))
+
     def ends(self, d):
         """``(rows, d)`` int32: per cell, the column where its sequence's part ends (-1 in
         padding), so ``column < ends`` is the frame."""
@@ -223,6 +247,12 @@ def _along(v2, ndim: int, rows_axis: int, packed_axis: int):
     if rows_axis > packed_axis:
         v2 = v2.T
     return jnp.expand_dims(v2, [a for a in range(ndim) if a not in (rows_axis, packed_axis)])
+
+
+def _spread(v, shape, targets):
+    """``v`` broadcast to ``shape``, its axes going to the axes ``targets`` (in any order)."""
+    order = sorted(range(len(targets)), key=targets.__getitem__)
+    return lax.broadcast_in_dim(jnp.transpose(v, order), tuple(shape), tuple(sorted(targets)))
 
 
 def _into(v2, shape, rows_axis: int, packed_axis: int):
@@ -325,16 +355,16 @@ def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
     placed by position like `_broadcast_in_dim` places it."""
     out = getattr(eqn.outvars[0].aval, "shape", ())
     rows, packed = ctx.row_axes(out), ctx.packed_axes(out)
-    if len(rows) != 1 or len(packed) != 1:
+    if len(rows) != 1 or len(packed) not in (1, 2):
         return None
-    r, t = rows[0], packed[0]
+    r = rows[0]
     changed, new = False, []
     for x in invals:
-        if (jnp.ndim(x) == len(out) and not _is_sym(x.shape[r]) and _is_sym(x.shape[t])
-                and t in ctx.packed_axes(x.shape)):
+        along = [t for t in packed if jnp.ndim(x) == len(out) and t in ctx.packed_axes(x.shape)]
+        if along and not _is_sym(x.shape[r]):
             dims = tuple(a for a in range(len(out)) if a != r)
             shape = tuple(out[r] if a == r else d for a, d in enumerate(x.shape))
-            x = _by_position(ctx, lax.squeeze(x, (r,)), dims, shape, r, t)
+            x = _by_position(ctx, lax.squeeze(x, (r,)), dims, shape, r, along)
             changed = True
         new.append(x)
     return _bind(eqn, new) if changed else None
@@ -353,6 +383,15 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
     rule = _padded_reduce if eqn.primitive.name == "reduce" else _padded_reduction
     if not rows:                       # per position: real up to the longest sequence
         return rule(ctx, eqn, invals)
+    if len(packed) == 2:               # pairs of cells (attention's scores): within a sequence
+        if arg or not (axes & packed == packed if rows <= axes else len(axes & packed) == 1):
+            return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
+        n = len(invals) // 2 if eqn.primitive.name == "reduce" else 1
+        fills = invals[n:] if n > 1 or eqn.primitive.name == "reduce" else [
+            _REDUCE_IDENTITY[eqn.primitive.name](x.dtype)]
+        frame = ctx.frame(x.shape)
+        return _bind(eqn, [*(lax.select(frame, v, _full(v.shape, f, v.dtype))
+                             for v, f in zip(invals[:n], fills)), *invals[n:]])
     if packed:
         if rows | packed <= axes and not arg:
             return rule(ctx, eqn, invals)       # over every real cell
@@ -367,9 +406,14 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
     lhs, rhs = invals
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     out = eqn.outvars[0].aval.shape
-    if len(ctx.row_axes(out)) > 1 or len(ctx.packed_axes(out)) > 1:
-        raise _NoRule("a contraction pairing cells of a packed row (attention across its "
-                      "sequences)")
+    if len(ctx.row_axes(out)) > 1:
+        raise _NoRule("a contraction pairing the rows of packed rows")
+    if ctx.row_axes(out) and any(ctx.packed_axes(x.shape) and not ctx.row_axes(x.shape)
+                                 for x in invals):
+        raise _NoRule("a contraction of a per-position value into packed rows (its positions "
+                      "are columns there, not each sequence's)")
+    if len(ctx.packed_axes(out)) > 1 or any(len(ctx.packed_axes(x.shape)) > 1 for x in invals):
+        return _pairing(ctx, eqn, lhs, rhs)
     for x, contracted in ((lhs, lc), (rhs, rc)):
         rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
         c = set(contracted)
@@ -380,6 +424,26 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
         if rows & c and not packed and ctx.alive is None:
             return ctx.per_sequence(eqn, "a contraction over the rows")
     return _padded_dot_general(ctx, eqn, invals)
+
+
+def _pairing(ctx: _PackedCtx, eqn, lhs, rhs):
+    """A contraction inside each packed row that pairs its cells: attention's scores
+    ``q @ k.T`` (over features: every pair, those of two sequences outside the frame) and
+    their use ``w @ v`` (over a packed length: each cell's own sequence only, both operands
+    zero outside the frame)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lr, rr = ctx.row_axes(lhs.shape), ctx.row_axes(rhs.shape)
+    if not (lr and rr and lr[0] in lb and rr[0] in rb and lb.index(lr[0]) == rb.index(rr[0])):
+        raise _NoRule("a contraction pairing cells of packed rows, not batched over the rows")
+    lp, rp = ctx.packed_axes(lhs.shape), ctx.packed_axes(rhs.shape)
+    if any((a in lp) != (b in rp) for a, b in zip(lc, rc)):
+        raise _NoRule("a contraction of a packed length with another axis")
+    if not any(a in lp for a in lc):
+        return None
+    if not ctx.packed_axes(eqn.outvars[0].aval.shape):
+        return ctx.per_sequence(eqn, "a contraction over packed lengths")
+    return _bind(eqn, [lax.select(ctx.frame(x.shape), x, _full(x.shape, 0, x.dtype))
+                       for x in (lhs, rhs)])
 
 
 @_packed("dim_as_value")
@@ -399,7 +463,7 @@ def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
     (x,) = invals[:1]
     shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if len(rows) != 1 or len(packed) != 1:
+    if len(rows) != 1 or len(packed) not in (1, 2):
         return None
     if rows[0] in dims:
         k_rows = dims.index(rows[0])
@@ -409,31 +473,40 @@ def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
         # broadcasting): a per-position value all the same, so drop it and place as below.
         x = lax.squeeze(x, (k_rows,))
         dims = dims[:k_rows] + dims[k_rows + 1:]
-    if packed[0] not in dims or not _is_sym(x.shape[dims.index(packed[0])]):
-        return None                    # a per-row broadcast, constant along the packed length
-    return [_by_position(ctx, x, dims, shape, rows[0], packed[0])]
+    along = [t for t in packed if t in dims and _is_sym(x.shape[dims.index(t)])]
+    if not along:
+        return None                    # a per-row broadcast, constant along the packed lengths
+    return [_by_position(ctx, x, dims, shape, rows[0], along)]
 
 
-def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axis: int):
-    """A per-position value (``pe[:T]``, no rows axis; its axes go to ``dims`` of ``shape``)
-    into packed rows: each cell reads its own position inside its sequence."""
-    k = dims.index(packed_axis)
-    pos, _ = ctx.cells(shape[packed_axis])
-    taken = jnp.take(x, jnp.clip(pos, 0, ctx.physical(x.shape[k]) - 1), axis=k, mode="clip")
-    targets = [*dims[:k], rows_axis, packed_axis, *dims[k + 1:]]
-    order = sorted(range(len(targets)), key=targets.__getitem__)
-    return lax.broadcast_in_dim(jnp.transpose(taken, order), tuple(shape), tuple(sorted(targets)))
+def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
+    """A per-position value (``pe[:T]``, a causal mask ``(T, T)``; no rows axis; its axes go
+    to ``dims`` of ``shape``) into packed rows: each cell reads its own positions inside its
+    sequence along ``packed_axes`` (one or two of them)."""
+    first, *rest = packed_axes
+    k = dims.index(first)
+    pos, _ = ctx.cells(shape[first])
+    x = jnp.take(x, jnp.clip(pos, 0, ctx.physical(x.shape[k]) - 1), axis=k, mode="clip")
+    targets = [*dims[:k], rows_axis, first, *dims[k + 1:]]
+    for t in rest:                     # the second axis: by the position in the same row
+        a, b = targets.index(t), targets.index(rows_axis)
+        pos, _ = ctx.cells(shape[t])
+        index = jnp.clip(pos, 0, ctx.physical(x.shape[a]) - 1)
+        index = jnp.expand_dims(index.T if a < b else index,
+                                [i for i in range(x.ndim) if i not in (a, b)])
+        x = jnp.take_along_axis(x, index, axis=a, mode="clip")
+    return _spread(x, shape, targets)
 
 
 @_packed("iota")
 def _iota(ctx: _PackedCtx, eqn, invals):
     shape, dim = eqn.params["shape"], eqn.params["dimension"]
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if len(rows) != 1 or len(packed) != 1:
+    if len(rows) != 1 or not packed:
         return None
     if dim == rows[0]:
         raise _NoRule("iota along the rows of packed rows (which sequence is which?)")
-    if dim != packed[0]:
+    if dim not in packed:
         return None
     pos, _ = ctx.cells(shape[dim])
     return [_into(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, rows[0], dim)]
