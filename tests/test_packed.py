@@ -392,6 +392,59 @@ def test_a_mean_over_pairs_of_positions_counts_each_sequences_own_pairs(lengths)
     assert f.plan.can_pack
 
 
+SPECS_HEADS = (px.Spec("B T 8", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+
+
+def jax_attention(causal):
+    """``jax.nn.dot_product_attention`` over two heads, and its gradient."""
+    def fn(x, lengths):
+        def loss(q):
+            out = jax.nn.dot_product_attention(q, q * 0.5, q, is_causal=causal)
+            return jnp.sum(jnp.tanh(out)), out
+        q = x.reshape(*x.shape[:2], 2, 4)
+        (_, out), grad = jax.value_and_grad(loss, has_aux=True)(q)
+        return out, grad
+    return fn
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_jax_dot_product_attention_packs_within_each_sequence(causal):
+    fn = jax_attention(causal)
+    packed = px.bucketed(fn, SPECS_HEADS, buckets=BUCKETS, layout="pack", strict=True)
+
+    @jax.jit
+    def alone(x, n):
+        """Every sequence alone in an (S, L) buffer, masked by hand (JAX's own key lengths)."""
+        def loss(q):
+            out = jax.nn.dot_product_attention(q, q * 0.5, q, is_causal=causal,
+                                               key_value_seq_lengths=n)
+            real = jnp.arange(L)[None, :, None, None] < n[:, None, None, None]
+            return jnp.sum(jnp.where(real, jnp.tanh(out), 0.0)), out
+        (_, out), grad = jax.value_and_grad(loss, has_aux=True)(x.reshape(S, L, 2, 4))
+        return out, grad
+
+    @given(lengths=lengths_strategy, seed=st.integers(0, 2 ** 16))
+    @example(lengths=[5, 1, 8, 3, 2, 1, 4, 7], seed=2)
+    def check(lengths, seed):
+        rng = np.random.default_rng(seed)
+        x = np.full((len(lengths), max(max(lengths), T.min), 8), np.nan, np.float32)
+        for b, k in enumerate(lengths):
+            x[b, :k] = rng.normal(size=(k, 8))
+        out, grad = packed(x, np.asarray(lengths, np.int32))
+        buffer, n = np.zeros((S, L, 8), np.float32), np.zeros(S, np.int32)
+        for b, k in enumerate(lengths):
+            buffer[b, :k], n[b] = x[b, :k], k
+        want_out, want_grad = alone(buffer, n)
+        for b, k in enumerate(lengths):
+            where = f"sequence {b} (length {k}) of {lengths}"
+            close(out[b, :k], want_out[b, :k], where, rtol=1e-4, atol=1e-5)
+            close(grad[b, :k], want_grad[b, :k], f"gradient, {where}", rtol=1e-4, atol=1e-5)
+            assert np.all(np.asarray(out)[b, k:] == 0)
+
+    check()
+    assert packed.plan.can_pack and packed.traces == 1
+
+
 _ATTENTION = {}
 
 

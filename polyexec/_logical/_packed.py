@@ -360,7 +360,11 @@ def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
     r = rows[0]
     changed, new = False, []
     for x in invals:
-        along = [t for t in packed if jnp.ndim(x) == len(out) and t in ctx.packed_axes(x.shape)]
+        if jnp.ndim(x) != len(out) or eqn.primitive.name in ("transpose", "squeeze") or not all(
+                not _is_sym(d) and d == 1 or _core_equal(d, o) for d, o in zip(x.shape, out)):
+            new.append(x)           # not lined up with the output axis by axis
+            continue
+        along = [t for t in packed if t in ctx.packed_axes(x.shape)]
         if along and not _is_sym(x.shape[r]):
             dims = tuple(a for a in range(len(out)) if a != r)
             shape = tuple(out[r] if a == r else d for a, d in enumerate(x.shape))
