@@ -195,6 +195,34 @@ def test_packed_loss_and_grads_equal_each_sequence_alone(kind):
         assert_trees_close(gp, gf, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_polyexec_packs_the_unchanged_model_like_the_peer(kind):
+    """The peer's hand-written segment handling and polyexec's packed rows of the model as
+    written (``loss_fn``: no segment ids, no mask) give the same loss and gradients on the
+    same examples."""
+    from examples.rnn.model import loss_fn
+    model = MODELS[kind]()
+    data, batches = one_batch()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    B, T = px.LengthVar("B", max=16), px.LengthVar("T", min=2, max=24)
+
+    def value_and_grad(params, tokens, lengths):
+        return jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), tokens,
+                                                    lengths))(params)
+    ours = px.bucketed(value_and_grad, (None, px.Spec((B, T), jnp.int32),
+                                        px.Spec((B,), jnp.int32, lengths_of=T)),
+                       buckets={T: [24], B: [16]}, layout="pack", strict=True)
+    for b in batches:
+        members = [i for r in b.examples for i in r if data.lengths[i] >= 2]
+        args = tuple(jnp.asarray(a) for a in (b.tokens, b.segment_ids, b.positions))
+        peer_loss, peer_grads = _jitted(packing.packed_loss, params, static, *args)
+        loss, grads = ours(params, data.tokens[members],
+                           np.asarray(data.lengths[members], np.int32))
+        np.testing.assert_allclose(loss, peer_loss, rtol=1e-5, atol=1e-6)
+        assert_trees_close(grads, peer_grads, rtol=1e-4, atol=1e-6)
+    assert ours.plan.can_pack and ours.traces == 1
+
+
 @eqx.filter_jit
 def _total_with_model_segments(model, tokens, true_segments, model_segments, model_positions):
     """Summed nats over the true in-segment predictions, of logits the model computes from

@@ -374,6 +374,7 @@ def test_attention_sees_only_its_own_sequence(lengths, seed):
             close(out[b, :k], _np_attention(x[b, :k].astype(np.float64)), where, rtol=1e-4,
                   atol=1e-5)
         assert np.all(np.asarray(out)[b, k:] == 0) and np.all(np.asarray(grad)[b, k:] == 0)
+    close(out, pad_out, f"packed vs padded, {lengths}", rtol=1e-4, atol=1e-5)
     close(grad, pad_grad, f"the gradient, packed vs padded, {lengths}", rtol=1e-4, atol=1e-5)
     assert all(s.compiles == 1 for s in packed.stats.buckets.values())
 
