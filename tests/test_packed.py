@@ -265,6 +265,13 @@ def last_token(x, lengths):
     return x[:, -1] * 2.0  # verdict: last token
 
 
+TABLE = jnp.asarray(_rng.normal(size=(L, F, 2)), jnp.float32)
+
+
+def per_position_weights(x, lengths):
+    return jnp.einsum("btf,tfg->btg", x, TABLE[:x.shape[1]])  # verdict: per-position weights
+
+
 def hand_masked(x, lengths):
     mask = px.sequence_mask(lengths, x, axis=1)  # verdict: lengths
     return jnp.where(mask[..., None], x * 2.0, 0.0)
@@ -295,6 +302,10 @@ UNPACKABLE = {
     "argmax over the keys": (key_argmax, "argmax", lambda r: np.argmax(r @ r.T, -1), True),
     "final carry": (classify_last_state, "final carry", _np_rnn_last, False),
     "x[:, -1]": (last_token, "last token", lambda r: r[-1] * 2, False),
+    # Weights per position contracted into the rows: they would be read at columns.
+    "per-position weights": (per_position_weights, "per-position weights",
+                             lambda r: np.einsum("tf,tfg->tg", r, np.asarray(TABLE)[:len(r)]),
+                             True),
     "reads the lengths": (hand_masked, "lengths", lambda r: r * 2, True),
     "flip": (flipped, "flip", lambda r: r[::-1], True),
     "cumsum along T": (time_cumsum, "cumsum", lambda r: np.cumsum(r, 0), True),

@@ -167,7 +167,7 @@ class _PackedCtx(_Ctx):
         sequence (two axes: attention's scores)."""
         (r,), packed = self.row_axes(shape), self.packed_axes(shape)
         if len(packed) == 1:
-            return _into(self.in_frame(shape[packed[0]]), shape, r, packed[0])
+            return _spread(self.in_frame(shape[packed[0]]), shape, (r, packed[0]))
         p, q = packed
         same = (self.starts(shape[p], -1)[:, :, None]
                 == self.starts(shape[q], -2)[:, None, :])          # (rows, p, q)
@@ -253,13 +253,6 @@ def _spread(v, shape, targets):
     """``v`` broadcast to ``shape``, its axes going to the axes ``targets`` (in any order)."""
     order = sorted(range(len(targets)), key=targets.__getitem__)
     return lax.broadcast_in_dim(jnp.transpose(v, order), tuple(shape), tuple(sorted(targets)))
-
-
-def _into(v2, shape, rows_axis: int, packed_axis: int):
-    """A ``(rows, cells)`` array broadcast to ``shape``."""
-    if rows_axis > packed_axis:
-        return lax.broadcast_in_dim(v2.T, tuple(shape), (packed_axis, rows_axis))
-    return lax.broadcast_in_dim(v2, tuple(shape), (rows_axis, packed_axis))
 
 
 def _fits(recorder: _Recorder, d, var: str, rows: str) -> bool:
@@ -390,9 +383,11 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
     if len(packed) == 2:               # pairs of cells (attention's scores): within a sequence
         if arg or not (axes & packed == packed if rows <= axes else len(axes & packed) == 1):
             return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
-        n = len(invals) // 2 if eqn.primitive.name == "reduce" else 1
-        fills = invals[n:] if n > 1 or eqn.primitive.name == "reduce" else [
-            _REDUCE_IDENTITY[eqn.primitive.name](x.dtype)]
+        if eqn.primitive.name == "reduce":      # operands, then their init values
+            n = len(invals) // 2
+            fills = invals[n:]
+        else:
+            n, fills = 1, [_REDUCE_IDENTITY[eqn.primitive.name](x.dtype)]
         frame = ctx.frame(x.shape)
         return _bind(eqn, [*(lax.select(frame, v, _full(v.shape, f, v.dtype))
                              for v, f in zip(invals[:n], fills)), *invals[n:]])
@@ -412,8 +407,8 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
     out = eqn.outvars[0].aval.shape
     if len(ctx.row_axes(out)) > 1:
         raise _NoRule("a contraction pairing the rows of packed rows")
-    if ctx.row_axes(out) and any(ctx.packed_axes(x.shape) and not ctx.row_axes(x.shape)
-                                 for x in invals):
+    if ctx.row_axes(out) and ctx.packed_axes(out) and any(
+            ctx.packed_axes(x.shape) and not ctx.row_axes(x.shape) for x in invals):
         raise _NoRule("a contraction of a per-position value into packed rows (its positions "
                       "are columns there, not each sequence's)")
     if len(ctx.packed_axes(out)) > 1 or any(len(ctx.packed_axes(x.shape)) > 1 for x in invals):
@@ -513,7 +508,7 @@ def _iota(ctx: _PackedCtx, eqn, invals):
     if dim not in packed:
         return None
     pos, _ = ctx.cells(shape[dim])
-    return [_into(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, rows[0], dim)]
+    return [_spread(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, (rows[0], dim))]
 
 
 @_packed("slice")
@@ -558,7 +553,7 @@ def _pad(ctx: _PackedCtx, eqn, invals):
     # for positions lo .. lo + n, the fill before and after them.
     pos, seglen = ctx.cells(y.shape[a])
     inside = (pos >= lo) & (pos - lo < ctx._at(x.shape[a], seglen))
-    keep = _into(inside, y.shape, rows[0], a)
+    keep = _spread(inside, y.shape, (rows[0], a))
     return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
 
 
