@@ -161,6 +161,10 @@ class _Ctx:
         self.own_sizes = False  # True for a per-row context (see _eval_row_varying)
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
+        # id(value) -> (value, axes): values of this trace known to be 0 beyond the logical
+        # lengths of those axes (see `_fill_tail`); only this context's own, since a child's
+        # masks also drop its ended rows.
+        self._zeroed: dict[int, tuple[Any, frozenset]] = {}
 
     def child(self, eqn, *, alive=None) -> "_Ctx":
         if alive is not None and self.alive is not None:
@@ -367,10 +371,54 @@ def _logical_mask(ctx: _Ctx, shape, axes):
 
 def _fill_tail(ctx: _Ctx, x, axes, fill):
     """``x`` with every position beyond a logical length along ``axes`` replaced by ``fill``."""
+    zero = isinstance(fill, (bool, int, float, np.generic)) and fill == 0
+    axes = frozenset(axes)
+    if zero:
+        known = ctx._zeroed.get(id(x))
+        if known is not None and known[0] is x and axes <= known[1]:
+            return x
     mask = _logical_mask(ctx, x.shape, axes)
     if mask is None:
         return x
-    return lax.select(mask, x, _full(x.shape, fill, x.dtype))
+    out = lax.select(mask, x, _full(x.shape, fill, x.dtype))
+    if zero:
+        ctx._zeroed[id(out)] = (out, axes)
+    return out
+
+
+def _zeroed_reads(jaxpr) -> dict:
+    """Per variable of ``jaxpr``, the length axes that its equations read it across with the
+    tail zeroed: contracted by ``dot_general``, summed by ``reduce_sum``. `_eval_jaxpr` zeroes
+    them once where the value is made, and every reader uses that value: one masked copy
+    instead of a masked copy beside the unmasked one for the per-position readers (a weight
+    gradient's ``dy`` is also ``dy @ W.T``'s operand), which cost XLA a second buffer."""
+    reads: dict[Any, set[int]] = {}
+
+    def add(v, axes):
+        if axes and isinstance(v, jax.extend.core.Var):
+            reads.setdefault(v, set()).update(axes)
+
+    for eqn in jaxpr.eqns:
+        shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+        if eqn.primitive.name == "dot_general":
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            pairs = [(a, b) for a, b in zip(lc, rc)
+                     if _is_sym(shapes[0][a]) or _is_sym(shapes[1][b])]
+            add(eqn.invars[0], [a for a, _ in pairs])
+            add(eqn.invars[1], [b for _, b in pairs])
+        elif eqn.primitive.name == "reduce_sum":
+            add(eqn.invars[0], [a for a in eqn.params["axes"] if _is_sym(shapes[0][a])])
+    return reads
+
+
+def _zero_read_tails(ctx: _Ctx, reads, v, x):
+    axes = reads.get(v)
+    if axes is None or not hasattr(x, "shape") or isinstance(x, RowVarying):
+        return x
+    try:
+        return _fill_tail(ctx, x, axes, 0)
+    except _NoRule:
+        return x        # the reader's own rule says why
 
 
 def _take(ctx: _Ctx, x, idx, axis):
@@ -502,10 +550,11 @@ def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
             return np.asarray(v.val, v.aval.dtype)
         return env[v]
 
+    reads = _zeroed_reads(jaxpr)
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
-        env[v] = x
+        env[v] = _zero_read_tails(ctx, reads, v, x)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -514,7 +563,7 @@ def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
             outvals = _eval_eqn(ctx, eqn, invals)
         for v, x in zip(eqn.outvars, outvals):
             if not isinstance(v, jax.extend.core.DropVar):
-                env[v] = x
+                env[v] = _zero_read_tails(ctx, reads, v, x)
     return [read(v) for v in jaxpr.outvars]
 
 
