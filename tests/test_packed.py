@@ -4,7 +4,8 @@ may see another one or the padding.
 1. Packable programs (plain JAX, no masks): packed == padded == each sequence alone, for
    values, per-token outputs and gradients. The exact reference is the same per-token code run
    on every sequence alone in a fixed zero-padded buffer (causality keeps the zeros out of the
-   real positions) with the sums and means masked by hand -- one compile, not one per length.
+   real positions; a centred convolution reads them as its own zero padding) with the sums
+   and means masked by hand -- one compile, not one per length.
    Inputs are poisoned: NaN beyond each sequence's length, a large pad value (1e3) in the
    executor's own padding cells, so reading padding shows. Lengths where packing bugs live:
    0, 1, the LengthVar's min, a sequence exactly filling a row, many tiny ones per row, the
@@ -41,6 +42,8 @@ PARAMS = {
     "U": jnp.asarray(_rng.normal(size=(F, H)), jnp.float32),
     "V": jnp.asarray(_rng.normal(size=(H,)), jnp.float32),
     "w": jnp.asarray(_rng.normal(size=(F,)), jnp.float32),
+    "K": jnp.asarray(_rng.normal(size=(3, F, F)), jnp.float32),     # conv taps (W, I, O)
+    "D": jnp.asarray(_rng.normal(size=(3, 1, F)), jnp.float32),     # depthwise taps
 }
 PE = jnp.asarray(_rng.normal(size=(L, F)), jnp.float32)   # a positional table (a constant)
 
@@ -78,6 +81,22 @@ def positional(p, x):
     return jnp.tanh(x * p["w"] + jnp.broadcast_to(PE[:x.shape[1]], x.shape))  # (B, T, F)
 
 
+NWC = ("NWC", "WIO", "NWC")     # convolutions: (B, T, F) inputs, (taps, F in, F out) kernels
+
+
+def causal_conv(p, x):
+    # Causal: each sequence's first outputs read zeros before it, never the previous sequence.
+    y = jax.lax.conv_general_dilated(x, p["K"], (1,), [(2, 0)], dimension_numbers=NWC)
+    return jnp.tanh(y)                                                  # (B, T, F)
+
+
+def same_conv(p, x):
+    # Centred, dilated 2 and depthwise: taps reach two cells past each end of a sequence, into
+    # its neighbours in a packed row, where the exact convolution reads zeros.
+    return jax.lax.conv_general_dilated(x, p["D"], (1,), "SAME", rhs_dilation=(2,),
+                                        dimension_numbers=NWC, feature_group_count=F)  # (B, T, F)
+
+
 class Case:
     """``per_token(params, x)`` -> (B, e(T), ...) with e(T) = T - ``shift``. The function under
     test returns the sum of squares over every token, the mean over every real token (jnp.mean
@@ -104,8 +123,9 @@ class Case:
 
     def reference(self):
         """The exact computation: every sequence alone in a zero-padded (S, L, F) buffer (the
-        per-token code is causal, so its real positions never see the zeros), the sum and the
-        mean over the real positions only, by hand."""
+        per-token code is causal, so its real positions never see the zeros, or reads them as
+        a convolution's zero padding), the sum and the mean over the real positions only, by
+        hand."""
         shift = self.shift
 
         def fn(p, buf, n):
@@ -140,7 +160,8 @@ def causal_attention(p, x):
 BIAS = jnp.asarray(_rng.normal(size=(L, L)), jnp.float32)
 
 CASES = [Case(rnn), Case(reverse_rnn, shift=1, right=True), Case(shifted, shift=1),
-         Case(feature_cumsum), Case(positional), Case(causal_attention)]
+         Case(feature_cumsum), Case(positional), Case(causal_attention), Case(causal_conv),
+         Case(same_conv)]
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -289,6 +310,18 @@ def per_sequence_sum(x, lengths):
     return jnp.sum(x, axis=1)  # verdict: sum over T
 
 
+KS = jnp.asarray(_rng.normal(size=(2, F, F)), jnp.float32)
+
+
+def strided_conv(x, lengths):
+    return jax.lax.conv_general_dilated(x, KS, (2,), "VALID", dimension_numbers=NWC)  # verdict: strided conv
+
+
+def _np_strided_conv(r):
+    return np.stack([r[j] @ np.asarray(KS[0]) + r[j + 1] @ np.asarray(KS[1])
+                     for j in range(0, len(r) - 1, 2)] or [np.zeros(F)])
+
+
 def _np_rnn_last(r):
     h = np.zeros(H, np.float32)
     for xt in r:
@@ -309,6 +342,8 @@ UNPACKABLE = {
     "reads the lengths": (hand_masked, "lengths", lambda r: r * 2, True),
     "flip": (flipped, "flip", lambda r: r[::-1], True),
     "cumsum along T": (time_cumsum, "cumsum", lambda r: np.cumsum(r, 0), True),
+    # Strided: each sequence's outputs would start at another column than its inputs.
+    "strided convolution": (strided_conv, "strided conv", _np_strided_conv, True),
     # A per-sequence value returned: its reason names the line that made it (tested below).
     "sum over T alone": (per_sequence_sum, None, lambda r: r.sum(0), False),
 }

@@ -36,7 +36,10 @@ def _conv(ctx, eqn, invals):
     fg, bg = p["feature_group_count"], p["batch_group_count"]
     changed = False
     if _is_sym(lhs.shape[lhs_spec[1]]) or _is_sym(rhs.shape[rhs_spec[1]]):
-        if fg != 1 or bg != 1:
+        # Feature groups split these axes at physical offsets; batch groups split the batch
+        # and output features, each group still contracting every feature (a depthwise
+        # convolution's kernel gradient contracts the rows this way).
+        if fg != 1:
             raise _NoRule("grouped convolution over length features")
         lhs = _fill_tail(ctx, lhs, (lhs_spec[1],), 0)
         rhs = _fill_tail(ctx, rhs, (rhs_spec[1],), 0)

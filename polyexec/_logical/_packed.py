@@ -29,6 +29,10 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 - values pairing two cells of a row (attention's ``(B, H, T, T)`` scores): their frame is
   the pairs of real cells of one sequence. ``q @ k.T`` runs unchanged; a reduction over one of
   the pair's lengths (softmax) or a contraction over it (``w @ v``) reads the frame only;
+- a convolution along a packed length with stride 1 (causal, centred, dilated, depthwise):
+  each tap reads its own sequence and zeros past its edges; its kernel gradient pairs the
+  input and the output gradient within each sequence. A stride would start each sequence's
+  outputs at another column, so it is refused;
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
   sequence);
@@ -53,9 +57,9 @@ import numpy as np
 from jax import lax
 from jax._src.export import shape_poly as _shape_poly
 
-from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _Ctx, _eqn_touches,
-                    _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule, _Recorder, _replay,
-                    _where)
+from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_with, _Ctx,
+                    _eqn_touches, _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule,
+                    _Recorder, _replay, _where)
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
 from ._control import frozen_scan
@@ -443,6 +447,90 @@ def _pairing(ctx: _PackedCtx, eqn, lhs, rhs):
         return ctx.per_sequence(eqn, "a contraction over packed lengths")
     return _bind(eqn, [lax.select(ctx.frame(x.shape), x, _full(x.shape, 0, x.dtype))
                        for x in (lhs, rhs)])
+
+
+@_packed("conv_general_dilated")
+def _conv(ctx: _PackedCtx, eqn, invals):
+    """A convolution along a packed length with stride 1: every tap reads its own sequence,
+    and zeros beyond its edges, as the exact-size convolution's zero padding does. The
+    convolution becomes one per tap ``k``: the operand shifted by ``k * dilation - low`` with
+    the cells whose tap falls outside their sequence zeroed, convolved with tap ``k`` alone.
+    Its transposes are the same two forms: the input gradient is again a convolution over the
+    length (the kernel reversed); the kernel gradient pairs the input with the output
+    gradient over the length (window = the length, one output per tap)."""
+    lhs, rhs = invals
+    p = eqn.params
+    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+    spatial = [i for i, a in enumerate(lhs_spec[2:]) if a in ctx.packed_axes(lhs.shape)]
+    if not spatial:
+        if any(ctx.packed_axes(x.shape) for x in invals) or ctx.row_axes(lhs.shape) == [lhs_spec[1]]:
+            raise _NoRule("a convolution over the rows or with a packed kernel, not along a "
+                          "packed length")
+        return None          # rows as the batch, the length not convolved: per position
+    (i,) = spatial
+    la, ra, oa = lhs_spec[2 + i], rhs_spec[2 + i], out_spec[2 + i]
+    (lo, hi) = p["padding"][i]
+    if _is_sym(lo) or _is_sym(hi) or p["lhs_dilation"][i] != 1 or any(
+            _is_sym(x.shape[a]) for x in invals for a in range(x.ndim)
+            if a not in (*ctx.row_axes(x.shape), *ctx.packed_axes(x.shape))):
+        raise _NoRule("a convolution along a packed length with a length-dependent or "
+                      "input-dilated padding, or over another length")
+    rows = ctx.row_axes(lhs.shape)
+    if rows == [lhs_spec[0]] and not _is_sym(rhs.shape[ra]):
+        # Along the length: the forward pass and the input gradient.
+        if p["window_strides"][i] != 1 or p["batch_group_count"] != 1:
+            raise _NoRule("a strided convolution along a packed length (each sequence's "
+                          "outputs would start at another column)")
+        taps, step, length = rhs.shape[ra], p["rhs_dilation"][i], eqn.outvars[0].aval.shape[oa]
+        out = None
+        for k in range(taps):
+            x = _tap(ctx, lhs, rows[0], la, k * step - lo, length)
+            (y,) = _bind_with(eqn, [x, lax.slice_in_dim(rhs, k, k + 1, axis=ra)],
+                              padding=_replace(p["padding"], i, (0, 0)),
+                              rhs_dilation=_replace(p["rhs_dilation"], i, 1))
+            out = y if out is None else out + y
+        return [out]
+    if (rows == [lhs_spec[1]] and ctx.row_axes(rhs.shape) == [rhs_spec[1]]
+            and ctx.packed_axes(rhs.shape) == [ra] and not _is_sym(eqn.outvars[0].aval.shape[oa])):
+        # The kernel gradient: input and output gradient paired over the rows and the length.
+        if p["rhs_dilation"][i] != 1 or p["feature_group_count"] != 1:
+            raise _NoRule("the kernel gradient of a strided convolution along a packed length")
+        length, step = rhs.shape[ra], p["window_strides"][i]
+        rhs = lax.select(ctx.frame(rhs.shape), rhs, _full(rhs.shape, 0, rhs.dtype))
+        outs = []
+        for k in range(eqn.outvars[0].aval.shape[oa]):
+            x = _tap(ctx, lhs, rows[0], la, k * step - lo, length)
+            outs += _bind_with(eqn, [x, rhs], window_strides=_replace(p["window_strides"], i, 1),
+                               padding=_replace(p["padding"], i, (0, 0)))
+        return [lax.concatenate(outs, oa)]
+    raise _NoRule("a convolution pairing packed rows in another way (not along the length "
+                  "with the rows as its batch, nor a kernel gradient over them)")
+
+
+def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length):
+    """``x`` read along its packed ``axis`` at ``offset`` from each cell of an axis of packed
+    ``length``: cell ``c`` holds ``x[c + offset]`` where that is the same sequence's position
+    ``pos(c) + offset`` (inside its part of ``x``), 0 elsewhere."""
+    n = x.shape[axis]
+    high = length - n + offset
+    if _is_sym(high):
+        raise _NoRule(f"a convolution between packed lengths {n} and {length} that differ by "
+                      f"a length")
+    config = [(0, 0, 0)] * x.ndim
+    config[axis] = (-offset, int(high), 0)
+    shifted = lax.pad(x, _full((), 0, x.dtype), config)
+    pos, seglen = ctx.cells(length)
+    source = pos + offset
+    real = ((pos >= 0) & (pos < ctx._at(length, seglen)) & (source >= 0)
+            & (source < ctx._at(n, seglen)))
+    return lax.select(_spread(real, shifted.shape, (rows_axis, axis)), shifted,
+                      _full(shifted.shape, 0, x.dtype))
+
+
+def _replace(values, i, value):
+    values = list(values)
+    values[i] = value
+    return tuple(values)
 
 
 @_packed("dim_as_value")
