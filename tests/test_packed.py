@@ -97,6 +97,11 @@ def same_conv(p, x):
                                         dimension_numbers=NWC, feature_group_count=F)  # (B, T, F)
 
 
+def valid_conv(p, x):
+    # No padding: T - 2 outputs, the last two cells of each sequence start none.
+    return jax.lax.conv_general_dilated(x, p["K"], (1,), "VALID", dimension_numbers=NWC)
+
+
 class Case:
     """``per_token(params, x)`` -> (B, e(T), ...) with e(T) = T - ``shift``. The function under
     test returns the sum of squares over every token, the mean over every real token (jnp.mean
@@ -161,7 +166,7 @@ BIAS = jnp.asarray(_rng.normal(size=(L, L)), jnp.float32)
 
 CASES = [Case(rnn), Case(reverse_rnn, shift=1, right=True), Case(shifted, shift=1),
          Case(feature_cumsum), Case(positional), Case(causal_attention), Case(causal_conv),
-         Case(same_conv)]
+         Case(same_conv), Case(valid_conv, shift=2)]
 
 
 # -- batches -------------------------------------------------------------------------------------

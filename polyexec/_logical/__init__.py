@@ -19,7 +19,10 @@ output equals the exact-size result; the caller slices outputs back to their log
 
 Masks are ``select``s on ``iota < logical_length`` -- never a multiply, since ``0 * inf`` is
 NaN -- and are only built where an equation actually reads across a length axis, so a program
-with no length-sensitive operation is left as it is.
+with no length-sensitive operation is left as it is. A value that a contraction or a sum reads
+across a length axis is zeroed once, where it is made, and all its readers take that value
+(its tail is "don't care" to the others): a masked copy beside the unmasked one cost XLA a
+second buffer for every weight gradient's operand.
 
 Rules, by family (each registered next to its definition, like JAX's batching rules)
 -------------------------------------------------------------------------------------

@@ -388,10 +388,8 @@ def _fill_tail(ctx: _Ctx, x, axes, fill):
 
 def _zeroed_reads(jaxpr) -> dict:
     """Per variable of ``jaxpr``, the length axes that its equations read it across with the
-    tail zeroed: contracted by ``dot_general``, summed by ``reduce_sum``. `_eval_jaxpr` zeroes
-    them once where the value is made, and every reader uses that value: one masked copy
-    instead of a masked copy beside the unmasked one for the per-position readers (a weight
-    gradient's ``dy`` is also ``dy @ W.T``'s operand), which cost XLA a second buffer."""
+    tail zeroed (contracted by ``dot_general``, summed by ``reduce_sum``): `_eval_jaxpr`
+    zeroes them where the value is made, for all its readers (see the package docstring)."""
     reads: dict[Any, set[int]] = {}
 
     def add(v, axes):

@@ -177,6 +177,10 @@ class _PackedCtx(_Ctx):
                 == self.starts(shape[q], -2)[:, None, :])          # (rows, p, q)
         return _spread(same, shape, (r, p, q))
 
+    def frame_only(self, x, fill):
+        """``x`` with ``fill`` outside its frame (see `frame`)."""
+        return lax.select(self.frame(x.shape), x, _full(x.shape, fill, x.dtype))
+
     def ends(self, d):
         """``(rows, d)`` int32: per cell, the column where its sequence's part ends (-1 in
         padding), so ``column < ends`` is the frame."""
@@ -392,9 +396,8 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
             fills = invals[n:]
         else:
             n, fills = 1, [_REDUCE_IDENTITY[eqn.primitive.name](x.dtype)]
-        frame = ctx.frame(x.shape)
-        return _bind(eqn, [*(lax.select(frame, v, _full(v.shape, f, v.dtype))
-                             for v, f in zip(invals[:n], fills)), *invals[n:]])
+        return _bind(eqn, [*(ctx.frame_only(v, f) for v, f in zip(invals[:n], fills)),
+                           *invals[n:]])
     if packed:
         if rows | packed <= axes and not arg:
             return rule(ctx, eqn, invals)       # over every real cell
@@ -445,8 +448,7 @@ def _pairing(ctx: _PackedCtx, eqn, lhs, rhs):
         return None
     if not ctx.packed_axes(eqn.outvars[0].aval.shape):
         return ctx.per_sequence(eqn, "a contraction over packed lengths")
-    return _bind(eqn, [lax.select(ctx.frame(x.shape), x, _full(x.shape, 0, x.dtype))
-                       for x in (lhs, rhs)])
+    return _bind(eqn, [ctx.frame_only(x, 0) for x in (lhs, rhs)])
 
 
 @_packed("conv_general_dilated")
@@ -496,7 +498,7 @@ def _conv(ctx: _PackedCtx, eqn, invals):
         if p["rhs_dilation"][i] != 1 or p["feature_group_count"] != 1:
             raise _NoRule("the kernel gradient of a strided convolution along a packed length")
         length, step = rhs.shape[ra], p["window_strides"][i]
-        rhs = lax.select(ctx.frame(rhs.shape), rhs, _full(rhs.shape, 0, rhs.dtype))
+        rhs = ctx.frame_only(rhs, 0)
         outs = []
         for k in range(eqn.outvars[0].aval.shape[oa]):
             x = _tap(ctx, lhs, rows[0], la, k * step - lo, length)
