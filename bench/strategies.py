@@ -553,8 +553,16 @@ class PackedBucketedRun(Run):
         self.cfg, self.data, self._step, self.f = cfg, data, step, f
         self.epochs, self.row_lengths, self.auto_choice = epochs, row_lengths, auto_choice
         self.state = step.state
-        # (indices, output) of the first batch, run (and timed) while choosing the layout.
+        # (indices, output) of a first-epoch batch, run (and timed) while choosing the
+        # layout: the epoch takes it first, so the run goes on from that output.
         self._first_step = first_step
+        if first_step is not None:
+            batches = list(epochs[0])
+            at = next((i for i, b in enumerate(batches)
+                       if np.array_equal(b.indices, first_step[0])), None)
+            if at is not None:
+                batches.insert(0, batches.pop(at))
+                self.epochs = [batches, *epochs[1:]]
 
     def real_tokens(self, batch):
         return super().real_tokens(batch.indices)

@@ -217,7 +217,20 @@ def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkey
     monkeypatch.setattr(_auto, "measure_cost", measure)
     step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
                            layout="auto")
-    choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4)
+    tokens = np.random.default_rng(1).integers(1, 9, size=(len(lengths), 64)).astype(np.int32)
+
+    def examples(indices):
+        n = lengths[indices].astype(np.int32)
+        return tokens[indices, :int(n.max())], n
+
+    choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4, examples=examples)
+    # The short rows were timed on the two-length plan's first batch of them: kept, as the
+    # step from the initial state on that batch (the run takes it first).
+    plan = buckets.packed_batch_plan(lengths, [16, 64], max_tokens=256, epoch=0)
+    first_short = next(b for b in plan if b.row_length == 16)
+    indices, output = choice.first_step
+    np.testing.assert_array_equal(indices, first_short.indices)
+    assert_trees_close(output, choice.step(_state(), *examples(indices)))
     # The same 256 cells a step: 16 rows of 16, or 4 rows of 64.
     assert choice.layout == "pack" and choice.row_lengths == (16, 64), choice.describe()
     assert choice.pack_rows == {16: 16, 64: 4} and choice.max_tokens == 256

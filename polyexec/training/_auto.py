@@ -311,9 +311,9 @@ class LayoutChoice:
     step pinned to it; for pad, ``buckets`` (the `BucketChoice`); for pack, the
     ``row_lengths`` and ``pack_rows`` (rows a step per row length); the cost they were
     priced by, where it was measured, and both predictions (``pack`` is None when the plan
-    cannot pack). ``first_step``: when the measured call was the run's first packed batch
-    (``examples`` given) and the choice packs, ``(its example indices, the step's output)``:
-    the run goes on from that output instead of running the batch again."""
+    cannot pack). ``first_step``: when a measured call ran a batch of the chosen packed plan
+    (``examples`` given), ``(its example indices, the step's output)``: the run takes that
+    batch first and goes on from the output instead of running it again."""
 
     layout: str
     reason: str
@@ -380,10 +380,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     A plan that cannot pack, or ``layout="pad"``, goes to `choose_buckets` as before.
     ``known``: an earlier choice's ``{"layout", "row_lengths", "pack_rows"}``, repeated
     without measuring (a padded one passes its policy to `choose_buckets` instead).
-    ``examples``: example indices -> their ``(tokens, lengths)``; given, the timed call is the
-    first step of ``buckets.packed_batch_plan(lengths, row_lengths, rows=..., seed=seed,
-    epoch=0)`` rather than a throwaway one, and a packed choice keeps its output
-    (``first_step``) for the run to go on from.
+    ``examples``: example indices -> their ``(tokens, lengths)``; given, each timed call runs
+    a real batch of the plan it prices (``buckets.packed_batch_plan(lengths, row_lengths,
+    ..., seed=seed, epoch=0)``) rather than a throwaway one, and a packed choice keeps the
+    output of the call at its own plan (``first_step``) for the run to go on from.
     ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``: as for
     `choose_buckets`; a packed choice packs the eval step into the same rows
     (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
@@ -457,27 +457,28 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     pad_policy = _buckets.Auto.fit(lengths, cost, epochs=epochs, batch_size=batch_size,
                                    max_tokens=max_tokens)
     row_lengths = (row_length,)
+    first_step = (first, outputs[0]) if first is not None and outputs else None
     shorter = _shorter_rows(step, arg, lengths, row_length, rows, cost, pack, min_length,
-                            epochs, seed, parallel)
+                            epochs, seed, parallel, examples)
     if shorter is not None:
-        pack, pack_rows = shorter
-        row_lengths, first = tuple(sorted(pack_rows)), None
+        pack, pack_rows, first_step = shorter
+        row_lengths = tuple(sorted(pack_rows))
         packer = _packing(step, row_lengths, pack_rows)
     versus = _versus(pack, pad_policy.prediction)
     if layout == "auto" and pad_policy.prediction.seconds < pack.seconds:
         return padded(versus, pad_policy, pack, cost, (rows, row_length))
     return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
                         packer, None, row_lengths, pack_rows, cost, (rows, row_length),
-                        pad_policy.prediction, pack,
-                        (first, outputs[0]) if first is not None and outputs else None,
+                        pad_policy.prediction, pack, first_step,
                         packed_eval(row_lengths, pack_rows))
 
 
 def _shorter_rows(step, arg, lengths, row_length, rows, cost, single, min_length, epochs, seed,
-                  parallel):
+                  parallel, examples=None):
     """Packed rows of two lengths, a shorter one beside ``row_length`` at the same tokens a
-    step: ``(prediction, pack_rows)`` when that is predicted faster than ``single`` (the one
-    row length's prediction), else None.
+    step: ``(prediction, pack_rows, first_step)`` when that is predicted faster than
+    ``single`` (the one row length's prediction), else None. With ``examples`` the timed call
+    is the two-length plan's first batch of short rows, and ``first_step`` keeps its output.
 
     A cell of a short row can cost less than one of a long row -- four times the rows a step
     keep the cores busier beside an RNN's sequential steps (22 against 30 us a token on 2 CPU
@@ -497,12 +498,22 @@ def _shorter_rows(step, arg, lengths, row_length, rows, cost, single, min_length
     # This compile blocks the run (`parallel` discounts only those that overlap it).
     if could_gain <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short):
         return None
-    short_cost = measure_cost(_packing(step, (short,), {short: short_rows}), arg,
-                              np.zeros((short_rows, short), np.int32),
-                              np.full(short_rows, short, np.int32), runs=1, parallel=parallel)
+    tokens, full = np.zeros((short_rows, short), np.int32), np.full(short_rows, short, np.int32)
+    first, outputs = None, []
+    if examples is not None:
+        first = next((b.indices for b in _buckets.packed_batch_plan(
+            lengths, [short, row_length], max_tokens=budget, seed=seed)
+            if b.row_length == short), None)
+        if first is not None:
+            tokens, full = examples(first)
+    short_cost = measure_cost(_packing(step, (short,), {short: short_rows}), arg, tokens, full,
+                              runs=1, parallel=parallel, on_output=outputs.append,
+                              grid=(short_rows, short))
     pack_rows = {short: short_rows, row_length: rows}
     both = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: short_cost, row_length: cost}, epochs=epochs,
                                    max_tokens=budget, seed=seed,
                                    compiled=[(rows, row_length), (short_rows, short)])
-    return (both, pack_rows) if both.seconds < single.seconds else None
+    if both.seconds >= single.seconds:
+        return None
+    return both, pack_rows, (first, outputs[0]) if first is not None and outputs else None
