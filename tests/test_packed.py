@@ -16,6 +16,7 @@ may see another one or the padding.
 4. The char-LM example's train step, packed vs padded vs masked by hand.
 """
 
+import functools
 import warnings
 
 import jax
@@ -82,24 +83,24 @@ def positional(p, x):
 
 
 NWC = ("NWC", "WIO", "NWC")     # convolutions: (B, T, F) inputs, (taps, F in, F out) kernels
+conv1d = functools.partial(jax.lax.conv_general_dilated, dimension_numbers=NWC)
 
 
 def causal_conv(p, x):
     # Causal: each sequence's first outputs read zeros before it, never the previous sequence.
-    y = jax.lax.conv_general_dilated(x, p["K"], (1,), [(2, 0)], dimension_numbers=NWC)
+    y = conv1d(x, p["K"], (1,), [(2, 0)])
     return jnp.tanh(y)                                                  # (B, T, F)
 
 
 def same_conv(p, x):
     # Centred, dilated 2 and depthwise: taps reach two cells past each end of a sequence, into
     # its neighbours in a packed row, where the exact convolution reads zeros.
-    return jax.lax.conv_general_dilated(x, p["D"], (1,), "SAME", rhs_dilation=(2,),
-                                        dimension_numbers=NWC, feature_group_count=F)  # (B, T, F)
+    return conv1d(x, p["D"], (1,), "SAME", rhs_dilation=(2,), feature_group_count=F)  # (B, T, F)
 
 
 def valid_conv(p, x):
     # No padding: T - 2 outputs, the last two cells of each sequence start none.
-    return jax.lax.conv_general_dilated(x, p["K"], (1,), "VALID", dimension_numbers=NWC)
+    return conv1d(x, p["K"], (1,), "VALID")
 
 
 class Case:
@@ -319,7 +320,7 @@ KS = jnp.asarray(_rng.normal(size=(2, F, F)), jnp.float32)
 
 
 def strided_conv(x, lengths):
-    return jax.lax.conv_general_dilated(x, KS, (2,), "VALID", dimension_numbers=NWC)  # verdict: strided conv
+    return conv1d(x, KS, (2,), "VALID")  # verdict: strided conv
 
 
 def _np_strided_conv(r):

@@ -464,25 +464,25 @@ def _conv(ctx: _PackedCtx, eqn, invals):
     p = eqn.params
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
     spatial = [i for i, a in enumerate(lhs_spec[2:]) if a in ctx.packed_axes(lhs.shape)]
+    rows = ctx.row_axes(lhs.shape)
     if not spatial:
-        if any(ctx.packed_axes(x.shape) for x in invals) or ctx.row_axes(lhs.shape) == [lhs_spec[1]]:
+        if any(ctx.packed_axes(x.shape) for x in invals) or rows == [lhs_spec[1]]:
             raise _NoRule("a convolution over the rows or with a packed kernel, not along a "
                           "packed length")
         return None          # rows as the batch, the length not convolved: per position
     (i,) = spatial
     la, ra, oa = lhs_spec[2 + i], rhs_spec[2 + i], out_spec[2 + i]
-    (lo, hi) = p["padding"][i]
+    lo, hi = p["padding"][i]
     if _is_sym(lo) or _is_sym(hi) or p["lhs_dilation"][i] != 1 or any(
             _is_sym(x.shape[a]) for x in invals for a in range(x.ndim)
             if a not in (*ctx.row_axes(x.shape), *ctx.packed_axes(x.shape))):
         raise _NoRule("a convolution along a packed length with a length-dependent or "
                       "input-dilated padding, or over another length")
-    rows = ctx.row_axes(lhs.shape)
     if rows == [lhs_spec[0]] and not _is_sym(rhs.shape[ra]):
         # Along the length: the forward pass and the input gradient.
         if p["window_strides"][i] != 1 or p["batch_group_count"] != 1:
-            raise _NoRule("a strided convolution along a packed length (each sequence's "
-                          "outputs would start at another column)")
+            raise _NoRule("a strided or batch-grouped convolution along a packed length (each "
+                          "sequence's outputs would start at another column, or mix rows)")
         taps, step, length = rhs.shape[ra], p["rhs_dilation"][i], eqn.outvars[0].aval.shape[oa]
         out = None
         for k in range(taps):
@@ -496,7 +496,8 @@ def _conv(ctx: _PackedCtx, eqn, invals):
             and ctx.packed_axes(rhs.shape) == [ra] and not _is_sym(eqn.outvars[0].aval.shape[oa])):
         # The kernel gradient: input and output gradient paired over the rows and the length.
         if p["rhs_dilation"][i] != 1 or p["feature_group_count"] != 1:
-            raise _NoRule("the kernel gradient of a strided convolution along a packed length")
+            raise _NoRule("the kernel gradient of a strided or feature-grouped convolution along "
+                          "a packed length")
         length, step = rhs.shape[ra], p["window_strides"][i]
         rhs = ctx.frame_only(rhs, 0)
         outs = []
