@@ -162,7 +162,7 @@ class _Ctx:
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
         # id(value) -> (value, axes): values known to be 0 beyond the logical lengths of those
-        # axes (see `_fill_tail`, `_zeroed_axes`).
+        # axes (`_fill_tail`, `_carry_zeros`).
         self._zeroed: dict[int, tuple[Any, frozenset]] = {}
 
     def child(self, eqn, *, alive=None) -> "_Ctx":
@@ -384,18 +384,10 @@ def _fill_tail(ctx: _Ctx, x, axes, fill):
 
 
 def _zeroed_axes(ctx: _Ctx, x) -> frozenset:
-    """The axes along which ``x`` is known to be 0 beyond the logical lengths: as recorded in
-    this context, or in a parent whose masks are the same (an inlined call, a loop body over
-    the same rows: the same sizes, the same rows alive)."""
-    while ctx is not None:
-        known = ctx._zeroed.get(id(x))
-        if known is not None and known[0] is x:
-            return known[1]
-        parent = ctx.parent
-        if ctx.own_sizes or parent is None or parent.alive is not ctx.alive:
-            break
-        ctx = parent
-    return frozenset()
+    """The axes along which ``x`` is known to be 0 beyond the logical lengths (only this
+    context's record: a child's masks may also drop the rows that ended in it)."""
+    known = ctx._zeroed.get(id(x))
+    return known[1] if known is not None and known[0] is x else frozenset()
 
 
 def _zeroed_reads(jaxpr) -> dict:

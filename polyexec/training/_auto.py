@@ -442,24 +442,31 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
     pack_rows = {row_length: rows}
     packer = _packing(step, (row_length,), pack_rows)
-    # One timed call: the step is a training-sized one, and a second would cost the cold
-    # epoch as much again for a decision the first already makes.
-    tokens, full = np.full((rows, row_length), pad_id, np.int32), np.full(rows, row_length, np.int32)
-    first, outputs = None, []
-    if examples is not None:
-        first = _buckets.packed_batch_plan(lengths, [row_length], rows=rows, seed=seed)[0].indices
-        tokens, full = examples(first)
-    cost = measure_cost(packer, arg, tokens, full, runs=1, parallel=parallel,
-                        on_output=outputs.append, grid=(rows, row_length))
+
+    def timed(packer, grid, first):
+        """Compile ``packer`` and time one call at ``grid`` (rows, row length) on the batch
+        ``first`` (example indices; None: padding only). One call: the step is a training-
+        sized one, and a second would cost the cold epoch as much again for a decision the
+        first already makes. Returns the cost and, for a real batch, ``(first, output)``."""
+        tokens, full = np.full(grid, pad_id, np.int32), np.full(grid[0], grid[1], np.int32)
+        if first is not None:
+            tokens, full = examples(first)
+        outputs = []
+        cost = measure_cost(packer, arg, tokens, full, runs=1, parallel=parallel,
+                            on_output=outputs.append, grid=grid)
+        return cost, ((first, outputs[0]) if first is not None and outputs else None)
+
+    first = (_buckets.packed_batch_plan(lengths, [row_length], rows=rows, seed=seed)[0].indices
+             if examples is not None else None)
+    cost, first_step = timed(packer, (rows, row_length), first)
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
                                    seed=seed, compiled=[(rows, row_length)])
     # The padded steps would compile every shape, the longest included (not yet compiled).
     pad_policy = _buckets.Auto.fit(lengths, cost, epochs=epochs, batch_size=batch_size,
                                    max_tokens=max_tokens)
     row_lengths = (row_length,)
-    first_step = (first, outputs[0]) if first is not None and outputs else None
-    shorter = _shorter_rows(step, arg, lengths, row_length, rows, cost, pack, min_length,
-                            epochs, seed, parallel, examples)
+    shorter = _shorter_rows(step, lengths, row_length, rows, cost, pack, min_length, epochs,
+                            seed, parallel, timed, real_batch=examples is not None)
     if shorter is not None:
         pack, pack_rows, first_step = shorter
         row_lengths = tuple(sorted(pack_rows))
@@ -473,12 +480,13 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                         packed_eval(row_lengths, pack_rows))
 
 
-def _shorter_rows(step, arg, lengths, row_length, rows, cost, single, min_length, epochs, seed,
-                  parallel, examples=None):
+def _shorter_rows(step, lengths, row_length, rows, cost, single, min_length, epochs, seed,
+                  parallel, timed, *, real_batch):
     """Packed rows of two lengths, a shorter one beside ``row_length`` at the same tokens a
     step: ``(prediction, pack_rows, first_step)`` when that is predicted faster than
-    ``single`` (the one row length's prediction), else None. With ``examples`` the timed call
-    is the two-length plan's first batch of short rows, and ``first_step`` keeps its output.
+    ``single`` (the one row length's prediction), else None. ``timed`` is `choose_layout`'s
+    measurement; with ``real_batch`` it runs the two-length plan's first batch of short rows,
+    and ``first_step`` keeps its output.
 
     A cell of a short row can cost less than one of a long row -- four times the rows a step
     keep the cores busier beside an RNN's sequential steps (22 against 30 us a token on 2 CPU
@@ -498,22 +506,14 @@ def _shorter_rows(step, arg, lengths, row_length, rows, cost, single, min_length
     # This compile blocks the run (`parallel` discounts only those that overlap it).
     if could_gain <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short):
         return None
-    tokens, full = np.zeros((short_rows, short), np.int32), np.full(short_rows, short, np.int32)
-    first, outputs = None, []
-    if examples is not None:
-        first = next((b.indices for b in _buckets.packed_batch_plan(
-            lengths, [short, row_length], max_tokens=budget, seed=seed)
-            if b.row_length == short), None)
-        if first is not None:
-            tokens, full = examples(first)
-    short_cost = measure_cost(_packing(step, (short,), {short: short_rows}), arg, tokens, full,
-                              runs=1, parallel=parallel, on_output=outputs.append,
-                              grid=(short_rows, short))
+    first = next((b.indices for b in _buckets.packed_batch_plan(
+        lengths, [short, row_length], max_tokens=budget, seed=seed)
+        if b.row_length == short), None) if real_batch else None
+    short_cost, first_step = timed(_packing(step, (short,), {short: short_rows}),
+                                   (short_rows, short), first)
     pack_rows = {short: short_rows, row_length: rows}
     both = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: short_cost, row_length: cost}, epochs=epochs,
                                    max_tokens=budget, seed=seed,
                                    compiled=[(rows, row_length), (short_rows, short)])
-    if both.seconds >= single.seconds:
-        return None
-    return both, pack_rows, (first, outputs[0]) if first is not None and outputs else None
+    return (both, pack_rows, first_step) if both.seconds < single.seconds else None
