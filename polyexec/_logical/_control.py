@@ -60,9 +60,9 @@ def _scan(ctx, eqn, invals):
     def loop(state):
         i, carry, ys = state
         at = stop - 1 - i if p["reverse"] else i
-        x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
+        x = [_at_step(v, at) for v in xs]
         out = _eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
-        ys = [lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 0)
+        ys = [_set_step(y, v.astype(y.dtype), at)
               for y, v in zip(ys, out[ncarry:])]
         return i + 1, list(out[:ncarry]), ys
 
@@ -98,6 +98,16 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     return [*carry, *ys]
 
 
+def _at_step(x, at, axis=0):
+    # ``at`` counts steps from 0: no negative index to wrap (a select per index XLA runs at
+    # every step of the loop; jax's own scan skips it the same way).
+    return lax.dynamic_index_in_dim(x, at, axis, keepdims=False, allow_negative_indices=False)
+
+
+def _set_step(x, value, at):
+    return lax.dynamic_update_index_in_dim(x, value, at, 0, allow_negative_indices=False)
+
+
 def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, restart_at=None):
     """The scan ``eqn`` as a while loop over steps ``0 .. stop - 1`` (from ``stop - 1`` down
     when reversed), for carries with a rows axis (``carry_axes``: its position, None for a
@@ -120,11 +130,11 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
             restart = restart_at(at)
             carry = [c if a is None else by_rows(restart, c0, c, a)
                      for c, c0, a in zip(carry, init, carry_axes)]
-        x = [lax.dynamic_index_in_dim(v, at, 0, keepdims=False) for v in xs]
+        x = [_at_step(v, at) for v in xs]
         out = _eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
         new = [n if a is None else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
-        ys = [lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 0)
+        ys = [_set_step(y, v.astype(y.dtype), at)
               for y, v in zip(ys, out[ncarry:])]
         return i + 1, new, ys
 

@@ -161,8 +161,9 @@ class _Ctx:
         self.own_sizes = False  # True for a per-row context (see _eval_row_varying)
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
-        # id(value) -> (value, axes): values known to be 0 beyond the logical lengths of those
-        # axes (`_fill_tail`, `_carry_zeros`).
+        # id(value) -> (value, axes): values of this trace known to be 0 beyond the logical
+        # lengths of those axes (see `_fill_tail`); only this context's own, since a child's
+        # masks also drop its ended rows.
         self._zeroed: dict[int, tuple[Any, frozenset]] = {}
 
     def child(self, eqn, *, alive=None) -> "_Ctx":
@@ -372,8 +373,10 @@ def _fill_tail(ctx: _Ctx, x, axes, fill):
     """``x`` with every position beyond a logical length along ``axes`` replaced by ``fill``."""
     zero = isinstance(fill, (bool, int, float, np.generic)) and fill == 0
     axes = frozenset(axes)
-    if zero and axes <= _zeroed_axes(ctx, x):
-        return x
+    if zero:
+        known = ctx._zeroed.get(id(x))
+        if known is not None and known[0] is x and axes <= known[1]:
+            return x
     mask = _logical_mask(ctx, x.shape, axes)
     if mask is None:
         return x
@@ -381,13 +384,6 @@ def _fill_tail(ctx: _Ctx, x, axes, fill):
     if zero:
         ctx._zeroed[id(out)] = (out, axes)
     return out
-
-
-def _zeroed_axes(ctx: _Ctx, x) -> frozenset:
-    """The axes along which ``x`` is known to be 0 beyond the logical lengths (only this
-    context's record: a child's masks may also drop the rows that ended in it)."""
-    known = ctx._zeroed.get(id(x))
-    return known[1] if known is not None and known[0] is x else frozenset()
 
 
 def _zeroed_reads(jaxpr) -> dict:
@@ -411,36 +407,6 @@ def _zeroed_reads(jaxpr) -> dict:
         elif eqn.primitive.name == "reduce_sum":
             add(eqn.invars[0], [a for a in eqn.params["axes"] if _is_sym(shapes[0][a])])
     return reads
-
-
-_SAME_POSITIONS = ("convert_element_type", "neg", "copy", "copy_p")
-
-
-def _zeros_through(eqn, axes) -> set[int]:
-    """The axes along which the result of a layout equation is 0 beyond the logical lengths
-    when its operands are along ``axes`` (a weight gradient's operand is often the transpose
-    of a value a sum has already zeroed)."""
-    name = eqn.primitive.name
-    if name in _SAME_POSITIONS:
-        return set(axes)
-    if name == "transpose":
-        return {i for i, a in enumerate(eqn.params["permutation"]) if a in axes}
-    if name == "concatenate":
-        d = eqn.params["dimension"]
-        # Along a length axis the pieces' logical ends are not the result's.
-        if not _is_sym(eqn.outvars[0].aval.shape[d]):
-            return set(axes) - {d}
-    return set()
-
-
-def _carry_zeros(ctx: _Ctx, eqn, invals, outvals) -> None:
-    """Record what `_zeros_through` knows of an equation's result from its operands."""
-    if len(outvals) != 1 or eqn.primitive.name not in (*_SAME_POSITIONS, "transpose",
-                                                        "concatenate"):
-        return
-    axes = _zeros_through(eqn, frozenset.intersection(*(_zeroed_axes(ctx, x) for x in invals)))
-    if axes:
-        ctx._zeroed[id(outvals[0])] = (outvals[0], frozenset(axes))
 
 
 def _zero_read_tails(ctx: _Ctx, reads, v, x):
@@ -593,7 +559,6 @@ def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
                 eqn.ctx.manager:
             outvals = _eval_eqn(ctx, eqn, invals)
-        _carry_zeros(ctx, eqn, invals, outvals)
         for v, x in zip(eqn.outvars, outvals):
             if not isinstance(v, jax.extend.core.DropVar):
                 env[v] = _zero_read_tails(ctx, reads, v, x)

@@ -62,7 +62,7 @@ from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_
                     _Recorder, _replay, _where)
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
-from ._control import frozen_scan
+from ._control import _at_step, frozen_scan
 from ._reductions import _REDUCE_IDENTITY, _reduce as _padded_reduce
 from ._reductions import _reduction as _padded_reduction
 from ._structure import _pad as _padded_pad
@@ -711,8 +711,8 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     stop = jnp.max(jnp.where(in_frame, columns + 1, 0), initial=0).astype(np.int32)
     carry, ys = frozen_scan(
         ctx, eqn, consts, init, xs, carry_axes, stop,
-        alive_at=lambda at: lax.dynamic_index_in_dim(in_frame, at, 1, keepdims=False),
-        restart_at=lambda at: lax.dynamic_index_in_dim(first, at, 1, keepdims=False))
+        alive_at=lambda at: _at_step(in_frame, at, 1),
+        restart_at=lambda at: _at_step(first, at, 1))
     final = [c if a is None else ctx.per_sequence(eqn, "the final carry of a scan")[0]
              for c, a in zip(carry, carry_axes)]
     return [*final, *ys]
