@@ -492,19 +492,26 @@ def _shorter_rows(step, lengths, row_length, rows, cost, single, min_length, epo
     keep the cores busier beside an RNN's sequential steps (22 against 30 us a token on 2 CPU
     cores) -- which only a measurement shows, at the price of one more compile. The shorter
     length is the smallest of ``row_length / 2, / 4, / 8`` holding half the tokens; it is
-    compiled and timed only when the run could gain more than that costs, were its cells a
-    quarter cheaper (the most measured: 26%; a short run that cannot gain skips it)."""
+    compiled and timed only when the two-length plan (its own padding counted) would gain
+    more than that costs, were its cells a quarter cheaper (the most measured: 26%; a short
+    run that cannot gain skips it, and so does attention at half the row length, where the
+    plan's padding eats what shorter pairs save)."""
     total = float(lengths.sum())
     candidates = [row_length // k for k in (8, 4, 2) if row_length // k >= max(min_length, 2)]
-    shares = [(n, float(lengths[lengths <= n].sum()) / total) for n in candidates if total]
-    short, share = next(((n, f) for n, f in shares if f >= 0.5), (None, 0.0))
+    short = next((n for n in candidates if total and lengths[lengths <= n].sum() >= total / 2),
+                 None)
     if short is None:
         return None
     budget = rows * row_length
     short_rows = max(1, budget // short)
-    could_gain = single.step_seconds * share / 4
+    shapes = [(rows, row_length), (short_rows, short)]
+    cheaper = dataclasses.replace(cost, seconds_per_cell=cost.seconds_per_cell * 0.75)
+    best = _buckets.predict_packed(lengths, [short, row_length],
+                                   {short: cheaper, row_length: cost}, epochs=epochs,
+                                   max_tokens=budget, seed=seed, compiled=shapes)
     # This compile blocks the run (`parallel` discounts only those that overlap it).
-    if could_gain <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short):
+    if (single.seconds - best.seconds
+            <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short)):
         return None
     first = next((b.indices for b in _buckets.packed_batch_plan(
         lengths, [short, row_length], max_tokens=budget, seed=seed)
@@ -514,6 +521,5 @@ def _shorter_rows(step, lengths, row_length, rows, cost, single, min_length, epo
     pack_rows = {short: short_rows, row_length: rows}
     both = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: short_cost, row_length: cost}, epochs=epochs,
-                                   max_tokens=budget, seed=seed,
-                                   compiled=[(rows, row_length), (short_rows, short)])
+                                   max_tokens=budget, seed=seed, compiled=shapes)
     return (both, pack_rows, first_step) if both.seconds < single.seconds else None
