@@ -524,8 +524,7 @@ def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length):
     shifted = lax.pad(x, _full((), 0, x.dtype), config)
     pos, seglen = ctx.cells(length)
     source = pos + offset
-    real = ((pos >= 0) & (pos < ctx._at(length, seglen)) & (source >= 0)
-            & (source < ctx._at(n, seglen)))
+    real = ctx.in_frame(length) & (source >= 0) & (source < ctx._at(n, seglen))
     return lax.select(_spread(real, shifted.shape, (rows_axis, axis)), shifted,
                       _full(shifted.shape, 0, x.dtype))
 
