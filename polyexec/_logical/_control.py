@@ -108,7 +108,8 @@ def _set_step(x, value, at):
     return lax.dynamic_update_index_in_dim(x, value, at, 0, allow_negative_indices=False)
 
 
-def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, restart_at=None):
+def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, restart_at=None,
+                freeze=True):
     """The scan ``eqn`` as a while loop over steps ``0 .. stop - 1`` (from ``stop - 1`` down
     when reversed), for carries with a rows axis (``carry_axes``: its position, None for a
     carry without one): at step ``at`` the rows ``alive_at(at)`` compute, the others keep
@@ -132,7 +133,7 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
                      for c, c0, a in zip(carry, init, carry_axes)]
         x = [_at_step(v, at) for v in xs]
         out = _eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
-        new = [n if a is None else by_rows(alive, n, old, a)
+        new = [n if a is None or not freeze else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
         ys = [_set_step(y, v.astype(y.dtype), at)
               for y, v in zip(ys, out[ncarry:])]

@@ -711,7 +711,7 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     carry, ys = frozen_scan(
         ctx, eqn, consts, init, xs, carry_axes, stop,
         alive_at=lambda at: _at_step(in_frame, at, 1),
-        restart_at=lambda at: _at_step(first, at, 1))
+        restart_at=lambda at: _at_step(first, at, 1), freeze=False)
     final = [c if a is None else ctx.per_sequence(eqn, "the final carry of a scan")[0]
              for c, a in zip(carry, carry_axes)]
     return [*final, *ys]
