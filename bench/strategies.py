@@ -358,10 +358,9 @@ class Polyexec(Strategy):
             setup = time.perf_counter() - start
             if chosen.layout == "pack":
                 run = PackedBucketedRun(cfg, data, step, chosen.step, [
-                    buckets.packed_batch_plan(data.padded_lengths, chosen.row_lengths,
-                                              max_tokens=chosen.max_tokens, seed=cfg.seed,
-                                              epoch=epoch) for epoch in range(cfg.epochs)],
-                    chosen.row_lengths, auto_choice=choice, first_step=chosen.first_step)
+                    chosen.epoch_plan(data.padded_lengths, epoch=epoch, seed=cfg.seed)
+                    for epoch in range(cfg.epochs)],
+                    chosen.row_lengths, auto_choice=choice, first_steps=chosen.first_steps)
                 run.setup_seconds = setup
                 return run
             policy, f = chosen.buckets.policy, chosen.step
@@ -549,20 +548,14 @@ class PackedBucketedRun(Run):
     batching = "packed"
 
     def __init__(self, cfg: Config, data: Data, step: Step, f, epochs, row_lengths, *,
-                 auto_choice: dict | None = None, first_step: tuple | None = None):
+                 auto_choice: dict | None = None, first_steps: tuple = ()):
         self.cfg, self.data, self._step, self.f = cfg, data, step, f
         self.epochs, self.row_lengths, self.auto_choice = epochs, row_lengths, auto_choice
         self.state = step.state
-        # (indices, output) of a first-epoch batch, run (and timed) while choosing the
-        # layout: the epoch takes it first, so the run goes on from that output.
-        self._first_step = first_step
-        if first_step is not None:
-            batches = list(epochs[0])
-            at = next((i for i, b in enumerate(batches)
-                       if np.array_equal(b.indices, first_step[0])), None)
-            if at is not None:
-                batches.insert(0, batches.pop(at))
-                self.epochs = [batches, *epochs[1:]]
+        # (batch, output) of the first epoch's first batches, run (and timed) one after
+        # another while choosing the layout: the epoch starts with them (`epoch_plan`), and
+        # the run goes on from their outputs.
+        self._first_steps = list(first_steps)
 
     def real_tokens(self, batch):
         return super().real_tokens(batch.indices)
@@ -574,9 +567,8 @@ class PackedBucketedRun(Run):
         return batch.rows, batch.row_length
 
     def step(self, state, batch):
-        first, self._first_step = self._first_step, None
-        if first is not None and np.array_equal(first[0], batch.indices):
-            loss, state = step_result(self._step, first[1], state)
+        if self._first_steps and self._first_steps[0][0] is batch:
+            loss, state = step_result(self._step, self._first_steps.pop(0)[1], state)
         else:
             loss, state = bucketed_update(self._step, self.f, state,
                                           *batch_arrays(self.data, batch.indices))
@@ -726,11 +718,12 @@ def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str):
     # nothing there: fit's 18 compiles took 23.6 s wall on 2 threads, ~24.5 s at the
     # rate of one compile alone.
     overlap = 2 if cfg.warmup == "background" and (os.cpu_count() or 1) >= 2 else 1
-    # The timed call is the run's first packed batch; the run goes on from its output.
+    # The timed calls are the run's first packed batches; the run goes on from their outputs.
     choice = choose_layout(f, step.state, data.padded_lengths, epochs=cfg.epochs,
                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, layout=layout,
                            seed=cfg.seed, min_length=MIN_T, parallel=overlap, known=known,
-                           examples=lambda indices: batch_arrays(data, indices))
+                           examples=lambda indices: batch_arrays(data, indices),
+                           next_arg=lambda output: step_result(step, output, step.state)[1])
     if saved is None:
         saved = {"layout": choice.layout, "reason": choice.reason,
                  "cost": dataclasses.asdict(choice.cost) if choice.cost else None,

@@ -129,6 +129,7 @@ def packed_batch_plan(
     num_shards: int = 1,
     shard_index: int = 0,
     overflow: PackedOverflow = "error",
+    exclude=(),
 ) -> list[PackedBatch]:
     """This shard's steps for one epoch of packed rows, each as
     ``PackedBatch(row_length, indices, rows)``.
@@ -162,6 +163,10 @@ def packed_batch_plan(
     ``shard_index``: each computes the same global plan and returns its part of every step,
     so all shards run the same ``(rows, row_length)`` at every step and the same number of
     steps, and every example is in exactly one shard's part of one step.
+
+    ``exclude``: indices of examples this epoch has already run (the steps a layout choice
+    timed, `polyexec.training.choose_layout`); they are left out of the plan, which then
+    covers every other example exactly once.
 
     Every step runs all ``rows`` rows (one compiled shape per row length in use); rows a part
     does not fill are padding, priced by `packed_cells`. A shard's part is empty (an int64
@@ -203,8 +208,13 @@ def packed_batch_plan(
         raise (TypeError if isinstance(e, TypeError) else ValueError)(
             f"{where}: row_lengths: {e}") from e
 
+    done = np.asarray(exclude)
+    if done.size and (done.dtype.kind not in "iu" or done.ndim != 1 or done.min() < 0
+                      or done.max() >= arr.size):
+        raise ValueError(f"{where}: exclude: expected example indices in [0, {arr.size}), "
+                         f"received {done.dtype} array {done.tolist()[:8]}")
     steps = _packed_steps(where, arr, policy, rows, max_tokens, shuffle, seed, epoch, S,
-                          overflow)
+                          overflow, done)
     return [PackedBatch(L, idx[cut[shard_index]:cut[shard_index + 1]], R)
             for L, idx, R, cut in steps]
 
@@ -236,9 +246,10 @@ def packed_batches(
     return iter([b.indices for b in plan])
 
 
-def _packed_steps(where, arr, policy, rows, max_tokens, shuffle, seed, epoch, S, overflow):
+def _packed_steps(where, arr, policy, rows, max_tokens, shuffle, seed, epoch, S, overflow,
+                  exclude=()):
     """All shards' steps: (row_length, indices of the whole global step, rows per shard,
-    the S + 1 offsets of the shards' parts in those indices)."""
+    the S + 1 offsets of the shards' parts in those indices), ``exclude`` left out."""
     sizes = np.asarray(policy.sizes, dtype=np.int64)
     largest = int(sizes[-1])
     over = np.flatnonzero(arr > largest)
@@ -255,13 +266,14 @@ def _packed_steps(where, arr, policy, rows, max_tokens, shuffle, seed, epoch, S,
             raise err
         eff[over] = largest
     row_length = sizes[np.searchsorted(sizes, eff, side="left")]
+    row_length[np.asarray(exclude, dtype=np.int64)] = 0         # in no row length's pool
 
     # One generator per (seed, epoch), as batch_plan: the same plan on every shard, a new
     # order every epoch.
     rng = np.random.default_rng(np.random.SeedSequence([seed, epoch])) if shuffle else None
 
     steps: list[tuple[int, np.ndarray, int, np.ndarray]] = []
-    for L in np.unique(row_length).tolist():
+    for L in np.unique(row_length[row_length > 0]).tolist():
         pool = np.flatnonzero(row_length == L)
         if rng is not None:
             pool = rng.permutation(pool)

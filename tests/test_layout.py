@@ -192,11 +192,15 @@ def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fix
             step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[16, 64],
                                    batch_buckets=[4], layout="auto")
             choice = choose_layout(step, _state(), LENGTHS, epochs=2, batch_size=4, seed=3,
-                                   examples=examples)
-            indices, output = choice.first_step
-            np.testing.assert_array_equal(indices, first.indices)
+                                   examples=examples, next_arg=lambda output: output[0])
+            ((batch, output),) = choice.first_steps
+            np.testing.assert_array_equal(batch.indices, first.indices)
             # That batch's step from the initial state: the run goes on from it.
             assert_trees_close(output, choice.step(_state(), *examples(first.indices)))
+            # Epoch 0 takes it first, then every other example once.
+            plan = choice.epoch_plan(LENGTHS, epoch=0, seed=3)
+            assert plan[0] is batch
+            assert sorted(np.concatenate([b.indices for b in plan])) == list(range(len(LENGTHS)))
             # One program, at the plan's grid (short examples still run in rows of 64).
             assert set(step.stats.buckets) == {(("rows(B)", 4), ("row_length(T)", 64))}
             assert step.stats.compiles == 1
@@ -223,14 +227,20 @@ def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkey
         n = lengths[indices].astype(np.int32)
         return tokens[indices, :int(n.max())], n
 
-    choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4, examples=examples)
-    # The short rows were timed on the two-length plan's first batch of them: kept, as the
-    # step from the initial state on that batch (the run takes it first).
+    choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4, examples=examples,
+                           next_arg=lambda output: output[0])
+    # Both timed calls ran the two-length plan's first batch of their row length, the short
+    # one on the long one's output: both kept, in that order, as the run's first steps.
     plan = buckets.packed_batch_plan(lengths, [16, 64], max_tokens=256, epoch=0)
-    first_short = next(b for b in plan if b.row_length == 16)
-    indices, output = choice.first_step
-    np.testing.assert_array_equal(indices, first_short.indices)
-    assert_trees_close(output, choice.step(_state(), *examples(indices)))
+    (long, after_long), (short, after_short) = choice.first_steps
+    for batch, n in ((long, 64), (short, 16)):
+        np.testing.assert_array_equal(
+            batch.indices, next(b for b in plan if b.row_length == n).indices)
+    assert_trees_close(after_long, choice.step(_state(), *examples(long.indices)))
+    assert_trees_close(after_short, choice.step(after_long[0], *examples(short.indices)))
+    epoch = choice.epoch_plan(lengths, epoch=0)
+    assert epoch[:2] == [long, short]
+    assert sorted(np.concatenate([b.indices for b in epoch])) == list(range(len(lengths)))
     # The same 256 cells a step: 16 rows of 16, or 4 rows of 64.
     assert choice.layout == "pack" and choice.row_lengths == (16, 64), choice.describe()
     assert choice.pack_rows == {16: 16, 64: 4} and choice.max_tokens == 256
@@ -292,3 +302,7 @@ def test_choose_layout_checks_its_layout():
     step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4])
     with pytest.raises(px.OptionError, match="layout: expected one of 'auto', 'pad', 'pack'"):
         choose_layout(step, _state(), LENGTHS, epochs=1, batch_size=4, layout="packed")
+    with pytest.raises(px.OptionError, match="examples and next_arg: expected both or neither, "
+                                             "received only examples"):
+        choose_layout(step.with_layout("auto"), _state(), LENGTHS, epochs=1, batch_size=4,
+                      examples=lambda indices: None)

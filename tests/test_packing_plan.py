@@ -76,6 +76,29 @@ def test_every_example_once_and_every_part_packs(setup, num_shards, shuffle, see
                 assert first_fit(eff[b.indices], b.row_length).rows <= b.rows
 
 
+@given(setups(), st.integers(1, 3), st.data())
+def test_excluded_examples_are_left_out_and_every_other_one_planned_once(setup, num_shards,
+                                                                        data):
+    lengths, row_lengths, budget, overflow = setup
+    done = data.draw(st.lists(st.integers(0, len(lengths) - 1), unique=True), label="exclude")
+    shards = all_shards(lengths, row_lengths, num_shards, overflow=overflow, exclude=done,
+                        **budget)
+    seen = np.concatenate([b.indices for p in shards for b in p] + [np.zeros(0, np.int64)])
+    assert np.sort(seen).tolist() == sorted(set(range(len(lengths))) - set(done))
+    eff = packed_lengths(lengths, row_lengths, overflow)
+    for plan in shards:
+        for b in plan:
+            if b.indices.size:
+                assert first_fit(eff[b.indices], b.row_length).rows <= b.rows
+
+
+@pytest.mark.parametrize("exclude", [[3], [-1], [0.5], [[0]]])
+def test_exclude_must_be_example_indices(exclude):
+    with pytest.raises(ValueError, match=r"packed_batch_plan: exclude: expected example "
+                                         r"indices in \[0, 3\)"):
+        packed_batch_plan([3, 5, 9], [4, 16], rows=1, exclude=exclude)
+
+
 @given(setups(), st.integers(1, 4), st.booleans(), st.integers(0, 100))
 def test_a_part_is_empty_only_where_documented(setup, num_shards, shuffle, seed):
     lengths, row_lengths, budget, overflow = setup

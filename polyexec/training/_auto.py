@@ -311,9 +311,10 @@ class LayoutChoice:
     step pinned to it; for pad, ``buckets`` (the `BucketChoice`); for pack, the
     ``row_lengths`` and ``pack_rows`` (rows a step per row length); the cost they were
     priced by, where it was measured, and both predictions (``pack`` is None when the plan
-    cannot pack). ``first_step``: when a measured call ran a batch of the chosen packed plan
-    (``examples`` given), ``(its example indices, the step's output)``: the run takes that
-    batch first and goes on from the output instead of running it again."""
+    cannot pack). ``first_steps``: a packed choice's measured calls on real batches
+    (``examples`` given), in the order they ran, each ``(its buckets.PackedBatch, the step's
+    output)``, the second on the first's output: the run's first steps, which `epoch_plan`
+    puts first and plans the rest of the epoch without."""
 
     layout: str
     reason: str
@@ -325,7 +326,7 @@ class LayoutChoice:
     measured_at: tuple[int, int] | None = None
     pad: _buckets.Prediction | None = None
     pack: _buckets.Prediction | None = None
-    first_step: tuple[np.ndarray, Any] | None = None
+    first_steps: tuple[tuple[_buckets.PackedBatch, Any], ...] = ()
     eval_step: Bucketed | None = None       # packed like ``step`` (a padded choice: in buckets)
 
     @property
@@ -337,6 +338,16 @@ class LayoutChoice:
         """Packed: the cells of a step, the same at every row length (``rows x length``), for
         `buckets.packed_batch_plan`'s ``max_tokens``."""
         return max((n * r for n, r in self.pack_rows.items()), default=None)
+
+    def epoch_plan(self, lengths: Any, *, epoch: int, seed: int = 0
+                   ) -> list[_buckets.PackedBatch]:
+        """A packed choice's steps for one epoch over ``lengths`` (those it was chosen on):
+        in epoch 0 the measured batches (`first_steps`) first, then
+        `buckets.packed_batch_plan` of every other example; in later epochs that plan of all."""
+        done = [b for b, _ in self.first_steps] if epoch == 0 else []
+        return done + _buckets.packed_batch_plan(
+            lengths, self.row_lengths, max_tokens=self.max_tokens, seed=seed, epoch=epoch,
+            exclude=np.concatenate([b.indices for b in done]) if done else ())
 
     def describe(self) -> str:
         """The choice and its reason, with the buckets (pad) or rows (pack) chosen."""
@@ -363,6 +374,7 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                   layout: str = "auto", seed: int = 0, min_length: int = 1, parallel: int = 1,
                   pad_id: int = 0, known: dict | None = None,
                   examples: Callable[[np.ndarray], tuple[Any, Any]] | None = None,
+                  next_arg: Callable[[Any], Any] | None = None,
                   eval_step: Bucketed | None = None, eval_arg: Any = None,
                   validation_lengths: Any = None, data_parallel: DataParallel | None = None
                   ) -> LayoutChoice:
@@ -380,10 +392,11 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     A plan that cannot pack, or ``layout="pad"``, goes to `choose_buckets` as before.
     ``known``: an earlier choice's ``{"layout", "row_lengths", "pack_rows"}``, repeated
     without measuring (a padded one passes its policy to `choose_buckets` instead).
-    ``examples``: example indices -> their ``(tokens, lengths)``; given, each timed call runs
-    a real batch of the plan it prices (``buckets.packed_batch_plan(lengths, row_lengths,
-    ..., seed=seed, epoch=0)``) rather than a throwaway one, and a packed choice keeps the
-    output of the call at its own plan (``first_step``) for the run to go on from.
+    ``examples``: example indices -> their ``(tokens, lengths)``, and ``next_arg``: a step's
+    output -> the next step's argument (the trained state). Given, the timed calls run real
+    batches of epoch 0 (``buckets.packed_batch_plan(lengths, row_lengths, ..., seed=seed)``),
+    one after another from ``arg``, rather than throwaway ones: a packed choice keeps them all
+    (``first_steps``), whichever row lengths it takes, and the run goes on from the last.
     ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``: as for
     `choose_buckets`; a packed choice packs the eval step into the same rows
     (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
@@ -438,37 +451,53 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return LayoutChoice("pack", "as chosen before", _packing(step, row_lengths, pack_rows),
                             None, row_lengths, pack_rows,
                             eval_step=packed_eval(row_lengths, pack_rows))
+    if (examples is None) != (next_arg is None):
+        raise OptionError(f"choose_layout: examples and next_arg: expected both or neither, "
+                          f"received only {'examples' if next_arg is None else 'next_arg'}")
     row_length = step.bucket_for("T", int(lengths.max()))
     rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
     pack_rows = {row_length: rows}
     packer = _packing(step, (row_length,), pack_rows)
+    short = _shorter_length(lengths, row_length, min_length)
+    # The plans whose first batches the timed calls run: the two-length one's (a long batch
+    # of it is as much a (rows, row_length) step as the one-length plan's), else that one's.
+    plans = []
+    if examples is not None:
+        plans = [_buckets.packed_batch_plan(lengths, n, max_tokens=rows * row_length, seed=seed)
+                 for n in ([short, row_length], [row_length]) if None not in n]
+    first_steps, on = [], arg
 
-    def timed(packer, grid, first):
-        """Compile ``packer`` and time one call at ``grid`` (rows, row length) on the batch
-        ``first`` (example indices; None: padding only). One call: the step is a training-
-        sized one, and a second would cost the cold epoch as much again for a decision the
-        first already makes. Returns the cost and, for a real batch, ``(first, output)``."""
-        tokens, full = np.full(grid, pad_id, np.int32), np.full(grid[0], grid[1], np.int32)
-        if first is not None:
-            tokens, full = examples(first)
+    def timed(packer, grid):
+        """Compile ``packer`` and time one call at ``grid`` (rows, row length): on the
+        first batch of that row length in ``plans`` when ``examples`` are given (kept in
+        ``first_steps``; the next call runs on its output), else on padding. One call: the
+        step is a training-sized one, and a second would cost the cold epoch as much again
+        for a decision the first already makes."""
+        nonlocal on
+        batch = next((b for plan in plans for b in plan if b.row_length == grid[1]), None)
+        if batch is None:
+            tokens, full = np.full(grid, pad_id, np.int32), np.full(grid[0], grid[1], np.int32)
+        else:
+            tokens, full = examples(batch.indices)
         outputs = []
-        cost = measure_cost(packer, arg, tokens, full, runs=1, parallel=parallel,
+        cost = measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
                             on_output=outputs.append, grid=grid)
-        return cost, ((first, outputs[0]) if first is not None and outputs else None)
+        if batch is not None:
+            first_steps.append((batch, outputs[0]))
+            on = next_arg(outputs[0])
+        return cost
 
-    first = (_buckets.packed_batch_plan(lengths, [row_length], rows=rows, seed=seed)[0].indices
-             if examples is not None else None)
-    cost, first_step = timed(packer, (rows, row_length), first)
+    cost = timed(packer, (rows, row_length))
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
                                    seed=seed, compiled=[(rows, row_length)])
     # The padded steps would compile every shape, the longest included (not yet compiled).
     pad_policy = _buckets.Auto.fit(lengths, cost, epochs=epochs, batch_size=batch_size,
                                    max_tokens=max_tokens)
     row_lengths = (row_length,)
-    shorter = _shorter_rows(step, lengths, row_length, rows, cost, pack, min_length, epochs,
-                            seed, parallel, timed, real_batch=examples is not None)
+    shorter = (_shorter_rows(step, lengths, short, row_length, rows, cost, pack, epochs, seed,
+                             parallel, timed) if short is not None else None)
     if shorter is not None:
-        pack, pack_rows, first_step = shorter
+        pack, pack_rows = shorter
         row_lengths = tuple(sorted(pack_rows))
         packer = _packing(step, row_lengths, pack_rows)
     versus = _versus(pack, pad_policy.prediction)
@@ -476,32 +505,33 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return padded(versus, pad_policy, pack, cost, (rows, row_length))
     return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
                         packer, None, row_lengths, pack_rows, cost, (rows, row_length),
-                        pad_policy.prediction, pack, first_step,
+                        pad_policy.prediction, pack, tuple(first_steps),
                         packed_eval(row_lengths, pack_rows))
 
 
-def _shorter_rows(step, lengths, row_length, rows, cost, single, min_length, epochs, seed,
-                  parallel, timed, *, real_batch):
-    """Packed rows of two lengths, a shorter one beside ``row_length`` at the same tokens a
-    step: ``(prediction, pack_rows, first_step)`` when that is predicted faster than
+def _shorter_length(lengths, row_length: int, min_length: int) -> int | None:
+    """The shorter row length `_shorter_rows` would try beside ``row_length``: the smallest of
+    ``row_length / 2, / 4, / 8`` that holds half the tokens (None: none does)."""
+    total = float(lengths.sum())
+    candidates = [row_length // k for k in (8, 4, 2) if row_length // k >= max(min_length, 2)]
+    return next((n for n in candidates if total and lengths[lengths <= n].sum() >= total / 2),
+                None)
+
+
+def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, seed, parallel,
+                  timed):
+    """Packed rows of two lengths, ``short`` (`_shorter_length`) beside ``row_length`` at the
+    same tokens a step: ``(prediction, pack_rows)`` when that is predicted faster than
     ``single`` (the one row length's prediction), else None. ``timed`` is `choose_layout`'s
-    measurement; with ``real_batch`` it runs the two-length plan's first batch of short rows,
-    and ``first_step`` keeps its output.
+    measurement.
 
     A cell of a short row can cost less than one of a long row -- four times the rows a step
     keep the cores busier beside an RNN's sequential steps (22 against 30 us a token on 2 CPU
-    cores) -- which only a measurement shows, at the price of one more compile. The shorter
-    length is the smallest of ``row_length / 2, / 4, / 8`` holding half the tokens; it is
-    compiled and timed only when the two-length plan (its own padding counted) would gain
-    more than that costs, were its cells a quarter cheaper (the most measured: 26%; a short
-    run that cannot gain skips it, and so does attention at half the row length, where the
-    plan's padding eats what shorter pairs save)."""
-    total = float(lengths.sum())
-    candidates = [row_length // k for k in (8, 4, 2) if row_length // k >= max(min_length, 2)]
-    short = next((n for n in candidates if total and lengths[lengths <= n].sum() >= total / 2),
-                 None)
-    if short is None:
-        return None
+    cores) -- which only a measurement shows, at the price of one more compile. The short
+    rows are compiled and timed only when the two-length plan (its own padding counted) would
+    gain more than that costs, were its cells a quarter cheaper (the most measured: 26%; a
+    short run that cannot gain skips it, and so does attention at half the row length, where
+    the plan's padding eats what shorter pairs save)."""
     budget = rows * row_length
     short_rows = max(1, budget // short)
     shapes = [(rows, row_length), (short_rows, short)]
@@ -513,13 +543,9 @@ def _shorter_rows(step, lengths, row_length, rows, cost, single, min_length, epo
     if (single.seconds - best.seconds
             <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short)):
         return None
-    first = next((b.indices for b in _buckets.packed_batch_plan(
-        lengths, [short, row_length], max_tokens=budget, seed=seed)
-        if b.row_length == short), None) if real_batch else None
-    short_cost, first_step = timed(_packing(step, (short,), {short: short_rows}),
-                                   (short_rows, short), first)
+    short_cost = timed(_packing(step, (short,), {short: short_rows}), (short_rows, short))
     pack_rows = {short: short_rows, row_length: rows}
     both = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: short_cost, row_length: cost}, epochs=epochs,
                                    max_tokens=budget, seed=seed, compiled=shapes)
-    return (both, pack_rows, first_step) if both.seconds < single.seconds else None
+    return (both, pack_rows) if both.seconds < single.seconds else None
