@@ -115,7 +115,9 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
     carry without one): at step ``at`` the rows ``alive_at(at)`` compute, the others keep
     their carry; the rows ``restart_at(at)`` first take their initial carry again (a new
     sequence of a packed row). The body sees ``alive`` in its context, so a reduction over
-    the rows there reads the live ones. Returns the final carries and the stacked outputs."""
+    the rows there reads the live ones. With ``freeze=False`` the other rows compute too:
+    for a caller that never reads their carries (`_packed_scan`). Returns the final carries
+    and the stacked outputs."""
     p = eqn.params
     ncarry, body = p["num_carry"], p["jaxpr"]
     ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]

@@ -23,9 +23,9 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   scatters that index feature axes) -- they run unchanged;
 - reductions and contractions over *both* the rows and a packed length (a loss summed over
   every token, a weight gradient), with the cells outside the frame masked;
-- a scan over a packed length: it walks the columns, restarts each row's carry from its
-  initial value at every sequence start, and freezes it outside the frame; its body sees one
-  cell per row, and a reduction over the rows there reads only the rows whose cell is real;
+- a scan over a packed length: it walks the columns and restarts each row's carry from its
+  initial value at every sequence start; its body sees one cell per row, and a reduction
+  over the rows there reads only the rows whose cell is real;
 - values pairing two cells of a row (attention's ``(B, H, T, T)`` scores): their frame is
   the pairs of real cells of one sequence. ``q @ k.T`` runs unchanged; a reduction over one of
   the pair's lengths (softmax) or a contraction over it (``w @ v``) reads the frame only;
@@ -686,8 +686,10 @@ def _scan(ctx: _PackedCtx, eqn, invals):
 def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     """A scan over a packed length: every column once, up to the last real cell. At each
     sequence's first step (its last, for a reverse scan) the row's carry restarts from its
-    initial value; outside the frame it is frozen; ``alive`` marks the rows whose cell is
-    real, so a gradient summed over the rows inside the body reads those only."""
+    initial value; ``alive`` marks the rows whose cell is real, so a gradient summed over the
+    rows inside the body reads those only. Outside the frame the carry runs on, not frozen:
+    every real cell restarts its sequence or follows a real cell of it, and the final per-row
+    carry is a per-sequence value no one reads (freezing it cost the GRU train step 9%)."""
     p = eqn.params
     body, length = p["jaxpr"], p["length"]
     if any(not ctx.row_axes(x.shape[1:]) for x in xs):
