@@ -304,5 +304,5 @@ def test_choose_layout_checks_its_layout():
         choose_layout(step, _state(), LENGTHS, epochs=1, batch_size=4, layout="packed")
     with pytest.raises(px.OptionError, match="examples and next_arg: expected both or neither, "
                                              "received only examples"):
-        choose_layout(step.with_layout("auto"), _state(), LENGTHS, epochs=1, batch_size=4,
+        choose_layout(step, _state(), LENGTHS, epochs=1, batch_size=4,
                       examples=lambda indices: None)

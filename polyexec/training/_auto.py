@@ -415,6 +415,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     if layout not in ("auto", "pad", "pack"):
         raise OptionError(f"choose_layout: layout: expected one of 'auto', 'pad', 'pack', "
                           f"received {layout!r}")
+    if (examples is None) != (next_arg is None):
+        raise OptionError(f"choose_layout: examples and next_arg: expected both or neither, "
+                          f"received only {'examples' if next_arg is None else 'next_arg'}")
     lengths = np.maximum(np.asarray(lengths), min_length)
 
     def padded(reason: str, policy: _buckets.Auto | None = None,
@@ -451,9 +454,6 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return LayoutChoice("pack", "as chosen before", _packing(step, row_lengths, pack_rows),
                             None, row_lengths, pack_rows,
                             eval_step=packed_eval(row_lengths, pack_rows))
-    if (examples is None) != (next_arg is None):
-        raise OptionError(f"choose_layout: examples and next_arg: expected both or neither, "
-                          f"received only {'examples' if next_arg is None else 'next_arg'}")
     row_length = step.bucket_for("T", int(lengths.max()))
     rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
     pack_rows = {row_length: rows}
