@@ -1,12 +1,15 @@
 """Packed rows: several sequences laid end to end in each row of one row length.
 
-`first_fit` is the one packing algorithm: polyexec's executor lays a packed call's sequences
-out with it, and batch plans for packed rows (`packed_batch_plan`) count rows with it, so a
-plan's rows are exactly the rows that run. `packed_cells` prices a plan's padded cells.
+`first_fit` counts rows: batch plans for packed rows (`packed_batch_plan`) and polyexec's
+executor both count a step's rows with it, so a plan's rows are exactly the rows that run.
+`balanced_fit` then lays the sequences out over those rows, the longest row as short as it
+can make it: a scan over packed rows stops at the batch's last real column. `packed_cells`
+prices a plan's padded cells.
 """
 
 from __future__ import annotations
 
+import heapq
 import typing
 from typing import Iterator, Literal, NamedTuple
 
@@ -15,7 +18,7 @@ import numpy as np
 from ._checks import check_bool, check_epoch_shard, check_int, check_option, lengths_array
 from ._policies import BucketOverflowError, as_policy
 
-__all__ = ["PackedBatch", "PackedOverflow", "Packing", "first_fit", "packed_batch_plan",
+__all__ = ["PackedBatch", "PackedOverflow", "Packing", "balanced_fit", "first_fit", "packed_batch_plan",
            "packed_batches", "packed_cells"]
 
 PackedOverflow = Literal["error", "truncate"]
@@ -34,6 +37,7 @@ class Packing(NamedTuple):
     @property
     def cells(self) -> int:
         return self.rows * self.row_length
+
 
 
 def first_fit(lengths, row_length: int) -> Packing:
@@ -69,6 +73,46 @@ def first_fit(lengths, row_length: int) -> Packing:
         row[i], start[i] = r, row_length - free[r]
         free[r] -= n
     return Packing(row, start, len(free), row_length)
+
+
+def balanced_fit(lengths, row_length: int, rows: int) -> Packing:
+    """The sequences over ``rows`` rows of ``row_length`` with the fullest row as empty as a
+    greedy spread makes it: longest first, each into the emptiest row (ties: the lowest row).
+
+    A scan over packed rows runs up to the last real column of the whole grid, so a batch
+    spread evenly stops early where `first_fit`, filling rows one after the other, runs to
+    the end. When the spread does not fit, or its fullest row is not shorter than
+    first-fit's, this is ``first_fit(lengths, row_length)`` (whose ``rows`` may be fewer).
+    ValueError when first-fit needs more than ``rows`` rows.
+
+    >>> first_fit([5, 3, 8, 2], row_length=10).start.tolist()    # rows filled 10 and 8
+    [0, 5, 0, 8]
+    >>> p = balanced_fit([5, 3, 8, 2], row_length=10, rows=3)    # 8, 5 and 5: stop at 8
+    >>> p.rows, p.row.tolist(), p.start.tolist()
+    (3, [1, 2, 0, 2], [0, 0, 0, 3])
+    """
+    where = "balanced_fit"
+    arr = lengths_array(lengths, where=where)
+    rows = check_int(where, "rows", rows, minimum=1)
+    packed = first_fit(arr, row_length)
+    if packed.rows > rows:
+        raise ValueError(f"{where}: the sequences need {packed.rows} rows of {row_length} "
+                         f"(first_fit), more than rows={rows}")
+    fullest = int((packed.start + arr).max(initial=0))
+    order = np.argsort(-arr, kind="stable")
+    row = np.zeros(arr.size, np.int64)
+    start = np.zeros(arr.size, np.int64)
+    fill = [(0, r) for r in range(rows)]          # a heap of (cells filled, row)
+    for i in order:
+        n = int(arr[i])
+        if n == 0:
+            continue
+        used, r = heapq.heappop(fill)
+        if used + n > packed.row_length:
+            return packed
+        row[i], start[i] = r, used
+        heapq.heappush(fill, (used + n, r))
+    return Packing(row, start, rows, packed.row_length) if max(fill)[0] < fullest else packed
 
 
 # --------------------------------------------------------------------------- batch plans

@@ -517,15 +517,17 @@ class Bucketed:
         return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes, ragged)
 
     def _pack(self, plan: Plan, call: _bind.BoundCall) -> "_PackedLayout":
-        """Where this call's sequences go: first-fit into rows of the smallest row length (a
-        bucket of T) that holds the longest, the rows bucketed by B's buckets (or
-        ``pack_rows``)."""
+        """Where this call's sequences go: rows of the smallest row length (a bucket of T)
+        that holds the longest, as many as first-fit needs bucketed by B's buckets (or
+        ``pack_rows``), the sequences spread over all of them (`buckets.balanced_fit`): the
+        packed program's scans stop at the last real column."""
         ((var, (at, rows_var)),) = plan.segments[0].convention.rows_at.items()
         poly_at = at - plan.segments[0].convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
         row_length = self.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
-        packing = _buckets.first_fit(lengths, row_length)
-        n_rows = self._packed_rows(plan, rows_var, row_length, packing.rows)
+        needed = _buckets.first_fit(lengths, row_length).rows
+        n_rows = self._packed_rows(plan, rows_var, row_length, needed)
+        packing = _buckets.balanced_fit(lengths, row_length, n_rows)
         return _PackedLayout(lengths, packing, n_rows, var, rows_var)
 
     def _packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:

@@ -1,5 +1,5 @@
 """Batch plans of packed rows: every example once, every shard's part packs with first_fit,
-cells priced exactly, shards aligned; and first_fit itself."""
+cells priced exactly, shards aligned; and first_fit and balanced_fit themselves."""
 
 import math
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import buckets
-from buckets import BucketOverflowError, first_fit, packed_batch_plan, packed_cells
+from buckets import BucketOverflowError, balanced_fit, first_fit, packed_batch_plan, packed_cells
 
 
 def all_shards(lengths, row_lengths, num_shards, **kw):
@@ -386,6 +386,55 @@ def test_first_fit_lays_sequences_out_without_overlap(case):
         assert a + b > L
     again = first_fit(lengths, L)
     assert np.array_equal(again.row, p.row) and np.array_equal(again.start, p.start)
+
+
+def row_fill(p, lengths):
+    """Each row's cells as laid out, checking that no two sequences share a cell."""
+    grid = np.zeros((p.rows, p.row_length), np.int64)
+    for i, n in enumerate(lengths):
+        if n == 0:
+            assert p.row[i] == 0 and p.start[i] == 0
+            continue
+        r, s = int(p.row[i]), int(p.start[i])
+        assert 0 <= r < p.rows and 0 <= s and s + n <= p.row_length
+        grid[r, s:s + n] += 1
+    assert grid.max(initial=0) <= 1
+    return grid.sum(axis=1)
+
+
+@given(st.integers(1, 40).flatmap(
+    lambda L: st.tuples(st.just(L), st.lists(st.integers(0, L), min_size=1, max_size=60),
+                        st.integers(0, 6))))
+def test_balanced_fit_spreads_over_the_rows_and_never_fills_past_first_fit(case):
+    L, lengths, extra = case
+    first = first_fit(lengths, L)
+    rows = max(first.rows, 1) + extra
+    p = balanced_fit(lengths, L, rows)
+    assert p.row_length == L and p.rows in (rows, first.rows)
+    fill = row_fill(p, lengths)
+    assert fill.sum() == sum(lengths)
+    # Rows are filled from column 0 without gaps: the fullest row's fill is the last real
+    # column + 1, where a packed scan stops; never later than first-fit's.
+    ends = [int(p.start[i]) + n for i, n in enumerate(lengths) if n]
+    assert max(ends, default=0) == fill.max(initial=0) <= row_fill(first, lengths).max(initial=0)
+    if p.rows == rows and rows > first.rows:
+        # Spread over more rows than first-fit filled: strictly shorter, or first_fit's own
+        # layout (nothing shorter found).
+        assert fill.max(initial=0) < row_fill(first, lengths).max(initial=0)
+    # Deterministic: the same lengths always give the same layout.
+    again = balanced_fit(lengths, L, rows)
+    assert np.array_equal(again.row, p.row) and np.array_equal(again.start, p.start)
+
+
+def test_balanced_fit_spreads_a_half_full_batch():
+    p = balanced_fit([6] * 4, 12, 4)          # first_fit: two full rows of 12
+    assert p.rows == 4 and sorted(p.row.tolist()) == [0, 1, 2, 3] and p.start.tolist() == [0] * 4
+
+
+def test_balanced_fit_refuses_too_few_rows():
+    with pytest.raises(ValueError, match=r"balanced_fit: the sequences need 2 rows of 10 "
+                                         r"\(first_fit\), more than rows=1"):
+        balanced_fit([6, 6], 10, 1)
 
 
 def test_first_fit_refuses_a_sequence_longer_than_a_row():
