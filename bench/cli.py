@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--strategies", default=None,
                    help=f"comma list of {strategies_help()} (default {DEFAULT_STRATEGIES}; a "
                         f"default strategy the workload cannot run is skipped with a note)")
+    o.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the strategies N times, in alternating order (the second round "
+                        "reversed, ...), each round in fresh processes with fresh compile "
+                        "caches: the table shows each strategy's median round (by warm tokens/s) "
+                        "and a line gives polyexec's ratio to each strategy in every round "
+                        "(default 1)")
     o.add_argument("--quick", action="store_true",
                    help="a tiny workload (inference, hidden 16, cap 512, 6 batches of 8 per "
                         "epoch) that runs every strategy in about a minute; explicit flags win")
@@ -184,15 +190,26 @@ def run_worker(job: dict, workdir: str, on_event) -> dict:
     return result
 
 
-def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
-    """The limit, then every strategy, each in its own process; returns (limit, results)."""
+def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True,
+            repeat: int = 1):
+    """The limit, then every strategy ``repeat`` times, each in its own process; returns
+    (limit passes, rounds: each round's results in ``strategies``' order). Round k runs the
+    strategies in reverse order when k is odd (those that ``require`` another still after
+    it), so a load that drifts over minutes favours none of them, and with its own compile
+    caches and layout choice: each round is cold."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
     columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     bar = Progress(*columns, disable=not progress, transient=False)
-    names = ["limit"] + [s.name for s in strategies] + ["limit (again)"]
+    label = lambda s, k: s.name if repeat == 1 else f"{s.name} ({k + 1}/{repeat})"
+    # Reversed, but a strategy that reads what another leaves behind still runs after it.
+    backward = sorted(reversed(range(len(strategies))),
+                      key=lambda i: strategies[i].requires is not None)
+    order = [(k, i) for k in range(repeat)
+             for i in (range(len(strategies)) if k % 2 == 0 else backward)]
+    names = ["limit"] + [label(strategies[i], k) for k, i in order] + ["limit (again)"]
     tasks = {n: bar.add_task(n, total=None, start=False) for n in names}
 
     def on_event(name, event):
@@ -210,17 +227,50 @@ def run_all(cfg: Config, strategies: list[Strategy], *, progress: bool = True):
         limit_job = {"strategy": "limit", "config": cfg.to_dict(), "state_file": state_file,
                      "cache_dir": limit_cache}
         passes = [run_worker(dict(limit_job, name="limit"), tmp, on_event)]
-        results = []
-        for s in strategies:
-            job = {"strategy": s.name, "name": s.name, "config": cfg.to_dict(), "state_file": state_file,
-                   "cache_dir": os.path.join(tmp, s.cache_folder) if s.cache_folder else None,
-                   "choice_file": os.path.join(tmp, "auto-choice.json")}
-            results.append(run_worker(job, tmp, on_event))
+        rounds: list[list] = [[None] * len(strategies) for _ in range(repeat)]
+        for k, i in order:
+            s, own = strategies[i], os.path.join(tmp, f"round-{k}")
+            os.makedirs(own, exist_ok=True)
+            job = {"strategy": s.name, "name": label(s, k), "config": cfg.to_dict(),
+                   "state_file": state_file,
+                   "cache_dir": os.path.join(own, s.cache_folder) if s.cache_folder else None,
+                   "choice_file": os.path.join(own, "auto-choice.json")}
+            rounds[k][i] = run_worker(job, tmp, on_event)
         # A second pass after the strategies (programs from its own compile cache): the load
         # other processes put on the machine drifts over minutes, and the limit is the fastest
         # the step was seen to run.
         passes.append(run_worker(dict(limit_job, name="limit (again)"), tmp, on_event))
-    return passes, results
+    return passes, rounds
+
+
+def median_round(rounds: list[list[dict]]) -> list[dict]:
+    """Each strategy's result from its median round by warm tokens/s (the lower middle of an
+    even count): a whole run's numbers, never a mix of rounds."""
+    picked = []
+    for i in range(len(rounds[0])):
+        runs = sorted((r[i] for r in rounds), key=lambda r: r["tokens_per_s_warm"])
+        picked.append(runs[(len(runs) - 1) // 2])
+    return picked
+
+
+def round_lines(rounds: list[list[dict]]) -> list[str]:
+    """polyexec's ratio to every other strategy in each round, side by side, and the median."""
+    lines = []
+    names = [r["strategy"] for r in rounds[0]]
+    if "polyexec" not in names or len(rounds) < 2:
+        return lines
+    p = names.index("polyexec")
+    for i, name in enumerate(names):
+        if i == p:
+            continue
+        parts = []
+        for kind in ("warm", "cold"):
+            key = f"tokens_per_s_{kind}"
+            ratios = [r[p][key] / r[i][key] for r in rounds]
+            parts.append(f"{kind} {', '.join(f'{x:.2f}x' for x in ratios)} (median "
+                         f"{float(np.median(ratios)):.2f}x)")
+        lines.append(f"polyexec / {name}, each round side by side: {'; '.join(parts)}")
+    return lines
 
 
 # --------------------------------------------------------------------------- filter-mlp
@@ -368,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = []
     try:
         check_outputs(args)
+        if args.repeat < 1:
+            raise px.OptionError(f"--repeat: expected an int >= 1, received {args.repeat}")
         if args.model == "filter-mlp":
             # Its own comparison (bench.filter_mlp): a strategy asked for by name is refused.
             for s in parse_strategies(args.strategies) if args.strategies is not None else []:
@@ -400,15 +452,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"truncated {data.n_capped} example(s); {data.real_tokens:,} real tokens "
                   f"per epoch, {cfg.epochs} epochs")
     try:
-        passes, results = run_all(cfg, strategies, progress=not args.no_progress)
+        passes, rounds = run_all(cfg, strategies, progress=not args.no_progress,
+                                 repeat=args.repeat)
     except WorkerError as e:
         raise SystemExit(f"polyexec-bench: {e}") from None
+    results = median_round(rounds)
     limit, rates = combine_limits([p["groups"] for p in passes], data.real_tokens)
-    doc = report.json_document(workload_dict(cfg, data, passes, rates, results), limit, results)
+    workload = workload_dict(cfg, data, passes, rates, results)
+    if args.repeat > 1:
+        workload["rounds"] = [{r["strategy"]: {k: r[k] for k in ("tokens_per_s_cold",
+                                                                  "tokens_per_s_warm")}
+                               for r in rnd} for rnd in rounds]
+    doc = report.json_document(workload, limit, results)
     extras = {r["strategy"]: r for r in results}
     console.print(report.results_table(doc, extras))
     console.print(doc["workload"]["note"])
-    for line in report.summary_lines(doc):
+    if args.repeat > 1:
+        console.print(f"{args.repeat} rounds: each strategy's row is its median round by warm "
+                      f"tokens/s, so ratios between rows may compare different rounds; the "
+                      f"last lines compare the strategies within each round")
+    for line in report.summary_lines(doc) + round_lines(rounds):
         console.print(line)
     chosen = next((r for r in results if r.get("auto") and not r["auto"].get("reused")), None)
     if chosen is not None:

@@ -184,6 +184,52 @@ def test_a_default_strategy_the_workload_cannot_run_is_skipped_with_a_note(monke
     assert error.startswith("polyexec-bench: error: --strategies pack: expected Grain")
 
 
+def test_repeat_alternates_the_order_and_gives_each_round_its_own_caches(monkeypatch):
+    """``--repeat 3``: the limit, rounds in the listed order / reversed / listed, the limit
+    again; a strategy that reads another's compile cache still runs after it, from its own
+    round's cache; each round's layout choice is its own, so every round is cold."""
+    from bench import cli
+    jobs = []
+
+    def fake_worker(job, workdir, on_event):
+        jobs.append(job)
+        return {"name": job["name"]}
+
+    monkeypatch.setattr(cli, "run_worker", fake_worker)
+    chosen = parse_strategies("pack,polyexec,polyexec-cached")
+    passes, rounds = cli.run_all(Config(), chosen, progress=False, repeat=3)
+    a, b, c = (s.name for s in chosen)
+    assert (a, b, c) == ("pack", "polyexec", "polyexec-cached")
+    assert [j["name"] for j in jobs] == [
+        "limit", "pack (1/3)", "polyexec (1/3)", "polyexec-cached (1/3)",
+        "polyexec (2/3)", "pack (2/3)", "polyexec-cached (2/3)",
+        "pack (3/3)", "polyexec (3/3)", "polyexec-cached (3/3)", "limit (again)"]
+    assert [[r["name"] for r in rnd] for rnd in rounds] == [
+        [f"{s} ({k}/3)" for s in (a, b, c)] for k in (1, 2, 3)]
+    own = [j for j in jobs if j["strategy"] != "limit"]
+    assert len({j["choice_file"] for j in own}) == 3
+    for k in (1, 2, 3):         # polyexec-cached reads the cache polyexec filled that round
+        made, read = (next(j["cache_dir"] for j in own if j["name"] == f"{s} ({k}/3)")
+                      for s in (b, c))
+        assert made == read is not None
+    assert len({j["cache_dir"] for j in own if j["strategy"] == b}) == 3
+    assert passes == [{"name": "limit"}, {"name": "limit (again)"}]
+
+
+def test_median_round_and_the_per_round_ratios():
+    from bench import cli
+    rounds = [[{"strategy": "pack", "tokens_per_s_warm": w, "tokens_per_s_cold": c},
+               {"strategy": "polyexec", "tokens_per_s_warm": pw, "tokens_per_s_cold": pc}]
+              for w, c, pw, pc in ((10.0, 5.0, 11.0, 4.0), (8.0, 4.0, 12.0, 6.0),
+                                   (9.0, 6.0, 9.0, 3.0))]
+    picked = cli.median_round(rounds)
+    assert picked[0] is rounds[2][0] and picked[1] is rounds[0][1]   # 9 of 8/9/10; 11 of 9/11/12
+    (line,) = cli.round_lines(rounds)
+    assert line == ("polyexec / pack, each round side by side: warm 1.10x, 1.50x, 1.00x "
+                    "(median 1.10x); cold 0.80x, 1.50x, 0.50x (median 0.80x)")
+    assert cli.round_lines(rounds[:1]) == []
+
+
 @pytest.mark.parametrize("model, batching", [("gru", dict(batch_size=3)),
                                              ("attention", dict(batch_size=None, max_tokens=192))])
 def test_pack_trains_in_one_compile_and_reports_like_the_others(model, batching):
@@ -279,6 +325,7 @@ def test_combine_limits_takes_the_fastest_pass_per_group():
     (["--lr", "inf"], "Config: learning_rate: expected a finite number > 0, received inf"),
     (["--lr", "nan"], "Config: learning_rate: expected a finite number > 0, received nan"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "No such file or directory"),
+    (["--repeat", "0"], "--repeat: expected an int >= 1, received 0"),
     (["--model", "filter-mlp", "--strategies", "pack"],
      "--strategies pack: expected --model gru / lstm / attention, received --model filter-mlp"),
 ])
