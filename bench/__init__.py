@@ -28,11 +28,14 @@ runs in its own worker process (its own peak RSS, no shared in-memory compile ca
 
 **The limit** is the same step at padding efficiency 1.0 with nothing to compile. The
 examples are split into length groups (``Optimal.fit`` with ``--buckets`` groups); a group of
-n examples with mean length m is stood in for by batches of ``batch-size`` rows that are all
-of length m (every row real, the same real tokens as the group). The step is compiled with
-plain ``jax.jit`` at each group's shape, then timed in chunks of back-to-back calls; the
-fastest chunk gives the group's rate, and the limit is total real tokens over the time all
-groups take at their rates. It is measured twice, before and after the strategies (the
+n examples with mean length m is stood in for by batches of rows that are all of length m
+(every row real, the same real tokens as the group): ``batch-size`` rows, and as many rows as
+a batch of the cap holds tokens (``batch-size * cap // m``). Packed rows run that many tokens
+a step, and a larger step costs less per token, so a limit of ``batch-size`` rows alone was
+beaten by packing (1.04 of it on pydoc): the limit is the fastest all-real step measured. The
+step is compiled with plain ``jax.jit`` at each shape, then timed in chunks of back-to-back
+calls; the fastest chunk gives the shape's rate, the faster shape the group's, and the limit
+is total real tokens over the time all groups take at their rates. It is measured twice, before and after the strategies (the
 second pass loads its programs from its own compile cache), and the faster rate per group
 counts: on a shared machine other processes only ever slow a measurement down. Why this
 choice: equal-length rows keep the per-row cost of each part of the length distribution

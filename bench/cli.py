@@ -361,10 +361,12 @@ def workload_dict(cfg: Config, data, passes: list[dict], rates: list[float],
                     f"; under --max-tokens random batches are cut per strategy, so that rows x "
                     f"its padded length stays within {cfg.max_tokens}")),
         "limit": {"method": "per length group (Optimal.fit buckets), batches of rows all of "
-                            "the group's mean length (every row real), plain jax.jit compiled "
-                            "before timing, fastest chunk of calls; two passes (before and "
-                            "after the strategies), fastest per group; limit = total real "
-                            "tokens / sum(group tokens / group rate)",
+                            "the group's mean length (every row real) at --batch-size rows "
+                            "and at as many rows as a batch of the cap holds tokens, plain "
+                            "jax.jit compiled before timing, fastest chunk of calls, the "
+                            "faster shape per group; two passes (before and after the "
+                            "strategies), fastest per group; limit = total real tokens / "
+                            "sum(group tokens / group rate)",
                   "group_tokens_per_s": rates,
                   "passes": [{"limit_tokens_per_s": p["limit_tokens_per_s"],
                               "groups": p["groups"]} for p in passes],

@@ -181,8 +181,8 @@ def compile_line(row: dict, extra: dict, limit_passes: list[dict]) -> str | None
     ...     "rewrite": 0.25}}, [{"groups": [{"compile_s": 1.0}, {"compile_s": 1.5}]}]))
     compiles: polyexec 1.50 s a shape (2 shapes) against jax.jit 1.25 s a shape (the limit's 2 shapes): 1.20x (goal <= 1.2x); polyexec's plan, once before them: trace 0.50 s, rewrite 0.25 s
     """
-    jit = [g["compile_s"] for g in (limit_passes[0]["groups"] if limit_passes else [])
-           if "compile_s" in g]
+    jit = [shape["compile_s"] for g in (limit_passes[0]["groups"] if limit_passes else [])
+           for shape in g.get("shapes", [g]) if "compile_s" in shape]
     if not row["compiles"] or not jit:
         return None
     ours, theirs = row["compile_s"] / row["compiles"], sum(jit) / len(jit)

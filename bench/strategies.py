@@ -1090,11 +1090,15 @@ def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dic
 
 
 def limit_shapes(cfg: Config, data: Data) -> list[dict]:
-    """The shapes the limit is timed at: one per length group.
+    """The shapes the limit is timed at: one or two per length group.
 
     The examples are split into groups by ``Optimal.fit`` (``cfg.buckets`` or 8 groups: tight
-    length ranges); a group of n examples with mean length m is replaced by ceil(n / rows)
-    batches of ``rows`` examples all of length m -- every row real, the same real tokens.
+    length ranges); a group of n examples with mean length m is replaced by batches all of
+    length m -- every row real, the same real tokens -- of ``rows`` examples (``--batch-size``,
+    or what ``--max-tokens`` allows at the group's bucket), and with ``--batch-size``, of as
+    many examples as a batch of the cap holds tokens, ``batch_size * cap // m`` (``rows`` in
+    ``budget_rows``, when more): packed rows hold that many tokens a step, and a larger step
+    costs less per token, so a limit timed at ``--batch-size`` rows alone is beaten by packing.
     """
     policy = buckets.Optimal.fit(data.padded_lengths,
                                  max_buckets=8 if cfg.buckets == "auto" else cfg.buckets)
@@ -1106,7 +1110,9 @@ def limit_shapes(cfg: Config, data: Data) -> list[dict]:
             continue
         mean = max(int(round(float(data.lengths[members].mean()))), MIN_T)
         rows = cfg.batch_size or buckets.batch_size_for(size, cfg.max_tokens)
+        budget = cfg.batch_size * cfg.cap // mean if cfg.batch_size else rows
         groups.append({"bucket": int(size), "length": mean, "rows": int(rows),
+                       "budget_rows": int(max(budget, rows)),
                        "examples": int(members.size),
                        "real_tokens": int(data.lengths[members].sum()),
                        "members": members})
@@ -1117,13 +1123,15 @@ def run_limit(cfg: Config, state_file: str | None = None, *, cache_dir: str | No
               name: str = "limit") -> dict:
     """One pass of the limit: the same step, every row real, nothing compiled while timed.
 
-    Per length group (`limit_shapes`) the step is compiled with plain jax.jit at (rows, the
-    group's mean length) and called once untimed; then ``cfg.limit_rounds`` chunks of n calls
-    are dispatched back to back (as an epoch's steps are) and blocked on, n chosen so that the
-    chunks last about ``cfg.limit_seconds`` together. The fastest chunk gives the group's rate
-    (rows x length / seconds per step): other processes on the machine only ever slow a chunk
-    down, so the fastest is the closest to what the step costs. ``combine_limits`` turns the
-    group rates into one limit.
+    Per length group (`limit_shapes`) the step is compiled with plain jax.jit at each of the
+    group's shapes, (rows, the group's mean length) and (budget rows, the same length), and
+    called once untimed; then ``cfg.limit_rounds`` chunks of n calls are dispatched back to
+    back (as an epoch's steps are) and blocked on, n chosen so that the chunks last about
+    ``cfg.limit_seconds`` together. The fastest chunk gives the shape's rate (rows x length /
+    seconds per step): other processes on the machine only ever slow a chunk down, so the
+    fastest is the closest to what the step costs. The group's rate is its faster shape's:
+    the fastest all-real step measured. ``combine_limits`` turns the group rates into one
+    limit.
 
     ``cache_dir``: a persistent compile cache shared by the limit passes only, so the pass
     after the strategies loads its programs instead of compiling them again.
@@ -1137,41 +1145,51 @@ def run_limit(cfg: Config, state_file: str | None = None, *, cache_dir: str | No
     state = step.state
     out_groups = []
     for i, g in enumerate(groups):
-        rows, t = g["rows"], g["length"]
-        # Bytes of this group's own examples (the values do not change the cost: the step has
-        # no data-dependent control flow); every row is real: lengths = t.
-        tokens = data.tokens[np.resize(g["members"], rows), :t]
-        lengths = np.full(rows, t, np.int32)
-
-        def chunk(n, state):
-            start = time.perf_counter()
-            for _ in range(n):
-                loss, state = step(state, tokens, lengths)
-            jax.block_until_ready((loss, state))
-            return time.perf_counter() - start, state
-
-        compiled_before = step.compile_seconds
-        first, state = chunk(1, state)                  # compile + first run: not timed
-        compile_s = step.compile_seconds - compiled_before
-        budget = cfg.limit_seconds / cfg.limit_rounds
-        n, (elapsed, state) = 1, chunk(1, state)
-        while elapsed < budget and n < 4096:           # calibrate the chunk length
-            n *= 2
-            elapsed, state = chunk(n, state)
-        per_step = [elapsed / n]
-        for _ in range(cfg.limit_rounds - 1):
-            elapsed, state = chunk(n, state)
-            per_step.append(elapsed / n)
-        best = min(per_step)
-        out_groups.append({k: v for k, v in g.items() if k != "members"} |
-                          {"calls_per_chunk": n, "seconds_per_step": best, "compile_s": compile_s,
-                           "seconds_per_step_all": per_step, "tokens_per_s": rows * t / best})
+        shapes = []
+        for rows in dict.fromkeys((g["rows"], g["budget_rows"])):
+            timed, state = _time_limit_shape(cfg, data, step, state, g["members"], rows,
+                                             g["length"])
+            shapes.append(timed)
+        best = max(shapes, key=lambda sh: sh["tokens_per_s"])
+        out_groups.append({k: v for k, v in g.items() if k != "members"} | best |
+                          {"shapes": shapes})
         emit("step", strategy=name, done=i + 1)
     return {"strategy": name, "groups": out_groups,
             "limit_tokens_per_s": combine_limits([out_groups], data.real_tokens)[0],
             "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__,
             "device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}, "
                       f"{os.cpu_count()} CPU(s)"}
+
+
+def _time_limit_shape(cfg: Config, data: Data, step, state, members, rows: int, t: int):
+    """One limit shape timed (see `run_limit`): its numbers, and the state it leaves."""
+    # Bytes of this group's own examples (the values do not change the cost: the step has no
+    # data-dependent control flow); every row is real: lengths = t.
+    tokens = data.tokens[np.resize(members, rows), :t]
+    lengths = np.full(rows, t, np.int32)
+
+    def chunk(n, state):
+        start = time.perf_counter()
+        for _ in range(n):
+            loss, state = step(state, tokens, lengths)
+        jax.block_until_ready((loss, state))
+        return time.perf_counter() - start, state
+
+    compiled_before = step.compile_seconds
+    _, state = chunk(1, state)                      # compile + first run: not timed
+    compile_s = step.compile_seconds - compiled_before
+    budget = cfg.limit_seconds / cfg.limit_rounds
+    n, (elapsed, state) = 1, chunk(1, state)
+    while elapsed < budget and n < 4096:            # calibrate the chunk length
+        n *= 2
+        elapsed, state = chunk(n, state)
+    per_step = [elapsed / n]
+    for _ in range(cfg.limit_rounds - 1):
+        elapsed, state = chunk(n, state)
+        per_step.append(elapsed / n)
+    best = min(per_step)
+    return {"rows": rows, "calls_per_chunk": n, "seconds_per_step": best, "compile_s": compile_s,
+            "seconds_per_step_all": per_step, "tokens_per_s": rows * t / best}, state
 
 
 def combine_limits(passes: list[list[dict]], real_tokens: int) -> tuple[float, list[float]]:

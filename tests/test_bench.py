@@ -16,8 +16,8 @@ from bench import report
 from bench.cli import config_from_args, build_parser, main
 from bench import strategies
 from bench.strategies import (REGISTRY, BackgroundWarmup, Files, Strategy, combine_limits,
-                              padded_batch, parse_strategies, parse_strategy, register,
-                              run_strategy, strategies_help)
+                              limit_shapes, padded_batch, parse_strategies, parse_strategy,
+                              register, run_strategy, strategies_help)
 from bench.workloads import Config, load_data, read_lengths_file
 
 ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-nomask,polyexec-cached"
@@ -309,6 +309,21 @@ def test_background_warmup_picks_ready_buckets_within_twice_the_size():
     assert warm.shape_for(8, 100) == (8, 128)
 
 
+def test_limit_shapes_add_a_cap_batch_of_tokens_for_short_groups():
+    """With --batch-size, a group of mean length m is also timed at batch_size * cap // m
+    rows (a packed batch's tokens); under --max-tokens the budget already sets the rows."""
+    cfg = Config(source="uniform", num_examples=200, cap=64, batch_size=4, steps=None)
+    data = load_data(cfg)
+    groups = limit_shapes(cfg, data)
+    assert len(groups) > 1
+    for g in groups:
+        assert g["rows"] == 4 and g["budget_rows"] == max(4, 4 * 64 // g["length"])
+    assert any(g["budget_rows"] > 4 for g in groups)
+    budget = Config(source="uniform", num_examples=200, cap=64, batch_size=None,
+                    max_tokens=256, steps=None)
+    assert all(g["budget_rows"] == g["rows"] for g in limit_shapes(budget, load_data(budget)))
+
+
 def test_combine_limits_takes_the_fastest_pass_per_group():
     a = [{"real_tokens": 100, "tokens_per_s": 50.0}, {"real_tokens": 300, "tokens_per_s": 300.0}]
     b = [{"real_tokens": 100, "tokens_per_s": 100.0}, {"real_tokens": 300, "tokens_per_s": 100.0}]
@@ -441,6 +456,16 @@ def test_quick_json_matches_the_schema(quick):
     # The first pass compiles each shape with jax.jit (the second loads them): polyexec's
     # compile seconds a shape are reported against those, and its plan's stages apart.
     assert all(g["compile_s"] > 0 for g in passes[0]["groups"])
+    # Each group is timed at --batch-size rows and, when more, at a cap batch's tokens; its
+    # rate is the faster shape's.
+    cfg = quick[2]
+    for g in passes[0]["groups"]:
+        rows = [sh["rows"] for sh in g["shapes"]]
+        assert rows == sorted(set([cfg.batch_size, cfg.batch_size * cfg.cap // g["length"]]))
+        assert g["tokens_per_s"] == max(sh["tokens_per_s"] for sh in g["shapes"])
+        assert all(sh["tokens_per_s"] == pytest.approx(sh["rows"] * g["length"]
+                                                       / sh["seconds_per_step"])
+                   for sh in g["shapes"])
     plan = doc["workload"]["per_strategy"]["polyexec"]["plan_seconds"]
     assert {"trace", "rewrite"} <= set(plan) and all(s > 0 for s in plan.values())
     line = report.compile_line(next(r for r in doc["results"] if r["strategy"] == "polyexec"),

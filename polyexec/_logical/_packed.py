@@ -1,7 +1,7 @@
 """Packed rows: the logical program when several sequences share each physical row.
 
 With ``layout="pack"`` the sequences of a call (the rows of its ``(B, T)`` inputs, T ragged
-along B) are laid end to end in rows of one row length, first-fit (`buckets.first_fit`), and
+along B) are laid end to end in rows of one row length (`buckets.balanced_fit`), and
 the one symbolic program runs with ``B`` bound to the number of packed rows and ``T`` to the
 row length. Two extra inputs describe the layout, per cell of the ``(B, T)`` grid: ``pos``,
 the cell's position inside its sequence (-1 in padding), and ``seglen``, its sequence's length.

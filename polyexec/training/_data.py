@@ -137,7 +137,7 @@ class Batching:
 @dataclasses.dataclass(frozen=True)
 class PackedBatching:
     """`Batching`'s counterpart for ``layout="pack"``: each step is a set of examples that
-    `buckets.first_fit` packs into rows of one of ``row_lengths`` -- the shortest that holds
+    `buckets.first_fit` fits into rows of one of ``row_lengths`` -- the shortest that holds
     them -- ``max_tokens // length`` rows a step (`buckets.packed_batch_plan`, deterministic in
     (seed, epoch)). A step reaches the train step as its examples stacked to their own longest;
     the executor packs them into the rows (several a row), so ``stats`` count the cells of the
