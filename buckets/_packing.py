@@ -18,8 +18,8 @@ import numpy as np
 from ._checks import check_bool, check_epoch_shard, check_int, check_option, lengths_array
 from ._policies import BucketOverflowError, as_policy
 
-__all__ = ["PackedBatch", "PackedOverflow", "Packing", "balanced_fit", "first_fit", "packed_batch_plan",
-           "packed_batches", "packed_cells"]
+__all__ = ["PackedBatch", "PackedOverflow", "Packing", "balanced_fit", "first_fit",
+           "packed_batch_plan", "packed_batches", "packed_cells"]
 
 PackedOverflow = Literal["error", "truncate"]
 _PACKED_OVERFLOW_OPTIONS: tuple[str, ...] = typing.get_args(PackedOverflow)
@@ -37,7 +37,6 @@ class Packing(NamedTuple):
     @property
     def cells(self) -> int:
         return self.rows * self.row_length
-
 
 
 def first_fit(lengths, row_length: int) -> Packing:
