@@ -1095,10 +1095,11 @@ def limit_shapes(cfg: Config, data: Data) -> list[dict]:
     The examples are split into groups by ``Optimal.fit`` (``cfg.buckets`` or 8 groups: tight
     length ranges); a group of n examples with mean length m is replaced by batches all of
     length m -- every row real, the same real tokens -- of ``rows`` examples (``--batch-size``,
-    or what ``--max-tokens`` allows at the group's bucket), and with ``--batch-size``, of as
-    many examples as a batch of the cap holds tokens, ``batch_size * cap // m`` (``rows`` in
-    ``budget_rows``, when more): packed rows hold that many tokens a step, and a larger step
-    costs less per token, so a limit timed at ``--batch-size`` rows alone is beaten by packing.
+    or what ``--max-tokens`` allows at the group's bucket), and with ``--batch-size`` also of
+    as many examples as a batch of the cap holds tokens, ``batch_size * cap // m``
+    (``budget_rows``; ``rows`` when that is not more): packed rows hold that many tokens a
+    step, and a larger step costs less per token, so a limit timed at ``--batch-size`` rows
+    alone is beaten by packing.
     """
     policy = buckets.Optimal.fit(data.padded_lengths,
                                  max_buckets=8 if cfg.buckets == "auto" else cfg.buckets)
