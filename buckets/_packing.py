@@ -74,7 +74,8 @@ def first_fit(lengths, row_length: int) -> Packing:
     return Packing(row, start, len(free), row_length)
 
 
-def balanced_fit(lengths, row_length: int, rows: int) -> Packing:
+def balanced_fit(lengths, row_length: int, rows: int, *, first: Packing | None = None
+                 ) -> Packing:
     """The sequences over ``rows`` rows of ``row_length`` with the fullest row as empty as a
     greedy spread makes it: longest first, each into the emptiest row (ties: the lowest row).
 
@@ -82,7 +83,8 @@ def balanced_fit(lengths, row_length: int, rows: int) -> Packing:
     spread evenly stops early where `first_fit`, filling rows one after the other, runs to
     the end. When the spread does not fit, or its fullest row is not shorter than
     first-fit's, this is ``first_fit(lengths, row_length)`` (whose ``rows`` may be fewer).
-    ValueError when first-fit needs more than ``rows`` rows.
+    ValueError when first-fit needs more than ``rows`` rows. ``first``: that first-fit
+    layout, when the caller has it already (it counted the rows with it).
 
     >>> first_fit([5, 3, 8, 2], row_length=10).start.tolist()    # rows filled 10 and 8
     [0, 5, 0, 8]
@@ -93,7 +95,7 @@ def balanced_fit(lengths, row_length: int, rows: int) -> Packing:
     where = "balanced_fit"
     arr = lengths_array(lengths, where=where)
     rows = check_int(where, "rows", rows, minimum=1)
-    packed = first_fit(arr, row_length)
+    packed = first if first is not None else first_fit(arr, row_length)
     if packed.rows > rows:
         raise ValueError(f"{where}: the sequences need {packed.rows} rows of {row_length} "
                          f"(first_fit), more than rows={rows}")

@@ -525,9 +525,9 @@ class Bucketed:
         poly_at = at - plan.segments[0].convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
         row_length = self.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
-        needed = _buckets.first_fit(lengths, row_length).rows
-        n_rows = self._packed_rows(plan, rows_var, row_length, needed)
-        packing = _buckets.balanced_fit(lengths, row_length, n_rows)
+        first = _buckets.first_fit(lengths, row_length)
+        n_rows = self._packed_rows(plan, rows_var, row_length, first.rows)
+        packing = _buckets.balanced_fit(lengths, row_length, n_rows, first=first)
         return _PackedLayout(lengths, packing, n_rows, var, rows_var)
 
     def _packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:

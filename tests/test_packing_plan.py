@@ -421,9 +421,10 @@ def test_balanced_fit_spreads_over_the_rows_and_never_fills_past_first_fit(case)
         # Spread over more rows than first-fit filled: strictly shorter, or first_fit's own
         # layout (nothing shorter found).
         assert fill.max(initial=0) < row_fill(first, lengths).max(initial=0)
-    # Deterministic: the same lengths always give the same layout.
-    again = balanced_fit(lengths, L, rows)
-    assert np.array_equal(again.row, p.row) and np.array_equal(again.start, p.start)
+    # Deterministic: the same lengths always give the same layout, also from first-fit's
+    # layout handed in.
+    for again in (balanced_fit(lengths, L, rows), balanced_fit(lengths, L, rows, first=first)):
+        assert np.array_equal(again.row, p.row) and np.array_equal(again.start, p.start)
 
 
 def test_balanced_fit_spreads_a_half_full_batch():
