@@ -50,7 +50,7 @@ from ._convention import Convention
 from ._errors import OptionError, PolymorphismError, SpecError
 from ._plan import CutPoint, Plan, Segment, Verdict
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
-from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, export_flat, export_symbolic,
+from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, export_flat, trace_symbolic,
                      size_dependence, where)
 
 try:  # dead-code elimination of a segment's program; a private API (see _liveness)
@@ -92,7 +92,8 @@ def _wrap(fn, context: _dynamic.Context):
 def logical_export(traced: Traced, convention: Convention,
                    masking: bool) -> tuple[Any, str | None]:
     """Stage 4 applied to one traced program: ``(exported, padding_reason)``. The exported
-    program is the logical rewrite, or the traced program with the reason it is not one."""
+    program is the logical rewrite, or the traced program with the reason it is not one (or
+    `Failed`, when that program cannot be lowered over symbolic sizes)."""
     if not masking:
         return traced.exported, "masking=False: the program runs over the padded sizes as written"
     if not convention.variables:
@@ -196,8 +197,15 @@ def _trace_segment(fn, signature: Signature, in_vars: Sequence[LengthVar],
             context.injected.append(_dynamic.Injected(
                 c.var.name, jax.tree_util.tree_unflatten(c.treedef, leaves), c.treedef))
 
-    return convention, export_symbolic(_wrap(fn, context), convention, counter,
-                                       inject if cuts else None)
+    return convention, trace_symbolic(_wrap(fn, context), convention, counter,
+                                      inject if cuts else None)
+
+
+def _lowered(traced: Traced | Failed) -> Traced | Failed:
+    """``traced``, or why its program cannot be lowered over symbolic sizes."""
+    if isinstance(traced, Traced) and isinstance(traced.exported, Failed):
+        return traced.exported
+    return traced
 
 
 def _timed(seconds: dict[str, float], stage: str, fn: Callable, *args):
@@ -246,6 +254,8 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
                            "at the bucket's sizes", traced.split_sizes))
     exported, padding_reason = _timed(seconds, "rewrite", logical_export, traced, convention,
                                       masking)
+    if isinstance(exported, Failed):
+        return _single(fn, name, convention, exported, masking, pack, seconds)
     packing = {}
     if pack:
         packing = dict(zip(("packed", "packing_reason"),
@@ -277,6 +287,10 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
     convention, traced = _timed(seconds, "trace", _trace_segment, fn, signature, in_vars, (),
                                 context, counter)
     data_named = [n for s in spec_leaves(out_specs) for n in s.var_names if n not in input_names]
+    if context.points:
+        # A partitioned plan judges each segment as written, before rewriting it: after a cut,
+        # a program that cannot be lowered is an error, not a fallback.
+        traced = _lowered(traced)
     failed = isinstance(traced, Failed)
     if failed or not context.points:
         if data_named and failed:
@@ -288,7 +302,7 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
                 f"{name}: out_specs name {data_named}, which no input Spec uses and no "
                 f"px.compact/nonzero/loop_until/partition(..., length=...) defines")
         plan = _single(fn, name, convention, traced, masking, pack, seconds)
-        if check_sizes and not failed:
+        if check_sizes and not plan.reshaping_is_impossible:
             reason = _timed(seconds, "size check", size_dependence, fn, convention,
                             plan.exported.out_avals, plan.out_paths, counter, bucket_sizes)
             if reason is not None:
@@ -304,6 +318,7 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
         context = new_context()
         convention, traced = _timed(seconds, "trace", _trace_segment, fn, signature, in_vars,
                                     tuple(cuts), context, counter)
+        traced = _lowered(traced)
         if isinstance(traced, Failed):
             raise PolymorphismError(
                 f"segment {len(cuts)} of {name} (after {cuts[-1].where}): {traced.reason}; every "

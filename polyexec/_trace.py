@@ -1,6 +1,6 @@
 """Stage 3, trace: run the user's function once over symbolic lengths and export its program.
 
-Pure functions, no executor: `export_symbolic` returns the `Traced` program or the reason it
+Pure functions, no executor: `trace_symbolic` returns the `Traced` program or the reason it
 cannot be size-independent (naming the user's line); `trace_at` is the slow path, one trace at
 concrete bucket sizes. Both go through `flat_program`, the user function as a function of the
 flat arrays its `Convention` orders.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import linecache
 import os
@@ -60,13 +61,21 @@ class TraceCounter:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Traced:
-    """One exported program: its symbolic jaxpr, its `Exported`, and its output structure."""
+    """One traced program: its symbolic jaxpr and output structure. ``exported``, the program
+    as written lowered by `jax.export`, is made on first use: a plan whose logical rewrite
+    exports never needs it (lowering a GRU train step takes 0.4 s of a 0.9 s trace)."""
 
-    exported: Any
     jaxpr: Any
     out_tree: Any
     out_paths: tuple[str, ...]
     avals: tuple[Any, ...]       # the symbolic input avals: their scope is the program's
+    lower: Callable[[], Any] = dataclasses.field(repr=False)
+
+    @functools.cached_property
+    def exported(self) -> Any:
+        """The `jax.export.Exported` program, or `Failed` naming why it cannot be lowered over
+        symbolic sizes (``jnp.fft`` over a symbolic length)."""
+        return self.lower()
 
 
 def flat_program(fn: Callable, convention: Convention, bucket: Mapping[str, int] | None,
@@ -236,23 +245,24 @@ class Failed:
     split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
-def export_symbolic(fn: Callable, convention: Convention, counter: TraceCounter,
-                    inject: Callable[[list], None] | None = None) -> Traced | Failed:
-    """The one symbolic trace of ``fn`` over its convention's inputs; see `export_program`."""
+def trace_symbolic(fn: Callable, convention: Convention, counter: TraceCounter,
+                   inject: Callable[[list], None] | None = None) -> Traced | Failed:
+    """The one symbolic trace of ``fn`` over its convention's inputs; see `trace_program`."""
     cell: list = []
     run = flat_program(fn, convention, None, counter, cell, inject)
     variables = convention.variables
     avals = convention.avals(symbolic_dims(variables))
     # Handed values have no concrete stand-in: a failure there is judged by its message alone.
     concrete = None if convention.count("handed") else {v.name: v.max for v in variables}
-    return export_program(run, avals, [v.name for v in variables], cell, concrete)
+    return trace_program(run, avals, [v.name for v in variables], cell, concrete)
 
 
-def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cell: list,
-                   concrete: Mapping[str, int] | None = None) -> Traced | Failed:
-    """Export a flat program over symbolic avals. A failure that needs a concrete size, or a
-    size comparison JAX cannot decide, gives `Failed` with the user's line; any other exception
-    is a bug in the function and propagates. ``cell`` receives (out_tree, out_paths).
+def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cell: list,
+                  concrete: Mapping[str, int] | None = None) -> Traced | Failed:
+    """Trace a flat program over symbolic avals (its lowering waits for `Traced.exported`). A
+    failure that needs a concrete size, or a size comparison JAX cannot decide, gives `Failed`
+    with the user's line -- tracing, or lowering when it comes; any other exception is a bug in
+    the function and propagates. ``cell`` receives (out_tree, out_paths).
 
     Some failures do not say they are about sizes (NumPy's ``table[:x.shape[0]]`` raises a
     plain TypeError): with ``concrete`` sizes, an error that a trace at those sizes does not
@@ -261,23 +271,13 @@ def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str], ce
     comparisons: list[Comparison] = []
     try:
         with _comparisons_recorded(comparisons):
-            exported = export.export(jitted)(*avals)
+            jaxpr = jitted.trace(*avals).jaxpr
     except ConcreteSizeRequested as e:
         line = linecache.getline(e.filename, e.lineno).strip()
         return Failed(f"{e.filename}:{e.lineno}: `{line}`: px.max_length({e.name!r}) needs the "
                       f"concrete bucket size")
     except SHAPE_ERRORS as e:
-        if not (about_symbolic_dims(e, names) or _traces_at(run, avals, concrete)):
-            raise  # an ordinary bug in the function, not a polymorphism problem
-        if user_frame(e) is None:
-            # Raised while lowering (jax.export cannot lower FFT over a symbolic length): the
-            # trace itself succeeded, so the equation the message names gives the line.
-            culprit = _equation_named_in(jitted, avals, str(e))
-            if culprit is not None:
-                eqn, line = culprit
-                return Failed(f"{line}: {eqn.primitive.name}: "
-                              f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")
-        return Failed(failure_reason(e))
+        return _shape_failure(e, jitted, run, avals, names, concrete)
     if comparisons:
         first = comparisons[0]
         splits: dict[str, set[int]] = {}
@@ -287,9 +287,32 @@ def export_program(run: Callable, avals: Sequence[Any], names: Sequence[str], ce
         return Failed(f"{first.where}: `{first.text}` cannot be decided for every size (JAX's "
                       f"symbolic == answers False), so the branch depends on the size",
                       {n: tuple(sorted(s)) for n, s in splits.items()})
-    # jit caches the trace above, so this reads the jaxpr without running Python again.
-    jaxpr = jitted.trace(*avals).jaxpr
-    return Traced(exported, jaxpr, cell[0], cell[1], tuple(avals))
+
+    def lower():
+        # jit cached the trace above: lowering reads its jaxpr without running Python again.
+        try:
+            return export.export(jitted)(*avals)
+        except SHAPE_ERRORS as e:
+            return _shape_failure(e, jitted, run, avals, names, concrete)
+
+    return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower)
+
+
+def _shape_failure(error: BaseException, jitted, run: Callable, avals: Sequence[Any],
+                   names: Sequence[str], concrete: Mapping[str, int] | None) -> Failed:
+    """`Failed` for a shape error raised tracing or lowering ``run``; re-raises an ordinary bug
+    (one that names no symbolic size and that a trace at ``concrete`` sizes raises too)."""
+    if not (about_symbolic_dims(error, names) or _traces_at(run, avals, concrete)):
+        raise error
+    if user_frame(error) is None:
+        # Raised while lowering (jax.export cannot lower FFT over a symbolic length): the
+        # trace itself succeeded, so the equation the message names gives the line.
+        culprit = _equation_named_in(jitted, avals, str(error))
+        if culprit is not None:
+            eqn, line = culprit
+            return Failed(f"{line}: {eqn.primitive.name}: "
+                          f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
+    return Failed(failure_reason(error))
 
 
 def _traces_at(run: Callable, avals: Sequence[Any], sizes: Mapping[str, int] | None) -> bool:

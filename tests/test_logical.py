@@ -520,16 +520,23 @@ def _cholesky(m):
 
 def test_a_scan_unrolled_over_a_length_names_the_users_line():
     # JAX cannot unroll a scan over a symbolic length: it fails while lowering, after the
-    # trace, where the error's own traceback holds only JAX's frames.
+    # trace, where the error's own traceback holds only JAX's frames. As written (no rewrite)
+    # the plan says so; the logical rewrite's scan lowers, so the rewritten plan runs, exactly.
     T = px.LengthVar("T", max=32)                   # noqa: F841 - the Spec's T
 
     def f(x):                                       # x: (T, 3, 3)
         return lax.scan(lambda c, m: (c + _cholesky(m), None), jnp.zeros((3, 3)), x,
                         unroll=3)[0]                # the unrolled scan
 
-    plan = px.trace(f, px.Spec("T 3 3", jnp.float32))
+    plan = px.trace(f, px.Spec("T 3 3", jnp.float32), masking=False)
     assert plan.reshaping_is_impossible
     assert _line_of(f, "lambda c, m") in plan.reason, plan.reason
+    assert not px.trace(f, px.Spec("T 3 3", jnp.float32)).reshaping_is_impossible
+    g = px.bucketed(f, in_specs=(px.Spec("T 3 3", jnp.float32),), buckets={"T": [8, 32]})
+    for n in (1, 7, 13):
+        x = np.random.default_rng(n).normal(size=(n, 3, 3)).astype(np.float32)
+        np.testing.assert_allclose(g(x), jax.jit(f)(x), rtol=1e-5, atol=1e-5)
+    assert g.stats.compiles == 2
 
 
 def test_a_batched_map_over_a_length_names_the_users_line():
