@@ -9,6 +9,7 @@ anyway, so the measurement's compile is rarely wasted -- and `buckets.Auto.fit` 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -42,7 +43,8 @@ _LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
                  extra_compiles: Bucketed | None = None, extra_arg: Any = None,
                  parallel: int = 1, on_output: Callable[[Any], None] | None = None,
-                 grid: tuple[int, int] | None = None) -> _buckets.CostModel:
+                 grid: tuple[int, int] | None = None,
+                 compiled: tuple[float, bool] | None = None) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
 
@@ -52,6 +54,8 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     background thread), so count this fraction of their seconds. ``on_output``: called with
     each timed call's output (a real batch's step, kept rather than thrown away). ``grid``:
     the (rows, row length) a packed step runs ``tokens`` at (default: ``tokens.shape``).
+    ``compiled``: the compile already done elsewhere (`compile_at`, on another thread), as its
+    ``(seconds, whether the persistent cache supplied it)``.
 
     With JAX's persistent compile cache on, the cost is kept beside it; when the program is
     then loaded from the cache (no compile to time), the kept cost is returned, so a second run
@@ -69,12 +73,7 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     rows, length = grid if grid is not None else tokens.shape
     shape = {"B": rows, "T": length}
     steps = [(step, arg)] + ([(extra_compiles, extra_arg)] if extra_compiles is not None else [])
-    before = [f.stats.compile_seconds for f, _ in steps]
-    with count_compiles() as events:
-        for f, a in steps:
-            f.warmup(a, sizes=[shape], max_workers=1)
-    seconds = sum(f.stats.compile_seconds - b for (f, _), b in zip(steps, before))
-    hit = events.cache_hits > 0
+    seconds, hit = compiled if compiled is not None else compile_at(steps, shape)
     record = _Record([f for f, _ in steps], shape)
 
     def call() -> float:
@@ -100,6 +99,17 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
         if not hit:
             record.save(compile_s, per_cell)
     return _buckets.CostModel(compile_seconds=compile_s / parallel, seconds_per_cell=per_cell)
+
+
+def compile_at(steps: Sequence[tuple[Bucketed, Any]], shape: dict) -> tuple[float, bool]:
+    """Compile each ``(step, arg)`` at ``shape`` (``{"B": rows, "T": length}``): ``(compile
+    seconds, whether the persistent cache supplied them)``."""
+    before = [f.stats.compile_seconds for f, _ in steps]
+    with count_compiles() as events:
+        for f, a in steps:
+            f.warmup(a, sizes=[shape], max_workers=1)
+    return (sum(f.stats.compile_seconds - b for (f, _), b in zip(steps, before)),
+            events.cache_hits > 0)
 
 
 class _Record:
@@ -397,6 +407,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     batches of epoch 0 (``buckets.packed_batch_plan(lengths, row_lengths, ..., seed=seed)``),
     one after another from ``arg``, rather than throwaway ones: a packed choice keeps them all
     (``first_steps``), whichever row lengths it takes, and the run goes on from the last.
+    Shorter rows are compiled on a thread while the long rows' next batches run (as many as
+    the long rows' compile took steps), so their compile costs the cold epoch only the
+    slowdown it causes.
     ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``: as for
     `choose_buckets`; a packed choice packs the eval step into the same rows
     (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
@@ -467,25 +480,54 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                  for n in ([short, row_length], [row_length]) if None not in n]
     first_steps, on = [], arg
 
-    def timed(packer, grid):
-        """Compile ``packer`` and time one call at ``grid`` (rows, row length): on the
-        first batch of that row length in ``plans`` when ``examples`` are given (kept in
-        ``first_steps``; the next call runs on its output), else on padding. One call: the
-        step is a training-sized one, and a second would cost the cold epoch as much again
-        for a decision the first already makes."""
+    def timed(packer, grid, compiled=None):
+        """Compile ``packer`` (unless ``compiled``: see `measure_cost`) and time one call at
+        ``grid`` (rows, row length): on the first batch of that row length in ``plans`` not
+        yet run when ``examples`` are given (kept in ``first_steps``; the next call runs on its
+        output), else on padding. One call: the step is a training-sized one, and a second
+        would cost the cold epoch as much again for a decision the first already makes."""
         nonlocal on
-        batch = next((b for plan in plans for b in plan if b.row_length == grid[1]), None)
+        ran = {id(b) for b, _ in first_steps}
+        batch = next((b for plan in plans for b in plan
+                      if b.row_length == grid[1] and id(b) not in ran), None)
         if batch is None:
             tokens, full = np.full(grid, pad_id, np.int32), np.full(grid[0], grid[1], np.int32)
         else:
             tokens, full = examples(batch.indices)
         outputs = []
         cost = measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
-                            on_output=outputs.append, grid=grid)
+                            on_output=outputs.append, grid=grid, compiled=compiled)
         if batch is not None:
             first_steps.append((batch, outputs[0]))
             on = next_arg(outputs[0])
         return cost
+
+    def meanwhile(packer, row_length: int, count: int) -> None:
+        """Run the two-length plan's next ``count`` real batches of ``row_length`` on
+        ``packer`` (compiled), while another row length compiles on a thread: steps the run
+        keeps (``first_steps``) whichever row lengths it takes, so that compile costs the cold
+        epoch only what it slows them. Nothing without ``examples``."""
+        nonlocal on
+        ran = {id(b) for b, _ in first_steps}
+        batches = [b for b in (plans[0] if examples is not None else ())
+                   if b.row_length == row_length and id(b) not in ran][:count]
+        for batch in batches:
+            # On a copy, as `measure_cost` calls: the step may donate its argument.
+            output = jax.block_until_ready(packer(copy_arrays(on), *examples(batch.indices)))
+            first_steps.append((batch, output))
+            on = next_arg(output)
+
+    def timed_beside(short_packer, grid):
+        """`timed`, compiling on a thread while as many of the long rows' next real batches
+        run as the long compile took steps: a count fixed by the measured cost (as the
+        choice is), not by which finishes first, so a run's batch order repeats with it."""
+        with concurrent.futures.ThreadPoolExecutor(1, "polyexec-compile") as thread:
+            compiling = thread.submit(compile_at, [(short_packer, on)],
+                                      {"B": grid[0], "T": grid[1]})
+            meanwhile(packer, row_length, round(cost.compile_seconds * parallel
+                                                / cost.step_seconds(rows, row_length)))
+            compiled = compiling.result()
+        return timed(short_packer, grid, compiled)
 
     cost = timed(packer, (rows, row_length))
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
@@ -495,7 +537,7 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                                    max_tokens=max_tokens)
     row_lengths = (row_length,)
     shorter = (_shorter_rows(step, lengths, short, row_length, rows, cost, pack, epochs, seed,
-                             parallel, timed) if short is not None else None)
+                             parallel, timed_beside) if short is not None else None)
     if shorter is not None:
         pack, pack_rows = shorter
         row_lengths = tuple(sorted(pack_rows))
@@ -539,7 +581,8 @@ def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, 
     best = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: cheaper, row_length: cost}, epochs=epochs,
                                    max_tokens=budget, seed=seed, compiled=shapes)
-    # This compile blocks the run (`parallel` discounts only those that overlap it).
+    # Priced as blocking the run (`parallel` discounts only those that overlap training): with
+    # ``examples``, `choose_layout` runs the long rows' batches beside it, which it slows.
     if (single.seconds - best.seconds
             <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short)):
         return None
