@@ -9,6 +9,7 @@ prices a plan's padded cells.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import typing
 from typing import Iterator, Literal, NamedTuple
@@ -258,9 +259,11 @@ def packed_batch_plan(
                       or done.max() >= arr.size):
         raise ValueError(f"{where}: exclude: expected example indices in [0, {arr.size}), "
                          f"received {done.dtype} array {done.tolist()[:8]}")
-    steps = _packed_steps(where, arr, policy, rows, max_tokens, shuffle, seed, epoch, S,
-                          overflow, done)
-    return [PackedBatch(L, idx[cut[shard_index]:cut[shard_index + 1]], R)
+    steps = _planned_steps(arr.tobytes(), tuple(int(n) for n in policy.sizes), rows,
+                           max_tokens, shuffle, seed, epoch, S, overflow,
+                           done.astype(np.int64).tobytes())
+    # Copies: the planned steps are kept (below) for the next caller with these arguments.
+    return [PackedBatch(L, idx[cut[shard_index]:cut[shard_index + 1]].copy(), R)
             for L, idx, R, cut in steps]
 
 
@@ -291,11 +294,22 @@ def packed_batches(
     return iter([b.indices for b in plan])
 
 
-def _packed_steps(where, arr, policy, rows, max_tokens, shuffle, seed, epoch, S, overflow,
+# A layout choice prices the same epochs' plans several times (`predict_packed` for each
+# candidate, then the run its own), a tenth of a second each on 3,000 examples: the same
+# arguments give the same plan, so it is made once.
+@functools.lru_cache(maxsize=16)
+def _planned_steps(lengths: bytes, sizes: tuple[int, ...], rows, max_tokens, shuffle, seed,
+                   epoch, S, overflow, exclude: bytes):
+    return _packed_steps("packed_batch_plan", np.frombuffer(lengths, np.int64), sizes, rows,
+                         max_tokens, shuffle, seed, epoch, S, overflow,
+                         np.frombuffer(exclude, np.int64))
+
+
+def _packed_steps(where, arr, sizes, rows, max_tokens, shuffle, seed, epoch, S, overflow,
                   exclude=()):
     """All shards' steps: (row_length, indices of the whole global step, rows per shard,
     the S + 1 offsets of the shards' parts in those indices), ``exclude`` left out."""
-    sizes = np.asarray(policy.sizes, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64)
     largest = int(sizes[-1])
     over = np.flatnonzero(arr > largest)
     eff = arr.copy()            # the length each example packs at

@@ -195,6 +195,21 @@ def test_same_arguments_same_plan(setup, num_shards, seed, epoch):
            [[(x.row_length, x.indices.tolist(), x.rows) for x in p] for p in b]
 
 
+def test_a_plan_handed_out_is_the_callers_own():
+    # Plans are kept for the next call with the same arguments: changing one handed out
+    # must not change the next.
+    lengths = np.random.default_rng(5).integers(1, 64, size=200)
+    first = packed_batch_plan(lengths, [16, 64], rows=4, seed=1)
+    expected = [b.indices.tolist() for b in first]
+    for b in first:
+        b.indices[:] = 0
+    assert [b.indices.tolist() for b in packed_batch_plan(lengths, [16, 64], rows=4, seed=1)] \
+        == expected
+    lengths[0] = 64 if lengths[0] <= 16 else 1     # to the other row length: another plan
+    assert [b.indices.tolist() for b in packed_batch_plan(lengths, [16, 64], rows=4, seed=1)] \
+        != expected
+
+
 def test_epochs_reorder_when_shuffling_and_not_otherwise():
     lengths = np.random.default_rng(0).integers(1, 64, 300)
 
