@@ -295,7 +295,7 @@ def packed_batches(
 
 
 # A layout choice prices the same epochs' plans several times (`predict_packed` for each
-# candidate, then the run its own), a tenth of a second each on 3,000 examples: the same
+# candidate, then the run its own), up to 45 ms each on pydoc's 3,242 examples: the same
 # arguments give the same plan, so it is made once.
 @functools.lru_cache(maxsize=16)
 def _planned_steps(lengths: bytes, sizes: tuple[int, ...], rows, max_tokens, shuffle, seed,
