@@ -208,27 +208,40 @@ def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fix
         px.disable_persistent_cache()
 
 
-def test_choose_layout_runs_long_batches_while_the_short_rows_compile(monkeypatch):
-    # The long rows' compile measured at about one long step: while the short rows compile on
-    # a thread, the two-length plan's next long batch runs too, and is kept as a run step.
-    lengths = np.array([3, 5, 6, 7, 9, 12, 2, 4, 10, 11, 64] * 8)
-    per_cell = {64: 1e-3, 16: 1e-4}
+# Half the tokens are in examples of 16 or fewer: two row lengths can pay.
+LENGTHS_SHORT_AND_LONG = np.array([3, 5, 6, 7, 9, 12, 2, 4, 10, 11, 64] * 8)
+
+
+def _priced(monkeypatch, per_cell: dict, compile_seconds: float):
+    """`choose_layout`'s measurements compiled and run for real, but priced at ``per_cell``
+    seconds a cell by row length (read at each call) and ``compile_seconds`` a compile;
+    returns ``examples`` for `LENGTHS_SHORT_AND_LONG`."""
     original = _auto.measure_cost
 
     def measure(step, arg, tokens, n, *, grid=None, **kw):
         original(step, arg, tokens, n, grid=grid, **kw)
-        return buckets.CostModel(compile_seconds=0.3,           # 0.3 / (4 x 64 x 1e-3): 1 step
+        return buckets.CostModel(compile_seconds=compile_seconds,
                                  seconds_per_cell=per_cell[(grid or tokens.shape)[1]])
 
     monkeypatch.setattr(_auto, "measure_cost", measure)
-    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
-                           layout="auto")
+    lengths = LENGTHS_SHORT_AND_LONG
     tokens = np.random.default_rng(1).integers(1, 9, size=(len(lengths), 64)).astype(np.int32)
 
     def examples(indices):
         n = lengths[indices].astype(np.int32)
         return tokens[indices, :int(n.max())], n
 
+    return examples
+
+
+def test_choose_layout_runs_long_batches_while_the_short_rows_compile(monkeypatch):
+    # The long rows' compile measured at about one long step: while the short rows compile on
+    # a thread, the two-length plan's next long batch runs too, and is kept as a run step.
+    lengths = LENGTHS_SHORT_AND_LONG
+    examples = _priced(monkeypatch, {64: 1e-3, 16: 1e-4},
+                       compile_seconds=0.3)                     # 0.3 / (4 x 64 x 1e-3): 1 step
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
+                           layout="auto")
     choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4, examples=examples,
                            next_arg=lambda output: output[0])
     assert choice.row_lengths == (16, 64), choice.describe()
@@ -248,24 +261,11 @@ def test_choose_layout_runs_long_batches_while_the_short_rows_compile(monkeypatc
 
 
 def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkeypatch):
-    lengths = np.array([3, 5, 6, 7, 9, 12, 2, 4, 10, 11, 64] * 8)     # half the tokens <= 16
+    lengths = LENGTHS_SHORT_AND_LONG
     per_cell = {64: 1e-3, 16: 1e-4}
-    original = _auto.measure_cost
-
-    def measure(step, arg, tokens, n, *, grid=None, **kw):
-        original(step, arg, tokens, n, grid=grid, **kw)
-        return buckets.CostModel(compile_seconds=0.01,
-                                 seconds_per_cell=per_cell[(grid or tokens.shape)[1]])
-
-    monkeypatch.setattr(_auto, "measure_cost", measure)
+    examples = _priced(monkeypatch, per_cell, compile_seconds=0.01)
     step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
                            layout="auto")
-    tokens = np.random.default_rng(1).integers(1, 9, size=(len(lengths), 64)).astype(np.int32)
-
-    def examples(indices):
-        n = lengths[indices].astype(np.int32)
-        return tokens[indices, :int(n.max())], n
-
     choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4, examples=examples,
                            next_arg=lambda output: output[0])
     # Both timed calls ran the two-length plan's first batch of their row length, the short
