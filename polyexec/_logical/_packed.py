@@ -33,6 +33,8 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   each tap reads its own sequence and zeros past its edges; its kernel gradient pairs the
   input and the output gradient within each sequence. A stride would start each sequence's
   outputs at another column, so it is refused;
+- reversing a packed length (``jnp.flip``, a bidirectional RNN's backward half): each
+  sequence in place;
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
   sequence);
@@ -59,7 +61,7 @@ from jax._src.export import shape_poly as _shape_poly
 
 from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_with, _Ctx,
                     _eqn_touches, _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule,
-                    _Recorder, _replay, _where)
+                    _Recorder, _replay, _take_rows, _where)
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
 from ._control import _at_step, frozen_scan
@@ -297,7 +299,7 @@ def _packed(*names):
 
 # Primitives that act along the axes their parameter names; elsewhere they are per position.
 _AXIS_PARAMS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
-                "cumlogsumexp": "axis", "rev": "dimensions", "sort": "dimension",
+                "cumlogsumexp": "axis", "sort": "dimension",
                 "concatenate": "dimension", "split": "axis", "argsort": "dimension"}
 _RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "cond"}
@@ -533,6 +535,35 @@ def _replace(values, i, value):
     values = list(values)
     values[i] = value
     return tuple(values)
+
+
+@_packed("rev")
+def _rev(ctx: _PackedCtx, eqn, invals):
+    """Reversing a packed length reverses each sequence in place: the cell at position ``p``
+    of a part of ``e`` cells reads its own sequence's position ``e - 1 - p``, at column
+    ``start + e - 1 - p``; cells outside the frame keep their own. A reverse is its own
+    transpose, so gradients come back through this rule too."""
+    (x,) = invals
+    dims = tuple(eqn.params["dimensions"])
+    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
+    if any(a in rows for a in dims) or any(_is_sym(x.shape[a]) and a not in packed
+                                           for a in dims):
+        raise _NoRule("a reverse over the rows of packed rows, or over another length")
+    along = [a for a in dims if a in packed]
+    if not along:
+        return None                             # feature axes only: per position
+    if len(rows) != 1 or len(packed) != 1:
+        raise _NoRule(f"a reverse of a value of shape {tuple(x.shape)}, which mixes sequences "
+                      f"of a packed row")
+    (a,) = along
+    others = tuple(d for d in dims if d != a)
+    if others:
+        x = lax.rev(x, others)
+    n = x.shape[a]
+    pos, seglen = ctx.cells(n)
+    column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+    source = jnp.where(ctx.in_frame(n), column - 2 * pos + ctx._at(n, seglen) - 1, column)
+    return [_take_rows(ctx, x, _spread(source, x.shape, (rows[0], a)), a)]
 
 
 @_packed("dim_as_value")
