@@ -79,6 +79,12 @@ def shifted(p, x):
     return x[:, 1:] * x[:, :-1] * p["w"]                                # (B, T - 1, F)
 
 
+def running_sum(p, x):
+    # cumsum along the length: each sequence's own running total; its gradient is a reversed
+    # cumsum, which restarts at each sequence's last cell.
+    return jnp.tanh(jnp.cumsum(x * p["w"], axis=1))                     # (B, T, F)
+
+
 def flipped_pairs(p, x):
     # Reversed over a length of T - 1: each sequence's part ends one cell early.
     return jnp.flip(shifted(p, jnp.flip(x, 1)), 1)                      # (B, T - 1, F)
@@ -178,7 +184,7 @@ def causal_attention(p, x):
 BIAS = jnp.asarray(_rng.normal(size=(L, L)), jnp.float32)
 
 CASES = [Case(rnn), Case(reverse_rnn, shift=1, right=True), Case(bidirectional),
-         Case(shifted, shift=1), Case(flipped_pairs, shift=1),
+         Case(shifted, shift=1), Case(flipped_pairs, shift=1), Case(running_sum),
          Case(feature_cumsum), Case(positional), Case(causal_attention), Case(causal_conv),
          Case(same_conv), Case(valid_conv, shift=2)]
 
@@ -321,10 +327,6 @@ def time_sorted(x, lengths):
     return jnp.sort(x, axis=1)  # verdict: sort
 
 
-def time_cumsum(x, lengths):
-    return jnp.cumsum(x, axis=1)  # verdict: cumsum
-
-
 def per_sequence_sum(x, lengths):
     return jnp.sum(x, axis=1)  # verdict: sum over T
 
@@ -360,7 +362,6 @@ UNPACKABLE = {
                              True),
     "reads the lengths": (hand_masked, "lengths", lambda r: r * 2, True),
     "sort along T": (time_sorted, "sort", lambda r: np.sort(r, 0), True),
-    "cumsum along T": (time_cumsum, "cumsum", lambda r: np.cumsum(r, 0), True),
     # Strided: each sequence's outputs would start at another column than its inputs.
     "strided convolution": (strided_conv, "strided conv", _np_strided_conv, True),
     # A per-sequence value returned: its reason names the line that made it (tested below).
@@ -696,6 +697,39 @@ def test_packing_is_at_least_as_efficient_as_padding_on_a_long_tail():
     assert padded.stats.padding_efficiency == pytest.approx(real / pad_cells)
     assert packed.stats.padding_efficiency >= 1.5 * padded.stats.padding_efficiency
     assert packed.traces == padded.traces == 1
+
+
+CUMULATIVE = {
+    "cumsum reversed": (functools.partial(jax.lax.cumsum, axis=1, reverse=True),
+                        lambda r: np.cumsum(r[::-1], 0)[::-1]),
+    "cumprod": (functools.partial(jax.lax.cumprod, axis=1), lambda r: np.cumprod(r, 0)),
+    "cummax": (functools.partial(jax.lax.cummax, axis=1), lambda r: np.maximum.accumulate(r)),
+    "cummin reversed": (functools.partial(jax.lax.cummin, axis=1, reverse=True),
+                        lambda r: np.minimum.accumulate(r[::-1])[::-1]),
+    "cumlogsumexp": (functools.partial(jax.lax.cumlogsumexp, axis=1),
+                     lambda r: np.logaddexp.accumulate(r)),
+}
+
+
+@pytest.mark.parametrize("name", list(CUMULATIVE))
+@given(lengths=lengths_strategy, seed=st.integers(0, 2 ** 16))
+@example(lengths=[1] * 8, seed=0)
+@example(lengths=[5, 1, 8, 3, 2, 1, 4, 7], seed=1)
+def test_cumulative_ops_run_per_sequence_in_packed_rows(name, lengths, seed):
+    op, alone = CUMULATIVE[name]
+    f = _cumulative_step(name)
+    x, _, _ = batch(lengths, seed)
+    got = np.asarray(f(x, np.asarray(lengths, np.int32)))
+    assert f.plan.can_pack, f.plan.packing_reason
+    for b, n in enumerate(lengths):
+        close(got[b, :n], alone(x[b, :n].astype(np.float64)),
+              f"{name}: sequence {b} (length {n}) of {lengths}", rtol=1e-5, atol=1e-5)
+
+
+@functools.cache
+def _cumulative_step(name):
+    return px.bucketed(lambda x, lengths: CUMULATIVE[name][0](x), SPECS_V,
+                       buckets={T: [8, 32], B: [8]}, layout="pack", strict=True)
 
 
 def test_auto_layout_packs_when_it_can_and_pads_silently_otherwise():

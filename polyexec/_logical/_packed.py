@@ -34,7 +34,8 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   input and the output gradient within each sequence. A stride would start each sequence's
   outputs at another column, so it is refused;
 - reversing a packed length (``jnp.flip``, a bidirectional RNN's backward half): each
-  sequence in place;
+  sequence in place; a cumulative op along it (``cumsum``, ``cummax``, ... either way): each
+  sequence's running value from its own first cell;
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
   sequence);
@@ -298,9 +299,8 @@ def _packed(*names):
 
 
 # Primitives that act along the axes their parameter names; elsewhere they are per position.
-_AXIS_PARAMS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
-                "cumlogsumexp": "axis", "sort": "dimension",
-                "concatenate": "dimension", "split": "axis", "argsort": "dimension"}
+_AXIS_PARAMS = {"sort": "dimension", "concatenate": "dimension", "split": "axis",
+                "argsort": "dimension"}
 _RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "cond"}
 
@@ -564,6 +564,45 @@ def _rev(ctx: _PackedCtx, eqn, invals):
     column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
     source = jnp.where(ctx.in_frame(n), column - 2 * pos + ctx._at(n, seglen) - 1, column)
     return [_take_rows(ctx, x, _spread(source, x.shape, (rows[0], a)), a)]
+
+
+# What each cumulative op combines with, and the value its running total restarts from.
+_CUMULATIVE = {"cumsum": (lax.add, lambda dt: 0), "cumprod": (lax.mul, lambda dt: 1),
+               "cummax": (lax.max, _lowest), "cummin": (lax.min, _highest),
+               "cumlogsumexp": (jnp.logaddexp, _lowest)}
+
+
+@_packed(*_CUMULATIVE)
+def _cumulative(ctx: _PackedCtx, eqn, invals):
+    """A cumulative op along a packed length runs per sequence: a scan over the columns whose
+    running value restarts at each sequence's first cell (its last with ``reverse=True``, as
+    the transpose of ``cumsum`` runs). Exact, where subtracting each sequence's prefix of the
+    row would lose the sequence's own digits; sequential over the row length."""
+    (x,) = invals
+    a, reverse = eqn.params["axis"], eqn.params["reverse"]
+    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
+    if a not in packed:
+        if _is_sym(x.shape[a]):
+            raise _NoRule(f"{eqn.primitive.name} over the rows of packed rows")
+        return None                             # along a feature axis: per position
+    if len(rows) != 1 or len(packed) != 1:
+        raise _NoRule(f"{eqn.primitive.name} of a value of shape {tuple(x.shape)}, which mixes "
+                      f"sequences of a packed row")
+    combine, identity = _CUMULATIVE[eqn.primitive.name]
+    n = x.shape[a]
+    pos, seglen = ctx.cells(n)
+    restart = pos == (ctx._at(n, seglen) - 1 if reverse else 0)
+    columns = jnp.moveaxis(x, a, 0)
+    restarts = jnp.moveaxis(_spread(restart, x.shape, (rows[0], a)), a, 0)
+    start = _full(columns.shape[1:], identity(x.dtype), x.dtype)
+
+    def step(total, cell):
+        value, restarts_here = cell
+        total = combine(lax.select(restarts_here, start, total), value)
+        return total, total
+
+    _, out = lax.scan(step, start, (columns, restarts), reverse=reverse)
+    return [jnp.moveaxis(out, 0, a)]
 
 
 @_packed("dim_as_value")
