@@ -323,8 +323,6 @@ def hand_masked(x, lengths):
     return jnp.where(mask[..., None], x * 2.0, 0.0)
 
 
-def time_sorted(x, lengths):
-    return jnp.sort(x, axis=1)  # verdict: sort
 
 
 def per_sequence_sum(x, lengths):
@@ -361,7 +359,6 @@ UNPACKABLE = {
                              lambda r: np.einsum("tf,tfg->tg", r, np.asarray(TABLE)[:len(r)]),
                              True),
     "reads the lengths": (hand_masked, "lengths", lambda r: r * 2, True),
-    "sort along T": (time_sorted, "sort", lambda r: np.sort(r, 0), True),
     # Strided: each sequence's outputs would start at another column than its inputs.
     "strided convolution": (strided_conv, "strided conv", _np_strided_conv, True),
     # A per-sequence value returned: its reason names the line that made it (tested below).
@@ -708,6 +705,10 @@ CUMULATIVE = {
                         lambda r: np.minimum.accumulate(r[::-1])[::-1]),
     "cumlogsumexp": (functools.partial(jax.lax.cumlogsumexp, axis=1),
                      lambda r: np.logaddexp.accumulate(r)),
+    # Sorts, forward only (a sort's gradient gathers along the length: refused).
+    "sort": (functools.partial(jnp.sort, axis=1), lambda r: np.sort(r, 0)),
+    "argsort, stable": (lambda x: jnp.argsort(jnp.round(x[..., 0]), axis=1, stable=True),
+                        lambda r: np.argsort(np.round(r[:, 0]), kind="stable")),   # ties
 }
 
 
@@ -715,7 +716,7 @@ CUMULATIVE = {
 @given(lengths=lengths_strategy, seed=st.integers(0, 2 ** 16))
 @example(lengths=[1] * 8, seed=0)
 @example(lengths=[5, 1, 8, 3, 2, 1, 4, 7], seed=1)
-def test_cumulative_ops_run_per_sequence_in_packed_rows(name, lengths, seed):
+def test_cumulative_ops_and_sorts_run_per_sequence_in_packed_rows(name, lengths, seed):
     op, alone = CUMULATIVE[name]
     f = _cumulative_step(name)
     x, _, _ = batch(lengths, seed)
@@ -741,8 +742,8 @@ def test_auto_layout_packs_when_it_can_and_pads_silently_otherwise():
         close(good(x, lengths)[0], _np_products(x, lengths), "auto, packable", rtol=1e-5)
         assert good.plan.can_pack and set(good.stats.buckets) == {
             (("rows(B)", 1), ("row_length(T)", 8))}
-        bad = px.bucketed(time_sorted, SPECS_V, buckets={T: [8], B: [1, 8]}, layout="auto")
-        close(bad(x, lengths)[1, :2], np.sort(x[1, :2], 0), "auto, unpackable")
+        bad = px.bucketed(last_token, SPECS_V, buckets={T: [8], B: [1, 8]}, layout="auto")
+        close(bad(x, lengths)[1], x[1, 1] * 2, "auto, unpackable")
         assert not bad.plan.can_pack and set(bad.stats.buckets) == {(("B", 8), ("T", 8))}
 
 

@@ -35,7 +35,8 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   outputs at another column, so it is refused;
 - reversing a packed length (``jnp.flip``, a bidirectional RNN's backward half): each
   sequence in place; a cumulative op along it (``cumsum``, ``cummax``, ... either way): each
-  sequence's running value from its own first cell;
+  sequence's running value from its own first cell; a sort along it (``jnp.sort``,
+  ``argsort``): each sequence in place (no gradient: a sort's JVP gathers along the length);
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
   sequence);
@@ -299,8 +300,7 @@ def _packed(*names):
 
 
 # Primitives that act along the axes their parameter names; elsewhere they are per position.
-_AXIS_PARAMS = {"sort": "dimension", "concatenate": "dimension", "split": "axis",
-                "argsort": "dimension"}
+_AXIS_PARAMS = {"concatenate": "dimension", "split": "axis", "argsort": "dimension"}
 _RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "cond"}
 
@@ -603,6 +603,31 @@ def _cumulative(ctx: _PackedCtx, eqn, invals):
 
     _, out = lax.scan(step, start, (columns, restarts), reverse=reverse)
     return [jnp.moveaxis(out, 0, a)]
+
+
+@_packed("sort")
+def _sort(ctx: _PackedCtx, eqn, invals):
+    """A sort along a packed length sorts each sequence in place: a leading key, the
+    sequence's start column for the cells in its frame and a cell's own column elsewhere,
+    keeps every sequence within its columns and every other cell where it is; within a
+    sequence the order, ties and stability are the original keys'. (``argsort``'s positions
+    are each cell's own, by the ``iota`` rule.)"""
+    d = eqn.params["dimension"]
+    shape = invals[0].shape
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if d not in packed:
+        if _is_sym(shape[d]):
+            raise _NoRule("a sort over the rows of packed rows")
+        return None                             # along a feature axis: per position
+    if len(rows) != 1 or len(packed) != 1:
+        raise _NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of a "
+                      f"packed row")
+    n = shape[d]
+    column = lax.broadcasted_iota(np.int32, jnp.shape(ctx.cells(n)[0]), 1)
+    group = jnp.where(ctx.in_frame(n), ctx.starts(n, 0), column)
+    out = lax.sort_p.bind(_spread(group, shape, (rows[0], d)), *invals, dimension=d,
+                          is_stable=eqn.params["is_stable"], num_keys=eqn.params["num_keys"] + 1)
+    return list(out[1:])
 
 
 @_packed("dim_as_value")
