@@ -705,6 +705,21 @@ CUMULATIVE = {
                         lambda r: np.minimum.accumulate(r[::-1])[::-1]),
     "cumlogsumexp": (functools.partial(jax.lax.cumlogsumexp, axis=1),
                      lambda r: np.logaddexp.accumulate(r)),
+    # Windows, forward only: a window's gradient pads the length past each sequence's room
+    # (a sum's) or selects and scatters (a max's), both refused.
+    "moving sum": (lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 3, 1), (1, 1, 1),
+                                                   "SAME"),
+                   lambda r: _np_window(r, np.sum, 0.0, 3, 1)),
+    "dilated sum, no padding": (
+        lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 1), (1, 1, 1), "VALID",
+                                        window_dilation=(1, 2, 1)),
+        lambda r: r[:-2] + r[2:] if len(r) > 2 else r[:0]),
+    "max window": (lambda x: jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 1),
+                                                   (1, 1, 1), "SAME"),
+                   lambda r: _np_window(r, np.max, -np.inf, 3, 1)),
+    "min window": (lambda x: jax.lax.reduce_window(x, jnp.inf, jax.lax.min, (1, 2, 1),
+                                                   (1, 1, 1), "SAME"),
+                   lambda r: _np_window(r, np.min, np.inf, 2, 0)),
     # Sorts, forward only (a sort's gradient gathers along the length: refused).
     "sort": (functools.partial(jnp.sort, axis=1), lambda r: np.sort(r, 0)),
     "argsort, stable": (lambda x: jnp.argsort(jnp.round(x[..., 0]), axis=1, stable=True),
@@ -716,15 +731,25 @@ CUMULATIVE = {
 @given(lengths=lengths_strategy, seed=st.integers(0, 2 ** 16))
 @example(lengths=[1] * 8, seed=0)
 @example(lengths=[5, 1, 8, 3, 2, 1, 4, 7], seed=1)
-def test_cumulative_ops_and_sorts_run_per_sequence_in_packed_rows(name, lengths, seed):
+def test_cumulative_ops_windows_and_sorts_run_per_sequence_in_packed_rows(name, lengths, seed):
     op, alone = CUMULATIVE[name]
     f = _cumulative_step(name)
     x, _, _ = batch(lengths, seed)
     got = np.asarray(f(x, np.asarray(lengths, np.int32)))
     assert f.plan.can_pack, f.plan.packing_reason
     for b, n in enumerate(lengths):
-        close(got[b, :n], alone(x[b, :n].astype(np.float64)),
-              f"{name}: sequence {b} (length {n}) of {lengths}", rtol=1e-5, atol=1e-5)
+        want = alone(x[b, :n].astype(np.float64))
+        close(got[b, :len(want)], want, f"{name}: sequence {b} (length {n}) of {lengths}",
+              rtol=1e-5, atol=1e-5)
+
+
+def _np_window(r, op, init, size, low):
+    """Each token's window of ``size`` starting ``low`` before it, ``init`` past the edges."""
+    edge = np.full((size,) + r.shape[1:], init)
+    padded = np.concatenate([edge[:low], r, edge[:size - 1 - low]])
+    if not len(r):
+        return r
+    return np.stack([op(padded[i:i + size], axis=0) for i in range(len(r))])
 
 
 @functools.cache

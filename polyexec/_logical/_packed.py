@@ -37,6 +37,9 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   sequence in place; a cumulative op along it (``cumsum``, ``cummax``, ... either way): each
   sequence's running value from its own first cell; a sort along it (``jnp.sort``,
   ``argsort``): each sequence in place (no gradient: a sort's JVP gathers along the length);
+- a window along a packed length with stride 1 (``reduce_window`` sum, max, min): each window
+  reads its own sequence and the init value past its edges (forward only: a window's
+  gradient pads the length past each sequence's room, or selects and scatters);
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
   sequence);
@@ -512,10 +515,10 @@ def _conv(ctx: _PackedCtx, eqn, invals):
                   "with the rows as its batch, nor a kernel gradient over them)")
 
 
-def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length):
+def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fill=0):
     """``x`` read along its packed ``axis`` at ``offset`` from each cell of an axis of packed
     ``length``: cell ``c`` holds ``x[c + offset]`` where that is the same sequence's position
-    ``pos(c) + offset`` (inside its part of ``x``), 0 elsewhere."""
+    ``pos(c) + offset`` (inside its part of ``x``), ``fill`` elsewhere."""
     n = x.shape[axis]
     high = length - n + offset
     if _is_sym(high):
@@ -528,7 +531,47 @@ def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length):
     source = pos + offset
     real = ctx.in_frame(length) & (source >= 0) & (source < ctx._at(n, seglen))
     return lax.select(_spread(real, shifted.shape, (rows_axis, axis)), shifted,
-                      _full(shifted.shape, 0, x.dtype))
+                      _full(shifted.shape, fill, x.dtype))
+
+
+# A window's combiner, and what it reads past a sequence's edges (`lax.reduce_window`'s init).
+_WINDOWS = {"reduce_window_sum": (lax.add, lambda dt: 0), "reduce_window_max": (lax.max, _lowest),
+            "reduce_window_min": (lax.min, _highest)}
+
+
+@_packed(*_WINDOWS)
+def _window(ctx: _PackedCtx, eqn, invals):
+    """A window along a packed length with stride 1 (a moving sum, average, max or min): each
+    window reads its own sequence and the combiner's identity past its edges, as the
+    exact-size window reads its init value there. The window becomes one tap per offset,
+    combined. A stride would start each sequence's outputs at another column, so it is
+    refused, as is a window across the rows or another axis. Gradients do not pack: a sum
+    window's pads the length past each sequence's room, a max window's selects and scatters
+    (``select_and_scatter_add``, no rule)."""
+    (x,) = invals
+    p = eqn.params
+    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
+    moved = [a for a in range(x.ndim) if p["window_dimensions"][a] != 1
+             or p["window_strides"][a] != 1 or tuple(p["padding"][a]) != (0, 0)
+             or p["base_dilation"][a] != 1 or p["window_dilation"][a] != 1]
+    if not any(a in packed for a in moved):
+        if any(a in rows or _is_sym(x.shape[a]) for a in moved):
+            raise _NoRule("a window over the rows of packed rows, or over another length")
+        return None                             # feature axes only: per position
+    if len(rows) != 1 or len(packed) != 1 or len(moved) != 1:
+        raise _NoRule("a window along a packed length and another axis")
+    (a,) = moved
+    lo, hi = p["padding"][a]
+    if p["window_strides"][a] != 1 or p["base_dilation"][a] != 1 or _is_sym(lo) or _is_sym(hi):
+        raise _NoRule("a strided, base-dilated or length-padded window along a packed length "
+                      "(each sequence's outputs would start at another column)")
+    combine, identity = _WINDOWS[eqn.primitive.name]
+    fill, step, length = identity(x.dtype), p["window_dilation"][a], eqn.outvars[0].aval.shape[a]
+    out = None
+    for k in range(p["window_dimensions"][a]):
+        tap = _tap(ctx, x, rows[0], a, k * step - lo, length, fill)
+        out = tap if out is None else combine(out, tap)
+    return [out]
 
 
 def _replace(values, i, value):
