@@ -666,8 +666,9 @@ def _sort(ctx: _PackedCtx, eqn, invals):
         raise _NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of a "
                       f"packed row")
     n = shape[d]
-    column = lax.broadcasted_iota(np.int32, jnp.shape(ctx.cells(n)[0]), 1)
-    group = jnp.where(ctx.in_frame(n), ctx.starts(n, 0), column)
+    pos, _ = ctx.cells(n)
+    column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+    group = jnp.where(ctx.in_frame(n), column - pos, column)
     out = lax.sort_p.bind(_spread(group, shape, (rows[0], d)), *invals, dimension=d,
                           is_stable=eqn.params["is_stable"], num_keys=eqn.params["num_keys"] + 1)
     return list(out[1:])
