@@ -164,13 +164,13 @@ class _PackedCtx(_Ctx):
         pos, seglen = self.cells(d)
         return (pos >= 0) & (pos < self._at(d, seglen))
 
-    def starts(self, d, fill: int):
+    def starts(self, d, fill: int | None = None):
         """``(rows, d)`` int32: per cell in the frame of an axis of packed length ``d``, the
         column where its sequence starts (the same in every axis: the frame); ``fill``
-        elsewhere."""
+        elsewhere (None: the cell's own column)."""
         pos, _ = self.cells(d)
         column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-        return jnp.where(self.in_frame(d), column - pos, fill)
+        return jnp.where(self.in_frame(d), column - pos, column if fill is None else fill)
 
     def frame(self, shape):
         """bool ``shape``: the cells of a value with one rows axis and one or two packed
@@ -665,11 +665,7 @@ def _sort(ctx: _PackedCtx, eqn, invals):
     if len(rows) != 1 or len(packed) != 1:
         raise _NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of a "
                       f"packed row")
-    n = shape[d]
-    pos, _ = ctx.cells(n)
-    column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-    group = jnp.where(ctx.in_frame(n), column - pos, column)
-    out = lax.sort_p.bind(_spread(group, shape, (rows[0], d)), *invals, dimension=d,
+    out = lax.sort_p.bind(_spread(ctx.starts(shape[d]), shape, (rows[0], d)), *invals, dimension=d,
                           is_stable=eqn.params["is_stable"], num_keys=eqn.params["num_keys"] + 1)
     return list(out[1:])
 
