@@ -521,14 +521,18 @@ class Bucketed:
         that holds the longest, as many as first-fit needs bucketed by B's buckets (or
         ``pack_rows``), the sequences spread over all of them (`buckets.balanced_fit`): the
         packed program's scans stop at the last real column."""
-        ((var, (at, rows_var)),) = plan.segments[0].convention.rows_at.items()
-        poly_at = at - plan.segments[0].convention.count("array")
+        segment = plan.segments[0]
+        ((var, (at, rows_var)),) = segment.convention.rows_at.items()
+        poly_at = at - segment.convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
+        # A sequence of length 0 takes a cell where the program holds per-sequence values.
+        cells = np.maximum(lengths, 1) if segment.packed_per_sequence else lengths
         row_length = self.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
-        first = _buckets.first_fit(lengths, row_length)
+        first = _buckets.first_fit(cells, row_length)
         n_rows = self._packed_rows(plan, rows_var, row_length, first.rows)
-        packing = _buckets.balanced_fit(lengths, row_length, n_rows, first=first)
-        return _PackedLayout(lengths, packing, n_rows, var, rows_var)
+        packing = _buckets.balanced_fit(cells, row_length, n_rows, first=first)
+        return _PackedLayout(lengths, packing, n_rows, var, rows_var,
+                             empty_cells=segment.packed_per_sequence)
 
     def _packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
         """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:
@@ -565,7 +569,7 @@ class Bucketed:
         outputs = compiled.executable(*flat, layout.pos, layout.seglen)
         self._counters.add(key, calls=1, real_elements=real, padded_elements=padded)
         leaves = [layout.unpack(leaf, aval.shape, sizes)
-                  for leaf, aval in zip(outputs, segment.packed.out_avals)]
+                  for leaf, aval in zip(outputs, segment.jaxpr.out_avals)]
         return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
 
     def _packed_executable(self, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
@@ -730,9 +734,13 @@ class _PackedLayout:
     """Where each sequence of one packed call sits, and the moves in and out of that grid
     (on the host, like padding: a device gather would compile per call shape)."""
 
-    def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str):
+    def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str, *,
+                 empty_cells: bool = False):
         self.lengths, self.packing, self.rows = lengths, packing, rows
         self.var, self.rows_var = var, rows_var
+        # Whether a sequence of length 0 holds a cell (pos 0, seglen 0) for its per-sequence
+        # values: `packing` placed it as a sequence of length 1.
+        self.empty_cells = empty_cells
 
     # Per real cell, built only when the call runs packed: layout="auto" prices a call by
     # its cells alone and may run it padded.
@@ -757,7 +765,19 @@ class _PackedLayout:
     def pos(self) -> np.ndarray:
         pos = np.full((self.rows, self.packing.row_length), -1, np.int32)
         pos[self.row, self.column] = self.offset
+        if self.empty_cells:
+            empty = self.lengths == 0
+            pos[self.packing.row[empty], self.packing.start[empty]] = 0
         return pos
+
+    @functools.cached_property
+    def sequence_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(sequence, row, column)`` of every cell a sequence holds (one for a sequence of
+        length 0 where it has one): where its per-sequence values are."""
+        counts = np.maximum(self.lengths, 1) if self.empty_cells else self.lengths
+        seq = np.repeat(np.arange(len(self.lengths)), counts)
+        offset = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return seq, self.packing.row[seq], self.packing.start[seq] + offset
 
     @functools.cached_property
     def seglen(self) -> np.ndarray:
@@ -781,9 +801,15 @@ class _PackedLayout:
             out = np.full((self.rows, self.packing.row_length) + x.shape[2:], spec.pad, dtype)
             out[self.row, self.column] = x[self.seq, self.offset]
             return np.moveaxis(out, (0, 1), (b, t))
-        if self.rows_var in dims:      # per-sequence (the lengths): never read by a packed plan
-            shape = [self.rows if d == self.rows_var else s for d, s in zip(dims, arr.shape)]
-            return np.zeros(shape, dtype)
+        if self.rows_var in dims:
+            # Per sequence (the lengths, labels): at every cell of its sequence, a columns axis
+            # after the rows axis.
+            b = dims.index(self.rows_var)
+            x = np.moveaxis(arr, b, 0)
+            out = np.zeros((self.rows, self.packing.row_length) + x.shape[1:], dtype)
+            seq, row, column = self.sequence_cells
+            out[row, column] = x[seq]
+            return np.moveaxis(out, (0, 1), (b, b + 1))
         bucket = {n: bucket_for(n, s, plan) for n, s in zip(dims, arr.shape) if isinstance(n, str)}
         bucket[self.var] = self.packing.row_length
         return _bind.pad_to(arr.astype(dtype, copy=False),
@@ -812,6 +838,11 @@ class _PackedLayout:
             keep = self.offset < per[self.seq]
             out[self.seq[keep], self.offset[keep]] = x[self.row[keep], self.column[keep]]
             return np.moveaxis(out, (0, 1), (b, t))
+        if len(b) == 1 and not t:
+            # Per sequence: held at every cell of its sequence; read at its first.
+            b = b[0]
+            x = np.moveaxis(leaf, (b, b + 1), (0, 1))
+            return np.moveaxis(x[self.packing.row, self.packing.start], 0, b)
         real = evaluate_shape(shape, sizes)
         return leaf[tuple(slice(0, n) for n in real)] if real != tuple(leaf.shape) else leaf
 

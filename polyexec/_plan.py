@@ -118,6 +118,9 @@ class Segment:
     # None with the reason when there is none (never asked for: "the pad layout was asked").
     packed: Any = None
     packing_reason: str | None = "only the pad layout was asked for"
+    # Whether the packed program reads a per-sequence value: then a sequence of length 0 takes
+    # a cell too, where its per-sequence values are held.
+    packed_per_sequence: bool = False
 
     @property
     def variables(self) -> tuple[LengthVar, ...]:

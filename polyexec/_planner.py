@@ -114,30 +114,28 @@ def logical_export(traced: Traced, convention: Convention,
                              + (f" (and {more} more)" if more else ""))
 
 
-def packed_export(traced: Traced, convention: Convention) -> tuple[Any, str | None]:
-    """The packed program (``layout="pack"``) of one traced program: ``(exported, None)``, or
-    ``(None, reason)`` naming the user's line where packed rows cannot keep a result."""
+def packed_export(traced: Traced, convention: Convention) -> tuple[Any, str | None, bool]:
+    """The packed program (``layout="pack"``) of one traced program: ``(exported, None,
+    per_sequence)`` (whether it reads a per-sequence value, so that every sequence needs a
+    cell), or ``(None, reason, False)`` naming the user's line where packed rows cannot keep
+    a result."""
     names = {v.name for v in convention.variables}
     rows_at = convention.rows_at
     if rows_at and names - set(rows_at) - {by for _, by in rows_at.values()}:
         return None, (f"length variables other than the packed one and its rows "
-                      f"({', '.join(sorted(names))})")
+                      f"({', '.join(sorted(names))})"), False
     try:
         logical = _logical.rewrite_packed(traced.jaxpr, convention.sizes_at, rows_at)
         if not logical.unsupported:
-            ((var, (_, rows)),) = rows_at.items()
-            scope = next(d.scope for a in traced.avals for d in a.shape if export.is_symbolic_dim(d))
-            grid = export.symbolic_shape(f"{rows}, {var}", scope=scope)
-            cells = jax.ShapeDtypeStruct(tuple(grid), np.int32)
-            exported, _ = export_flat(logical.fn, [*traced.avals, cells, cells])
-            return exported, None
+            exported, _ = export_flat(logical.fn, logical.avals)
+            return exported, None, logical.per_sequence
     except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
         return None, (f"the packed rewrite failed ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"), False
     first = logical.unsupported[0]
     more = len(logical.unsupported) - 1
     return None, (f"{first.where}: {first.primitive}: {first.detail}"
-                  + (f" (and {more} more)" if more else ""))
+                  + (f" (and {more} more)" if more else "")), False
 
 
 # -- tracing ------------------------------------------------------------------------------------
@@ -258,10 +256,11 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
         return _single(fn, name, convention, exported, masking, pack, seconds)
     packing = {}
     if pack:
-        packing = dict(zip(("packed", "packing_reason"),
+        packing = dict(zip(("packed", "packing_reason", "packed_per_sequence"),
                            _timed(seconds, "packed rewrite", packed_export, traced, convention)
                            if masking and padding_reason is None
-                           else (None, f"the pad layout is not exact either: {padding_reason}")))
+                           else (None, f"the pad layout is not exact either: {padding_reason}",
+                                 False)))
     segment = Segment(0, convention, exported, traced.jaxpr, traced.out_tree, traced.out_paths,
                       padding_reason, **everything, **packing)
     return Plan(name, tuple(in_vars), (segment,), Verdict(padding=padding_reason), fn=fn,

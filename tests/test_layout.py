@@ -128,10 +128,11 @@ def _loss(model, tokens, lengths):
     return jnp.mean(tokens.astype(jnp.float32) * model.weight[0, 0])
 
 
-def _last_token_loss(model, tokens, lengths):
-    """The last column of each row: a per-sequence value, which a packed row has no cell for."""
+def _unpackable_loss(model, tokens, lengths):
+    """Each sequence pooled by a contraction along the length alone, which packed rows have no
+    rule for."""
     x = tokens.astype(jnp.float32) * model.weight[0, 0]
-    return jnp.mean(x[:, -1])
+    return jnp.mean(jnp.einsum("bt,bt->b", x, x))
 
 
 def _state():
@@ -325,7 +326,7 @@ def test_choose_layout_pads_when_padding_is_cheaper(fixed_cost):
 
 
 def test_choose_layout_names_the_line_when_the_plan_cannot_pack():
-    step = make_train_step(_last_token_loss, optax.sgd(0.1), length_buckets=[64],
+    step = make_train_step(_unpackable_loss, optax.sgd(0.1), length_buckets=[64],
                            batch_buckets=[4], layout="auto")
     choice = choose_layout(step, _state(), LENGTHS, epochs=1, batch_size=4)
     assert choice.layout == "pad" and choice.pack is None

@@ -290,25 +290,11 @@ def test_packed_equals_padded_equals_each_sequence_alone(case, functions):
 
 # -- 2. what cannot be packed: the verdict, the fallback, strict ---------------------------------
 
-WC = jnp.asarray(_rng.normal(size=(H, 2)), jnp.float32)
 SPECS_V = (px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
 
 
 def key_argmax(x, lengths):
     return jax.vmap(lambda r: jnp.argmax(r @ r.T, axis=-1))(x)  # verdict: argmax
-
-
-def classify_last_state(x, lengths):
-    def one(r):
-        def step(h, xt):
-            return jnp.tanh(h @ PARAMS["W"] + xt @ PARAMS["U"]), None
-        h, _ = jax.lax.scan(step, jnp.zeros(H), r)
-        return h @ WC  # verdict: final carry
-    return jax.vmap(one)(x)
-
-
-def last_token(x, lengths):
-    return x[:, -1] * 2.0  # verdict: last token
 
 
 TABLE = jnp.asarray(_rng.normal(size=(L, F, 2)), jnp.float32)
@@ -318,15 +304,18 @@ def per_position_weights(x, lengths):
     return jnp.einsum("btf,tfg->btg", x, TABLE[:x.shape[1]])  # verdict: per-position weights
 
 
-def hand_masked(x, lengths):
-    mask = px.sequence_mask(lengths, x, axis=1)  # verdict: lengths
-    return jnp.where(mask[..., None], x * 2.0, 0.0)
+POOL = jnp.asarray(_rng.normal(size=(F,)), jnp.float32)
 
 
+def attention_pooled(x, lengths):
+    w = jax.nn.softmax(x @ POOL, axis=1)       # over each sequence: this much packs
+    return jnp.einsum("bt,btf->bf", w, x)  # verdict: pooled by a contraction
 
 
-def per_sequence_sum(x, lengths):
-    return jnp.sum(x, axis=1)  # verdict: sum over T
+def _np_attention_pooled(r):
+    s = r @ np.asarray(POOL, np.float64)
+    w = np.exp(s - s.max())
+    return (w / w.sum()) @ r
 
 
 KS = jnp.asarray(_rng.normal(size=(2, F, F)), jnp.float32)
@@ -341,28 +330,19 @@ def _np_strided_conv(r):
                      for j in range(0, len(r) - 1, 2)] or [np.zeros(F)])
 
 
-def _np_rnn_last(r):
-    h = np.zeros(H, np.float32)
-    for xt in r:
-        h = np.tanh(h @ np.asarray(PARAMS["W"]) + xt @ np.asarray(PARAMS["U"]))
-    return h @ np.asarray(WC)
-
-
 # name -> (function, the tag of the line its reason names, each sequence alone (numpy), per token)
 UNPACKABLE = {
     # Which key: a column of the row, not a position of the sequence.
     "argmax over the keys": (key_argmax, "argmax", lambda r: np.argmax(r @ r.T, -1), True),
-    "final carry": (classify_last_state, "final carry", _np_rnn_last, False),
-    "x[:, -1]": (last_token, "last token", lambda r: r[-1] * 2, False),
     # Weights per position contracted into the rows: they would be read at columns.
     "per-position weights": (per_position_weights, "per-position weights",
                              lambda r: np.einsum("tf,tfg->tg", r, np.asarray(TABLE)[:len(r)]),
                              True),
-    "reads the lengths": (hand_masked, "lengths", lambda r: r * 2, True),
+    # A contraction along the length alone, per sequence: no packed rule yet.
+    "attention pooling": (attention_pooled, "pooled by a contraction", _np_attention_pooled,
+                          False),
     # Strided: each sequence's outputs would start at another column than its inputs.
     "strided convolution": (strided_conv, "strided conv", _np_strided_conv, True),
-    # A per-sequence value returned: its reason names the line that made it (tested below).
-    "sum over T alone": (per_sequence_sum, None, lambda r: r.sum(0), False),
 }
 
 
@@ -537,15 +517,6 @@ def test_a_positional_tables_gradient_is_not_packed_but_exact():
         want[:n] += 2 * (x[b, :n] + np.asarray(PE)[:n])
     close(got, want, "d loss / d pe")
     assert not f.plan.can_pack and line_of("pe gradient") in f.plan.packing_reason
-
-
-def test_a_returned_per_sequence_value_names_its_line():
-    f = px.bucketed(per_sequence_sum, SPECS_V, buckets={T: [8], B: [8]}, layout="pack")
-    x, _, _ = batch([3, 2], seed=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        f(x, np.asarray([3, 2], np.int32))
-    assert line_of("sum over T") in f.plan.packing_reason
 
 
 # Implicit broadcasting ((T,) -> (1, T) -> add, as jnp and vmap write it) once read a
@@ -767,8 +738,8 @@ def test_auto_layout_packs_when_it_can_and_pads_silently_otherwise():
         close(good(x, lengths)[0], _np_products(x, lengths), "auto, packable", rtol=1e-5)
         assert good.plan.can_pack and set(good.stats.buckets) == {
             (("rows(B)", 1), ("row_length(T)", 8))}
-        bad = px.bucketed(last_token, SPECS_V, buckets={T: [8], B: [1, 8]}, layout="auto")
-        close(bad(x, lengths)[1], x[1, 1] * 2, "auto, unpackable")
+        bad = px.bucketed(key_argmax, SPECS_V, buckets={T: [8], B: [1, 8]}, layout="auto")
+        close(bad(x, lengths)[1, :2], np.argmax(x[1, :2] @ x[1, :2].T, -1), "auto, unpackable")
         assert not bad.plan.can_pack and set(bad.stats.buckets) == {(("B", 8), ("T", 8))}
 
 

@@ -492,11 +492,27 @@ def test_layout_pack_is_refused_where_it_cannot_run_and_pads_a_loss_that_reads_l
                      layout="pack", verbose=False)
     with pytest.raises(px.OptionError, match=r"fit: layout: expected one of 'auto', 'pad'"):
         training.fit(tiny_model(), loss_fn, AUTO_DATA, optimizer=OPT, layout="packed")
-    # masked_loss_fn reads the lengths (one per example): a packed row holds several.
+    # A loss that pools each sequence by a contraction along T alone: no packed rule.
     with pytest.warns(UserWarning, match="cannot run packed rows"):
-        result = training.fit(tiny_model(), masked_loss_fn, AUTO_DATA, optimizer=OPT, epochs=1,
-                              batch_size=8, layout="pack", verbose=False, cache=False)
+        result = training.fit(tiny_model(), pooled_by_contraction_loss, AUTO_DATA, optimizer=OPT,
+                              epochs=1, batch_size=8, layout="pack", verbose=False, cache=False)
     assert result.layout == "pad"
+
+
+def pooled_by_contraction_loss(model, tokens, lengths):
+    h = jax.vmap(model)(tokens)                                     # (B, T, vocab)
+    return jnp.mean(jnp.einsum("btv,btv->b", h, h))
+
+
+def test_a_loss_masked_by_hand_trains_packed_like_the_unmasked_one():
+    # The lengths are a per-sequence input: each packed cell reads its own sequence's.
+    args = dict(optimizer=OPT, epochs=1, batch_size=8, layout="pack", verbose=False,
+                cache=False)
+    masked = training.fit(tiny_model(), masked_loss_fn, AUTO_DATA, **args)
+    plain = training.fit(tiny_model(), loss_fn, AUTO_DATA, **args)
+    assert masked.layout == plain.layout == "pack"
+    assert_trees_close(eqx.filter(masked.model, eqx.is_array),
+                       eqx.filter(plain.model, eqx.is_array), rtol=1e-4, atol=1e-6)
 
 
 def test_a_packed_checkpoint_resumes_only_where_it_can_pack(tmp_path):

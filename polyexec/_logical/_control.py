@@ -92,8 +92,8 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     # Up to the longest real row, never past it: a batch padded to its bucket (as training
     # pads it) still stops where its longest sequence does.
     stop = jnp.max(jnp.where(ctx.row_mask(rows), per_row, 0)).astype(np.int32)
-    carry, ys = frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop,
-                            alive_at=lambda at: at < per_row)
+    carry, ys, _ = frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop,
+                               alive_at=lambda at: at < per_row)
     ctx.recorder.rewritten.add(id(eqn))
     return [*carry, *ys]
 
@@ -109,18 +109,22 @@ def _set_step(x, value, at):
 
 
 def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, restart_at=None,
-                freeze=True):
+                freeze=True, consts_at=None, init_at=None, keep=()):
     """The scan ``eqn`` as a while loop over steps ``0 .. stop - 1`` (from ``stop - 1`` down
     when reversed), for carries with a rows axis (``carry_axes``: its position, None for a
     carry without one): at step ``at`` the rows ``alive_at(at)`` compute, the others keep
     their carry; the rows ``restart_at(at)`` first take their initial carry again (a new
     sequence of a packed row). The body sees ``alive`` in its context, so a reduction over
     the rows there reads the live ones. With ``freeze=False`` the other rows compute too:
-    for a caller that never reads their carries (`_packed_scan`). Returns the final carries
-    and the stacked outputs."""
+    for a caller that never reads their carries (`_packed_scan`). ``consts_at(at)`` and
+    ``init_at(at)``, when given, are the constants and the initial carries at step ``at``
+    (they differ per step in packed rows). Returns the final carries, the stacked outputs,
+    and the carries after every step for those ``keep`` marks (None for the others)."""
     p = eqn.params
     ncarry, body = p["num_carry"], p["jaxpr"]
     ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+    ys0 += [_full((p["length"], *jnp.shape(c)), 0, c.dtype)
+            for c, k in zip(init, keep) if k]
 
     def by_rows(mask, value, other, axis):
         return lax.select(lax.broadcast_in_dim(mask, jnp.shape(value), (axis,)), value, other)
@@ -132,17 +136,22 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
         if restart_at is not None:
             restart = restart_at(at)
             carry = [c if a is None else by_rows(restart, c0, c, a)
-                     for c, c0, a in zip(carry, init, carry_axes)]
+                     for c, c0, a in zip(carry, init if init_at is None else init_at(at),
+                                         carry_axes)]
         x = [_at_step(v, at) for v in xs]
-        out = _eval_closed(ctx.child(eqn, alive=alive), body, [*consts, *carry, *x])
+        here = consts if consts_at is None else consts_at(at)
+        out = _eval_closed(ctx.child(eqn, alive=alive), body, [*here, *carry, *x])
         new = [n if a is None or not freeze else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
+        kept = [n for n, k in zip(new, keep) if k]
         ys = [_set_step(y, v.astype(y.dtype), at)
-              for y, v in zip(ys, out[ncarry:])]
+              for y, v in zip(ys, [*out[ncarry:], *kept])]
         return i + 1, new, ys
 
     _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
-    return carry, ys
+    n_ys = len(eqn.outvars) - ncarry
+    kept = iter(ys[n_ys:])
+    return carry, ys[:n_ys], [next(kept) if k else None for k in keep]
 
 
 def _invariant_or_per_row(jaxpr, invar: int, outvar: int, ctx, rows) -> bool:

@@ -49,6 +49,10 @@ class Logical:
     fn: Callable
     unsupported: tuple[Unsupported, ...]    # empty when every equation has a rule
     rewritten: int                          # equations a rule changed
+    # The packed program (`rewrite_packed`): its inputs (per-sequence ones held per cell),
+    # and whether it reads a per-sequence value (then every sequence needs a cell).
+    avals: tuple[Any, ...] | None = None
+    per_sequence: bool = False
 
 
 class _NoRule(Exception):

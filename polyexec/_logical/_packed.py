@@ -56,6 +56,7 @@ final carry costs nothing. Everything else is `Unsupported` with the user's line
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -66,7 +67,7 @@ from jax._src.export import shape_poly as _shape_poly
 
 from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_with, _Ctx,
                     _eqn_touches, _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule,
-                    _Recorder, _replay, _take_rows, _where)
+                    _Recorder, _replay, _sub_jaxprs, _take_rows, _where)
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
 from ._control import _at_step, frozen_scan
@@ -76,6 +77,8 @@ from ._structure import _pad as _padded_pad
 from ._structure import _keeps_length_axes, _reshape as _padded_reshape
 from ._structure import _slice as _padded_slice
 from ._core import _highest, _lowest
+from . import _sequences
+from ._sequences import PerSequence, _names, _spread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +87,6 @@ class NotPacked:
     makes the program unpackable (the reason names where it was made)."""
 
     why: str
-
-
-def _names(d) -> set[str]:
-    return set(d._get_vars()) if _is_sym(d) else set()
 
 
 class _PackedCtx(_Ctx):
@@ -172,6 +171,13 @@ class _PackedCtx(_Ctx):
         column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
         return jnp.where(self.in_frame(d), column - pos, column if fill is None else fill)
 
+    def sequence_starts(self):
+        """``(rows, columns)`` int32: per cell of a sequence (its real cells, or the one cell a
+        sequence of length 0 holds its per-sequence values at) the column where the sequence
+        starts; elsewhere the cell's own column."""
+        column = lax.broadcasted_iota(np.int32, jnp.shape(self.pos), 1)
+        return jnp.where(self.pos >= 0, column - self.pos, column)
+
     def frame(self, shape):
         """bool ``shape``: the cells of a value with one rows axis and one or two packed
         lengths that hold a real position (one axis), or a pair of real positions of the same
@@ -223,7 +229,8 @@ class _PackedCtx(_Ctx):
         if any(isinstance(x, RowVarying) for x in invals):   # never made here; defensive
             self.flag(eqn, "reads a per-row value")
             return [NotPacked("a per-row value")] * len(eqn.outvars)
-        if not _eqn_touches(eqn, self.recorder.touches):
+        per_sequence = any(isinstance(x, PerSequence) for x in invals)
+        if not per_sequence and not _eqn_touches(eqn, self.recorder.touches):
             return _bind(eqn, invals)
         for v in eqn.outvars:
             for d in getattr(v.aval, "shape", ()):
@@ -231,7 +238,8 @@ class _PackedCtx(_Ctx):
                                                                self.rows_name):
                     self.flag(eqn, f"the length {d} can exceed its sequence's room in a packed row")
                     return [NotPacked(f"the length {d}")] * len(eqn.outvars)
-        rule = _PACKED_RULES.get(eqn.primitive.name, _generic)
+        rule = (_sequences.evaluate if per_sequence
+                else _PACKED_RULES.get(eqn.primitive.name, _generic))
         try:
             self.current = eqn
             out = rule(self, eqn, invals)
@@ -247,8 +255,9 @@ class _PackedCtx(_Ctx):
         if out is None:
             return _bind(eqn, invals)
         self.recorder.rewritten.add(id(eqn))
-        return [x if isinstance(x, NotPacked) else _like(x, v.aval)
-                for x, v in zip(out, eqn.outvars)]
+        return [x if isinstance(x, NotPacked) else
+                PerSequence(_like(x.value, v.aval), x.axis) if isinstance(x, PerSequence)
+                else _like(x, v.aval) for x, v in zip(out, eqn.outvars)]
 
     def per_sequence(self, eqn, what: str) -> list:
         where = _where(eqn) or "<unknown>"
@@ -262,12 +271,6 @@ def _along(v2, ndim: int, rows_axis: int, packed_axis: int):
     if rows_axis > packed_axis:
         v2 = v2.T
     return jnp.expand_dims(v2, [a for a in range(ndim) if a not in (rows_axis, packed_axis)])
-
-
-def _spread(v, shape, targets):
-    """``v`` broadcast to ``shape``, its axes going to the axes ``targets`` (in any order)."""
-    order = sorted(range(len(targets)), key=targets.__getitem__)
-    return lax.broadcast_in_dim(jnp.transpose(v, order), tuple(shape), tuple(sorted(targets)))
 
 
 def _fits(recorder: _Recorder, d, var: str, rows: str) -> bool:
@@ -406,10 +409,81 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
     if packed:
         if rows | packed <= axes and not arg:
             return rule(ctx, eqn, invals)       # over every real cell
+        if packed <= axes and not rows & axes and eqn.primitive.name != "reduce":
+            return [_along_sequences(ctx, eqn, x, *rows, *packed)]
         return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
     if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
         return rule(ctx, eqn, invals)
     return ctx.per_sequence(eqn, f"{eqn.primitive.name} over the rows")
+
+
+# How a reduction along the length combines each sequence's cells (`_along_sequences`).
+_SEGMENT = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul",
+            "reduce_and": "min", "reduce_or": "max", "reduce_xor": None}
+
+
+def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
+    """A reduction along a packed length that keeps the rows (``jnp.sum(x, axis=1)``,
+    ``jnp.argmax(logits, axis=1)``): per sequence, over its own cells -- a scatter into each
+    sequence's start column, read back at every cell of the sequence. ``argmax``/``argmin``
+    give the position inside the sequence (its first extreme, or its first NaN, as jnp)."""
+    name = eqn.primitive.name
+    if _SEGMENT.get(name, "") is None:
+        raise _NoRule(f"{name} along a packed length")
+    frame = ctx.frame(x.shape)
+    axes = tuple(eqn.params["axes"])
+    if name in ("argmax", "argmin"):
+        best = "max" if name == "argmax" else "min"
+        nan = jnp.isnan(x) & frame if jnp.issubdtype(x.dtype, jnp.inexact) else frame & False
+        fill = (_lowest if best == "max" else _highest)(x.dtype)
+        clean = lax.select(frame & ~nan, x, _full(x.shape, fill, x.dtype))
+        extreme = _segments(ctx, clean, r, p, best, fill)
+        has_nan = _segments(ctx, nan.astype(np.int8), r, p, "max", 0)
+        back = ctx.starts(x.shape[p], 0)                           # (rows, cells of the axis)
+        at = functools.partial(_read_cells, ctx, back, r, p, x.shape)
+        hit = frame & jnp.where(at(has_nan) > 0, nan, clean == at(extreme))
+        position = _spread(ctx.cells(x.shape[p])[0], x.shape, (r, p))
+        big = np.iinfo(np.int32).max
+        first = _segments(ctx, jnp.where(hit, position, big).astype(np.int32), r, p, "min", big)
+        out = jnp.where(first == big, 0, first).astype(eqn.params["index_dtype"])
+    else:
+        fill = _REDUCE_IDENTITY[name](x.dtype)
+        x = lax.select(frame, x, _full(x.shape, fill, x.dtype))
+        if len(axes) > 1:                   # the other axes first, per cell
+            x = _bind_with(eqn, [x], axes=tuple(a for a in axes if a != p))[0]
+            r, p = r - sum(a < r for a in axes if a != p), p - sum(a < p for a in axes if a != p)
+        exact = x.dtype == np.bool_
+        out = _segments(ctx, x.astype(np.int8) if exact else x, r, p, _SEGMENT[name],
+                        int(fill) if exact else fill)
+        out = out.astype(x.dtype)
+    (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
+    return _sequences.by_cell(out, r_out)
+
+
+def _segments(ctx: _PackedCtx, x, r: int, p: int, how: str, fill):
+    """``(rows, columns, *rest)``: per cell of the grid, ``how`` ("add", "max", ...) of its
+    sequence's cells of ``x`` (rows axis ``r``, packed axis ``p``; cells outside the frame
+    already hold ``fill``)."""
+    rows, columns = ctx.pos.shape
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    n = xs.shape[1]
+    row = lax.broadcasted_iota(np.int32, (rows, n), 0)
+    into = jnp.where(ctx.in_frame(n), row * columns + ctx.starts(n), rows * columns)
+    flat = xs.reshape((rows * n, *xs.shape[2:]))
+    total = _full((rows * columns, *xs.shape[2:]), fill, xs.dtype)
+    total = getattr(total.at[into.reshape(-1)], how)(flat, mode="drop")
+    grid_row = lax.broadcasted_iota(np.int32, (rows, columns), 0)
+    return total[grid_row * columns + ctx.sequence_starts()]
+
+
+def _read_cells(ctx: _PackedCtx, back, r, p, shape, grid):
+    """A ``(rows, columns, *rest)`` per-sequence grid read at the cells of a value of ``shape``
+    (rows axis ``r``, packed axis ``p``): each cell its own sequence's entry."""
+    rows, columns = ctx.pos.shape
+    flat = grid.reshape((rows * columns, *grid.shape[2:]))
+    row = lax.broadcasted_iota(np.int32, back.shape, 0)
+    cells = flat[row * columns + back]                 # (rows, n, *rest)
+    return jnp.moveaxis(cells, (0, 1), (r, p))
 
 
 @_packed("dot_general")
@@ -675,11 +749,115 @@ def _dim_as_value(ctx: _PackedCtx, eqn, invals):
     d = eqn.params["dim"]
     names = _names(d)
     if ctx.var in names and ctx.rows_name not in names:
-        return ctx.per_sequence(eqn, f"the length {d} used as a number")
+        return [PerSequence(ctx._at(d, ctx.seglen), None)]     # each sequence's own
     if ctx.var in names:
         return [ctx.length(d)]
     # The rows as a number are the sequences, not the packed rows.
     return [lax.convert_element_type(d._evaluate(ctx.sizes), np.int32)]
+
+
+def _position(ctx: _PackedCtx, eqn, shape, index):
+    """Where ``x[:, k]`` reads (or its transpose writes) along the packed axis of ``shape``,
+    when the equation takes one position of it for every other entry: ``(p, position,
+    inside)``, the position per grid cell (``k``, or ``n - 1`` for ``x[:, -1]``, whose ``T -
+    1`` is a number per sequence) and whether it is inside the sequence's part of the axis;
+    None for any other indexing."""
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if len(rows) != 1 or len(packed) != 1 or tuple(eqn.invars[1].aval.shape) != (1,) or (
+            isinstance(index, PerSequence) and index.axis is not None):
+        return None
+    (p,) = packed
+    if isinstance(index, PerSequence):
+        position = index.value[..., 0]
+    else:
+        position = jnp.broadcast_to(jnp.asarray(index)[0], ctx.pos.shape)
+    n = ctx._at(shape[p], ctx.seglen)
+    inside = (position >= 0) & (position < n)
+    if eqn.params["mode"] == lax.GatherScatterMode.CLIP:
+        position, inside = jnp.clip(position, 0, n - 1), n > 0
+    return p, position.astype(np.int32), inside
+
+
+def _pick(ctx: _PackedCtx, eqn, invals):
+    """``x[:, k]`` and ``x[:, -1]`` of a packed value: each sequence's own position ``k``
+    (``n - 1``), a per-sequence value; outside the sequence, as the gather's mode says."""
+    x, index = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _position(ctx, eqn, shape, index)
+    if found is None:
+        return None
+    p, position, inside = found
+    sizes = eqn.params["slice_sizes"]
+    if (tuple(dn.collapsed_slice_dims) != (p,) or tuple(dn.start_index_map) != (p,)
+            or dn.operand_batching_dims or tuple(dn.offset_dims) != tuple(range(len(shape) - 1))
+            or any(a != p and not _core_equal(sizes[a], shape[a]) for a in range(len(shape)))):
+        return None
+    (r,) = ctx.row_axes(shape)
+    n = ctx._at(shape[p], ctx.seglen)
+    column = ctx.sequence_starts() + jnp.clip(position, 0, jnp.maximum(n - 1, 0))
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    picked = jnp.take_along_axis(xs, jnp.expand_dims(column, tuple(range(2, xs.ndim))), axis=1,
+                                 mode="clip")
+    # Outside the sequence the gather's fill (a sequence of length 0 has no position to clamp
+    # to, whatever the mode).
+    outside = ~inside if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
+    fill = eqn.params["fill_value"]
+    if fill is None:        # lax.gather's own fill
+        dt = np.dtype(x.dtype)
+        fill = (np.nan if jnp.issubdtype(dt, jnp.inexact) else True if dt == np.bool_
+                else np.iinfo(dt).min if jnp.issubdtype(dt, jnp.signedinteger)
+                else np.iinfo(dt).max)
+    keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
+    picked = jnp.where(keep, picked, jnp.asarray(fill, picked.dtype))
+    (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
+    return [_sequences.by_cell(picked, r_out)]
+
+
+def _put(ctx: _PackedCtx, eqn, invals):
+    """The transpose of `_pick` (``x.at[:, -1].add(g)``, ``.set``): each sequence's update
+    into its own position ``k`` (``n - 1``); nothing where that is outside the sequence."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _position(ctx, eqn, shape, index)
+    if found is None or eqn.primitive.name not in ("scatter-add", "scatter"):
+        return None
+    p, position, inside = found
+    if (tuple(dn.inserted_window_dims) != (p,) or tuple(dn.scatter_dims_to_operand_dims) != (p,)
+            or dn.operand_batching_dims
+            or tuple(dn.update_window_dims) != tuple(range(len(shape) - 1))):
+        return None
+    update_shape = eqn.invars[2].aval.shape
+    if isinstance(updates, PerSequence) and updates.axis is None or not ctx.row_axes(update_shape):
+        raise _NoRule("a scatter into one position of a packed length from a value without rows")
+    updates = _sequences.held(ctx, updates, update_shape)
+    (r,) = ctx.row_axes(shape)
+    n = shape[p]
+    # The update's axes in the operand's, the columns taking the place of the packed axis.
+    targets = [a + (a >= p) for a in range(len(update_shape))]
+    targets.insert(updates.axis + 1, p)
+    cells = _spread(lax.slice_in_dim(updates.value, 0, n, axis=updates.axis + 1), shape, targets)
+    pos, _ = ctx.cells(n)
+    at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
+    at = _spread(at & ctx.in_frame(n), shape, (r, p))
+    if eqn.primitive.name == "scatter":
+        return [lax.select(at, cells, x)]
+    return [x + lax.select(at, cells, _full(shape, 0, x.dtype))]
+
+
+@_packed("gather")
+def _gather(ctx: _PackedCtx, eqn, invals):
+    picked = _pick(ctx, eqn, invals)
+    return picked if picked is not None else _generic(ctx, eqn, invals)
+
+
+@_packed("scatter-add", "scatter")
+def _scatter(ctx: _PackedCtx, eqn, invals):
+    put = _put(ctx, eqn, invals)
+    return put if put is not None else _generic(ctx, eqn, invals)
+
+
+_sequences.rule("gather")(_pick)
+_sequences.rule("scatter-add", "scatter")(_put)
 
 
 @_packed("broadcast_in_dim")
@@ -812,10 +990,16 @@ def _scan(ctx: _PackedCtx, eqn, invals):
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
     length = p["length"]
-    has_rows = [bool(ctx.row_axes(x.shape)) for x in (*init, *xs)]
+    has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
     if ctx.var not in _names(length) or not any(has_rows):
+        if any(isinstance(x, PerSequence) for x in invals):
+            raise _NoRule("a scan over another length than the packed one reads a "
+                          "per-sequence value")
         return _padded_scan(ctx, eqn, invals)
     return _packed_scan(ctx, eqn, consts, init, xs)
+
+
+_sequences.rule("scan")(_scan)
 
 
 def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
@@ -823,20 +1007,27 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     sequence's first step (its last, for a reverse scan) the row's carry restarts from its
     initial value; ``alive`` marks the rows whose cell is real, so a gradient summed over the
     rows inside the body reads those only. Outside the frame the carry runs on, not frozen:
-    every real cell restarts its sequence or follows a real cell of it, and the final per-row
-    carry is a per-sequence value no one reads (freezing it cost the GRU train step 9%)."""
+    every real cell restarts its sequence or follows a real cell of it (freezing it cost the
+    GRU train step 9%). A per-sequence initial carry or constant (an encoder's state, the
+    gradient of a final carry) is read at each step's column; a final carry that is read is
+    each sequence's own, kept from the step that ends it."""
     p = eqn.params
-    body, length = p["jaxpr"], p["length"]
+    body, length, nc = p["jaxpr"], p["length"], p["num_consts"]
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    const_shapes, init_shapes = shapes[:nc], shapes[nc:nc + len(init)]
+    if any(isinstance(v, PerSequence) and v.axis is None for v in (*consts, *init)) or any(
+            isinstance(x, PerSequence) for x in xs):
+        raise _NoRule("a scan over a packed length reading a per-sequence number")
     if any(not ctx.row_axes(x.shape[1:]) for x in xs):
         raise _NoRule("a scan over a packed length whose scanned input has no rows axis")
-    if any(ctx.row_axes(c.shape) and ctx.packed_axes(c.shape) for c in consts):
+    if any(ctx.row_axes(s) and ctx.packed_axes(s) for s in const_shapes):
         raise _NoRule("a scan over a packed length that reads a whole packed value at each step")
     carry_axes = []
-    for j, c in enumerate(init):
-        axes = ctx.row_axes(c.shape)
+    for j, shape in enumerate(init_shapes):
+        axes = ctx.row_axes(shape)
         if len(axes) > 1:
-            raise _NoRule(f"a carry of shape {tuple(c.shape)} has several rows axes")
-        if not axes and not _accumulates(body.jaxpr, p["num_consts"] + j, j, ctx):
+            raise _NoRule(f"a carry of shape {shape} has several rows axes")
+        if not axes and not _accumulates(body.jaxpr, nc + j, j, ctx):
             raise _NoRule(f"carry {j} has no rows axis and is not a sum over the rows (a step "
                           f"counter?): over packed rows its steps are not any sequence's")
         carry_axes.append(axes[0] if axes else None)
@@ -845,13 +1036,46 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     first = in_frame & ((pos == ctx._at(length, seglen) - 1) if p["reverse"] else (pos == 0))
     columns = lax.broadcasted_iota(np.int32, jnp.shape(in_frame), 1)
     stop = jnp.max(jnp.where(in_frame, columns + 1, 0), initial=0).astype(np.int32)
-    carry, ys = frozen_scan(
-        ctx, eqn, consts, init, xs, carry_axes, stop,
+
+    def at(values):
+        if not any(isinstance(v, PerSequence) for v in values):
+            return None
+        return lambda step: [_sequences.at_column(v, step) if isinstance(v, PerSequence) else v
+                             for v in values]
+
+    starting = [_sequences.at_column(c, 0) if isinstance(c, PerSequence) else c for c in init]
+    keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
+    carry, ys, steps = frozen_scan(
+        ctx, eqn, consts, starting, xs, carry_axes, stop,
         alive_at=lambda at: _at_step(in_frame, at, 1),
-        restart_at=lambda at: _at_step(first, at, 1), freeze=False)
-    final = [c if a is None else ctx.per_sequence(eqn, "the final carry of a scan")[0]
-             for c, a in zip(carry, carry_axes)]
+        restart_at=lambda at: _at_step(first, at, 1), freeze=False,
+        consts_at=at(consts), init_at=at(init), keep=keep)
+    final = []
+    for c, c0, shape, a, kept in zip(carry, init, init_shapes, carry_axes, steps):
+        if a is None:
+            final.append(c)
+        elif kept is None:          # never read: no per-sequence copy
+            final.append(ctx.per_sequence(eqn, "the final carry of a scan")[0])
+        else:
+            final.append(_final_carry(ctx, kept, _sequences.held(ctx, c0, shape), length,
+                                      p["reverse"]))
     return [*final, *ys]
+
+
+def _final_carry(ctx: _PackedCtx, steps, initial: PerSequence, length, reverse: bool):
+    """Each sequence's final carry: the carry after its last step (its first, reversed), read
+    from the carries after every step (``steps``, stacked on a leading axis); a sequence with
+    no step (length 0, or 1 over ``T - 1``) keeps its initial carry."""
+    a = initial.axis
+    steps = jnp.moveaxis(steps, 0, a + 1)            # each row's carry after each column
+    count = ctx._at(length, ctx.seglen)              # (rows, columns): each sequence's steps
+    start = ctx.sequence_starts()
+    last = start if reverse else start + count - 1
+    shape = list(steps.shape)
+    shape[a + 1] = ctx.pos.shape[1]
+    got = _take_rows(ctx, steps, _spread(jnp.maximum(last, 0), shape, (a, a + 1)), a + 1)
+    ran = _spread(count > 0, got.shape, (a, a + 1))
+    return PerSequence(lax.select(ran, got, initial.value), a)
 
 
 _PASS_THROUGH = {"reduce_sum", "convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
@@ -949,6 +1173,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     """
     jaxpr = closed_jaxpr.jaxpr
     recorder = _Recorder()
+    recorder.used, recorder.per_sequence = _read_anywhere(jaxpr), False
     if len(rows_at) != 1:
         why = ("no input gives per-sequence lengths (a `lengths_of` Spec)" if not rows_at else
                "several length variables are ragged")
@@ -958,30 +1183,60 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     dims = [d for v in jaxpr.invars for d in getattr(v.aval, "shape", ()) if _is_sym(d)]
     grid = jax.export.symbolic_shape(f"{rows}, {var}", scope=dims[0].scope)
 
+    def held_per_cell(shape):
+        """Inputs with the rows axis and no packed length (the lengths, labels): per cell."""
+        r = [a for a, d in enumerate(shape) if _is_sym(d) and str(d) == rows]
+        packed = [d for d in shape if var in _names(d)]
+        return r[0] if len(r) == 1 and not packed else None
+
     def packed(*args):
         *flat, pos, seglen = args
         sizes = {name: flat[at] for name, at in sizes_at.items()}
         ctx = _PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen)
         inputs = []
-        for i, (v, x) in enumerate(zip(jaxpr.invars, flat)):
+        for v, x in zip(jaxpr.invars, flat):
             shape = getattr(v.aval, "shape", ())
-            if ctx.row_axes(shape) and not ctx.packed_axes(shape):
-                x = NotPacked(f"input {i} (shape {tuple(shape)}), a per-sequence value such as "
-                              f"the lengths -- hand-written masks need layout='pad'")
-            inputs.append(x)
+            a = held_per_cell(shape)
+            inputs.append(x if a is None else PerSequence(x, a))
         outs = _eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, inputs)
         for i, (out, v) in enumerate(zip(outs, jaxpr.outvars)):
             shape = getattr(v.aval, "shape", ())
-            if isinstance(out, NotPacked) or (ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1):
-                made = out.why if isinstance(out, NotPacked) else "a per-sequence value"
+            if held_per_cell(shape) is not None:      # returned per sequence
+                recorder.per_sequence = True
+                outs[i] = _sequences.held(ctx, out, shape).value if not isinstance(
+                    out, NotPacked) else out
+            if isinstance(outs[i], PerSequence) or isinstance(outs[i], NotPacked) or (
+                    ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1
+                    and held_per_cell(shape) is None):
+                made = (outs[i].why if isinstance(outs[i], NotPacked)
+                        else "a per-sequence number" if isinstance(outs[i], PerSequence)
+                        else "a per-sequence value")
                 recorder.unsupported.setdefault(("output", i), Unsupported(
                     "output", f"output {i}", f"returns {made}"))
                 outs[i] = _full(v.aval.shape, 0, v.aval.dtype)
         return tuple(outs)
 
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in jaxpr.invars]
+    avals = []
+    for v in jaxpr.invars:
+        shape, a = tuple(v.aval.shape), held_per_cell(getattr(v.aval, "shape", ()))
+        if a is not None:
+            shape = (*shape[:a + 1], grid[1], *shape[a + 1:])
+        avals.append(jax.ShapeDtypeStruct(shape, v.aval.dtype, weak_type=v.aval.weak_type))
     avals += [jax.ShapeDtypeStruct(tuple(grid), np.int32)] * 2
     traced = jax.jit(packed).trace(*avals).jaxpr
     return Logical(fn=_replay(traced), unsupported=tuple(recorder.unsupported.values()),
-                   rewritten=len(recorder.rewritten))
+                   rewritten=len(recorder.rewritten), avals=tuple(avals),
+                   per_sequence=recorder.per_sequence)
+
+
+def _read_anywhere(jaxpr) -> set:
+    """The variables some equation reads or some program returns, in ``jaxpr`` and every
+    program inside it: a scan's final carry that is not among them is never read."""
+    read, stack = set(), [jaxpr]
+    while stack:
+        j = stack.pop()
+        read.update(v for v in j.outvars if isinstance(v, jax.extend.core.Var))
+        for eqn in j.eqns:
+            read.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
+            stack.extend(_sub_jaxprs(eqn.params))
+    return read

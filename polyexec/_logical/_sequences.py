@@ -1,0 +1,323 @@
+"""Per-sequence values of packed rows (``layout="pack"``).
+
+A value with the rows axis and no packed length has one entry per sequence: a scan's final
+carry, ``x[:, -1]``, a sum over T alone, a ``(B,)`` input such as the labels. A packed row
+holds several sequences, so such a value is held at every cell of its sequence
+(`PerSequence`): the logical value with the grid's columns inserted after its rows axis, cell
+``(r, c)`` holding the entry of the sequence that occupies it. A number per sequence without a
+rows axis (``x.shape[1]``) is held with leading ``(rows, columns)`` axes.
+
+- An equation that treats the rows independently (elementwise maths, a head ``h @ W``,
+  ``log_softmax``, a gather batched over the rows) runs once per column: ``jax.vmap`` over the
+  inserted axis, where row ``r`` of column ``c`` is the sequence at cell ``(r, c)``.
+- One that combines the rows (a mean over the sequences, a weight gradient ``h.T @ g``) reads
+  each sequence once, at its first cell.
+- Broadcasting one back along the length (``h[:, None] + x``, ``x / x.shape[1]``) gives each
+  cell its own sequence's entry.
+- The packed rules (`_packed`) make them (reductions along the length alone, picking one
+  position ``x[:, k]``, a scan's final carry, ``dim_as_value``) and read them as a scan's
+  initial carry or constant (an encoder's state, the gradient of a final carry) at each
+  sequence's first step, or as the update of a scatter into one position (``x[:, -1]``'s
+  gradient).
+
+Every sequence has a first cell: one of length 0 gets a cell of its own, outside the frame of
+every length (``pos`` 0, ``seglen`` 0), so its per-sequence values exist too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._core import ELEMENTWISE, _bind, _bind_with, _full, _is_sym, _lookup, _NoRule
+from ._reductions import _REDUCE_IDENTITY
+
+
+@dataclasses.dataclass(frozen=True)
+class PerSequence:
+    """A value with one entry per sequence, held at every cell of its sequence: ``value`` is
+    the logical value with the grid's columns inserted after its rows axis ``axis``, or, for
+    a value without one (``axis`` None), with leading ``(rows, columns)`` axes."""
+
+    value: Any
+    axis: int | None
+
+
+def _names(d) -> set[str]:
+    return set(d._get_vars()) if _is_sym(d) else set()
+
+
+def _spread(v, shape, targets):
+    """``v`` broadcast to ``shape``, its axes going to the axes ``targets`` (in any order)."""
+    order = sorted(range(len(targets)), key=targets.__getitem__)
+    return lax.broadcast_in_dim(jnp.transpose(v, order), tuple(shape), tuple(sorted(targets)))
+
+
+def grid_shape(ctx, shape, axis):
+    """The shape a per-sequence value of logical ``shape`` is held in."""
+    rows, columns = ctx.pos.shape
+    if axis is None:
+        return (rows, columns, *shape)
+    return (*shape[:axis + 1], columns, *shape[axis + 1:])
+
+
+def held(ctx, x, shape):
+    """``x`` (logical ``shape``, one rows axis) as a `PerSequence`: a plain value is the same
+    for every sequence (``jnp.zeros((B, H))``: a broadcast), so every column holds it."""
+    if isinstance(x, PerSequence):
+        return x
+    (r,) = ctx.row_axes(shape)
+    full = grid_shape(ctx, shape, r)
+    return PerSequence(lax.broadcast_in_dim(x, full, tuple(a + (a > r) for a in range(len(shape)))),
+                       r)
+
+
+def at_column(x: PerSequence, column):
+    """The logical value at one column: row ``r`` holds the sequence at cell ``(r, column)``."""
+    return lax.dynamic_index_in_dim(x.value, column, x.axis + 1, keepdims=False,
+                                    allow_negative_indices=False)
+
+
+def first_only(ctx, x: PerSequence, fill):
+    """``x`` with ``fill`` everywhere but at each sequence's first cell: summed over the rows
+    and columns, every sequence counts once."""
+    first = ctx.pos == 0
+    targets = (0, 1) if x.axis is None else (x.axis, x.axis + 1)
+    keep = _spread(first, x.value.shape, targets)
+    return lax.select(keep, x.value, _full(x.value.shape, fill, x.value.dtype))
+
+
+def by_cell(grid, axis):
+    """``(rows, columns, *rest)`` -> a `PerSequence` whose logical rows axis is ``axis``."""
+    return PerSequence(jnp.moveaxis(grid, (0, 1), (axis, axis + 1)), axis)
+
+
+def _shapes(vs):
+    return [tuple(getattr(v.aval, "shape", ())) for v in vs]
+
+
+# --------------------------------------------------------------------------------------------
+# Equations reading per-sequence values
+
+RULES: dict[str, Any] = {}
+
+
+def rule(*names):
+    def register(fn):
+        for name in names:
+            RULES[name] = fn
+        return fn
+    return register
+
+
+def evaluate(ctx, eqn, invals) -> list:
+    """One equation with a `PerSequence` among its inputs."""
+    ctx.recorder.per_sequence = True
+    specific = RULES.get(eqn.primitive.name)
+    if specific is not None:
+        out = specific(ctx, eqn, invals)
+        if out is not None:
+            return out
+    entry = _lookup(eqn.primitive)
+    if entry is not None and getattr(entry.rule, "inline", False):
+        return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
+    return _per_column(ctx, eqn, invals, entry)
+
+
+# Primitives acting along the axes their parameter names (elsewhere per position).
+_AXIS_PARAMS = ("axes", "dimensions", "dimension", "axis")
+_PER_POSITION = {"broadcast_in_dim", "reshape", "squeeze", "transpose", "dot_general", "gather",
+                 "scatter-add", "scatter", "slice", "pad", "concatenate", "select_n",
+                 "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                 "reduce_or", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+                 "cumlogsumexp", "sort", "rev", "split", "expand_dims"}
+
+
+def _per_column(ctx, eqn, invals, entry) -> list:
+    name = eqn.primitive.name
+    shapes, out_shapes = _shapes(eqn.invars), _shapes(eqn.outvars)
+    elementwise = entry is not None and entry.rule is ELEMENTWISE
+    if any(ctx.packed_axes(s) for s in out_shapes):
+        if not elementwise or name in ("broadcast_in_dim", "iota"):
+            raise _NoRule(f"{name} of a per-sequence value and a packed length")
+        # Then as any packed equation (a per-position operand, ``iota < lengths[:, None]``'s
+        # ``(1, T)`` iota, is placed by position).
+        return ctx.evaluate(eqn, [_to_cells(ctx, x, s, out_shapes[0])
+                                  if isinstance(x, PerSequence) else x
+                                  for x, s in zip(invals, shapes)])
+    if any(ctx.packed_axes(s) for s in shapes):
+        raise _NoRule(f"{name} of a per-sequence value and a value along a packed length")
+    if not elementwise and name not in _PER_POSITION:
+        raise _NoRule(f"{name} has no rule for a per-sequence value of packed rows")
+    for i, (x, s) in enumerate(zip(invals, shapes)):
+        if isinstance(x, PerSequence) and x.axis is not None and _acts_on(eqn, i, x.axis, s):
+            raise _NoRule(f"{name} along the sequences of a per-sequence value")
+    rowless = [isinstance(x, PerSequence) and x.axis is None for x in invals]
+    rowful = any(isinstance(x, PerSequence) and x.axis is not None for x in invals) or any(
+        ctx.row_axes(s) for s in shapes)
+    if any(rowless) and not rowful:
+        # Numbers per sequence (``x.shape[1] - 1``): once per cell.
+        if any(ctx.row_axes(s) for s in out_shapes):
+            raise _NoRule(f"{name} makes rows of a per-sequence number")
+        axes = [0 if r else None for r in rowless]
+        run = jax.vmap(jax.vmap(lambda *xs: tuple(_bind(eqn, list(xs))), axes), axes)
+        outs = run(*[x.value if r else x for x, r in zip(invals, rowless)])
+        return [PerSequence(o, None) for o in outs]
+    if any(rowless):
+        # A number per sequence meets rows: an elementwise scalar, held at the rows' shape.
+        if not elementwise or any(r and s != () for r, s in zip(rowless, shapes)):
+            raise _NoRule(f"{name} of a per-sequence number and a per-sequence value")
+        (out,) = out_shapes
+        (r,) = ctx.row_axes(out)
+        invals = [PerSequence(_spread(x.value, grid_shape(ctx, out, r), (r, r + 1)), r)
+                  if is_rowless else x for x, is_rowless in zip(invals, rowless)]
+    out_axes = []
+    for s in out_shapes:
+        rows = ctx.row_axes(s)
+        if len(rows) != 1:
+            raise _NoRule(f"{name} of a per-sequence value "
+                          f"{'combines the sequences' if not rows else 'pairs the sequences'}")
+        out_axes.append(rows[0] + 1)
+    in_axes = [x.axis + 1 if isinstance(x, PerSequence) else None for x in invals]
+    run = jax.vmap(lambda *xs: tuple(_bind(eqn, list(xs))), in_axes=in_axes,
+                   out_axes=tuple(out_axes))
+    outs = run(*[x.value if isinstance(x, PerSequence) else x for x in invals])
+    return [PerSequence(o, a - 1) for o, a in zip(outs, out_axes)]
+
+
+def _acts_on(eqn, i: int, axis: int, shape) -> bool:
+    """Whether equation ``eqn`` combines or moves entries along axis ``axis`` of input ``i``
+    (then running it per column would mix the sequences of one column)."""
+    p, name = eqn.params, eqn.primitive.name
+    if name == "reshape":
+        kept = [d for d in p["new_sizes"] if str(d) == str(shape[axis])]
+        return len(kept) != 1 or p.get("dimensions") is not None
+    if name in ("broadcast_in_dim", "transpose", "squeeze", "select_n", "expand_dims"):
+        return False
+    if name == "dot_general":
+        (lc, rc), _ = p["dimension_numbers"]
+        return axis in (lc, rc)[i]
+    if name == "gather":
+        dn = p["dimension_numbers"]
+        if i == 0:
+            return not (axis in dn.operand_batching_dims or (
+                axis not in dn.collapsed_slice_dims and axis not in dn.start_index_map
+                and str(p["slice_sizes"][axis]) == str(shape[axis])))
+        return axis == len(shape) - 1
+    if name in ("scatter-add", "scatter"):
+        dn = p["dimension_numbers"]
+        if i == 0:
+            return axis not in dn.operand_batching_dims
+        return i == 1 and axis == len(shape) - 1
+    if name == "slice":
+        return (p["start_indices"][axis] != 0 or str(p["limit_indices"][axis]) != str(shape[axis])
+                or (p["strides"] or (1,) * len(shape))[axis] != 1)
+    if name == "pad":
+        return i == 0 and tuple(p["padding_config"][axis]) != (0, 0, 0)
+    for key in _AXIS_PARAMS:
+        if key in p:
+            value = p[key]
+            return axis in (value if isinstance(value, (tuple, list)) else (value,))
+    return False
+
+
+def _to_cells(ctx, x: PerSequence, shape, out):
+    """A per-sequence operand of an elementwise equation along a packed length (``h[:, None]
+    + x`` after jnp's ``(B, 1, H)`` broadcast, ``x / x.shape[1]``): each cell reads its own
+    sequence's entry, as a value of the output's ``shape``."""
+    rows, packed = ctx.row_axes(out), ctx.packed_axes(out)
+    if len(rows) != 1 or len(packed) != 1:
+        raise _NoRule(f"a per-sequence value meets a value of shape {tuple(out)}")
+    (r,), (p,) = rows, packed
+    if x.axis is None:
+        if shape != ():
+            raise _NoRule("a per-sequence number of more than one entry meets a packed length")
+        return _spread(lax.slice_in_dim(x.value, 0, out[p], axis=1), out, (r, p))
+    if len(shape) != len(out) or x.axis != r or _is_sym(shape[p]) or shape[p] != 1:
+        raise _NoRule(f"a per-sequence value of shape {tuple(shape)} meets a value of shape "
+                      f"{tuple(out)}")
+    v = lax.squeeze(x.value, (p + (p > r),))            # its unit axis gives way to the columns
+    labels = [a for a in range(len(shape)) if a != p]
+    labels.insert(labels.index(r) + 1, "columns")
+    v = lax.slice_in_dim(v, 0, out[p], axis=labels.index("columns"))
+    return _spread(v, out, [p if a == "columns" else a for a in labels])
+
+
+@rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+      "argmax", "argmin")
+def _over_sequences(ctx, eqn, invals):
+    """A reduction over the rows of a per-sequence value (``jnp.mean(loss)``): over every
+    sequence once, at its first cell."""
+    (x,) = invals
+    axes = tuple(eqn.params["axes"])
+    if not isinstance(x, PerSequence) or x.axis is None or x.axis not in axes:
+        return None
+    name = eqn.primitive.name
+    if name in ("argmax", "argmin"):
+        raise _NoRule(f"{name} over the sequences of a per-sequence value")
+    a = x.axis
+    fill = _REDUCE_IDENTITY[name](x.value.dtype)
+    physical = tuple(sorted({b + (b > a) for b in axes} | {a + 1}))
+    return _bind_with(eqn, [first_only(ctx, x, fill)], axes=physical)
+
+
+@rule("dot_general")
+def _contract_sequences(ctx, eqn, invals):
+    """A contraction over the rows of per-sequence values (a head's weight gradient
+    ``h.T @ g``): over every sequence once, at its first cell."""
+    lhs_shape, rhs_shape = _shapes(eqn.invars)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lr, rr = ctx.row_axes(lhs_shape), ctx.row_axes(rhs_shape)
+    if not (lr and lr[0] in lc) and not (rr and rr[0] in rc):
+        return None
+    if any(isinstance(x, PerSequence) and x.axis is None for x in invals) or any(
+            ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
+        raise _NoRule("a contraction over the sequences of a per-sequence value and another "
+                      "kind of value")
+    if not (lr and rr and lr[0] in lc and rr[0] in rc and lc.index(lr[0]) == rc.index(rr[0])):
+        raise _NoRule("a contraction of the sequences with another axis")
+    # Both at first cells only: a cell outside every sequence holds anything (NaN: 0 * NaN).
+    lhs, rhs = (PerSequence(first_only(ctx, v, 0), v.axis) for v in
+                (held(ctx, invals[0], lhs_shape), held(ctx, invals[1], rhs_shape)))
+
+    def moved(dims, a):
+        return tuple(d + (d > a) for d in dims)
+
+    numbers = ((moved(lc, lhs.axis) + (lhs.axis + 1,), moved(rc, rhs.axis) + (rhs.axis + 1,)),
+               (moved(lb, lhs.axis), moved(rb, rhs.axis)))
+    return _bind_with(eqn, [lhs.value, rhs.value], dimension_numbers=numbers)
+
+
+@rule("broadcast_in_dim")
+def _broadcast(ctx, eqn, invals):
+    """A per-sequence value broadcast onto rows (a number per sequence) or along a packed
+    length (``h[:, None, :]`` to ``(B, T, H)``): each cell its own sequence's entry."""
+    (x,) = invals[:1]
+    shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if not isinstance(x, PerSequence) or not (packed or (rows and x.axis is None)):
+        return None
+    if len(rows) != 1 or len(packed) > 1 or (packed and packed[0] in dims):
+        raise _NoRule(f"a per-sequence value broadcast to shape {shape}")
+    (r,) = rows
+    if x.axis is None:
+        if not packed:
+            targets = (r, r + 1, *(d + (d > r) for d in dims))
+            return [PerSequence(_spread(x.value, grid_shape(ctx, shape, r), targets), r)]
+        targets, v = (r, packed[0], *dims), lax.slice_in_dim(x.value, 0, shape[packed[0]], axis=1)
+        return [_spread(v, shape, targets)]
+    (p,) = packed
+    a = x.axis
+    v = lax.slice_in_dim(x.value, 0, shape[p], axis=a + 1)
+    return [_spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
+
+
+@rule("cond", "while", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
+      "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
+      "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k")
+def _refused(ctx, eqn, invals):
+    raise _NoRule(f"{eqn.primitive.name} of a per-sequence value has no packed rule")
