@@ -77,8 +77,8 @@ from ._structure import _pad as _padded_pad
 from ._structure import _keeps_length_axes, _reshape as _padded_reshape
 from ._structure import _slice as _padded_slice
 from ._core import _highest, _lowest
-from . import _sequences
-from ._sequences import PerSequence, _names, _spread
+from ._sequences import PerSequence, _names, _spread, at_column, by_cell, held
+from ._sequences import evaluate as _evaluate_per_sequence, rule as _per_sequence_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +238,7 @@ class _PackedCtx(_Ctx):
                                                                self.rows_name):
                     self.flag(eqn, f"the length {d} can exceed its sequence's room in a packed row")
                     return [NotPacked(f"the length {d}")] * len(eqn.outvars)
-        rule = (_sequences.evaluate if per_sequence
+        rule = (_evaluate_per_sequence if per_sequence
                 else _PACKED_RULES.get(eqn.primitive.name, _generic))
         try:
             self.current = eqn
@@ -457,7 +457,7 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
                         int(fill) if exact else fill)
         out = out.astype(x.dtype)
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
-    return _sequences.by_cell(out, r_out)
+    return by_cell(out, r_out)
 
 
 def _segments(ctx: _PackedCtx, x, r: int, p: int, how: str, fill):
@@ -810,7 +810,7 @@ def _pick(ctx: _PackedCtx, eqn, invals):
     keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
     picked = jnp.where(keep, picked, jnp.asarray(fill, picked.dtype))
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
-    return [_sequences.by_cell(picked, r_out)]
+    return [by_cell(picked, r_out)]
 
 
 def _put(ctx: _PackedCtx, eqn, invals):
@@ -829,7 +829,7 @@ def _put(ctx: _PackedCtx, eqn, invals):
     update_shape = eqn.invars[2].aval.shape
     if isinstance(updates, PerSequence) and updates.axis is None or not ctx.row_axes(update_shape):
         raise _NoRule("a scatter into one position of a packed length from a value without rows")
-    updates = _sequences.held(ctx, updates, update_shape)
+    updates = held(ctx, updates, update_shape)
     (r,) = ctx.row_axes(shape)
     n = shape[p]
     # The update's axes in the operand's, the columns taking the place of the packed axis.
@@ -856,8 +856,8 @@ def _scatter(ctx: _PackedCtx, eqn, invals):
     return put if put is not None else _generic(ctx, eqn, invals)
 
 
-_sequences.rule("gather")(_pick)
-_sequences.rule("scatter-add", "scatter")(_put)
+_per_sequence_rule("gather")(_pick)
+_per_sequence_rule("scatter-add", "scatter")(_put)
 
 
 @_packed("broadcast_in_dim")
@@ -999,7 +999,7 @@ def _scan(ctx: _PackedCtx, eqn, invals):
     return _packed_scan(ctx, eqn, consts, init, xs)
 
 
-_sequences.rule("scan")(_scan)
+_per_sequence_rule("scan")(_scan)
 
 
 def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
@@ -1040,10 +1040,10 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     def at(values):
         if not any(isinstance(v, PerSequence) for v in values):
             return None
-        return lambda step: [_sequences.at_column(v, step) if isinstance(v, PerSequence) else v
+        return lambda step: [at_column(v, step) if isinstance(v, PerSequence) else v
                              for v in values]
 
-    starting = [_sequences.at_column(c, 0) if isinstance(c, PerSequence) else c for c in init]
+    starting = [at_column(c, 0) if isinstance(c, PerSequence) else c for c in init]
     keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
     carry, ys, steps = frozen_scan(
         ctx, eqn, consts, starting, xs, carry_axes, stop,
@@ -1057,7 +1057,7 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
         elif kept is None:          # never read: no per-sequence copy
             final.append(ctx.per_sequence(eqn, "the final carry of a scan")[0])
         else:
-            final.append(_final_carry(ctx, kept, _sequences.held(ctx, c0, shape), length,
+            final.append(_final_carry(ctx, kept, held(ctx, c0, shape), length,
                                       p["reverse"]))
     return [*final, *ys]
 
@@ -1203,7 +1203,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
             shape = getattr(v.aval, "shape", ())
             if held_per_cell(shape) is not None:      # returned per sequence
                 recorder.per_sequence = True
-                outs[i] = _sequences.held(ctx, out, shape).value if not isinstance(
+                outs[i] = held(ctx, out, shape).value if not isinstance(
                     out, NotPacked) else out
             if isinstance(outs[i], PerSequence) or isinstance(outs[i], NotPacked) or (
                     ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1
