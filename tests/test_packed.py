@@ -304,20 +304,6 @@ def per_position_weights(x, lengths):
     return jnp.einsum("btf,tfg->btg", x, TABLE[:x.shape[1]])  # verdict: per-position weights
 
 
-POOL = jnp.asarray(_rng.normal(size=(F,)), jnp.float32)
-
-
-def attention_pooled(x, lengths):
-    w = jax.nn.softmax(x @ POOL, axis=1)       # over each sequence: this much packs
-    return jnp.einsum("bt,btf->bf", w, x)  # verdict: pooled by a contraction
-
-
-def _np_attention_pooled(r):
-    s = r @ np.asarray(POOL, np.float64)
-    w = np.exp(s - s.max())
-    return (w / w.sum()) @ r
-
-
 KS = jnp.asarray(_rng.normal(size=(2, F, F)), jnp.float32)
 
 
@@ -338,9 +324,6 @@ UNPACKABLE = {
     "per-position weights": (per_position_weights, "per-position weights",
                              lambda r: np.einsum("tf,tfg->tg", r, np.asarray(TABLE)[:len(r)]),
                              True),
-    # A contraction along the length alone, per sequence: no packed rule yet.
-    "attention pooling": (attention_pooled, "pooled by a contraction", _np_attention_pooled,
-                          False),
     # Strided: each sequence's outputs would start at another column than its inputs.
     "strided convolution": (strided_conv, "strided conv", _np_strided_conv, True),
 }

@@ -81,6 +81,20 @@ def last_token(p, x, lengths, labels):
     return jnp.mean((last @ p["head"]) ** 2), last
 
 
+def first_token(p, x, lengths, labels):
+    _, hs = rnn(p, x, zeros(x))
+    first = hs[:, 0]
+    return jnp.mean((first @ p["head"]) ** 2), first
+
+
+def attention_pooled(p, x, lengths, labels):
+    # Softmax over each sequence's own tokens, then a contraction along T alone.
+    _, hs = rnn(p, x, zeros(x))
+    w = jax.nn.softmax(hs @ p["V"], axis=1)
+    pooled = jnp.einsum("bt,bth->bh", w, hs)
+    return cross_entropy(pooled @ p["head"], labels), pooled
+
+
 def max_pooled_and_argmax(p, x, lengths, labels):
     _, hs = rnn(p, x, zeros(x))
     return cross_entropy(jnp.max(hs, axis=1) @ p["head"], labels), jnp.argmax(hs, axis=1)
@@ -119,7 +133,8 @@ def centred(p, x, lengths, labels):
     return jnp.sum(y ** 2), jnp.sum(y, axis=1)
 
 
-CASES = [final_carry, reverse_from_learned_state, mean_pooled, last_token,
+CASES = [final_carry, reverse_from_learned_state, mean_pooled, last_token, first_token,
+         attention_pooled,
          max_pooled_and_argmax, encoder_decoder, context_in_every_step, hand_masked, centred]
 
 
@@ -170,7 +185,7 @@ def test_per_sequence_values_packed_equal_padded(case):
     @example(lengths=[32], seed=1)                      # one sequence fills the row
     @example(lengths=[2, 0, 3, 0], seed=5)               # empty sequences: a cell each
     def check(lengths, seed):
-        if case is last_token:     # x[:, -1] of an empty sequence reads nothing: no result
+        if case in (last_token, first_token):   # an empty sequence has no token to read
             lengths = [max(k, 1) for k in lengths]
         x, n, labels = batch(lengths, seed)
         got, want = packed(PARAMS, x, n, labels), padded(PARAMS, x, n, labels)
@@ -198,12 +213,20 @@ def _np_rnn(r, h=None, reverse=False):
 
 
 HEAD = np.asarray(PARAMS["head"], np.float64)
+
+
+def _np_pooled(hs):
+    s = hs @ np.asarray(PARAMS["V"], np.float64)
+    w = np.exp(s - s.max())
+    return (w / w.sum()) @ hs
 # The per-sequence output of each case for one sequence alone, in numpy.
 ALONE = {
     final_carry: lambda r: _np_rnn(r)[0] @ HEAD,
     reverse_from_learned_state: lambda r: _np_rnn(r, np.asarray(PARAMS["h0"]), True)[0],
     mean_pooled: lambda r: _np_rnn(r)[1].mean(0),
     last_token: lambda r: _np_rnn(r)[1][-1],
+    first_token: lambda r: _np_rnn(r)[1][0],
+    attention_pooled: lambda r: _np_pooled(_np_rnn(r)[1]),
     max_pooled_and_argmax: lambda r: _np_rnn(r)[1].argmax(0),
     centred: lambda r: np.tanh((r - r.mean(0)) @ np.asarray(PARAMS["U"])).sum(0) / len(r),
 }

@@ -492,16 +492,16 @@ def test_layout_pack_is_refused_where_it_cannot_run_and_pads_a_loss_that_reads_l
                      layout="pack", verbose=False)
     with pytest.raises(px.OptionError, match=r"fit: layout: expected one of 'auto', 'pad'"):
         training.fit(tiny_model(), loss_fn, AUTO_DATA, optimizer=OPT, layout="packed")
-    # A loss that pools each sequence by a contraction along T alone: no packed rule.
+    # A per-position vector contracted along T into the rows: no packed rule.
     with pytest.warns(UserWarning, match="cannot run packed rows"):
-        result = training.fit(tiny_model(), pooled_by_contraction_loss, AUTO_DATA, optimizer=OPT,
+        result = training.fit(tiny_model(), position_weighted_loss, AUTO_DATA, optimizer=OPT,
                               epochs=1, batch_size=8, layout="pack", verbose=False, cache=False)
     assert result.layout == "pad"
 
 
-def pooled_by_contraction_loss(model, tokens, lengths):
+def position_weighted_loss(model, tokens, lengths):
     h = jax.vmap(model)(tokens)                                     # (B, T, vocab)
-    return jnp.mean(jnp.einsum("btv,btv->b", h, h))
+    return jnp.mean(jnp.einsum("btv,t->bv", h, jnp.cos(jnp.arange(h.shape[1]))))
 
 
 def test_a_loss_masked_by_hand_trains_packed_like_the_unmasked_one():

@@ -100,7 +100,13 @@ def _gather(ctx, eqn, invals):
     x, idx = invals
     p = eqn.params
     dn = p["dimension_numbers"]
-    bounds, room = _index_bounds(ctx, x.shape, p["slice_sizes"], dn.start_index_map)
+    try:
+        bounds, room = _index_bounds(ctx, x.shape, p["slice_sizes"], dn.start_index_map)
+    except _NoRule:
+        picked = _per_row_position(ctx, eqn, x, idx)
+        if picked is None:
+            raise
+        return picked
     if all(b is None for b in bounds):
         return None             # only the indices' batch axes are lengths: per position
     x = _room(ctx, x, p["slice_sizes"], room)
@@ -111,14 +117,62 @@ def _gather(ctx, eqn, invals):
     if oob is not None:
         # Out of the logical bounds: the fill value, as at the exact size.
         batch_dims = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
-        fill = p["fill_value"]
-        if fill is None:
-            fill = np.nan if jnp.issubdtype(out.dtype, jnp.inexact) else _highest(out.dtype) \
-                if jnp.issubdtype(out.dtype, jnp.unsignedinteger) or out.dtype == np.bool_ \
-                else _lowest(out.dtype)
         mask = lax.broadcast_in_dim(oob, out.shape, batch_dims)
-        out = lax.select(mask, _full(out.shape, fill, out.dtype), out)
+        out = lax.select(mask, _full(out.shape, _gather_fill(p, out.dtype), out.dtype), out)
     return [out]
+
+
+def _gather_fill(p, dtype):
+    """A gather's value outside its bounds: ``fill_value``, else lax.gather's own."""
+    if p["fill_value"] is not None:
+        return p["fill_value"]
+    return np.nan if jnp.issubdtype(dtype, jnp.inexact) else _highest(dtype) \
+        if jnp.issubdtype(dtype, jnp.unsignedinteger) or dtype == np.bool_ else _lowest(dtype)
+
+
+def _per_row_position(ctx, eqn, x, idx):
+    """``x[:, k]`` of a ``(B, T, ...)`` value whose ``T`` differs per row: each row's own
+    position ``k``, clamped into its own length as at its exact size (the gather's fill
+    outside it in FILL_OR_DROP mode, and in a row of length 0, which has no position); None
+    for any other gather."""
+    p, dn = eqn.params, eqn.params["dimension_numbers"]
+    if len(dn.start_index_map) != 1 or tuple(jnp.shape(idx)) != (1,):
+        return None
+    (t,) = dn.start_index_map
+    if (tuple(dn.collapsed_slice_dims) != (t,) or dn.operand_batching_dims
+            or tuple(dn.offset_dims) != tuple(range(x.ndim - 1))
+            or any(a != t and str(p["slice_sizes"][a]) != str(x.shape[a]) for a in range(x.ndim))):
+        return None
+    n = ctx.length(x.shape[t], shape=x.shape)       # per row, shaped to broadcast along x
+    k = idx[0]
+    one = tuple(1 if a == t else d for a, d in enumerate(x.shape))
+    position = jnp.broadcast_to(jnp.clip(k, 0, jnp.maximum(n - 1, 0)).astype(np.int32), one)
+    out = lax.squeeze(jnp.take_along_axis(x, position, axis=t, mode="clip"), (t,))
+    outside = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
+    outside = lax.squeeze(jnp.broadcast_to(outside, one), (t,))
+    return [lax.select(outside, _full(out.shape, _gather_fill(p, out.dtype), out.dtype), out)]
+
+
+def _per_row_put(ctx, eqn, x, idx, updates):
+    """The transpose of `_per_row_position` (``x.at[:, k].add(u)``, ``.set``): each row's
+    update into its own position ``k`` (clamped into its length, or dropped outside it in
+    FILL_OR_DROP mode, and in a row of length 0); None for any other scatter."""
+    p, dn = eqn.params, eqn.params["dimension_numbers"]
+    if (eqn.primitive.name not in ("scatter-add", "scatter")
+            or len(dn.scatter_dims_to_operand_dims) != 1 or tuple(jnp.shape(idx)) != (1,)):
+        return None
+    (t,) = dn.scatter_dims_to_operand_dims
+    if (tuple(dn.inserted_window_dims) != (t,) or dn.operand_batching_dims
+            or tuple(dn.update_window_dims) != tuple(range(x.ndim - 1))):
+        return None
+    n = ctx.length(x.shape[t], shape=x.shape)
+    k = idx[0]
+    drop = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
+    at = (_iota(x.shape, t) == jnp.clip(k, 0, jnp.maximum(n - 1, 0))) & ~drop
+    spread = lax.broadcast_in_dim(updates, x.shape, tuple(a for a in range(x.ndim) if a != t))
+    if eqn.primitive.name == "scatter":
+        return [lax.select(at, spread, x)]
+    return [x + lax.select(at, spread, _full(x.shape, 0, x.dtype))]
 
 
 def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
@@ -155,7 +209,13 @@ def _scatter(ctx, eqn, invals):
     for a, u in zip(window_axes, dn.update_window_dims):
         window[a] = updates.shape[u]
     scatter_dims = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
-    bounds, room = _index_bounds(ctx, x.shape, window, dn.scatter_dims_to_operand_dims)
+    try:
+        bounds, room = _index_bounds(ctx, x.shape, window, dn.scatter_dims_to_operand_dims)
+    except _NoRule:
+        put = _per_row_put(ctx, eqn, x, idx, updates)
+        if put is None:
+            raise
+        return put
     rows = [j for j, d in enumerate(scatter_dims) if _is_sym(updates.shape[d])]
     window_tail = [u for u in dn.update_window_dims if _is_sym(updates.shape[u])]
     if all(b is None for b in bounds) and not rows and not window_tail:

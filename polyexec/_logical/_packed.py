@@ -71,6 +71,7 @@ from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
 from ._control import _at_step, frozen_scan
+from ._indexing import _gather_fill
 from ._reductions import _REDUCE_IDENTITY, _reduce as _padded_reduce
 from ._reductions import _reduction as _padded_reduction
 from ._structure import _pad as _padded_pad
@@ -503,12 +504,38 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
         rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
         c = set(contracted)
         if packed & c and not rows <= c:
+            pooled = _along_each_sequence(ctx, eqn, lhs, rhs)
+            if pooled is not None:
+                return pooled
             return ctx.per_sequence(eqn, "a contraction over a packed length alone")
         if rows & c and not packed <= c:
             return ctx.per_sequence(eqn, "a contraction over the rows alone")
         if rows & c and not packed and ctx.alive is None:
             return ctx.per_sequence(eqn, "a contraction over the rows")
     return _padded_dot_general(ctx, eqn, invals)
+
+
+def _along_each_sequence(ctx: _PackedCtx, eqn, lhs, rhs):
+    """A contraction along a packed length alone, batched over the rows (attention pooling,
+    ``einsum("bt,btf->bf", w, x)``): per sequence, over its own cells -- the products per
+    cell (the length made a batch axis too), summed per sequence like `_along_sequences`.
+    None for another contraction."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lr, rr), (lp, rp) = ((ctx.row_axes(x.shape) for x in (lhs, rhs)),
+                          (ctx.packed_axes(x.shape) for x in (lhs, rhs)))
+    if not (len(lr) == len(rr) == len(lp) == len(rp) == 1 and lr[0] in lb and rr[0] in rb
+            and lb.index(lr[0]) == rb.index(rr[0]) and lp[0] in lc and rp[0] in rc
+            and lc.index(lp[0]) == rc.index(rp[0])):
+        return None
+    i = lc.index(lp[0])
+    first = lambda b, r: (r, *(d for d in b if d != r))      # noqa: E731 - the rows first
+    numbers = ((lc[:i] + lc[i + 1:], rc[:i] + rc[i + 1:]),
+               ((*first(lb, lr[0]), lp[0]), (*first(rb, rr[0]), rp[0])))
+    (cells,) = _bind_with(eqn, [ctx.frame_only(lhs, 0), ctx.frame_only(rhs, 0)],
+                          dimension_numbers=numbers)
+    # cells: (rows, other batch axes..., length, free axes...): each sequence's own sum.
+    grid = _segments(ctx, cells, 0, len(lb), "add", 0)
+    return [by_cell(grid, lb.index(lr[0]))]
 
 
 def _pairing(ctx: _PackedCtx, eqn, lhs, rhs):
@@ -801,14 +828,8 @@ def _pick(ctx: _PackedCtx, eqn, invals):
     # Outside the sequence the gather's fill (a sequence of length 0 has no position to clamp
     # to, whatever the mode).
     outside = ~inside if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
-    fill = eqn.params["fill_value"]
-    if fill is None:        # lax.gather's own fill
-        dt = np.dtype(x.dtype)
-        fill = (np.nan if jnp.issubdtype(dt, jnp.inexact) else True if dt == np.bool_
-                else np.iinfo(dt).min if jnp.issubdtype(dt, jnp.signedinteger)
-                else np.iinfo(dt).max)
     keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
-    picked = jnp.where(keep, picked, jnp.asarray(fill, picked.dtype))
+    picked = jnp.where(keep, picked, jnp.asarray(_gather_fill(eqn.params, x.dtype), x.dtype))
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
     return [by_cell(picked, r_out)]
 

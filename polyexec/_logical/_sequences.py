@@ -273,6 +273,8 @@ def _contract_sequences(ctx, eqn, invals):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lr, rr = ctx.row_axes(lhs_shape), ctx.row_axes(rhs_shape)
     if not (lr and lr[0] in lc) and not (rr and rr[0] in rc):
+        if any(ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
+            return _against_cells(ctx, eqn, invals, (lhs_shape, rhs_shape))
         return None
     if any(isinstance(x, PerSequence) and x.axis is None for x in invals) or any(
             ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
@@ -290,6 +292,36 @@ def _contract_sequences(ctx, eqn, invals):
     numbers = ((moved(lc, lhs.axis) + (lhs.axis + 1,), moved(rc, rhs.axis) + (rhs.axis + 1,)),
                (moved(lb, lhs.axis), moved(rb, rhs.axis)))
     return _bind_with(eqn, [lhs.value, rhs.value], dimension_numbers=numbers)
+
+
+def _against_cells(ctx, eqn, invals, shapes):
+    """A per-sequence value contracted with a value along a packed length, batched over the
+    rows (attention pooling's gradients: ``g @ x.T`` and ``w[..., None] * g`` per sequence):
+    the per-sequence operand read at each cell of the other's packed axis, which both then
+    share as a batch axis."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    k = 0 if isinstance(invals[0], PerSequence) else 1          # the per-sequence operand
+    seq, other = invals[k], invals[1 - k]
+    (sc, oc), (sb, ob) = ((lc, rc), (lb, rb)) if k == 0 else ((rc, lc), (rb, lb))
+    rows, packed = ctx.row_axes(shapes[1 - k]), ctx.packed_axes(shapes[1 - k])
+    a = seq.axis
+    if (isinstance(other, PerSequence) or a is None or len(rows) != 1 or len(packed) != 1
+            or a not in sb or rows[0] not in ob or sb.index(a) != ob.index(rows[0])
+            or packed[0] in oc):
+        raise _NoRule("a contraction of a per-sequence value with a value along a packed "
+                      "length, not batched over the rows")
+    (p,) = packed
+    cells = lax.slice_in_dim(seq.value, 0, shapes[1 - k][p], axis=a + 1)
+    moved = tuple(d + (d > a) for d in sc), (*(d + (d > a) for d in sb), a + 1)
+    ours, theirs = moved, (oc, (*ob, p))
+    numbers = tuple(zip(ours, theirs)) if k == 0 else tuple(zip(theirs, ours))
+    (out,) = _bind_with(eqn, [cells, other] if k == 0 else [other, cells],
+                        dimension_numbers=numbers)
+    # The packed axis comes out after the batch axes: back to its place among the other's
+    # free axes.
+    free = [d for d in range(len(shapes[1 - k])) if d not in oc and d not in ob]
+    before = len(shapes[k]) - len(sc) - len(sb) if k == 0 else 0
+    return [jnp.moveaxis(out, len(lb), len(lb) + before + free.index(p))]
 
 
 @rule("broadcast_in_dim")
