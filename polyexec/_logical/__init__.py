@@ -34,6 +34,8 @@ Rules, by family (each registered next to its definition, like JAX's batching ru
 - `_contractions`: ``dot_general``, ``conv_general_dilated``, ``reduce_window*``,
   ``select_and_{scatter,gather}_add``.
 - `_control`: ``scan``, ``while``, ``cond`` and the call-likes (structural: they recurse).
+- `_packed` (`rewrite_packed`, ``layout="pack"``) and `_sequences` (its per-sequence values):
+  the same program over rows that hold several sequences.
 - `_core`: the evaluation context, the interpreter, the registry, `rewrite`;
   `register_rule` (``px.register_rule``) adds a rule for a primitive polyexec does not know.
 

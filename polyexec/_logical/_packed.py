@@ -46,11 +46,13 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 - ``x.shape`` as a number when it counts over the rows (``nll.size`` is the number of real
   predictions) or is the number of sequences.
 
-A per-sequence value (a scan's final carry, a reduction over T alone, ``x.shape[1]`` as a
-number, a ``(B,)`` input such as the lengths) has no cell of its own in a packed row: it
-becomes a `NotPacked` placeholder that fails the plan only if something reads it -- a dropped
-final carry costs nothing. Everything else is `Unsupported` with the user's line, and
-``layout="auto"`` then runs the pad layout, where the same program is exact.
+A per-sequence value (a scan's final carry that is read, a reduction or a contraction along
+T alone, ``x[:, k]``, ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
+labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
+there). A value no rule keeps becomes a `NotPacked` placeholder that fails the plan only if
+something reads it (a final carry nobody reads costs nothing); everything else is
+`Unsupported` with the user's line, and ``layout="auto"`` then runs the pad layout, where the
+same program is exact.
 """
 
 from __future__ import annotations
