@@ -442,8 +442,7 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
         clean = lax.select(frame & ~nan, x, _full(x.shape, fill, x.dtype))
         extreme = _segments(ctx, clean, r, p, best, fill)
         has_nan = _segments(ctx, nan.astype(np.int8), r, p, "max", 0)
-        back = ctx.starts(x.shape[p], 0)                           # (rows, cells of the axis)
-        at = functools.partial(_read_cells, ctx, back, r, p, x.shape)
+        at = functools.partial(_read_cells, ctx, ctx.starts(x.shape[p], 0), r, p)
         hit = frame & jnp.where(at(has_nan) > 0, nan, clean == at(extreme))
         position = _spread(ctx.cells(x.shape[p])[0], x.shape, (r, p))
         big = np.iinfo(np.int32).max
@@ -466,27 +465,24 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
 def _segments(ctx: _PackedCtx, x, r: int, p: int, how: str, fill):
     """``(rows, columns, *rest)``: per cell of the grid, ``how`` ("add", "max", ...) of its
     sequence's cells of ``x`` (rows axis ``r``, packed axis ``p``; cells outside the frame
-    already hold ``fill``)."""
+    already hold ``fill``): a scatter into each sequence's start column, read back at every
+    cell of the sequence."""
     rows, columns = ctx.pos.shape
     xs = jnp.moveaxis(x, (r, p), (0, 1))
     n = xs.shape[1]
     row = lax.broadcasted_iota(np.int32, (rows, n), 0)
-    into = jnp.where(ctx.in_frame(n), row * columns + ctx.starts(n), rows * columns)
-    flat = xs.reshape((rows * n, *xs.shape[2:]))
-    total = _full((rows * columns, *xs.shape[2:]), fill, xs.dtype)
-    total = getattr(total.at[into.reshape(-1)], how)(flat, mode="drop")
-    grid_row = lax.broadcasted_iota(np.int32, (rows, columns), 0)
-    return total[grid_row * columns + ctx.sequence_starts()]
+    into = jnp.where(ctx.in_frame(n), ctx.starts(n), columns)      # columns: dropped
+    total = _full((rows, columns, *xs.shape[2:]), fill, xs.dtype)
+    total = getattr(total.at[row, into], how)(xs, mode="drop")
+    return _read_cells(ctx, ctx.sequence_starts(), 0, 1, total)
 
 
-def _read_cells(ctx: _PackedCtx, back, r, p, shape, grid):
-    """A ``(rows, columns, *rest)`` per-sequence grid read at the cells of a value of ``shape``
-    (rows axis ``r``, packed axis ``p``): each cell its own sequence's entry."""
-    rows, columns = ctx.pos.shape
-    flat = grid.reshape((rows * columns, *grid.shape[2:]))
-    row = lax.broadcasted_iota(np.int32, back.shape, 0)
-    cells = flat[row * columns + back]                 # (rows, n, *rest)
-    return jnp.moveaxis(cells, (0, 1), (r, p))
+def _read_cells(ctx: _PackedCtx, starts, r, p, grid):
+    """A ``(rows, columns, *rest)`` grid of per-sequence entries (at each sequence's start
+    column) read at cells whose starts are ``starts`` (``(rows, n)``), with the rows and the
+    cells going to axes ``r`` and ``p``."""
+    row = lax.broadcasted_iota(np.int32, jnp.shape(starts), 0)
+    return jnp.moveaxis(grid[row, starts], (0, 1), (r, p))
 
 
 @_packed("dot_general")
