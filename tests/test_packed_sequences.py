@@ -87,6 +87,13 @@ def first_token(p, x, lengths, labels):
     return jnp.mean((first @ p["head"]) ** 2), first
 
 
+def ends_per_example(p, x, lengths, labels):
+    # Written for one example and vmapped: r[0] and r[-1] index each sequence's own ends.
+    _, hs = rnn(p, x, zeros(x))
+    ends = jax.vmap(lambda r: r[0] * r[-1])(hs)
+    return jnp.mean((ends @ p["head"]) ** 2), ends
+
+
 def attention_pooled(p, x, lengths, labels):
     # Softmax over each sequence's own tokens, then a contraction along T alone.
     _, hs = rnn(p, x, zeros(x))
@@ -134,7 +141,7 @@ def centred(p, x, lengths, labels):
 
 
 CASES = [final_carry, reverse_from_learned_state, mean_pooled, last_token, first_token,
-         attention_pooled,
+         ends_per_example, attention_pooled,
          max_pooled_and_argmax, encoder_decoder, context_in_every_step, hand_masked, centred]
 
 
@@ -185,7 +192,7 @@ def test_per_sequence_values_packed_equal_padded(case):
     @example(lengths=[32], seed=1)                      # one sequence fills the row
     @example(lengths=[2, 0, 3, 0], seed=5)               # empty sequences: a cell each
     def check(lengths, seed):
-        if case in (last_token, first_token):   # an empty sequence has no token to read
+        if case in (last_token, first_token, ends_per_example):  # an empty sequence: no token
             lengths = [max(k, 1) for k in lengths]
         x, n, labels = batch(lengths, seed)
         got, want = packed(PARAMS, x, n, labels), padded(PARAMS, x, n, labels)
@@ -226,6 +233,7 @@ ALONE = {
     mean_pooled: lambda r: _np_rnn(r)[1].mean(0),
     last_token: lambda r: _np_rnn(r)[1][-1],
     first_token: lambda r: _np_rnn(r)[1][0],
+    ends_per_example: lambda r: _np_rnn(r)[1][0] * _np_rnn(r)[1][-1],
     attention_pooled: lambda r: _np_pooled(_np_rnn(r)[1]),
     max_pooled_and_argmax: lambda r: _np_rnn(r)[1].argmax(0),
     centred: lambda r: np.tanh((r - r.mean(0)) @ np.asarray(PARAMS["U"])).sum(0) / len(r),

@@ -781,21 +781,28 @@ def _dim_as_value(ctx: _PackedCtx, eqn, invals):
     return [lax.convert_element_type(d._evaluate(ctx.sizes), np.int32)]
 
 
-def _position(ctx: _PackedCtx, eqn, shape, index):
+def _position(ctx: _PackedCtx, eqn, shape, index, index_map, window):
     """Where ``x[:, k]`` reads (or its transpose writes) along the packed axis of ``shape``,
-    when the equation takes one position of it for every other entry: ``(p, position,
-    inside)``, the position per grid cell (``k``, or ``n - 1`` for ``x[:, -1]``, whose ``T -
-    1`` is a number per sequence) and whether it is inside the sequence's part of the axis;
-    None for any other indexing."""
+    when the equation takes one position of it and every entry of the other axes (``r[k]``
+    under ``jax.vmap`` too, which indexes the features at 0): ``(p, position, inside)``, the
+    position per grid cell (``k``, or ``n - 1`` for ``x[:, -1]``, whose ``T - 1`` is a number
+    per sequence) and whether it is inside the sequence's part of the axis; None for any
+    other indexing."""
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if len(rows) != 1 or len(packed) != 1 or tuple(eqn.invars[1].aval.shape) != (1,) or (
-            isinstance(index, PerSequence) and index.axis is not None):
+    k = len(index_map)
+    if (len(rows) != 1 or len(packed) != 1 or tuple(eqn.invars[1].aval.shape) != (k,)
+            or packed[0] not in index_map or window[packed[0]] != 1
+            or (isinstance(index, PerSequence) and index.axis is not None)
+            or any(a != packed[0] and not _core_equal(window[a], shape[a])
+                   for a in range(len(shape)))
+            or (k > 1 and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP)):
         return None
     (p,) = packed
+    i = list(index_map).index(p)
     if isinstance(index, PerSequence):
-        position = index.value[..., 0]
+        position = index.value[..., i]
     else:
-        position = jnp.broadcast_to(jnp.asarray(index)[0], ctx.pos.shape)
+        position = jnp.broadcast_to(jnp.asarray(index)[i], ctx.pos.shape)
     n = ctx._at(shape[p], ctx.seglen)
     inside = (position >= 0) & (position < n)
     if eqn.params["mode"] == lax.GatherScatterMode.CLIP:
@@ -804,18 +811,19 @@ def _position(ctx: _PackedCtx, eqn, shape, index):
 
 
 def _pick(ctx: _PackedCtx, eqn, invals):
-    """``x[:, k]`` and ``x[:, -1]`` of a packed value: each sequence's own position ``k``
-    (``n - 1``), a per-sequence value; outside the sequence, as the gather's mode says."""
+    """``x[:, k]`` and ``x[:, -1]`` of a packed value (and ``r[k]`` under ``jax.vmap``): each
+    sequence's own position ``k`` (``n - 1``), a per-sequence value; outside the sequence, as
+    the gather's mode says."""
     x, index = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _position(ctx, eqn, shape, index)
+    found = None if isinstance(x, PerSequence) else _position(
+        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"])
     if found is None:
         return None
     p, position, inside = found
-    sizes = eqn.params["slice_sizes"]
-    if (tuple(dn.collapsed_slice_dims) != (p,) or tuple(dn.start_index_map) != (p,)
-            or dn.operand_batching_dims or tuple(dn.offset_dims) != tuple(range(len(shape) - 1))
-            or any(a != p and not _core_equal(sizes[a], shape[a]) for a in range(len(shape)))):
+    kept = len(shape) - len(dn.collapsed_slice_dims)
+    if (not set(dn.collapsed_slice_dims) <= {p} or dn.operand_batching_dims
+            or tuple(dn.offset_dims) != tuple(range(kept))):
         return None
     (r,) = ctx.row_axes(shape)
     n = ctx._at(shape[p], ctx.seglen)
@@ -828,6 +836,8 @@ def _pick(ctx: _PackedCtx, eqn, invals):
     outside = ~inside if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
     keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
     picked = jnp.where(keep, picked, jnp.asarray(_gather_fill(eqn.params, x.dtype), x.dtype))
+    if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
+        picked = jnp.expand_dims(picked, 2 + p - (r < p))
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
     return [by_cell(picked, r_out)]
 
@@ -837,24 +847,30 @@ def _put(ctx: _PackedCtx, eqn, invals):
     into its own position ``k`` (``n - 1``); nothing where that is outside the sequence."""
     x, index, updates = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _position(ctx, eqn, shape, index)
-    if found is None or eqn.primitive.name not in ("scatter-add", "scatter"):
+    update_shape = eqn.invars[2].aval.shape
+    kept = len(shape) - len(dn.inserted_window_dims)
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+            or dn.operand_batching_dims or tuple(dn.update_window_dims) != tuple(range(kept))):
+        return None
+    window = list(update_shape)
+    for a in sorted(dn.inserted_window_dims):
+        window.insert(a, 1)
+    found = _position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window)
+    if found is None or not set(dn.inserted_window_dims) <= {found[0]}:
         return None
     p, position, inside = found
-    if (tuple(dn.inserted_window_dims) != (p,) or tuple(dn.scatter_dims_to_operand_dims) != (p,)
-            or dn.operand_batching_dims
-            or tuple(dn.update_window_dims) != tuple(range(len(shape) - 1))):
-        return None
-    update_shape = eqn.invars[2].aval.shape
     if isinstance(updates, PerSequence) and updates.axis is None or not ctx.row_axes(update_shape):
         raise _NoRule("a scatter into one position of a packed length from a value without rows")
     updates = held(ctx, updates, update_shape)
     (r,) = ctx.row_axes(shape)
+    value = updates.value
+    if p not in dn.inserted_window_dims:            # the position's unit axis: squeezed
+        value = lax.squeeze(value, (p + (p > r),))
     n = shape[p]
     # The update's axes in the operand's, the columns taking the place of the packed axis.
-    targets = [a + (a >= p) for a in range(len(update_shape))]
-    targets.insert(updates.axis + 1, p)
-    cells = _spread(lax.slice_in_dim(updates.value, 0, n, axis=updates.axis + 1), shape, targets)
+    targets = [a for a in range(len(shape)) if a != p]
+    targets.insert(targets.index(r) + 1, p)
+    cells = _spread(lax.slice_in_dim(value, 0, n, axis=targets.index(p)), shape, targets)
     pos, _ = ctx.cells(n)
     at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
     at = _spread(at & ctx.in_frame(n), shape, (r, p))
