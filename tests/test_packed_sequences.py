@@ -266,3 +266,21 @@ def test_a_classifier_on_the_final_carry_trains_exactly():
                        rtol=1e-4, atol=1e-5)
     # Rows of 8 hold 8 | 8 | 7 + 1 | 5 + 3 | 2: 5 rows, run at B's bucket of 8.
     assert set(packed.stats.buckets) == {(("rows(B)", 8), ("row_length(T)", 8))}
+
+
+def rows_reshaped(x, lengths):
+    pooled = jnp.sum(x, axis=1)                                  # (B, 3): per sequence
+    return jnp.reshape(pooled, (3, -1))  # refused: the rows' entries move to other rows
+
+
+def test_an_equation_mixing_the_sequences_of_a_per_sequence_value_is_refused_at_its_line():
+    # Run per column, a reshape (B, 3) -> (3, B) would mix the sequences sharing a column.
+    specs = SPECS[1:3]
+    packed = px.bucketed(rows_reshaped, specs, buckets={T: [8], B: [8]}, layout="pack")
+    padded = px.bucketed(rows_reshaped, specs, buckets={T: [8], B: [8]}, layout="pad")
+    x, n, _ = batch([5, 3, 8], seed=0)
+    with pytest.warns(UserWarning, match="cannot run packed rows"):
+        got = packed(x, n)
+    close(got, padded(x, n), "the fallback to the pad layout")
+    assert not packed.plan.can_pack
+    assert "`return jnp.reshape(pooled, (3, -1))  # refused" in packed.plan.packing_reason

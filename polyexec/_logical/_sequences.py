@@ -35,6 +35,7 @@ from jax import lax
 
 from ._core import ELEMENTWISE, _bind, _bind_with, _full, _is_sym, _lookup, _NoRule
 from ._reductions import _REDUCE_IDENTITY
+from ._structure import _keeps_length_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +194,8 @@ def _acts_on(eqn, i: int, axis: int, shape) -> bool:
     """Whether equation ``eqn`` combines or moves entries along axis ``axis`` of input ``i``
     (then running it per column would mix the sequences of one column)."""
     p, name = eqn.params, eqn.primitive.name
-    if name == "reshape":
-        kept = [d for d in p["new_sizes"] if str(d) == str(shape[axis])]
-        return len(kept) != 1 or p.get("dimensions") is not None
+    if name == "reshape":        # (B, 2, 3) -> (B, 6) keeps each row; (B, 6) -> (6, B) not
+        return p.get("dimensions") is not None or not _keeps_length_axes(shape, p["new_sizes"])
     if name in ("broadcast_in_dim", "transpose", "squeeze", "select_n", "expand_dims"):
         return False
     if name == "dot_general":
