@@ -209,10 +209,11 @@ def _acts_on(eqn, i: int, axis: int, shape) -> bool:
                 and str(p["slice_sizes"][axis]) == str(shape[axis])))
         return axis == len(shape) - 1
     if name in ("scatter-add", "scatter"):
+        # Per sequence only where each row scatters into its own row (batched over the rows).
         dn = p["dimension_numbers"]
-        if i == 0:
-            return axis not in dn.operand_batching_dims
-        return i == 1 and axis == len(shape) - 1
+        rows = [a for a, d in enumerate(eqn.invars[0].aval.shape) if str(d) == str(shape[axis])]
+        return (i == 1 and axis == len(shape) - 1) or len(rows) != 1 or (
+            rows[0] not in dn.operand_batching_dims)
     if name == "slice":
         return (p["start_indices"][axis] != 0 or str(p["limit_indices"][axis]) != str(shape[axis])
                 or (p["strides"] or (1,) * len(shape))[axis] != 1)
