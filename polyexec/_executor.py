@@ -746,12 +746,11 @@ class _PackedLayout:
     # its cells alone and may run it padded.
     @functools.cached_property
     def seq(self) -> np.ndarray:
-        return np.repeat(np.arange(len(self.lengths)), self.lengths)
+        return _cells_of(self.lengths)[0]
 
     @functools.cached_property
     def offset(self) -> np.ndarray:
-        starts = np.cumsum(self.lengths) - self.lengths
-        return np.arange(len(self.seq)) - np.repeat(starts, self.lengths)
+        return _cells_of(self.lengths)[1]
 
     @functools.cached_property
     def row(self) -> np.ndarray:
@@ -774,9 +773,7 @@ class _PackedLayout:
     def sequence_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(sequence, row, column)`` of every cell a sequence holds (one for a sequence of
         length 0 where it has one): where its per-sequence values are."""
-        counts = np.maximum(self.lengths, 1) if self.empty_cells else self.lengths
-        seq = np.repeat(np.arange(len(self.lengths)), counts)
-        offset = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
+        seq, offset = _cells_of(np.maximum(self.lengths, 1) if self.empty_cells else self.lengths)
         return seq, self.packing.row[seq], self.packing.start[seq] + offset
 
     @functools.cached_property
@@ -845,6 +842,13 @@ class _PackedLayout:
             return np.moveaxis(x[self.packing.row, self.packing.start], 0, b)
         real = evaluate_shape(shape, sizes)
         return leaf[tuple(slice(0, n) for n in real)] if real != tuple(leaf.shape) else leaf
+
+
+def _cells_of(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sequence, offset)`` of every cell of sequences laid end to end, ``counts`` cells
+    each."""
+    seq = np.repeat(np.arange(len(counts)), counts)
+    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _real_size(d, env: Mapping[str, int], ragged: Mapping[str, tuple[np.ndarray, str]]) -> int:
