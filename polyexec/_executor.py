@@ -463,8 +463,12 @@ class Bucketed:
                        f"row (layout='pad', the same results): {plan.packing_reason}")
             reason = plan.packing_reason
         elif plan.reshaping_is_impossible:
+            # The retraced program sees concrete sizes, so nothing can tell its length axes
+            # from others: it runs on the padded arrays as written, unchecked.
+            unchecked = (", and nothing checks that padding leaves its result unchanged (each "
+                         "bucket runs it on the padded arrays as written)" if self.masking else "")
             message = (f"{self.name} is not shape-polymorphic, so it is retraced and compiled per "
-                       f"bucket: {plan.reason}")
+                       f"bucket{unchecked}: {plan.reason}")
             reason = plan.reason
         elif self.masking and not plan.padding_safe:
             message = (f"{self.name} is not padding-safe, so padding may change its result: "

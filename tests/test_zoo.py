@@ -295,12 +295,38 @@ def test_non_polymorphic_function_runs_per_bucket_with_one_warning():
             np.testing.assert_allclose(f(x), np.cumsum(x), rtol=1e-6)
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
-    assert messages[0].startswith("prefix_sums is not shape-polymorphic, so it is retraced and "
-                                  "compiled per bucket: ")
+    assert messages[0].startswith(
+        "prefix_sums is not shape-polymorphic, so it is retraced and compiled per bucket, and "
+        "nothing checks that padding leaves its result unchanged (each bucket runs it on the "
+        "padded arrays as written): ")
     assert f.plan.reason in messages[0]
     assert where(f.plan.reason) == (inspect.getsourcefile(prefix_sums), offending_line(prefix_sums))
     # The slow path: one symbolic attempt, then one Python trace and one compile per bucket.
     assert f.stats.compiles == 3 and f.traces == 1 + 3
+
+
+def test_a_retraced_function_is_run_on_the_padded_arrays_and_the_warning_says_so():
+    # The gradient of jax.lax.cummax along a symbolic length is not implemented, so the function
+    # is retraced per bucket and sums its padding too: a result polyexec cannot guarantee.
+    T, B = px.LengthVar("T", min=1, max=16), px.LengthVar("B", max=4)
+
+    def running_max_total_grad(w, x, lengths):      # d/dw sum(cummax(x * w)) = sum(cummax(x))
+        return jax.grad(lambda w: jnp.sum(jax.lax.cummax(x * w, axis=1)))(w)
+
+    specs = (None, px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+    x, lengths = np.array([[1.0, 2.0, 3.0, 0.0]], np.float32), np.array([3], np.int32)
+    f = px.bucketed(running_max_total_grad, specs, buckets={T: [8], B: [4]})
+    with pytest.warns(UserWarning, match=r"retraced and compiled per bucket, and nothing checks "
+                                         r"that padding leaves its result unchanged"):
+        got = f(1.0, x, lengths)
+    assert f.plan.reshaping_is_impossible
+    assert float(got) == 21.0 != 1.0 + 2.0 + 3.0    # the padding's running max, summed too
+    # masking=False: the padded arrays as written are the contract, so nothing is left unsaid.
+    unmasked = px.bucketed(running_max_total_grad, specs, buckets={T: [8], B: [4]},
+                           masking=False)
+    with pytest.warns(UserWarning) as caught:
+        unmasked(1.0, x, lengths)
+    assert "retraced and compiled per bucket: " in str(caught[0].message)
 
 
 def test_strict_mode_raises_polymorphism_error_with_the_reason():
