@@ -482,24 +482,39 @@ def _attention_functions(layout):
     return _ATTENTION[layout]
 
 
-def test_a_positional_tables_gradient_is_not_packed_but_exact():
-    """The gradient of a learned ``pe[:T]`` sums over the rows at each position: per position
-    across packed sequences, which the packed rules do not do -- so the pad layout runs it."""
-    def pe_grad(x, lengths):
-        def loss(pe):
-            table = jnp.broadcast_to(pe[:x.shape[1]], x.shape)  # verdict: pe gradient
-            return jnp.sum((x + table) ** 2)
-        return jax.grad(loss)(PE)
-    f = px.bucketed(pe_grad, SPECS_V, buckets={T: [8], B: [8]}, layout="pack")
-    lengths = [5, 1, 3]
-    x, _, _ = batch(lengths, seed=0)
-    with pytest.warns(UserWarning, match="cannot run packed rows"):
-        got = np.asarray(f(x, np.asarray(lengths, np.int32)))
-    want = np.zeros((L, F))
-    for b, n in enumerate(lengths):
-        want[:n] += 2 * (x[b, :n] + np.asarray(PE)[:n])
-    close(got, want, "d loss / d pe")
-    assert not f.plan.can_pack and line_of("pe gradient") in f.plan.packing_reason
+REL = jnp.asarray(_rng.normal(size=(2 * L + 1,)), jnp.float32)     # a relative-position bias
+
+
+def _table_gradients(x, lengths):
+    """The gradients of two learned position tables: ``pe[:T]`` added to every token, and a
+    relative bias ``rel[i - j]`` added to attention's ``(B, T, T)`` scores. Each sums over the
+    rows at each position (or pair of positions): per position across packed sequences."""
+    def loss(pe, rel):
+        i = jnp.arange(x.shape[1])
+        h = x + pe[:x.shape[1]]
+        scores = jnp.einsum("btf,bsf->bts", h, h) + rel[i[:, None] - i[None, :] + L]
+        return jnp.sum(jax.nn.softmax(scores, axis=-1) @ h)
+    return jax.grad(loss, argnums=(0, 1))(PE, REL)
+
+
+def _table_gradients_alone(x):
+    """`_table_gradients` for one sequence at its exact length."""
+    return jax.grad(lambda pe, rel: jnp.sum(jax.nn.softmax(
+        (x + pe[:len(x)]) @ (x + pe[:len(x)]).T
+        + rel[jnp.arange(len(x))[:, None] - jnp.arange(len(x))[None, :] + L], axis=-1)
+        @ (x + pe[:len(x)])), argnums=(0, 1))(PE, REL)
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 3], [8, 2, 6, 1, 1], [1] * 8, [32, 7]])
+def test_position_tables_gradients_sum_each_position_over_every_sequence(lengths):
+    f = px.bucketed(_table_gradients, SPECS_V, buckets={T: [8, 32], B: [8]}, layout="pack",
+                    strict=True)
+    x, _, _ = batch(lengths, seed=len(lengths))
+    got = f(x, np.asarray(lengths, np.int32))
+    assert f.plan.can_pack
+    wants = [_table_gradients_alone(jnp.asarray(x[b, :n])) for b, n in enumerate(lengths)]
+    for k, what in enumerate(("d loss / d pe", "d loss / d rel")):
+        close(got[k], sum(np.asarray(w[k]) for w in wants), what, rtol=1e-4, atol=1e-4)
 
 
 # Implicit broadcasting ((T,) -> (1, T) -> add, as jnp and vmap write it) once read a

@@ -42,7 +42,8 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   gradient pads the length past each sequence's room, or selects and scatters);
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
-  sequence);
+  sequence); a reduction over the rows alone back to a per-position value (that broadcast's
+  gradient): per position, over every sequence's cell there;
 - ``x.shape`` as a number when it counts over the rows (``nll.size`` is the number of real
   predictions) or is the number of sequences.
 
@@ -400,6 +401,8 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
     if not rows:                       # per position: real up to the longest sequence
         return rule(ctx, eqn, invals)
     if len(packed) == 2:               # pairs of cells (attention's scores): within a sequence
+        if rows <= axes and not axes & packed and _SEGMENT.get(eqn.primitive.name):
+            return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         if arg or not (axes & packed == packed if rows <= axes else len(axes & packed) == 1):
             return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
         if eqn.primitive.name == "reduce":      # operands, then their init values
@@ -414,6 +417,8 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
             return rule(ctx, eqn, invals)       # over every real cell
         if packed <= axes and not rows & axes and eqn.primitive.name != "reduce":
             return [_along_sequences(ctx, eqn, x, *rows, *packed)]
+        if rows <= axes and not packed & axes and _SEGMENT.get(eqn.primitive.name):
+            return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
     if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
         return rule(ctx, eqn, invals)
@@ -460,6 +465,34 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
         out = out.astype(x.dtype)
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
     return by_cell(out, r_out)
+
+
+def _over_positions(ctx: _PackedCtx, eqn, x, r: int, *packed: int):
+    """A reduction over the rows that keeps the packed lengths (the gradient of a learned
+    ``pe[:T]`` added to every row, or of a ``(T, T)`` position bias added to attention's
+    scores): per position, over the cells of every sequence at that position (one packed axis)
+    or pair of positions (two) -- a scatter by position, as the pad layout reduces each
+    position over the rows long enough to hold it. A position no sequence reaches holds the
+    identity, as padded."""
+    name = eqn.primitive.name
+    fill = _REDUCE_IDENTITY[name](x.dtype)
+    x = lax.select(ctx.frame(x.shape), x, _full(x.shape, fill, x.dtype))
+    others = tuple(a for a in eqn.params["axes"] if a != r)
+    if others:                          # the other axes first, per cell
+        x = _bind_with(eqn, [x], axes=others)[0]
+        r, packed = (r - sum(a < r for a in others),
+                     tuple(p - sum(a < p for a in others) for p in packed))
+    exact = x.dtype == np.bool_
+    xs = jnp.moveaxis(x.astype(np.int8) if exact else x, (r, *packed), range(1 + len(packed)))
+    sizes = xs.shape[1:1 + len(packed)]
+    index = []
+    for k, n in enumerate(sizes):       # (rows, n) positions, spread over the pair's axes
+        pos, _ = ctx.cells(n)
+        at = jnp.where(ctx.in_frame(n), pos, n)                      # n: dropped
+        index.append(jnp.expand_dims(at, [1 + j for j in range(len(sizes)) if j != k]))
+    total = _full((*sizes, *xs.shape[1 + len(packed):]), int(fill) if exact else fill, xs.dtype)
+    out = getattr(total.at[tuple(index)], _SEGMENT[name])(xs, mode="drop").astype(x.dtype)
+    return jnp.moveaxis(out, range(len(packed)), [p - (r < p) for p in packed])
 
 
 def _segments(ctx: _PackedCtx, x, r: int, p: int, how: str, fill):
