@@ -542,6 +542,40 @@ def test_positional_values_follow_each_sequence(form):
     np.testing.assert_array_equal(got, [[1, 102], [3, 0]])
 
 
+def _decay(T):
+    i = jnp.arange(T)
+    return 0.5 ** jnp.abs(i[:, None] - i[None, :]).astype(jnp.float32)
+
+
+# A fixed (T, T) matrix contracted along T: each cell mixes its own sequence's positions.
+MIXING = {
+    "einsum(ts,bsf->btf) of tri(T)": lambda x: jnp.einsum("ts,bsf->btf", jnp.tri(x.shape[1]), x),
+    "einsum(bsf,st->btf) of triu": (
+        lambda x: jnp.einsum("bsf,st->btf", x, jnp.triu(jnp.ones((x.shape[1],) * 2)))),
+    "decay(T) @ x, per example": lambda x: jax.vmap(lambda r: _decay(r.shape[0]) @ r)(x),
+}
+
+
+@pytest.mark.parametrize("form", list(MIXING))
+@pytest.mark.parametrize("lengths", [[5, 1, 3], [8, 2, 6, 1, 1], [32, 7], [1] * 8])
+def test_a_fixed_position_matrix_mixes_each_sequence_alone(form, lengths):
+    mix = MIXING[form]
+
+    def value_and_grad(w, x, lengths):
+        return jax.value_and_grad(lambda w: jnp.sum(jnp.sin(mix(x * w))))(w)
+
+    f = px.bucketed(value_and_grad, SPECS, buckets={T: [8, 32], B: [8]}, layout="pack",
+                    strict=True)
+    x, _, _ = batch(lengths, seed=len(lengths))
+    loss, grad = f(PARAMS["w"], x, np.asarray(lengths, np.int32))
+    assert f.plan.can_pack
+    alone = [jax.jit(value_and_grad)(PARAMS["w"], x[b:b + 1, :n], None)
+             for b, n in enumerate(lengths)]
+    close(loss, sum(a[0] for a in alone), f"{form}: loss", rtol=1e-4, atol=1e-4)
+    close(grad, sum(np.asarray(a[1]) for a in alone), f"{form}: gradient", rtol=1e-4,
+          atol=1e-4)
+
+
 def _accumulate_over_time(init):
     def fn(x, lengths):
         def step(total, xt):                                # xt: (B, 3), one time step

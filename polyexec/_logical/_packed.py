@@ -43,7 +43,9 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
   sequence); a reduction over the rows alone back to a per-position value (that broadcast's
-  gradient): per position, over every sequence's cell there;
+  gradient): per position, over every sequence's cell there; a per-position matrix
+  contracted with packed rows (``einsum("ts,bsf->btf", jnp.tri(T), x)``): placed by
+  position, then within each sequence;
 - ``x.shape`` as a number when it counts over the rows (``nll.size`` is the number of real
   predictions) or is the number of sequences.
 
@@ -527,8 +529,7 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
         raise _NoRule("a contraction pairing the rows of packed rows")
     if ctx.row_axes(out) and ctx.packed_axes(out) and any(
             ctx.packed_axes(x.shape) and not ctx.row_axes(x.shape) for x in invals):
-        raise _NoRule("a contraction of a per-position value into packed rows (its positions "
-                      "are columns there, not each sequence's)")
+        return _placed_contraction(ctx, eqn, lhs, rhs)
     if len(ctx.packed_axes(out)) > 1 or any(len(ctx.packed_axes(x.shape)) > 1 for x in invals):
         return _pairing(ctx, eqn, lhs, rhs)
     for x, contracted in ((lhs, lc), (rhs, rc)):
@@ -544,6 +545,37 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
         if rows & c and not packed and ctx.alive is None:
             return ctx.per_sequence(eqn, "a contraction over the rows")
     return _padded_dot_general(ctx, eqn, invals)
+
+
+def _placed_contraction(ctx: _PackedCtx, eqn, lhs, rhs):
+    """A per-position operand contracted with packed rows into packed rows (a ``(T, T)``
+    matrix: ``einsum("ts,bsf->btf", jnp.tri(T), x)`` for running sums, a fixed mixing matrix):
+    placed into the rows by position first (`_by_position`: each cell its own positions),
+    then batched over the rows with the other operand. A contraction over a packed length
+    then reads each sequence's own cells only, as attention's ``w @ v`` does."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    k = 0 if not ctx.row_axes(lhs.shape) else 1            # the per-position operand
+    fixed, rows_value = (lhs, rhs) if k == 0 else (rhs, lhs)
+    (fc, vc), (fb, vb) = ((lc, rc), (lb, rb)) if k == 0 else ((rc, lc), (rb, lb))
+    rows = ctx.row_axes(rows_value.shape)
+    if len(rows) != 1 or rows[0] in vc or rows[0] in vb or ctx.row_axes(fixed.shape):
+        raise _NoRule("a contraction of a per-position value into packed rows, not one rows "
+                      "axis kept free")
+    (r,) = rows
+    packed = [1 + a for a in ctx.packed_axes(fixed.shape)]
+    placed = _by_position(ctx, fixed, tuple(range(1, fixed.ndim + 1)),
+                          (rows_value.shape[r], *fixed.shape), 0, packed)
+    fc, fb, vb = tuple(a + 1 for a in fc), (0, *(a + 1 for a in fb)), (r, *vb)
+    operands = [placed, rows_value]
+    if set(packed) & set(fc):          # over a packed length: within each sequence only
+        operands = [ctx.frame_only(x, 0) for x in operands]
+    numbers = ((fc, vc), (fb, vb)) if k == 0 else ((vc, fc), (vb, fb))
+    (out,) = _bind_with(eqn, operands if k == 0 else operands[::-1],
+                        dimension_numbers=numbers)
+    # The rows came out first (a batch axis): back among the free axes, where they were.
+    free = [d for d in range(rows_value.ndim) if d not in vc and d not in vb[1:]]
+    before = fixed.ndim - len(fc) - len(fb) + 1 if k == 0 else 0
+    return [jnp.moveaxis(out, 0, len(lb) + before + free.index(r))]
 
 
 def _along_each_sequence(ctx: _PackedCtx, eqn, lhs, rhs):
