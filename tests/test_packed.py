@@ -300,10 +300,6 @@ def key_argmax(x, lengths):
 TABLE = jnp.asarray(_rng.normal(size=(L, F, 2)), jnp.float32)
 
 
-def per_position_weights(x, lengths):
-    return jnp.einsum("btf,tfg->btg", x, TABLE[:x.shape[1]])  # verdict: per-position weights
-
-
 KS = jnp.asarray(_rng.normal(size=(2, F, F)), jnp.float32)
 
 
@@ -320,10 +316,6 @@ def _np_strided_conv(r):
 UNPACKABLE = {
     # Which key: a column of the row, not a position of the sequence.
     "argmax over the keys": (key_argmax, "argmax", lambda r: np.argmax(r @ r.T, -1), True),
-    # Weights per position contracted into the rows: they would be read at columns.
-    "per-position weights": (per_position_weights, "per-position weights",
-                             lambda r: np.einsum("tf,tfg->tg", r, np.asarray(TABLE)[:len(r)]),
-                             True),
     # Strided: each sequence's outputs would start at another column than its inputs.
     "strided convolution": (strided_conv, "strided conv", _np_strided_conv, True),
 }
@@ -547,8 +539,11 @@ def _decay(T):
     return 0.5 ** jnp.abs(i[:, None] - i[None, :]).astype(jnp.float32)
 
 
-# A fixed (T, T) matrix contracted along T: each cell mixes its own sequence's positions.
+# A fixed (T, T) matrix contracted along T: each cell mixes its own sequence's positions; a
+# table of weights per position: each cell its own position's.
 MIXING = {
+    "einsum(btf,tfg->btg) of weights per position": (
+        lambda x: jnp.einsum("btf,tfg->btg", x, TABLE[:x.shape[1]])),
     "einsum(ts,bsf->btf) of tri(T)": lambda x: jnp.einsum("ts,bsf->btf", jnp.tri(x.shape[1]), x),
     "einsum(bsf,st->btf) of triu": (
         lambda x: jnp.einsum("bsf,st->btf", x, jnp.triu(jnp.ones((x.shape[1],) * 2)))),
