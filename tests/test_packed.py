@@ -551,11 +551,9 @@ MIXING = {
 }
 
 
-@pytest.mark.parametrize("form", list(MIXING))
-@pytest.mark.parametrize("lengths", [[5, 1, 3], [8, 2, 6, 1, 1], [32, 7], [1] * 8])
-def test_a_fixed_position_matrix_mixes_each_sequence_alone(form, lengths):
-    mix = MIXING[form]
-
+def _packs_like_each_sequence_alone(form, mix, lengths):
+    """``sum(sin(mix(x * w)))`` and its gradient, packed, against each sequence's own at its
+    exact length (jax.jit)."""
     def value_and_grad(w, x, lengths):
         return jax.value_and_grad(lambda w: jnp.sum(jnp.sin(mix(x * w))))(w)
 
@@ -569,6 +567,39 @@ def test_a_fixed_position_matrix_mixes_each_sequence_alone(form, lengths):
     close(loss, sum(a[0] for a in alone), f"{form}: loss", rtol=1e-4, atol=1e-4)
     close(grad, sum(np.asarray(a[1]) for a in alone), f"{form}: gradient", rtol=1e-4,
           atol=1e-4)
+
+
+LENGTHS = [[5, 1, 3], [8, 2, 6, 1, 1], [32, 7], [1] * 8]
+
+
+@pytest.mark.parametrize("form", list(MIXING))
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_a_fixed_position_matrix_mixes_each_sequence_alone(form, lengths):
+    _packs_like_each_sequence_alone(form, MIXING[form], lengths)
+
+
+def _flipped_rnn(x):
+    def step(h, xt):
+        h = jnp.tanh(h + xt)
+        return h, h
+    return jax.lax.scan(step, jnp.zeros(x.shape[::2]), jnp.swapaxes(x[:, ::-1], 0, 1))[1]
+
+
+# Positions meeting each sequence's own length, without the rows axis: per cell.
+PER_CELL = {
+    "x[:, ::-1]": lambda x: jnp.tanh(x)[:, ::-1],
+    "an RNN over x[:, ::-1]": _flipped_rnn,
+    "x * (arange(T) / T)[:, None]": (
+        lambda x: x * (jnp.arange(x.shape[1]) / x.shape[1])[:, None]),
+    "where(arange(T) >= T - 2)": (
+        lambda x: jnp.where((jnp.arange(x.shape[1]) >= x.shape[1] - 2)[:, None], x, 0.0)),
+}
+
+
+@pytest.mark.parametrize("form", list(PER_CELL))
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_positions_against_each_sequences_length_pack(form, lengths):
+    _packs_like_each_sequence_alone(form, PER_CELL[form], lengths)
 
 
 def _accumulate_over_time(init):

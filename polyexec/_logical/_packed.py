@@ -52,7 +52,10 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 A per-sequence value (a scan's final carry that is read, a reduction or a contraction along
 T alone, ``x[:, k]``, ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
 labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
-there). A value no rule keeps becomes a `NotPacked` placeholder that fails the plan only if
+there). A per-sequence number meeting positions without the rows axis (``jnp.arange(T) /
+T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`PerCell`): it
+stays per cell through elementwise maths and reverses, and ``x[:, index]`` with it reads each
+sequence's own positions. A value no rule keeps becomes a `NotPacked` placeholder that fails the plan only if
 something reads it (a final carry nobody reads costs nothing); everything else is
 `Unsupported` with the user's line, and ``layout="auto"`` then runs the pad layout, where the
 same program is exact.
@@ -93,6 +96,16 @@ class NotPacked:
     makes the program unpackable (the reason names where it was made)."""
 
     why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PerCell:
+    """A value without the rows axis that differs per sequence all the same: a per-sequence
+    number meeting positions (``jnp.arange(T) / T``; ``T - 1 - iota``, which ``x[:, ::-1]``
+    indexes with). ``value`` is the logical value with the rows axis in front, so cell
+    ``(r, c)`` of a packed length holds the entry of the sequence there, at its position."""
+
+    value: Any
 
 
 class _PackedCtx(_Ctx):
@@ -235,8 +248,9 @@ class _PackedCtx(_Ctx):
         if any(isinstance(x, RowVarying) for x in invals):   # never made here; defensive
             self.flag(eqn, "reads a per-row value")
             return [NotPacked("a per-row value")] * len(eqn.outvars)
+        per_cell = any(isinstance(x, PerCell) for x in invals)
         per_sequence = any(isinstance(x, PerSequence) for x in invals)
-        if not per_sequence and not _eqn_touches(eqn, self.recorder.touches):
+        if not per_sequence and not per_cell and not _eqn_touches(eqn, self.recorder.touches):
             return _bind(eqn, invals)
         for v in eqn.outvars:
             for d in getattr(v.aval, "shape", ()):
@@ -244,7 +258,7 @@ class _PackedCtx(_Ctx):
                                                                self.rows_name):
                     self.flag(eqn, f"the length {d} can exceed its sequence's room in a packed row")
                     return [NotPacked(f"the length {d}")] * len(eqn.outvars)
-        rule = (_evaluate_per_sequence if per_sequence
+        rule = (_per_cell if per_cell else _evaluate_per_sequence if per_sequence
                 else _PACKED_RULES.get(eqn.primitive.name, _generic))
         try:
             self.current = eqn
@@ -261,9 +275,14 @@ class _PackedCtx(_Ctx):
         if out is None:
             return _bind(eqn, invals)
         self.recorder.rewritten.add(id(eqn))
-        return [x if isinstance(x, NotPacked) else
+        return [x if isinstance(x, (NotPacked, PerCell)) else
                 PerSequence(_like(x.value, v.aval), x.axis) if isinstance(x, PerSequence)
                 else _like(x, v.aval) for x, v in zip(out, eqn.outvars)]
+
+    def without_rows(self, eqn, invals) -> list:
+        """An elementwise equation of a per-sequence number and positions, without the rows
+        axis (``jnp.arange(T) / T``): per cell (`PerCell`)."""
+        return _per_cell(self, eqn, invals)
 
     def per_sequence(self, eqn, what: str) -> list:
         where = _where(eqn) or "<unknown>"
@@ -762,15 +781,19 @@ def _rev(ctx: _PackedCtx, eqn, invals):
     if len(rows) != 1 or len(packed) != 1:
         raise _NoRule(f"a reverse of a value of shape {tuple(x.shape)}, which mixes sequences "
                       f"of a packed row")
-    (a,) = along
-    others = tuple(d for d in dims if d != a)
+    return [_reverse(ctx, x, rows[0], along[0], tuple(d for d in dims if d != along[0]))]
+
+
+def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
+    """``x`` (rows axis ``r``) with each sequence reversed in place along its packed axis
+    ``a``, and the axes ``others`` reversed as they are."""
     if others:
         x = lax.rev(x, others)
     n = x.shape[a]
     pos, seglen = ctx.cells(n)
     column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
     source = jnp.where(ctx.in_frame(n), column - 2 * pos + ctx._at(n, seglen) - 1, column)
-    return [_take_rows(ctx, x, _spread(source, x.shape, (rows[0], a)), a)]
+    return _take_rows(ctx, x, _spread(source, x.shape, (r, a)), a)
 
 
 # What each cumulative op combines with, and the value its running total restarts from.
@@ -958,6 +981,131 @@ def _scatter(ctx: _PackedCtx, eqn, invals):
 
 _per_sequence_rule("gather")(_pick)
 _per_sequence_rule("scatter-add", "scatter")(_put)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-cell values without rows (`PerCell`)
+
+def _per_cell(ctx: _PackedCtx, eqn, invals):
+    """An equation reading a `PerCell` value (or making one: `_PackedCtx.without_rows`).
+    Elementwise maths stays per cell; broadcasting it onto the rows gives each cell its own
+    entry; a reverse along the packed length is per sequence; ``x[:, index]`` with it reads
+    each sequence's own positions (`_gather_at_positions`, and its transpose)."""
+    name = eqn.primitive.name
+    entry = _lookup(eqn.primitive)
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+    out = tuple(eqn.outvars[0].aval.shape)
+    if entry is not None and getattr(entry.rule, "inline", False):
+        return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
+    if entry is not None and entry.rule is ELEMENTWISE and name not in ("broadcast_in_dim",
+                                                                         "iota"):
+        rows = ctx.row_axes(out)
+        if not rows:
+            return [PerCell(_bind(eqn, [_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)])[0])]
+        # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
+        (r,) = rows
+        return ctx.evaluate(eqn, [_onto_rows(x, r) if isinstance(x, PerCell) else x
+                                  for x in invals])
+    x = invals[0]
+    if name == "broadcast_in_dim" and isinstance(x, PerCell):
+        dims = tuple(eqn.params["broadcast_dimensions"])
+        rows = ctx.row_axes(out)
+        if not rows:
+            return [PerCell(lax.broadcast_in_dim(x.value, (ctx.pos.shape[0], *out),
+                                                 (0, *(d + 1 for d in dims))))]
+        (r,) = rows
+        v = x.value
+        if r in dims:                   # a unit axis onto the rows: the rows are in front
+            v, dims = lax.squeeze(v, (1 + dims.index(r),)), tuple(d for d in dims if d != r)
+        return [_spread(v, out, (r, *dims))]
+    if name == "rev" and isinstance(x, PerCell):
+        dims = tuple(eqn.params["dimensions"])
+        packed = [d for d in dims if d in ctx.packed_axes(shapes[0])]
+        if len(packed) != 1 or len(ctx.packed_axes(shapes[0])) != 1:
+            raise _NoRule("a reverse of a per-cell value along no, or more than one, length")
+        return [PerCell(_reverse(ctx, x.value, 0, packed[0] + 1,
+                                 tuple(d + 1 for d in dims if d != packed[0])))]
+    if name in ("gather", "scatter-add") and isinstance(invals[1], PerCell) and not any(
+            isinstance(v, PerCell) for k, v in enumerate(invals) if k != 1):
+        return _gather_at_positions(ctx, eqn, invals, shapes, out)
+    raise _NoRule(f"{name} of a value that differs per sequence and per position (it has no "
+                  f"rows axis)")
+
+
+def _cells(ctx: _PackedCtx, x, shape, out):
+    """An operand of an elementwise `PerCell` equation of logical ``out``, with the rows in
+    front: a per-sequence number at each cell, a per-position value placed by position."""
+    if isinstance(x, PerCell):
+        return x.value
+    packed = ctx.packed_axes(out)
+    rows = ctx.pos.shape[0]
+    if isinstance(x, PerSequence):
+        if x.axis is not None or shape != () or len(packed) != 1:
+            raise _NoRule(f"a per-sequence value meets a value of shape {out}")
+        v = lax.slice_in_dim(x.value, 0, out[packed[0]], axis=1)
+        return _spread(v, (rows, *out), (0, 1 + packed[0]))
+    if shape == ():
+        return x
+    if ctx.row_axes(shape) or not _core_equal_shapes(shape, out):
+        raise _NoRule(f"a per-cell value meets a value of shape {shape}")
+    return _by_position(ctx, x, tuple(range(1, len(out) + 1)), (rows, *out), 0,
+                        [1 + p for p in packed])
+
+
+def _core_equal_shapes(a, b) -> bool:
+    return len(a) == len(b) and all(_core_equal(x, y) for x, y in zip(a, b))
+
+
+def _onto_rows(x: PerCell, r: int):
+    """A `PerCell` value whose logical axis ``r`` is a unit one, as a packed value with its
+    rows there."""
+    return jnp.moveaxis(lax.squeeze(x.value, (1 + r,)), 0, r)
+
+
+def _gather_at_positions(ctx: _PackedCtx, eqn, invals, shapes, out):
+    """``x[:, index]`` along a packed length with a `PerCell` index (``x[:, ::-1]`` indexes
+    with ``T - 1 - iota``, reversed): each cell reads its own sequence's position
+    ``index``, at column ``start + index``; and the transpose, a scatter-add of each cell's
+    update into that column. An index outside the sequence is clamped, or dropped and filled,
+    as the equation's mode says."""
+    x, index = invals[:2]
+    shape = shapes[0]
+    dn = eqn.params["dimension_numbers"]
+    gather = eqn.primitive.name == "gather"
+    index_map = dn.start_index_map if gather else dn.scatter_dims_to_operand_dims
+    collapsed = dn.collapsed_slice_dims if gather else dn.inserted_window_dims
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    where = shapes[1][:-1]             # the index's own axes: one packed length
+    if not (len(rows) == 1 and len(packed) == 1 and tuple(index_map) == tuple(packed)
+            and tuple(collapsed) == tuple(packed) and not dn.operand_batching_dims
+            and shapes[1][-1] == 1 and len(where) == 1 and ctx.packed_axes(where)):
+        raise _NoRule(f"{eqn.primitive.name} with a per-cell index of another form than "
+                      f"x[:, index]")
+    (r,), (p,) = rows, packed
+    window = (dn.offset_dims if gather else dn.update_window_dims)
+    kept = [d for d in range(len(shape)) if d != p]
+    if tuple(window) != tuple(d if d < p else d + 1 for d in range(len(kept))) or (
+            gather and any(not _core_equal(eqn.params["slice_sizes"][d], shape[d]) for d in kept)):
+        raise _NoRule(f"{eqn.primitive.name} with a per-cell index that does not keep every "
+                      f"other axis in place")
+    m = where[0]                       # the cells read (written): the index's length
+    position = lax.slice_in_dim(index.value[..., 0], 0, m, axis=1).astype(np.int32)
+    pos, seglen = ctx.cells(m)
+    n = ctx._at(shape[p], seglen)
+    inside = (position >= 0) & (position < n)
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    column = jnp.where(inside & ctx.in_frame(m), ctx.starts(m, 0) + position, -1)
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))
+    if gather:
+        got = jnp.take_along_axis(xs, jnp.maximum(at, 0), axis=1, mode="clip")
+        fill = jnp.asarray(_gather_fill(eqn.params, x.dtype), x.dtype)
+        return [jnp.moveaxis(jnp.where(at >= 0, got, fill), (0, 1), (r, p))]
+    updates = jnp.moveaxis(invals[2], (r, p), (0, 1))
+    row = lax.broadcasted_iota(np.int32, column.shape, 0)
+    into = jnp.where(column >= 0, column, xs.shape[1])                # past the end: dropped
+    return [jnp.moveaxis(xs.at[row, into].add(updates, mode="drop"), (0, 1), (r, p))]
 
 
 @_packed("broadcast_in_dim")

@@ -145,6 +145,8 @@ def _per_column(ctx, eqn, invals, entry) -> list:
     if any(ctx.packed_axes(s) for s in out_shapes):
         if not elementwise or name in ("broadcast_in_dim", "iota"):
             raise _NoRule(f"{name} of a per-sequence value and a packed length")
+        if not ctx.row_axes(out_shapes[0]):
+            return ctx.without_rows(eqn, invals)    # positions of each sequence: per cell
         # Then as any packed equation (a per-position operand, ``iota < lengths[:, None]``'s
         # ``(1, T)`` iota, is placed by position).
         return ctx.evaluate(eqn, [_to_cells(ctx, x, s, out_shapes[0])
