@@ -569,15 +569,6 @@ def _packs_like_each_sequence_alone(form, mix, lengths):
           atol=1e-4)
 
 
-LENGTHS = [[5, 1, 3], [8, 2, 6, 1, 1], [32, 7], [1] * 8]
-
-
-@pytest.mark.parametrize("form", list(MIXING))
-@pytest.mark.parametrize("lengths", LENGTHS)
-def test_a_fixed_position_matrix_mixes_each_sequence_alone(form, lengths):
-    _packs_like_each_sequence_alone(form, MIXING[form], lengths)
-
-
 def _flipped_rnn(x):
     def step(h, xt):
         h = jnp.tanh(h + xt)
@@ -596,10 +587,10 @@ PER_CELL = {
 }
 
 
-@pytest.mark.parametrize("form", list(PER_CELL))
-@pytest.mark.parametrize("lengths", LENGTHS)
-def test_positions_against_each_sequences_length_pack(form, lengths):
-    _packs_like_each_sequence_alone(form, PER_CELL[form], lengths)
+@pytest.mark.parametrize("form", [*MIXING, *PER_CELL])
+@pytest.mark.parametrize("lengths", [[5, 1, 3], [8, 2, 6, 1, 1], [32, 7], [1] * 8])
+def test_positions_mix_and_index_each_sequence_alone(form, lengths):
+    _packs_like_each_sequence_alone(form, {**MIXING, **PER_CELL}[form], lengths)
 
 
 def _accumulate_over_time(init):
