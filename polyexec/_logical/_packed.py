@@ -55,10 +55,10 @@ labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose r
 there). A per-sequence number meeting positions without the rows axis (``jnp.arange(T) /
 T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`PerCell`): it
 stays per cell through elementwise maths and reverses, and ``x[:, index]`` with it reads each
-sequence's own positions. A value no rule keeps becomes a `NotPacked` placeholder that fails the plan only if
-something reads it (a final carry nobody reads costs nothing); everything else is
-`Unsupported` with the user's line, and ``layout="auto"`` then runs the pad layout, where the
-same program is exact.
+sequence's own positions. A value no rule keeps becomes a `NotPacked` placeholder that fails
+the plan only if something reads it (a final carry nobody reads costs nothing); everything else
+is `Unsupported` with the user's line, and ``layout="auto"`` then runs the pad layout, where
+the same program is exact.
 """
 
 from __future__ import annotations
@@ -1001,7 +1001,8 @@ def _per_cell(ctx: _PackedCtx, eqn, invals):
                                                                          "iota"):
         rows = ctx.row_axes(out)
         if not rows:
-            return [PerCell(_bind(eqn, [_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)])[0])]
+            cells = [_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)]
+            return [PerCell(_bind(eqn, cells)[0])]
         # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
         (r,) = rows
         return ctx.evaluate(eqn, [_onto_rows(x, r) if isinstance(x, PerCell) else x
