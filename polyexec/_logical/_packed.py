@@ -477,15 +477,23 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
     else:
         fill = _REDUCE_IDENTITY[name](x.dtype)
         x = lax.select(frame, x, _full(x.shape, fill, x.dtype))
-        if len(axes) > 1:                   # the other axes first, per cell
-            x = _bind_with(eqn, [x], axes=tuple(a for a in axes if a != p))[0]
-            r, p = r - sum(a < r for a in axes if a != p), p - sum(a < p for a in axes if a != p)
+        x, (r, p) = _others_first(eqn, x, axes, (r, p))
         exact = x.dtype == np.bool_
         out = _segments(ctx, x.astype(np.int8) if exact else x, r, p, _SEGMENT[name],
                         int(fill) if exact else fill)
         out = out.astype(x.dtype)
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
     return by_cell(out, r_out)
+
+
+def _others_first(eqn, x, axes, kept):
+    """Reduction ``eqn`` of ``x`` over its ``axes`` other than ``kept``, per cell, and where
+    the ``kept`` axes are after it: the reduction along the packed axes comes next."""
+    others = tuple(a for a in axes if a not in kept)
+    if not others:
+        return x, tuple(kept)
+    return (_bind_with(eqn, [x], axes=others)[0],
+            tuple(k - sum(a < k for a in others) for k in kept))
 
 
 def _over_positions(ctx: _PackedCtx, eqn, x, r: int, *packed: int):
@@ -498,11 +506,7 @@ def _over_positions(ctx: _PackedCtx, eqn, x, r: int, *packed: int):
     name = eqn.primitive.name
     fill = _REDUCE_IDENTITY[name](x.dtype)
     x = lax.select(ctx.frame(x.shape), x, _full(x.shape, fill, x.dtype))
-    others = tuple(a for a in eqn.params["axes"] if a != r)
-    if others:                          # the other axes first, per cell
-        x = _bind_with(eqn, [x], axes=others)[0]
-        r, packed = (r - sum(a < r for a in others),
-                     tuple(p - sum(a < p for a in others) for p in packed))
+    x, (r, *packed) = _others_first(eqn, x, eqn.params["axes"], (r, *packed))
     exact = x.dtype == np.bool_
     xs = jnp.moveaxis(x.astype(np.int8) if exact else x, (r, *packed), range(1 + len(packed)))
     sizes = xs.shape[1:1 + len(packed)]
