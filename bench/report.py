@@ -175,18 +175,12 @@ def compile_line(row: dict, extra: dict, limit_passes: list[dict]) -> str | None
     """polyexec's compile seconds a shape against plain ``jax.jit``'s compile of the same step
     (trace, lower, compile) at the limit's shapes in its first pass (the second loads them from
     its cache), and, apart, the plan polyexec makes once before any compile (`Plan.seconds`).
-    When the run says which compiles ran alone (``compiles_alone``, ``compile_s_alone``: a
-    packed run's longest rows), those are compared, and the others, which shared the cores
-    with training steps, are reported apart. None when polyexec compiled nothing (a
-    persistent-cache run) or the limit has no timings.
+    None when polyexec compiled nothing (a persistent-cache run) or the limit has no timings.
 
     >>> passes = [{"groups": [{"compile_s": 1.0}, {"compile_s": 1.5}]}]
     >>> print(compile_line({"compiles": 2, "compile_s": 3.0}, {"plan_seconds": {"trace": 0.5,
     ...     "rewrite": 0.25}}, passes))
     compiles: polyexec 1.50 s a shape (2 shapes) against jax.jit 1.25 s a shape (the limit's 2 shapes): 1.20x (goal <= 1.2x); polyexec's plan, once before them: trace 0.50 s, rewrite 0.25 s
-    >>> print(compile_line({"compiles": 2, "compile_s": 4.0},
-    ...                    {"compiles_alone": 1, "compile_s_alone": 1.5}, passes))
-    compiles: polyexec 1.50 s a shape (1 shape compiled alone; 1 more beside training steps, 2.50 s a shape) against jax.jit 1.25 s a shape (the limit's 2 shapes): 1.20x (goal <= 1.2x)
     """
     jit = [shape["compile_s"] for g in (limit_passes[0]["groups"] if limit_passes else [])
            for shape in g.get("shapes", [g]) if "compile_s" in shape]
@@ -195,16 +189,8 @@ def compile_line(row: dict, extra: dict, limit_passes: list[dict]) -> str | None
     theirs = sum(jit) / len(jit)
     plan = extra.get("plan_seconds") or {}
     stages = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in plan.items())
-    alone = extra.get("compiles_alone", 0)
-    if alone and alone < row["compiles"]:
-        ours = extra["compile_s_alone"] / alone
-        beside = row["compiles"] - alone
-        shapes = (f"{alone} shape{'s' if alone > 1 else ''} compiled alone; {beside} more beside "
-                  f"training steps, {(row['compile_s'] - extra['compile_s_alone']) / beside:.2f} "
-                  f"s a shape")
-    else:
-        ours = row["compile_s"] / row["compiles"]
-        shapes = f"{row['compiles']} shape" + ("s" if row["compiles"] > 1 else "")
+    ours = row["compile_s"] / row["compiles"]
+    shapes = f"{row['compiles']} shape" + ("s" if row["compiles"] > 1 else "")
     if extra.get("warmup") == "background":     # wall seconds, sharing the cores with steps
         shapes += ", most compiled in the background beside training"
     return (f"compiles: polyexec {ours:.2f} s a shape ({shapes}) against jax.jit "

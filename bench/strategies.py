@@ -131,8 +131,7 @@ class Run:
     def summary(self, events: px.CompileCounts) -> dict:
         """``compiles``, ``traces``, ``compile_s``, ``bucket_count``, ``buckets``,
         ``partial_rows``, ``auto``, ``upgraded_batches``, ``warmup``; optionally
-        ``plan_seconds``, and ``compiles_alone``, ``compile_s_alone`` (the compiles that ran
-        with no training step beside them)."""
+        ``plan_seconds``."""
         raise NotImplementedError
 
 
@@ -577,13 +576,8 @@ class PackedBucketedRun(Run):
         return loss, state, (batch.rows, batch.row_length)
 
     def summary(self, events):
-        # Chosen by `choose_layout`, the longest rows compile first, alone, and shorter ones
-        # beside the first real batches, in wall seconds that share the cores with them.
-        alone = [b.compile_seconds for key, b in self.f.stats.buckets.items() if b.compiles and (
-            self.auto_choice is None or dict(key)["row_length(T)"] == max(self.row_lengths))]
         return {"compiles": self.f.stats.compiles - events.cache_hits, "traces": self.f.traces,
                 "compile_s": self.f.stats.compile_seconds,
-                "compile_s_alone": sum(alone), "compiles_alone": len(alone),
                 "plan_seconds": dict(self.f.plan.seconds), "bucket_count": len(self.row_lengths),
                 "buckets": list(self.row_lengths), "partial_rows": [], "auto": self.auto_choice,
                 "upgraded_batches": 0, "warmup": None}
@@ -1084,8 +1078,6 @@ def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dic
         "auto": own["auto"],
         "choosing_seconds": run.setup_seconds,
         "plan_seconds": own.get("plan_seconds"),
-        "compiles_alone": own.get("compiles_alone", 0),
-        "compile_s_alone": own.get("compile_s_alone", 0.0),
         "cache_hits": events.cache_hits,
         "backend_compiles": events.backend_compiles,
         "upgraded_batches": own["upgraded_batches"],

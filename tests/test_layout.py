@@ -235,32 +235,6 @@ def _priced(monkeypatch, per_cell: dict, compile_seconds: float):
     return examples
 
 
-def test_choose_layout_runs_long_batches_while_the_short_rows_compile(monkeypatch):
-    # The long rows' compile measured at about one long step: while the short rows compile on
-    # a thread, the two-length plan's next long batch runs too, and is kept as a run step.
-    lengths = LENGTHS_SHORT_AND_LONG
-    examples = _priced(monkeypatch, {64: 1e-3, 16: 1e-4},
-                       compile_seconds=0.3)                     # 0.3 / (4 x 64 x 1e-3): 1 step
-    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
-                           layout="auto")
-    choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4, examples=examples,
-                           next_arg=lambda output: output[0])
-    assert choice.row_lengths == (16, 64), choice.describe()
-    plan = buckets.packed_batch_plan(lengths, [16, 64], max_tokens=256, epoch=0)
-    expected = [b for b in plan if b.row_length == 64][:2] + [
-        next(b for b in plan if b.row_length == 16)]
-    ran = [batch for batch, _ in choice.first_steps]
-    assert [b.indices.tolist() for b in ran] == [b.indices.tolist() for b in expected]
-    state = _state()                    # each on the one before's output, as the run goes on
-    for batch, output in choice.first_steps:
-        assert_trees_close(output, choice.step(state, *examples(batch.indices)))
-        state = output[0]
-    epoch = choice.epoch_plan(lengths, epoch=0)
-    assert epoch[:3] == ran
-    assert sorted(np.concatenate([b.indices for b in epoch])) == list(range(len(lengths)))
-    assert step.traces == 1 and step.stats.compiles == 2
-
-
 def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkeypatch):
     lengths = LENGTHS_SHORT_AND_LONG
     per_cell = {64: 1e-3, 16: 1e-4}

@@ -9,10 +9,8 @@ anyway, so the measurement's compile is rarely wasted -- and `buckets.Auto.fit` 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -44,8 +42,7 @@ _LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
                  extra_compiles: Bucketed | None = None, extra_arg: Any = None,
                  parallel: int = 1, on_output: Callable[[Any], None] | None = None,
-                 grid: tuple[int, int] | None = None,
-                 compiled: tuple[float, bool] | None = None) -> _buckets.CostModel:
+                 grid: tuple[int, int] | None = None) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
 
@@ -55,8 +52,6 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     background thread), so count this fraction of their seconds. ``on_output``: called with
     each timed call's output (a real batch's step, kept rather than thrown away). ``grid``:
     the (rows, row length) a packed step runs ``tokens`` at (default: ``tokens.shape``).
-    ``compiled``: the compile already done elsewhere (`compile_at`, on another thread), as its
-    ``(seconds, whether the persistent cache supplied it)``.
 
     With JAX's persistent compile cache on, the cost is kept beside it; when the program is
     then loaded from the cache (no compile to time), the kept cost is returned, so a second run
@@ -74,7 +69,7 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     rows, length = grid if grid is not None else tokens.shape
     shape = {"B": rows, "T": length}
     steps = [(step, arg)] + ([(extra_compiles, extra_arg)] if extra_compiles is not None else [])
-    seconds, hit = compiled if compiled is not None else compile_at(steps, shape)
+    seconds, hit = compile_at(steps, shape)
     record = _Record([f for f, _ in steps], shape)
 
     def call() -> float:
@@ -408,9 +403,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     batches of epoch 0 (``buckets.packed_batch_plan(lengths, row_lengths, ..., seed=seed)``),
     one after another from ``arg``, rather than throwaway ones: a packed choice keeps them all
     (``first_steps``), whichever row lengths it takes, and the run goes on from the last.
-    Shorter rows are compiled on a thread while the long rows' next batches run (as many as
-    the long rows' compile took steps). That hides what the steps leave idle: on 2 CPU cores,
-    which a GRU step keeps busy, 0.2 s of a 1.6 s compile.
+    Shorter rows compile alone, not beside training steps: on 2 CPU cores a GRU step and an
+    XLA compile each keep both busy, and overlapping them took 1-2 s longer than one after
+    the other.
     ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``: as for
     `choose_buckets`; a packed choice packs the eval step into the same rows
     (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
@@ -481,55 +476,27 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                  for n in ([short, row_length], [row_length]) if None not in n]
     first_steps, on = [], arg
 
-    def not_run(among, row_length: int):
-        """The batches of ``row_length`` in the plans ``among`` that no timed call ran yet."""
-        ran = {id(b) for b, _ in first_steps}
-        return (b for plan in among for b in plan
-                if b.row_length == row_length and id(b) not in ran)
-
-    def timed(packer, grid, compiled=None):
-        """Compile ``packer`` (unless ``compiled``: see `measure_cost`) and time one call at
-        ``grid`` (rows, row length): on the first batch of that row length in ``plans`` not
-        yet run when ``examples`` are given (kept in ``first_steps``; the next call runs on its
-        output), else on padding. One call: the step is a training-sized one, and a second
-        would cost the cold epoch as much again for a decision the first already makes."""
+    def timed(packer, grid):
+        """Compile ``packer`` and time one call at ``grid`` (rows, row length): on the first
+        batch of that row length in ``plans`` not yet run when ``examples`` are given (kept in
+        ``first_steps``; the next call runs on its output), else on padding. One call: the step
+        is a training-sized one, and a second would cost the cold epoch as much again for a
+        decision the first already makes."""
         nonlocal on
-        batch = next(not_run(plans, grid[1]), None)
+        ran = {id(b) for b, _ in first_steps}
+        batch = next((b for plan in plans for b in plan
+                      if b.row_length == grid[1] and id(b) not in ran), None)
         if batch is None:
             tokens, full = np.full(grid, pad_id, np.int32), np.full(grid[0], grid[1], np.int32)
         else:
             tokens, full = examples(batch.indices)
         outputs = []
         cost = measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
-                            on_output=outputs.append, grid=grid, compiled=compiled)
+                            on_output=outputs.append, grid=grid)
         if batch is not None:
             first_steps.append((batch, outputs[0]))
             on = next_arg(outputs[0])
         return cost
-
-    def meanwhile(packer, row_length: int, count: int) -> None:
-        """Run the two-length plan's next ``count`` real batches of ``row_length`` on
-        ``packer`` (compiled), while another row length compiles on a thread: steps the run
-        keeps (``first_steps``) whichever row lengths it takes. Nothing without ``examples``
-        (``plans`` is empty)."""
-        nonlocal on
-        for batch in itertools.islice(not_run(plans[:1], row_length), count):
-            # On a copy, as `measure_cost` calls: the step may donate its argument.
-            output = jax.block_until_ready(packer(copy_arrays(on), *examples(batch.indices)))
-            first_steps.append((batch, output))
-            on = next_arg(output)
-
-    def timed_beside(short_packer, grid):
-        """`timed`, compiling on a thread while as many of the long rows' next real batches
-        run as the long compile took steps: a count fixed by the measured cost (as the
-        choice is), not by which finishes first, so a run's batch order repeats with it."""
-        with concurrent.futures.ThreadPoolExecutor(1, "polyexec-compile") as thread:
-            compiling = thread.submit(compile_at, [(short_packer, on)],
-                                      {"B": grid[0], "T": grid[1]})
-            meanwhile(packer, row_length, round(cost.compile_seconds * parallel
-                                                / cost.step_seconds(rows, row_length)))
-            compiled = compiling.result()
-        return timed(short_packer, grid, compiled)
 
     cost = timed(packer, (rows, row_length))
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
@@ -539,7 +506,7 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                                    max_tokens=max_tokens)
     row_lengths = (row_length,)
     shorter = (_shorter_rows(step, lengths, short, row_length, rows, cost, pack, epochs, seed,
-                             parallel, timed_beside) if short is not None else None)
+                             parallel, timed) if short is not None else None)
     if shorter is not None:
         pack, pack_rows = shorter
         row_lengths = tuple(sorted(pack_rows))
@@ -583,8 +550,7 @@ def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, 
     best = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: cheaper, row_length: cost}, epochs=epochs,
                                    max_tokens=budget, seed=seed, compiled=shapes)
-    # Priced as blocking the run (`parallel` discounts only those that overlap training): with
-    # ``examples``, `choose_layout` runs the long rows' batches beside it, which it slows.
+    # Priced in full (`parallel` discounts only compiles that overlap training): it blocks.
     if (single.seconds - best.seconds
             <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short)):
         return None
