@@ -108,6 +108,32 @@ def test_outputs_come_back_at_the_longest_row_with_each_tail_set_to_the_pad():
     assert (f(x, np.asarray(lengths, np.int32))[2, 1:] == -1).all()
 
 
+# Windows of the whole batch that start at a constant: jnp lowers ``x[:, :1]`` over a symbolic
+# T to a gather at index 0, whose bound ``T - 1`` differs per row; a start of 0 needs none.
+PREFIX_WINDOWS = {
+    "x[:, :1]": lambda x: x[:, :1] * x[:, :1],
+    "shift right by concatenation": (
+        lambda x: jnp.tanh(jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PREFIX_WINDOWS))
+def test_a_window_at_a_constant_start_reads_each_rows_own_prefix(name):
+    g = PREFIX_WINDOWS[name]
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+
+    def value_and_grad(w, x):
+        return jax.value_and_grad(lambda w: jnp.sum(jnp.sin(g(x * w))))(w)
+
+    f = px.bucketed(lambda w, x, lengths: value_and_grad(w, x), in_specs=(None, *SPECS),
+                    buckets={T: [16, 64]}, strict=True)
+    loss, grad = f(np.float32(0.7), x, np.asarray(lengths, np.int32))
+    alone = [value_and_grad(np.float32(0.7), r[None]) for r in rows]
+    np.testing.assert_allclose(loss, sum(a[0] for a in alone), rtol=1e-5)
+    np.testing.assert_allclose(grad, sum(a[1] for a in alone), rtol=1e-5)
+
+
 def test_batch_reductions_take_only_real_elements():
     lengths = [5, 1, 9, 3]
     x, rows = ragged_batch(lengths)

@@ -542,6 +542,26 @@ def _eqn_touches(eqn, cache: dict) -> bool:
     return any(_jaxpr_touches(j, cache) for j in _sub_jaxprs(eqn.params))
 
 
+# Equations on constants alone whose outputs hold at most this many elements are evaluated
+# while rewriting: a rule then sees the index ``x[:, :1]`` gathers at as the number 0.
+_FOLDED_ELEMENTS = 64
+
+
+def _folded(eqn, invals) -> list | None:
+    """``eqn``'s outputs as NumPy arrays when its inputs are all constants (literals, or folded
+    before) and its outputs small; None otherwise."""
+    if (eqn.effects or any(True for _ in _sub_jaxprs(eqn.params))
+            or any(_param_has_sym(v) for v in eqn.params.values())     # dim_as_value
+            or not all(isinstance(x, (np.ndarray, np.generic)) for x in invals)):
+        return None
+    for v in eqn.outvars:
+        shape = getattr(v.aval, "shape", None)
+        if shape is None or not all(is_int(d) for d in shape) or math.prod(shape) > _FOLDED_ELEMENTS:
+            return None
+    with jax.ensure_compile_time_eval():
+        return [np.asarray(x) for x in _bind(eqn, invals)]
+
+
 def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
     env: dict[Any, Any] = {}
 
@@ -562,7 +582,9 @@ def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
                 eqn.ctx.manager:
-            outvals = _eval_eqn(ctx, eqn, invals)
+            outvals = _folded(eqn, invals)
+            if outvals is None:
+                outvals = _eval_eqn(ctx, eqn, invals)
         for v, x in zip(eqn.outvars, outvals):
             if not isinstance(v, jax.extend.core.DropVar):
                 env[v] = _zero_read_tails(ctx, reads, v, x)

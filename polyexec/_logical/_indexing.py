@@ -79,10 +79,14 @@ def _dynamic_update_slice(ctx, eqn, invals):
     return [_unroom(out, x.shape)]
 
 
-def _index_bounds(ctx, operand_shape, window, index_map):
+def _index_bounds(ctx, operand_shape, window, index_map, idx, params):
     """Per index component: the largest start that keeps the window inside the logical
-    operand, or None where the operand axis is not a length axis; and the operand axes that
-    need `_room`."""
+    operand, or None where the operand axis is not a length axis or the program fixed the
+    index at 0 (``x[:, :1]``: clamped, 0 stays 0 at every size, ragged rows included); and the
+    operand axes that need `_room`."""
+    if (isinstance(idx, np.ndarray) and not idx.any()
+            and params["mode"] != lax.GatherScatterMode.FILL_OR_DROP):
+        return [None] * len(index_map), []
     bounds, room = [], []
     for a in index_map:
         n, w = operand_shape[a], window[a]
@@ -101,7 +105,7 @@ def _gather(ctx, eqn, invals):
     p = eqn.params
     dn = p["dimension_numbers"]
     try:
-        bounds, room = _index_bounds(ctx, x.shape, p["slice_sizes"], dn.start_index_map)
+        bounds, room = _index_bounds(ctx, x.shape, p["slice_sizes"], dn.start_index_map, idx, p)
     except _NoRule:
         picked = _per_row_position(ctx, eqn, x, idx)
         if picked is None:
@@ -210,7 +214,7 @@ def _scatter(ctx, eqn, invals):
         window[a] = updates.shape[u]
     scatter_dims = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
     try:
-        bounds, room = _index_bounds(ctx, x.shape, window, dn.scatter_dims_to_operand_dims)
+        bounds, room = _index_bounds(ctx, x.shape, window, dn.scatter_dims_to_operand_dims, idx, p)
     except _NoRule:
         put = _per_row_put(ctx, eqn, x, idx, updates)
         if put is None:
