@@ -587,10 +587,23 @@ PER_CELL = {
 }
 
 
-@pytest.mark.parametrize("form", [*MIXING, *PER_CELL])
+# Shifts along T by concatenation, as language models write them (and their transposes, a
+# split): each sequence's pieces from its own start column, at its own offsets.
+SHIFTS = {
+    "shift right: concatenate([zeros, x[:, :-1]])": (
+        lambda x: rnn(PARAMS, jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1))),
+    "shift left: concatenate([x[:, 1:], ones])": (
+        lambda x: rnn(PARAMS, jnp.concatenate([x[:, 1:], jnp.ones_like(x[:, :1])], axis=1))),
+    "a per-sequence first step: concatenate([mean over T, x[:, :-1]])": (
+        lambda x: rnn(PARAMS, jnp.concatenate([jnp.mean(x, axis=1, keepdims=True), x[:, :-1]],
+                                              axis=1))),
+}
+
+
+@pytest.mark.parametrize("form", [*MIXING, *PER_CELL, *SHIFTS])
 @pytest.mark.parametrize("lengths", [[5, 1, 3], [8, 2, 6, 1, 1], [32, 7], [1] * 8])
 def test_positions_mix_and_index_each_sequence_alone(form, lengths):
-    _packs_like_each_sequence_alone(form, {**MIXING, **PER_CELL}[form], lengths)
+    _packs_like_each_sequence_alone(form, {**MIXING, **PER_CELL, **SHIFTS}[form], lengths)
 
 
 def _accumulate_over_time(init):

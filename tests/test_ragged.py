@@ -108,18 +108,21 @@ def test_outputs_come_back_at_the_longest_row_with_each_tail_set_to_the_pad():
     assert (f(x, np.asarray(lengths, np.int32))[2, 1:] == -1).all()
 
 
-# Windows of the whole batch that start at a constant: jnp lowers ``x[:, :1]`` over a symbolic
-# T to a gather at index 0, whose bound ``T - 1`` differs per row; a start of 0 needs none.
-PREFIX_WINDOWS = {
+# Windows and shifts of the whole batch: jnp lowers ``x[:, :1]`` over a symbolic T to a
+# gather at index 0, whose bound ``T - 1`` differs per row (a start of 0 needs none), and the
+# gradient of a shift left splits at each row's own ``T - 1``.
+SHIFTS = {
     "x[:, :1]": lambda x: x[:, :1] * x[:, :1],
     "shift right by concatenation": (
         lambda x: jnp.tanh(jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1))),
+    "shift left by concatenation": (
+        lambda x: jnp.tanh(jnp.concatenate([x[:, 1:], jnp.ones_like(x[:, :1])], axis=1))),
 }
 
 
-@pytest.mark.parametrize("name", sorted(PREFIX_WINDOWS))
-def test_a_window_at_a_constant_start_reads_each_rows_own_prefix(name):
-    g = PREFIX_WINDOWS[name]
+@pytest.mark.parametrize("name", sorted(SHIFTS))
+def test_windows_and_shifts_read_each_rows_own_positions(name):
+    g = SHIFTS[name]
     lengths = [5, 1, 9, 3]
     x, rows = ragged_batch(lengths)
 

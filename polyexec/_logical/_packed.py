@@ -40,6 +40,9 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 - a window along a packed length with stride 1 (``reduce_window`` sum, max, min): each window
   reads its own sequence and the init value past its edges (forward only: a window's
   gradient pads the length past each sequence's room, or selects and scatters);
+- concatenating along a packed length (``concatenate([bos, x[:, :-1]], 1)``) and its
+  transpose, a split: each sequence's pieces from its own start column at its own offsets,
+  a constant-length piece held per sequence;
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
   sequence); a reduction over the rows alone back to a per-position value (that broadcast's
@@ -86,7 +89,7 @@ from ._structure import _pad as _padded_pad
 from ._structure import _keeps_length_axes, _reshape as _padded_reshape
 from ._structure import _slice as _padded_slice
 from ._core import _highest, _lowest
-from ._sequences import PerSequence, _names, _spread, at_column, by_cell, held
+from ._sequences import PerSequence, _names, _spread, _to_cells, at_column, by_cell, held
 from ._sequences import evaluate as _evaluate_per_sequence, rule as _per_sequence_rule
 
 
@@ -331,7 +334,7 @@ def _packed(*names):
 
 
 # Primitives that act along the axes their parameter names; elsewhere they are per position.
-_AXIS_PARAMS = {"concatenate": "dimension", "split": "axis", "argsort": "dimension"}
+_AXIS_PARAMS = {"argsort": "dimension"}
 _RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "cond"}
 
@@ -1226,10 +1229,102 @@ def _reshape(ctx: _PackedCtx, eqn, invals):
 
 @_packed("concatenate")
 def _concatenate(ctx: _PackedCtx, eqn, invals):
-    axis = eqn.params["dimension"]
-    if any(_is_sym(x.shape[axis]) for x in invals):
-        raise _NoRule("concatenate along a length axis of packed rows")
-    return None
+    """Along a packed length, each sequence's pieces one after another from its own start
+    column (``concatenate([bos, x[:, :-1]], 1)``, a shift right): position ``p`` of a
+    sequence reads the piece whose per-sequence offset is the last at or before ``p``. A
+    piece of a packed length holds position ``q`` at column ``start + q``; a piece of a
+    constant length is per sequence (`held`: a constant is every sequence's)."""
+    a = eqn.params["dimension"]
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    out = tuple(eqn.outvars[0].aval.shape)
+    if a not in ctx.packed_axes(out):
+        if any(_is_sym(s[a]) for s in shapes):
+            raise _NoRule("concatenate along the rows of packed rows")
+        return None     # along another axis: per position (a per-sequence value: per column)
+    rows = ctx.row_axes(out)
+    if len(rows) != 1 or len(ctx.packed_axes(out)) != 1:
+        raise _NoRule("concatenate along a packed length of a value without one rows axis")
+    (r,) = rows
+    pos, seglen = ctx.cells(out[a])
+    column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+    result, offset = None, jnp.zeros_like(pos)
+    for x, shape in zip(invals, shapes):
+        if a in ctx.packed_axes(shape):
+            # Padded to the output's length first: column ``c - offset`` is then always there.
+            grow = out[a] - shape[a]
+            if _is_sym(grow):
+                raise _NoRule(f"concatenate of packed lengths {shape[a]} into {out[a]}")
+            config = [(0, int(grow) if i == a else 0, 0) for i in range(len(shape))]
+            piece = jnp.take_along_axis(lax.pad(x, _full((), 0, x.dtype), config),
+                                        _along(column - offset, len(out), r, a), axis=a,
+                                        mode="clip")
+        else:
+            held_x = held(ctx, x, shape).value
+            held_x = lax.slice_in_dim(held_x, 0, out[a], axis=r + 1)
+            index = jnp.clip(pos - offset, 0, shape[a] - 1)
+            at = a + (a > r)
+            index = jnp.expand_dims(index, [i for i in range(held_x.ndim) if i not in (r, r + 1)])
+            taken = jnp.take_along_axis(held_x, index, axis=at, mode="clip")
+            unit = tuple(1 if i == a else d for i, d in enumerate(shape))
+            piece = _to_cells(ctx, PerSequence(taken, r), unit, out)
+        mask = _along(pos >= offset, len(out), r, a)
+        result = piece if result is None else jnp.where(mask, piece, result)
+        offset = offset + (ctx._at(shape[a], seglen) if _is_sym(shape[a]) else shape[a])
+    return [result]
+
+
+_per_sequence_rule("concatenate")(_concatenate)
+
+
+@_packed("split")
+def _split(ctx: _PackedCtx, eqn, invals):
+    """Along a packed length (a concatenate's transpose), each sequence's parts at its own
+    offsets: a part of a packed length holds position ``q`` at column ``start + q``, one of a
+    constant length is per sequence (`PerSequence`, held at every cell of its sequence)."""
+    (x,) = invals
+    a, sizes = eqn.params["axis"], eqn.params["sizes"]
+    shape = tuple(eqn.invars[0].aval.shape)
+    if a not in ctx.packed_axes(shape):
+        if _is_sym(shape[a]):
+            raise _NoRule("split along the rows of packed rows")
+        return None
+    rows = ctx.row_axes(shape)
+    if len(rows) != 1 or len(ctx.packed_axes(shape)) != 1:
+        raise _NoRule("split along a packed length of a value without one rows axis")
+    (r,) = rows
+    # The operand with its rows and packed axes first; parts are cut from it by cell.
+    moved = jnp.moveaxis(x, (r, a), (0, 1))
+    rest = [i for i in range(len(shape)) if i not in (r, a)]
+    parts, before = [], []
+    for size in sizes:
+        def offset(seglen):
+            return sum((ctx._at(s, seglen) if _is_sym(s) else s for s in before),
+                       jnp.zeros_like(seglen))
+        if _is_sym(size):
+            pos, seglen = ctx.cells(size)
+            column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+            index = jnp.expand_dims(column + offset(seglen), list(range(2, moved.ndim)))
+            part = jnp.take_along_axis(moved, index, axis=1, mode="clip")
+            parts.append(jnp.moveaxis(part, (0, 1), (r, a)))
+        else:
+            # Cell (row, column): entries start + offset .. + size of the sequence there.
+            starts = ctx.sequence_starts() + offset(ctx.seglen)
+            n_rows, columns = jnp.shape(starts)
+            index = starts[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
+            index = jnp.expand_dims(index.reshape(n_rows, columns * size),
+                                    list(range(2, moved.ndim)))
+            taken = jnp.take_along_axis(moved, index, axis=1, mode="clip")
+            taken = taken.reshape(n_rows, columns, size, *taken.shape[2:])
+            # Axes now (rows, columns, part, *rest); held: the logical order, columns after r.
+            labels = ["r", "columns", "a", *rest]
+            order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
+            order.insert(order.index("r") + 1, "columns")
+            parts.append(PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r))
+        before.append(size)
+    return parts
+
+
+_per_sequence_rule("split")(_split)
 
 
 @_packed("while")

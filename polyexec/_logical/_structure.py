@@ -130,7 +130,13 @@ def _split(ctx, eqn, invals):
     pieces = _bind(eqn, invals)
     for k, (off, size) in enumerate(zip(offsets, sizes)):
         if _is_sym(off):
-            pieces[k] = _take(ctx, x, ctx.length(off) + _iota((size,), 0), axis)
+            start = ctx.length(off, x.shape)
+            if jnp.ndim(start):     # ragged: each row's piece from its own offset
+                shape = [1] * x.ndim
+                shape[axis] = size
+                pieces[k] = _take_rows(ctx, x, start + _iota(shape, axis), axis)
+            else:
+                pieces[k] = _take(ctx, x, start + _iota((size,), 0), axis)
     return pieces
 
 
