@@ -542,24 +542,31 @@ def _eqn_touches(eqn, cache: dict) -> bool:
     return any(_jaxpr_touches(j, cache) for j in _sub_jaxprs(eqn.params))
 
 
-# Equations on constants alone whose outputs hold at most this many elements are evaluated
-# while rewriting: a rule then sees the index ``x[:, :1]`` gathers at as the number 0.
+# Index arithmetic on constants, evaluated with NumPy while rewriting so that a rule sees the
+# index ``x[:, :1]`` gathers at as the number 0 (JAX's own evaluation would compile each one).
 _FOLDED_ELEMENTS = 64
+_FOLD = {
+    "broadcast_in_dim": lambda x, p: np.broadcast_to(
+        np.expand_dims(x, [a for a in range(len(p["shape"]))
+                           if a not in p["broadcast_dimensions"]]), p["shape"]),
+    "convert_element_type": lambda x, p: x.astype(p["new_dtype"]),
+    "reshape": lambda x, p: x.reshape(p["new_sizes"]),
+}
 
 
 def _folded(eqn, invals) -> list | None:
-    """``eqn``'s outputs as NumPy arrays when its inputs are all constants (literals, or folded
-    before) and its outputs small; None otherwise."""
-    if (eqn.effects or any(True for _ in _sub_jaxprs(eqn.params))
-            or any(_param_has_sym(v) for v in eqn.params.values())     # dim_as_value
-            or not all(isinstance(x, (np.ndarray, np.generic)) for x in invals)):
+    """``eqn``'s output as a NumPy array when it is index arithmetic (`_FOLD`) on a constant
+    (a literal, or folded before) with a small output; None otherwise."""
+    fold = _FOLD.get(eqn.primitive.name)
+    if (fold is None or len(invals) != 1 or not isinstance(invals[0], (np.ndarray, np.generic))
+            or any(_param_has_sym(v) for v in eqn.params.values())):
         return None
-    for v in eqn.outvars:
-        shape = getattr(v.aval, "shape", None)
-        if shape is None or not all(is_int(d) for d in shape) or math.prod(shape) > _FOLDED_ELEMENTS:
-            return None
-    with jax.ensure_compile_time_eval():
-        return [np.asarray(x) for x in _bind(eqn, invals)]
+    shape = eqn.outvars[0].aval.shape
+    if not all(is_int(d) for d in shape) or math.prod(shape) > _FOLDED_ELEMENTS:
+        return None
+    if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
+        return None
+    return [np.asarray(fold(np.asarray(invals[0]), eqn.params), eqn.outvars[0].aval.dtype)]
 
 
 def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:

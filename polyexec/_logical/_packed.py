@@ -1308,13 +1308,16 @@ def _split(ctx: _PackedCtx, eqn, invals):
             parts.append(jnp.moveaxis(part, (0, 1), (r, a)))
         else:
             # Cell (row, column): entries start + offset .. + size of the sequence there.
-            starts = ctx.sequence_starts() + offset(ctx.seglen)
-            n_rows, columns = jnp.shape(starts)
-            index = starts[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
-            index = jnp.expand_dims(index.reshape(n_rows, columns * size),
-                                    list(range(2, moved.ndim)))
+            at = offset(ctx.seglen)[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
+            n_rows, columns = jnp.shape(ctx.seglen)
+            index = jnp.expand_dims((ctx.sequence_starts()[:, :, None] + at).reshape(
+                n_rows, columns * size), list(range(2, moved.ndim)))
             taken = jnp.take_along_axis(moved, index, axis=1, mode="clip")
             taken = taken.reshape(n_rows, columns, size, *taken.shape[2:])
+            # Past a sequence shorter than its constant parts (x[:, 1:-1] of one token): zeros,
+            # not the next sequence's cells.
+            inside = jnp.expand_dims(at < ctx.seglen[:, :, None], list(range(3, taken.ndim)))
+            taken = jnp.where(inside, taken, jnp.zeros((), taken.dtype))
             # Axes now (rows, columns, part, *rest); held: the logical order, columns after r.
             labels = ["r", "columns", "a", *rest]
             order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
