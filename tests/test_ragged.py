@@ -108,10 +108,19 @@ def test_outputs_come_back_at_the_longest_row_with_each_tail_set_to_the_pad():
     assert (f(x, np.asarray(lengths, np.int32))[2, 1:] == -1).all()
 
 
+def _flax_shift_right(x):
+    """Flax's ``shift_right`` (its language models' decoder inputs): padded to ``T + 1`` at
+    the front, then a dynamic slice of ``T``, whose gradient updates a ``T + 1`` slice with
+    each row's own ``T`` cells."""
+    padded = jnp.pad(x, ((0, 0), (1, 0), (0, 0)))
+    return jax.lax.dynamic_slice_in_dim(padded, 0, padded.shape[1] - 1, 1)
+
+
 # Windows and shifts of the whole batch: jnp lowers ``x[:, :1]`` over a symbolic T to a
 # gather at index 0, whose bound ``T - 1`` differs per row (a start of 0 needs none), and the
 # gradient of a shift left splits at each row's own ``T - 1``.
 SHIFTS = {
+    "flax shift_right": _flax_shift_right,
     "x[:, :1]": lambda x: x[:, :1] * x[:, :1],
     "shift right by concatenation": (
         lambda x: jnp.tanh(jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1))),

@@ -72,7 +72,9 @@ def _dynamic_update_slice(ctx, eqn, invals):
     spill = None
     for a, w in enumerate(update.shape):
         if _is_sym(w):
-            s = _iota(roomy.shape, a) >= jnp.asarray(starts[a], np.int32) + ctx.length(w)
+            # Ragged rows: each row's update length (a start is one for every row).
+            s = (_iota(roomy.shape, a)
+                 >= jnp.asarray(starts[a], np.int32) + ctx.length(w, roomy.shape))
             spill = s if spill is None else lax.bitwise_or(spill, s)
     if spill is not None:
         out = lax.select(spill, roomy, out)
