@@ -146,6 +146,32 @@ def test_windows_and_shifts_read_each_rows_own_positions(name):
     np.testing.assert_allclose(grad, sum(a[1] for a in alone), rtol=1e-5)
 
 
+@pytest.mark.parametrize("given", ["static", "traced"])
+@pytest.mark.parametrize("start", [0, 1, 5, -1])
+def test_an_update_slice_writes_each_rows_own_cells(start, given):
+    """``x`` written into a ``(B, T + 2)`` array: each row's own ``T`` cells land (a negative
+    start counted from the end, then clamped to ``[0, 2]``, as at the exact size), the others
+    keep the operand. A NumPy scalar start is static (traced into the program as a number), a
+    0-d array a value computed at run time."""
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+
+    def value_and_grad(w, s, x):
+        def loss(w):
+            base = jnp.full((x.shape[0], x.shape[1] + 2, 3), 0.5, x.dtype)
+            y = jax.lax.dynamic_update_slice_in_dim(base, jnp.tanh(x * w), s, 1)
+            return jnp.sum(jnp.sin(y) * jnp.arange(1, y.shape[1] + 1)[None, :, None])
+        return jax.value_and_grad(loss)(w)
+
+    f = px.bucketed(lambda w, s, x, lengths: value_and_grad(w, s, x),
+                    in_specs=(None, None, *SPECS), buckets={T: [16, 64]}, strict=True)
+    s = np.int32(start) if given == "static" else np.asarray(start, np.int32)
+    loss, grad = f(np.float32(0.7), s, x, np.asarray(lengths, np.int32))
+    alone = [value_and_grad(np.float32(0.7), s, r[None]) for r in rows]
+    np.testing.assert_allclose(loss, sum(a[0] for a in alone), rtol=1e-5)
+    np.testing.assert_allclose(grad, sum(a[1] for a in alone), rtol=1e-5)
+
+
 def test_batch_reductions_take_only_real_elements():
     lengths = [5, 1, 9, 3]
     x, rows = ragged_batch(lengths)
