@@ -1295,20 +1295,19 @@ def _split(ctx: _PackedCtx, eqn, invals):
     # The operand with its rows and packed axes first; parts are cut from it by cell.
     moved = jnp.moveaxis(x, (r, a), (0, 1))
     rest = [i for i in range(len(shape)) if i not in (r, a)]
-    parts, before = [], []
+    # Per cell: where its sequence's next part starts (the sizes of the parts before it).
+    parts, offset = [], jnp.zeros_like(ctx.seglen)
     for size in sizes:
-        def offset(seglen):
-            return sum((ctx._at(s, seglen) if _is_sym(s) else s for s in before),
-                       jnp.zeros_like(seglen))
         if _is_sym(size):
-            pos, seglen = ctx.cells(size)
+            pos, _ = ctx.cells(size)
             column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-            index = jnp.expand_dims(column + offset(seglen), list(range(2, moved.ndim)))
+            index = jnp.expand_dims(column + lax.slice_in_dim(offset, 0, size, axis=1),
+                                    list(range(2, moved.ndim)))
             part = jnp.take_along_axis(moved, index, axis=1, mode="clip")
             parts.append(jnp.moveaxis(part, (0, 1), (r, a)))
         else:
             # Cell (row, column): entries start + offset .. + size of the sequence there.
-            at = offset(ctx.seglen)[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
+            at = offset[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
             n_rows, columns = jnp.shape(ctx.seglen)
             index = jnp.expand_dims((ctx.sequence_starts()[:, :, None] + at).reshape(
                 n_rows, columns * size), list(range(2, moved.ndim)))
@@ -1323,7 +1322,7 @@ def _split(ctx: _PackedCtx, eqn, invals):
             order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
             order.insert(order.index("r") + 1, "columns")
             parts.append(PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r))
-        before.append(size)
+        offset = offset + (ctx._at(size, ctx.seglen) if _is_sym(size) else size)
     return parts
 
 
