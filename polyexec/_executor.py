@@ -242,6 +242,14 @@ class Bucketed:
         call = self._bind(args)
         return self._run(self._plan(call.signature), call)
 
+    def _call_at_least(self, buckets: Mapping[str, int], *args):
+        """A padded call at buckets no smaller than ``buckets`` (each one of the variable's
+        bucket sizes). polyexec.training runs a partial batch's real rows at its full batch's
+        shape this way: padded rows of ``B`` are not rows, so a mean over the rows counts the
+        real ones only, where zero-length filler rows would have been counted."""
+        call = self._bind(args)
+        return self._run(self._plan(call.signature), call, buckets)
+
     @property
     def plan(self) -> Plan:
         """The plan of the latest call (tracing it now when no argument lacks a Spec)."""
@@ -485,7 +493,7 @@ class Bucketed:
 
     # -- running --------------------------------------------------------------------------------
 
-    def _run(self, plan: Plan, call: _bind.BoundCall):
+    def _run(self, plan: Plan, call: _bind.BoundCall, least: Mapping[str, int] | None = None):
         """One call: each segment at its bucket, in order; between two, the count of the
         data-dependent size is read on the host and the handed values cut to its bucket."""
         if self.layout != "pad" and plan.can_pack:
@@ -495,7 +503,8 @@ class Bucketed:
             if self.layout == "pack" or layout.cells < self._padded_cells(plan, layout):
                 return self._run_packed(plan, call, layout)
         sizes = dict(call.sizes)
-        bucket = {n: self.bucket_for(n, s, plan) for n, s in sizes.items()}
+        least = least or {}
+        bucket = {n: max(self.bucket_for(n, s, plan), least.get(n, 0)) for n, s in sizes.items()}
         poly, real, padded = _bind.pad_inputs(call, bucket)   # before compiling: it may refuse
         handed: list[Any] = []
         for segment in plan.segments:

@@ -679,3 +679,31 @@ def test_a_damaged_cost_record_is_ignored_with_a_warning(damage, tmp_path):
     finally:
         px.disable_persistent_cache()
     assert cost.compile_seconds >= 0 and cost.seconds_per_cell > 0
+
+
+def test_a_partial_batch_counts_only_its_real_rows():
+    """A bucket's last batch holds fewer examples than a full batch's rows. It runs at the full
+    batch's (compiled) shape, but the rows it lacks are no rows: a loss that averages a mean
+    per example over the rows sees only the real examples, in training and in evaluation.
+    (Zero-length filler rows gave a mean of an empty row, NaN, and diluted a mean over rows.)"""
+    data = [np.full(n, 5, np.int32) for n in (3, 7, 2, 8, 5, 6, 2, 4, 8, 3)]   # 4 + 4 + 2
+
+    def per_example(model, tokens):
+        return jax.vmap(lambda row: jnp.mean(row * model.weight[0, 0]))(tokens)
+
+    def loss(model, tokens, lengths):
+        return jnp.mean(per_example(model, tokens))
+
+    def eval_fn(model, tokens, lengths):
+        return jnp.sum(per_example(model, tokens)), tokens.shape[0]
+
+    model = eqx.nn.Linear(1, 1, use_bias=False, key=jax.random.PRNGKey(0))
+    w = float(model.weight[0, 0])
+    result = training.fit(model, loss, data, validation=data, eval_fn=eval_fn,
+                          optimizer=optax.sgd(0.0), epochs=1, batch_size=4, buckets=[8],
+                          cache=False, verbose=False, progress=False)
+    steps = [r for r in result.history if r["kind"] == "step"]
+    assert [r["bucket"] for r in steps] == [[4, 8]] * 3                  # one compiled shape
+    np.testing.assert_allclose([r["loss"] for r in steps], [5 * w] * 3, rtol=1e-6)
+    np.testing.assert_allclose(result.val_loss, 5 * w, rtol=1e-6)
+    assert result.train_step.stats.compiles == 1

@@ -69,15 +69,18 @@ def round_up(n: int, multiple: int) -> int:
 class Batching:
     """How examples become batches: the bucket policy, the rows of each batch, the time axis.
 
-    A bucket's full batches have ``rows(T)`` rows; its last, partial batch has either as many
-    (with zero-length rows) or, for the buckets in the policy's ``partial_rows`` (chosen by
-    cost, see `buckets.Auto`), just the rows it needs -- one more compiled shape. Rows are a multiple of
-    the number of local devices so the batch axis splits evenly over them.
+    A bucket's full batches have ``rows(T)`` rows; its last, partial batch runs either at as
+    many or, for the buckets in the policy's ``partial_rows`` (chosen by cost, see
+    `buckets.Auto`), at just the rows it needs -- one more compiled shape. Rows are a multiple
+    of the number of local devices so the batch axis splits evenly over them.
 
-    The time axis is the batch's own longest example (at least ``min_length``): the executor
-    pads it up to the bucket, so its ``stats`` count that padding (and the zero-length rows)
-    as padding. Across processes the global batch is assembled from equal local shares and
-    must arrive at the bucket's shape, so there the time axis is padded to the bucket here.
+    On one process a batch is stacked as its real rows only, at the batch's own longest
+    example (at least ``min_length``), and the executor pads both axes up to `shape`: its
+    padded rows are no rows, so a mean over the rows divides by the real ones, and its
+    ``stats`` count the padding. Across processes the global batch is assembled from equal
+    local shares and must arrive at the bucket's shape, so there each share is stacked at the
+    bucket's time axis and its rows are filled with zero-length rows, which a loss that
+    averages per-row values over the rows counts as rows.
     """
 
     policy: Any
@@ -128,10 +131,10 @@ class Batching:
               pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """``batch`` as ``(tokens (rows, length) int32, lengths (rows,) int32)`` (see above)."""
         if self.num_shards > 1:
-            length = batch.bucket_size
-        else:
-            length = max(int(examples.lengths[batch.indices].max()), self.min_length)
-        return pad_batch(examples, batch.indices, self.batch_rows(batch), length, pad_id)
+            return pad_batch(examples, batch.indices, self.batch_rows(batch), batch.bucket_size,
+                             pad_id)
+        length = max(int(examples.lengths[batch.indices].max()), self.min_length)
+        return pad_batch(examples, batch.indices, len(batch.indices), length, pad_id)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -670,12 +670,12 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     """One step on ``batch``; returns (state, position, whether to stop)."""
     start = time.perf_counter()
     tokens, lengths = run.batching.stack(run.train, batch, run.options.pad_id)
-    state, metrics = run.train_step(state, run.dp.global_batch(tokens),
-                                    run.dp.global_batch(lengths))
-    loss = float(metrics["loss"])
-    seconds = time.perf_counter() - start
     rows, length = run.batching.shape(batch)
     bucket = (rows * run.dp.processes, length)
+    state, metrics = _at_shape(run.train_step, bucket, state, run.dp.global_batch(tokens),
+                               run.dp.global_batch(lengths))
+    loss = float(metrics["loss"])
+    seconds = time.perf_counter() - start
     # The executor pads the batch to `bucket` (see Batching); across processes the other
     # shares' real tokens are estimated by this one's.
     tokens_real = int(lengths.sum()) * run.dp.processes
@@ -696,13 +696,21 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     return state, position, max_steps is not None and position.step >= max_steps
 
 
+def _at_shape(step: Bucketed, shape: tuple[int, int], *args):
+    """``step(*args)`` at the (rows, length) bucket ``shape`` that warmup compiled, however
+    few real rows ``args`` hold (`Batching.stack`); a packed step chooses its own rows."""
+    return step._call_at_least({"B": shape[0], "T": shape[1]}, *args)
+
+
 def evaluate(eval_step: Bucketed, model: Any, examples: Examples, batching: Batching,
              dp: DataParallel, pad_id: int = 0) -> tuple[float, int]:
     """Mean loss over ``examples`` (exact: summed totals over summed counts) and the count."""
     total, count = 0.0, 0.0
     for batch in batching.epoch(examples.lengths, 0, shuffle=False, partial_rows="full"):
         tokens, lengths = batching.stack(examples, batch, pad_id)
-        t, c = eval_step(model, dp.global_batch(tokens), dp.global_batch(lengths))
+        rows, length = batching.shape(batch)
+        t, c = _at_shape(eval_step, (rows * dp.processes, length), model,
+                         dp.global_batch(tokens), dp.global_batch(lengths))
         total += float(t)
         count += float(c)
     return (total / count if count else float("nan")), int(count)
