@@ -243,6 +243,54 @@ def test_what_has_no_per_row_rule_is_flagged_naming_the_line(g, words):
         run(g, x, [5, 1, 9, 3], strict=True)
 
 
+_TABLE = jnp.asarray(np.random.default_rng(3).normal(size=(64, 64)), jnp.float32)
+_POSITIONS = jnp.asarray(np.random.default_rng(4).normal(size=(64, 3)), jnp.float32)
+
+
+def _steps(r):
+    return jnp.arange(r.shape[0], dtype=jnp.float32)
+
+
+# Per-row code reducing a value made from the row's length alone: it has no B axis, so each
+# row's result has nowhere to go. It once took the longest row's (a mean of arange(longest)).
+FROM_THE_LENGTH_ALONE = {
+    "mean(arange(n))": lambda r: r.sum(0) + jnp.mean(_steps(r)),
+    "average weighted by arange(n)": lambda r: jnp.average(r, 0, weights=_steps(r) + 1),
+    "decay pool": lambda r: (jnp.exp(-_steps(r))[:, None] * r).sum(0) / jnp.exp(-_steps(r)).sum(),
+    "softmax(table[:n, :n]) @ r": (
+        lambda r: jax.nn.softmax(_TABLE[:r.shape[0], :r.shape[0]], -1) @ r),
+    "sum / ones(n).sum()": lambda r: r.sum(0) / jnp.ones(r.shape[0]).sum(),
+    "logsumexp(-arange(n))": lambda r: r.sum(0) * jax.nn.logsumexp(-_steps(r)),
+    "flip(arange(n))": lambda r: r * jnp.flip(_steps(r))[:, None],
+}
+# ... while one made from the length and read beside the rows stays exact.
+BESIDE_THE_ROWS = {
+    "r + table[:n]": lambda r: r + _POSITIONS[:r.shape[0]],
+    "einsum(tf,tf->f) with table[:n]": lambda r: jnp.einsum("tf,tf->f", r, _POSITIONS[:r.shape[0]]),
+    "exp(-arange(n)) @ r": lambda r: jnp.exp(-_steps(r)) @ r,
+    "r * cumsum(arange(n))": lambda r: r * jnp.cumsum(_steps(r))[:, None],
+}
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("name", sorted(FROM_THE_LENGTH_ALONE) + sorted(BESIDE_THE_ROWS))
+def test_a_value_made_from_the_row_length_alone_is_each_rows_own_or_flagged(name, layout):
+    g = FROM_THE_LENGTH_ALONE.get(name) or BESIDE_THE_ROWS[name]
+    lengths = [2, 5, 9, 1]
+    x, rows = ragged_batch(lengths)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f, got = run(jax.vmap(g), x, lengths, layout=layout)
+    exact = all(np.allclose(np.asarray(got)[b][tuple(slice(0, n) for n in np.shape(g(r)))],
+                            g(r), rtol=1e-5, atol=1e-5) for b, r in enumerate(rows))
+    if name in BESIDE_THE_ROWS:
+        assert exact and f.plan.padding_safe, [str(w.message) for w in caught]
+    else:
+        assert not f.plan.padding_safe and "has no B axis" in f.plan.padding_reason
+        assert "test_ragged.py" in f.plan.padding_reason
+        assert any("not padding-safe" in str(w.message) for w in caught)
+
+
 def test_lengths_beyond_a_rows_size_are_refused_before_compiling():
     x, _ = ragged_batch([5, 1])
     f = px.bucketed(lambda x, lengths: jnp.mean(x), in_specs=SPECS)

@@ -23,9 +23,21 @@ def _dot_general(ctx, eqn, invals):
     pairs = [(a, b) for a, b in zip(lc, rc) if _is_sym(lhs.shape[a]) or _is_sym(rhs.shape[b])]
     if not pairs:
         return None         # batch and free length axes are per position
-    lhs = _fill_tail(ctx, lhs, [a for a, _ in pairs], 0)
-    rhs = _fill_tail(ctx, rhs, [b for _, b in pairs], 0)
+    # An operand made from lengths alone (a per-position weight in per-row code) may be
+    # zeroed at the longest row's length when the other operand has the rows: that one is
+    # zeroed at each row's own, so no row reads past its end. Otherwise its contraction
+    # differs per row with no axis to hold it (`_Ctx.length` refuses).
+    lhs = _fill_tail(ctx, lhs, [a for a, _ in pairs], 0,
+                     shared=_holds_rows(ctx, rhs.shape, [rhs.shape[b] for _, b in pairs]) or None)
+    rhs = _fill_tail(ctx, rhs, [b for _, b in pairs], 0,
+                     shared=_holds_rows(ctx, lhs.shape, [lhs.shape[a] for a, _ in pairs]) or None)
     return _bind_with(eqn, [lhs, rhs])
+
+
+def _holds_rows(ctx, shape, lengths) -> bool:
+    """Whether a value of ``shape`` has the rows axis of every ragged length in ``lengths``."""
+    found = [ctx.rows_of(d) for d in lengths]
+    return all(ctx.row_axes(shape, rows) for rows in found if rows is not None)
 
 
 @_rule("conv_general_dilated")

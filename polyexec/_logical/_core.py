@@ -162,6 +162,7 @@ class _Ctx:
         self.rows = dict(rows or {})
         self.alive = alive
         self.current = None     # the equation a rule is rewriting right now
+        self.from_lengths_shapes: frozenset = frozenset()   # of its inputs made from lengths
         self.own_sizes = False  # True for a per-row context (see _eval_row_varying)
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
@@ -169,6 +170,9 @@ class _Ctx:
         # lengths of those axes (see `_fill_tail`); only this context's own, since a child's
         # masks also drop its ended rows.
         self._zeroed: dict[int, tuple[Any, frozenset]] = {}
+        # id(value) -> value: values made from lengths alone (see `note_made_from_lengths`),
+        # one registry for the whole trace: a call's program reads its caller's values.
+        self._from_lengths: dict[int, Any] = parent._from_lengths if parent is not None else {}
 
     def child(self, eqn, *, alive=None) -> "_Ctx":
         if alive is not None and self.alive is not None:
@@ -261,12 +265,47 @@ class _Ctx:
         var = next(n for n, (_, r) in self.rows.items() if r == rows)
         return self.rows[var][0].shape
 
-    def length(self, d, shape=None):
+    def note_made_from_lengths(self, x, invals) -> None:
+        """Remember ``x`` when it is made from lengths alone -- ``jnp.arange(row.shape[0])``,
+        ``jnp.ones(n)``, a table cut to ``[:n, :n]``, and what elementwise code makes of them:
+        a ragged length, no rows axis, and no input holding the rows' data. Every row sees
+        the same values, but a sum over its tail is each row's own (see `length`). A value
+        without rows that came from the rows' data (a sum over them, a gradient of a shared
+        table) is not one: its tail beyond a row's end holds the other rows' positions."""
+        shape = getattr(x, "shape", None)
+        if shape is None or isinstance(x, RowVarying):
+            return
+        try:
+            rows = {r for r in map(self.rows_of, shape) if r is not None}
+            if not rows or any(self.row_axes(shape, r) for r in rows):
+                return
+            for y in invals:
+                if self._from_lengths.get(id(y)) is y:
+                    continue
+                if isinstance(y, RowVarying) or any(self.rows_of(d) is not None or
+                                                    str(d) in rows for d in getattr(y, "shape", ())):
+                    return
+        except _NoRule:
+            return
+        self._from_lengths[id(x)] = x
+
+    def made_from_lengths(self, x) -> bool:
+        return self._from_lengths.get(id(x)) is x
+
+    def shapes_made_from_lengths(self, invals) -> frozenset:
+        return frozenset(tuple(x.shape) for x in invals if self.made_from_lengths(x))
+
+    def length(self, d, shape=None, shared=None):
         """The logical length of a dimension: an int, or an int32 tracer. For an axis of a
         value of ``shape``: a length ragged along rows that the value has an axis for is that
-        row's length (a vector shaped to broadcast along that axis). Without ``shape``, a rule
-        asking for a ragged length of an equation that has rows gets `_NoRule`: it reads one
-        offset for all rows, which only a per-row rule may do."""
+        row's length (a vector shaped to broadcast along that axis); a value without one is
+        real up to the longest row, which is right for a value that came from the rows' data
+        (``shared``). A value made from lengths alone (`note_made_from_lengths`) is the same in
+        every row, but what a rule makes of its tail -- a sum, a max, a flip -- differs per row
+        and has no axis to hold each row's: `_NoRule` for the shape of an input of the current
+        equation made so, unless ``shared=True`` (the rule zeroes a rows operand per row).
+        Without ``shape``, a rule asking for a ragged length of an equation that has rows gets
+        `_NoRule`: it reads one offset for all rows, which only a per-row rule may do."""
         rows = self.rows_of(d)
         if rows is None:
             return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
@@ -281,6 +320,10 @@ class _Ctx:
                 out = [1] * len(shape)
                 out[axes[0]] = -1
                 return jnp.reshape(self.per_row(d), out)
+            if shared is False or (shared is None and tuple(shape) in self.from_lengths_shapes):
+                raise _NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
+                              f"differs per row (ragged along {rows}), and has no {rows} axis "
+                              f"to hold each row's result")
         elif self.current is not None and self._has_rows(self.current, rows):
             raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per row (ragged along {rows}); it has no per-row rule")
@@ -347,7 +390,7 @@ def _full(shape, fill, dtype):
     return lax.broadcast_in_dim(lax.convert_element_type(fill, dtype), tuple(shape), ())
 
 
-def _logical_mask(ctx: _Ctx, shape, axes):
+def _logical_mask(ctx: _Ctx, shape, axes, shared=None):
     """True at positions that are logical along every length axis among ``axes``. A length
     ragged along rows is each row's; reading across a rows axis also drops, in every row, the
     positions of its ragged axes beyond that row's length (they do not exist) and the rows
@@ -364,7 +407,7 @@ def _logical_mask(ctx: _Ctx, shape, axes):
                 if rows is None or str(shape[a]) != rows:
                     continue       # only a rows axis read across drops other axes' tails
             checked.add(b)
-            m = _iota(shape, b) < ctx.length(shape[b], shape)
+            m = _iota(shape, b) < ctx.length(shape[b], shape, shared)
             mask = m if mask is None else lax.bitwise_and(mask, m)
         if (ctx.alive is not None and _is_sym(shape[a])
                 and any(r == str(shape[a]) for _, r in ctx.rows.values())):
@@ -373,15 +416,19 @@ def _logical_mask(ctx: _Ctx, shape, axes):
     return mask
 
 
-def _fill_tail(ctx: _Ctx, x, axes, fill):
-    """``x`` with every position beyond a logical length along ``axes`` replaced by ``fill``."""
+def _fill_tail(ctx: _Ctx, x, axes, fill, shared=None):
+    """``x`` with every position beyond a logical length along ``axes`` replaced by ``fill``.
+    A value made from lengths alone has no such tail for all rows at once (`_Ctx.length`),
+    unless ``shared``: its reader zeroes the rows' own operand per row."""
+    if shared is None:
+        shared = not ctx.made_from_lengths(x)
     zero = isinstance(fill, (bool, int, float, np.generic)) and fill == 0
     axes = frozenset(axes)
     if zero:
         known = ctx._zeroed.get(id(x))
         if known is not None and known[0] is x and axes <= known[1]:
             return x
-    mask = _logical_mask(ctx, x.shape, axes)
+    mask = _logical_mask(ctx, x.shape, axes, shared)
     if mask is None:
         return x
     out = lax.select(mask, x, _full(x.shape, fill, x.dtype))
@@ -594,6 +641,7 @@ def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
                 outvals = _eval_eqn(ctx, eqn, invals)
         for v, x in zip(eqn.outvars, outvals):
             if not isinstance(v, jax.extend.core.DropVar):
+                ctx.note_made_from_lengths(x, invals)
                 env[v] = _zero_read_tails(ctx, reads, v, x)
     return [read(v) for v in jaxpr.outvars]
 
@@ -626,7 +674,7 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
     if entry.rule is ELEMENTWISE:
         return _bind(eqn, invals)
     try:
-        ctx.current = eqn
+        ctx.current, ctx.from_lengths_shapes = eqn, ctx.shapes_made_from_lengths(invals)
         out = entry.rule(ctx, eqn, invals)
     except _NoRule as e:
         ctx.flag(eqn, str(e))
@@ -635,7 +683,7 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
         ctx.flag(eqn, f"the {name} rule failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return _bind(eqn, invals)
     finally:
-        ctx.current = None
+        ctx.current, ctx.from_lengths_shapes = None, frozenset()
     if out is None:                     # the rule found nothing to change
         return _bind(eqn, invals)
     if not entry.structural:

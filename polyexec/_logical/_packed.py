@@ -142,11 +142,12 @@ class _PackedCtx(_Ctx):
 
     # -- lengths --------------------------------------------------------------------------------
 
-    def length(self, d, shape=None):
+    def length(self, d, shape=None, shared=None):
         """A length in the packed frame. The rows axis: every physical row (their cells say
         which are real). A packed length of a value with a rows axis: per cell, the column
         where its sequence's part of the axis ends (``iota < length`` is the frame). A count
-        over the rows (``B*T``): the sum over the sequences."""
+        over the rows (``B*T``): the sum over the sequences. A value without rows: refused
+        unless ``shared``, as in `_Ctx.length`."""
         if not _is_sym(d):
             return int(d)
         names = _names(d)
@@ -165,6 +166,10 @@ class _PackedCtx(_Ctx):
                     raise _NoRule(f"a value of shape {tuple(shape)} mixes sequences of a packed "
                                   f"row (it needs exactly one rows axis and one packed length)")
                 return _along(self.ends(shape[packed[0]]), len(shape), rows[0], packed[0])
+            if shared is False or (shared is None and tuple(shape) in self.from_lengths_shapes):
+                raise _NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
+                              f"differs per sequence of a packed row, and has no rows axis to "
+                              f"hold each sequence's result")
         elif self.current is not None and self._has_rows(self.current, self.rows_name):
             raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per sequence of a packed row")
@@ -264,7 +269,7 @@ class _PackedCtx(_Ctx):
         rule = (_per_cell if per_cell else _evaluate_per_sequence if per_sequence
                 else _PACKED_RULES.get(eqn.primitive.name, _generic))
         try:
-            self.current = eqn
+            self.current, self.from_lengths_shapes = eqn, self.shapes_made_from_lengths(invals)
             out = rule(self, eqn, invals)
         except _NoRule as e:
             self.flag(eqn, str(e))
@@ -274,7 +279,7 @@ class _PackedCtx(_Ctx):
                            f"{str(e).splitlines()[0][:200] if str(e) else ''}")
             return [NotPacked("a failed rule")] * len(eqn.outvars)
         finally:
-            self.current = None
+            self.current, self.from_lengths_shapes = None, frozenset()
         if out is None:
             return _bind(eqn, invals)
         self.recorder.rewritten.add(id(eqn))
