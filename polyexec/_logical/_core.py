@@ -295,6 +295,14 @@ class _Ctx:
     def shapes_made_from_lengths(self, invals) -> frozenset:
         return frozenset(tuple(x.shape) for x in invals if self.made_from_lengths(x))
 
+    def rows_of_made_from_lengths(self, invals) -> str:
+        """The rows along which the values made from lengths among ``invals`` are ragged."""
+        found = {r for x in invals if self.made_from_lengths(x)
+                 for r in map(self.rows_of, x.shape) if r is not None}
+        if len(found) != 1:
+            raise _NoRule(f"values made from lengths ragged along {sorted(found)}")
+        return found.pop()
+
     def length(self, d, shape=None, shared=None):
         """The logical length of a dimension: an int, or an int32 tracer. For an axis of a
         value of ``shape``: a length ragged along rows that the value has an axis for is that
@@ -303,7 +311,8 @@ class _Ctx:
         (``shared``). A value made from lengths alone (`note_made_from_lengths`) is the same in
         every row, but what a rule makes of its tail -- a sum, a max, a flip -- differs per row
         and has no axis to hold each row's: `_NoRule` for the shape of an input of the current
-        equation made so, unless ``shared=True`` (the rule zeroes a rows operand per row).
+        equation made so, unless ``shared=True`` (the rule zeroes a rows operand per row); the
+        equation then runs once per row (`_eval_row_varying`).
         Without ``shape``, a rule asking for a ragged length of an equation that has rows gets
         `_NoRule`: it reads one offset for all rows, which only a per-row rule may do."""
         rows = self.rows_of(d)
@@ -677,6 +686,14 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
         ctx.current, ctx.from_lengths_shapes = eqn, ctx.shapes_made_from_lengths(invals)
         out = entry.rule(ctx, eqn, invals)
     except _NoRule as e:
+        if ctx.from_lengths_shapes:
+            # A value made from lengths alone, reduced (or flipped...) along them: run it
+            # once per row at the row's own lengths, its result held per row (`RowVarying`).
+            try:
+                return _eval_row_varying(ctx, eqn, invals,
+                                         rows=ctx.rows_of_made_from_lengths(invals))
+            except _NoRule:
+                pass
         ctx.flag(eqn, str(e))
         return _bind(eqn, invals)
     except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace here is a verdict, not a crash
@@ -692,14 +709,15 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
             for x, v in zip(out, eqn.outvars)]
 
 
-def _eval_row_varying(ctx: _Ctx, eqn, invals) -> list:
-    """An equation reading a per-row value (`RowVarying`): run once per row (``jax.vmap``
-    over the held rows axis, the row's own lengths bound), and collapse each result onto its
-    rows axis when it has one -- row ``b`` of the result is what row ``b`` computes."""
+def _eval_row_varying(ctx: _Ctx, eqn, invals, rows: str | None = None) -> list:
+    """An equation reading a per-row value (`RowVarying`), or reading a value made from
+    lengths alone along ``rows``' ragged lengths: run once per row (``jax.vmap`` over the held
+    rows axis, the row's own lengths bound), and collapse each result onto its rows axis when
+    it has one -- row ``b`` of the result is what row ``b`` computes."""
     entry = _lookup(eqn.primitive)
-    if entry is not None and getattr(entry.rule, "inline", False):
+    if rows is None and entry is not None and getattr(entry.rule, "inline", False):
         return entry.rule(ctx, eqn, invals)      # a call: its equations meet the value
-    rows = next(x.rows for x in invals if isinstance(x, RowVarying))
+    rows = rows or next(x.rows for x in invals if isinstance(x, RowVarying))
     if eqn.primitive.name == "broadcast_in_dim":
         (x,) = invals
         shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])

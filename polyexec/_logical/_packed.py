@@ -146,8 +146,9 @@ class _PackedCtx(_Ctx):
         """A length in the packed frame. The rows axis: every physical row (their cells say
         which are real). A packed length of a value with a rows axis: per cell, the column
         where its sequence's part of the axis ends (``iota < length`` is the frame). A count
-        over the rows (``B*T``): the sum over the sequences. A value without rows: refused
-        unless ``shared``, as in `_Ctx.length`."""
+        over the rows (``B*T``): the sum over the sequences. A value without rows: real up to
+        the longest sequence, except one made from lengths alone (refused, as in
+        `_Ctx.length`)."""
         if not _is_sym(d):
             return int(d)
         names = _names(d)
