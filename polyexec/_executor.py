@@ -475,8 +475,12 @@ class Bucketed:
             # from others: it runs on the padded arrays as written, unchecked.
             unchecked = (", and nothing checks that padding leaves its result unchanged (each "
                          "bucket runs it on the padded arrays as written)" if self.masking else "")
+            # Nor can its outputs' length axes be told apart: without out_specs they keep the
+            # bucket's sizes (see `_outputs`).
+            uncut = ("; its outputs keep the bucket's shape (out_specs says how to cut them back)"
+                     if self.out_specs is None else "")
             message = (f"{self.name} is not shape-polymorphic, so it is retraced and compiled per "
-                       f"bucket{unchecked}: {plan.reason}")
+                       f"bucket{unchecked}{uncut}: {plan.reason}")
             reason = plan.reason
         elif self.masking and not plan.padding_safe:
             message = (f"{self.name} is not padding-safe, so padding may change its result: "

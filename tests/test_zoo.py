@@ -326,7 +326,27 @@ def test_a_retraced_function_is_run_on_the_padded_arrays_and_the_warning_says_so
                            masking=False)
     with pytest.warns(UserWarning) as caught:
         unmasked(1.0, x, lengths)
-    assert "retraced and compiled per bucket: " in str(caught[0].message)
+    assert "retraced and compiled per bucket; its outputs keep the bucket's shape" in str(
+        caught[0].message)
+
+
+def test_a_retraced_function_without_out_specs_says_its_outputs_keep_the_buckets_shape():
+    T, B = px.LengthVar("T", min=2, max=32), px.LengthVar("B", max=8)
+
+    def half_mass(x):                    # searchsorted along a symbolic length: not polymorphic
+        c = jnp.cumsum(jnp.abs(x), axis=1)
+        return jax.vmap(jnp.searchsorted)(c, 0.5 * c[:, -1])
+
+    x = np.ones((5, 6), np.float32)
+    for out_specs, rows in ((None, 8), (px.Spec("B", jnp.int32), 5)):
+        f = px.bucketed(half_mass, (px.Spec("B T", jnp.float32),), out_specs=out_specs,
+                        buckets={T: [8, 32], B: [8]})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = f(x)
+        assert f.plan.reshaping_is_impossible and np.shape(got) == (rows,)
+        said = "its outputs keep the bucket's shape (out_specs says how to cut them back)"
+        assert [said in str(w.message) for w in caught] == [out_specs is None]
 
 
 def test_strict_mode_raises_polymorphism_error_with_the_reason():
