@@ -692,7 +692,7 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
             try:
                 return _eval_row_varying(ctx, eqn, invals,
                                          rows=ctx.rows_of_made_from_lengths(invals))
-            except _NoRule:
+            except Exception:  # noqa: BLE001 - not per row either: the rule's own verdict
                 pass
         ctx.flag(eqn, str(e))
         return _bind(eqn, invals)
