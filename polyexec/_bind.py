@@ -271,6 +271,28 @@ def _check_lengths(keyed, specs, given, sizes, where, variables, offset) -> None
                             f"must be <= {source} = {limit}")
 
 
+def check_row_floors(call: BoundCall, floors: Mapping[str, Any]) -> None:
+    """Refuse a ragged row shorter than the plan reads right (``floors``: per variable, a
+    `_logical.RowFloor`), before anything runs: ``x[:, :k]`` of a shorter row would read past
+    its end, where plain JAX on that row alone gives fewer positions."""
+    if not floors:
+        return
+    for (spec, _), path, arr in zip(call.signature.poly, call.signature.leaf_paths("poly"),
+                                    call.poly):
+        floor = floors.get(spec.lengths_of)
+        if floor is None or not _readable(arr):
+            continue
+        values = np.asarray(arr)
+        bad = np.argwhere(values < floor.length)
+        if bad.size:
+            idx = tuple(int(i) for i in bad[0])
+            raise SpecError(f"{path}{list(idx)} = {values[idx]}: lengths of {floor.var!r} must be "
+                            f">= {floor.length} for this function: {floor.where} reads a "
+                            f"fixed-size window of every row up to position {floor.length}, "
+                            f"past the end of a shorter row (drop or pad shorter rows, or "
+                            f"slice to min(length, ...) positions)")
+
+
 def bucket_shape(spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(sizes[d] if isinstance(d, str) else d for d in spec.dims)
 

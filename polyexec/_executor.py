@@ -500,6 +500,7 @@ class Bucketed:
     def _run(self, plan: Plan, call: _bind.BoundCall, least: Mapping[str, int] | None = None):
         """One call: each segment at its bucket, in order; between two, the count of the
         data-dependent size is read on the host and the handed values cut to its bucket."""
+        _bind.check_row_floors(call, plan.row_floors)
         if self.layout != "pad" and plan.can_pack:
             layout = self._pack(plan, call)
             # auto: the layout with fewer cells for this call (a step's cost is per cell);

@@ -121,6 +121,9 @@ class Segment:
     # Whether the packed program reads a per-sequence value: then a sequence of length 0 takes
     # a cell too, where its per-sequence values are held.
     packed_per_sequence: bool = False
+    # The shortest ragged rows the program reads right (`_logical.RowFloor`): a shorter row is
+    # refused before anything runs.
+    row_floors: tuple[Any, ...] = ()
 
     @property
     def variables(self) -> tuple[LengthVar, ...]:
@@ -276,6 +279,17 @@ class Plan:
 
     can_pack = property(lambda self: self.packing_reason is None)
 
+    @property
+    def row_floors(self) -> dict[str, Any]:
+        """Per ragged length variable, the shortest row every segment reads right
+        (`_logical.RowFloor`: its length and the user's line that needs it)."""
+        floors: dict[str, Any] = {}
+        for segment in self.segments:
+            for floor in segment.row_floors:
+                if floor.length > getattr(floors.get(floor.var), "length", 0):
+                    floors[floor.var] = floor
+        return floors
+
     # -- the first program and the last one's outputs ---------------------------------------------
 
     exported = property(lambda self: self.segments[0].exported)
@@ -373,7 +387,8 @@ class Plan:
         _serialize.save(path, name=self.name, exported=self.exported,
                         variables=self.variables, input_paths=self.input_paths,
                         input_specs=self.input_specs, out_paths=self.out_paths,
-                        constants=self.constants or (), padding_reason=self.padding_reason)
+                        constants=self.constants or (), padding_reason=self.padding_reason,
+                        row_floors=tuple(self.row_floors.values()))
 
     @staticmethod
     def load(path) -> "Plan":
@@ -391,6 +406,7 @@ class Plan:
         segment = Segment(index=0, convention=convention, exported=exported, jaxpr=None,
                           out_tree=out_tree, out_paths=fields["out_paths"],
                           padding_reason=fields["padding_reason"],
+                          row_floors=fields["row_floors"],
                           live_variables=fields["variables"],
                           live_inputs=(True,) * len(convention.slots))
         return Plan(name=fields["name"], variables=fields["variables"], segments=(segment,),

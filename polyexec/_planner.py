@@ -90,28 +90,30 @@ def _wrap(fn, context: _dynamic.Context):
 
 
 def logical_export(traced: Traced, convention: Convention,
-                   masking: bool) -> tuple[Any, str | None]:
-    """Stage 4 applied to one traced program: ``(exported, padding_reason)``. The exported
-    program is the logical rewrite, or the traced program with the reason it is not one (or
-    `Failed`, when that program cannot be lowered over symbolic sizes)."""
+                   masking: bool) -> tuple[Any, str | None, tuple[_logical.RowFloor, ...]]:
+    """Stage 4 applied to one traced program: ``(exported, padding_reason, row_floors)``. The
+    exported program is the logical rewrite, or the traced program with the reason it is not
+    one (or `Failed`, when that program cannot be lowered over symbolic sizes); ``row_floors``
+    are the shortest ragged rows the logical program reads right (`_logical.RowFloor`)."""
     if not masking:
-        return traced.exported, "masking=False: the program runs over the padded sizes as written"
+        return (traced.exported, "masking=False: the program runs over the padded sizes as "
+                                 "written", ())
     if not convention.variables:
-        return traced.exported, None
+        return traced.exported, None, ()
     try:
         logical = _logical.rewrite(traced.jaxpr, convention.sizes_at, convention.rows_at)
         if not logical.unsupported:
             exported, _ = export_flat(logical.fn, traced.avals)
-            return exported, None
+            return exported, None, logical.floors
     except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
         culprit = getattr(e, "equation", None)
         at = f"{where(culprit)}: {culprit.primitive.name}: " if culprit is not None else ""
         return traced.exported, (f"{at}the logical rewrite failed ({type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"), ()
     first = logical.unsupported[0]
     more = len(logical.unsupported) - 1
     return traced.exported, (f"{first.where}: {first.primitive}: {first.detail}"
-                             + (f" (and {more} more)" if more else ""))
+                             + (f" (and {more} more)" if more else "")), logical.floors
 
 
 def packed_export(traced: Traced, convention: Convention) -> tuple[Any, str | None, bool]:
@@ -220,8 +222,8 @@ def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
              seconds: dict[str, float]) -> Segment:
     """A segment of a partitioned (or bounded) plan: its logical program, what it hands on,
     and which of its inputs and variables the live program uses."""
-    exported, padding_reason = _timed(seconds, "rewrite", logical_export, traced, convention,
-                                      masking)
+    exported, padding_reason, floors = _timed(seconds, "rewrite", logical_export, traced,
+                                              convention, masking)
     variables = convention.variables
     live_jaxpr, live_inputs, live_names = _liveness(traced.jaxpr, [v.name for v in variables])
     if context.cut is not None:
@@ -236,7 +238,7 @@ def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
                    out_tree=out_tree, out_paths=tuple(out_paths), padding_reason=padding_reason,
                    live_variables=tuple(v for v in variables if v.name in live_names),
                    live_inputs=tuple(live_inputs), cut=context.cut, inputs_from=cuts,
-                   count_names=count_names)
+                   count_names=count_names, row_floors=floors)
 
 
 def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
@@ -250,8 +252,8 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
         return Plan(name, tuple(in_vars), (segment,), fn=fn, seconds=seconds, verdict=Verdict(
             traced.reason, "reshaping is impossible: each bucket runs the function as retraced "
                            "at the bucket's sizes", traced.split_sizes))
-    exported, padding_reason = _timed(seconds, "rewrite", logical_export, traced, convention,
-                                      masking)
+    exported, padding_reason, floors = _timed(seconds, "rewrite", logical_export, traced,
+                                              convention, masking)
     if isinstance(exported, Failed):
         return _single(fn, name, convention, exported, masking, pack, seconds)
     packing = {}
@@ -262,7 +264,7 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
                            else (None, f"the pad layout is not exact either: {padding_reason}",
                                  False)))
     segment = Segment(0, convention, exported, traced.jaxpr, traced.out_tree, traced.out_paths,
-                      padding_reason, **everything, **packing)
+                      padding_reason, **everything, **packing, row_floors=floors)
     return Plan(name, tuple(in_vars), (segment,), Verdict(padding=padding_reason), fn=fn,
                 seconds=seconds)
 

@@ -307,6 +307,73 @@ def test_lengths_beyond_a_rows_size_are_refused_before_compiling():
         f(x, np.array([5, -1], np.int32))
 
 
+def with_min_3(g, layout):
+    """``g(x, lengths)`` bucketed with T's min at 3: ``x[:, :2]`` needs T >= 2 to trace."""
+    t = px.LengthVar("T", min=3, max=64)
+    return px.bucketed(g, in_specs=(px.Spec((B, t, 3), jnp.float32),
+                                    px.Spec((B,), jnp.int32, lengths_of="T")),
+                       buckets={t: [16, 64]}, layout=layout)
+
+
+FIXED_WINDOWS = {
+    "prefix sum": lambda r: r[:2].sum(0),
+    "prefix mean": lambda r: r[:2].mean(0),
+    "slice 1:3": lambda r: r[1:3].sum(0),
+    "capped max": lambda r: r[:3].max(0),            # min(T, 3) = 3 at T >= 3
+    "window from the middle": lambda r: jax.lax.dynamic_slice_in_dim(r, r.shape[0] // 2, 2).sum(0),
+}
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("name", sorted(FIXED_WINDOWS))
+def test_a_fixed_size_window_reads_each_rows_own_positions(name, layout):
+    """``r[:k]`` is a window of k positions of each row: packed rows have one such window per
+    row, not per sequence, so pack refuses it naming the line and runs padded (packed, every
+    sequence read the first sequence of its row). Values and gradients, each row alone."""
+    g = _with_gradient(FIXED_WINDOWS[name])
+    lengths = [3, 5, 4, 3, 9, 6]
+    x, rows = ragged_batch(lengths)
+    f = with_min_3(lambda x, lengths: jax.vmap(g)(x), layout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = f(x, np.asarray(lengths, np.int32))
+    for b, r in enumerate(rows):
+        for have, want in zip(got, g(r)):
+            have = np.asarray(have)[b][tuple(slice(0, n) for n in np.shape(want))]
+            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=f"row {b}")
+    if layout == "pack":
+        assert "test_ragged.py" in f.plan.packing_reason
+        assert any("cannot run packed rows" in str(w.message) for w in caught)
+    else:
+        assert not caught, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_a_row_shorter_than_a_fixed_window_is_refused_naming_the_line(layout, tmp_path):
+    """A row below T's declared min is accepted where the program reads it right (the min is
+    often there for JAX alone), and refused before compiling where a fixed window would read
+    past its end: plain JAX on that row alone gives fewer positions (or fails)."""
+    prefix = lambda x, lengths: x[:, :2].sum(1)      # noqa: E731 - the line the error names
+    f = with_min_3(prefix, layout)
+    x, rows = ragged_batch([5, 1, 2])
+    with px.forbid_compiles(), pytest.raises(px.SpecError) as info:
+        f(x, np.array([5, 1, 2], np.int32))
+    assert str(info.value).startswith("args[1][1] = 1: lengths of 'T' must be >= 2")
+    assert "test_ragged.py" in str(info.value) and "x[:, :2]" in str(info.value)
+    # A row of 2, below the min of 3, reads inside itself: exact.
+    got = f(x[[0, 2]], np.array([5, 2], np.int32))
+    np.testing.assert_allclose(got, [rows[0][:2].sum(0), rows[2].sum(0)], rtol=1e-6)
+    # No fixed window: a row of 1 runs.
+    g = with_min_3(lambda x, lengths: x[:, 1:].sum(1), layout)
+    np.testing.assert_allclose(g(x, np.array([5, 1, 2], np.int32)),
+                               [r[1:].sum(0) for r in rows], rtol=1e-6)
+    # A saved plan keeps the floor.
+    f.plan.save(tmp_path / "prefix.plan")
+    loaded = px.Bucketed.from_plan(px.Plan.load(tmp_path / "prefix.plan"))
+    with pytest.raises(px.SpecError, match=r"args\[1\]\[1\] = 1: lengths of 'T' must be >= 2"):
+        loaded(x, np.array([5, 1, 2], np.int32))
+
+
 def test_ragged_transparency_through_polyexec_testing():
     # The testing tool's batches: edge lengths (0 included), NaN/inf/3e38 padding, batches
     # padded past their longest row; values and gradients against each row alone.

@@ -43,6 +43,18 @@ class Unsupported:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowFloor:
+    """The shortest row a program reads right: a window of a fixed number of positions
+    (``x[:, :k]``, ``lax.dynamic_slice(x, (0, i), (B, k))``) reads past the end of a shorter
+    row, where plain JAX on that row alone would give fewer positions or fail. The declared
+    ``min`` of ``var`` allows no such row, but ragged rows are only checked to be ``>= 0``."""
+
+    var: str            # the ragged length variable
+    length: int         # rows of ``var`` shorter than this read past their end
+    where: str          # the user's line: "file:line: `source`"
+
+
+@dataclasses.dataclass(frozen=True)
 class Logical:
     """The logical program: ``fn(*flat_inputs) -> tuple of flat outputs``."""
 
@@ -53,6 +65,7 @@ class Logical:
     # and whether it reads a per-sequence value (then every sequence needs a cell).
     avals: tuple[Any, ...] | None = None
     per_sequence: bool = False
+    floors: tuple[RowFloor, ...] = ()       # per ragged variable, the longest floor found
 
 
 class _NoRule(Exception):
@@ -186,15 +199,19 @@ class _Ctx:
         return _eval_padded(self, eqn, invals)
 
     def flag(self, eqn, detail: str):
-        """Record an equation no rule makes logical, at the user's line: its own, or else
-        (equations JAX's own functions trace, e.g. inside ``jnp.linalg``) that of the
-        innermost enclosing call whose traceback reaches user code."""
+        """Record an equation no rule makes logical, at the user's line (`where`)."""
+        self.recorder.unsupported.setdefault(
+            id(eqn), Unsupported(eqn.primitive.name, self.where(eqn), detail))
+
+    def where(self, eqn) -> str:
+        """The user's line of an equation: its own, or else (equations JAX's own functions
+        trace, e.g. inside ``jnp.linalg``) that of the innermost enclosing call whose
+        traceback reaches user code."""
         where, ctx = _where(eqn), self
         while where is None and ctx is not None:
             where = _where(ctx.eqn) if ctx.eqn is not None else None
             ctx = ctx.parent
-        self.recorder.unsupported.setdefault(
-            id(eqn), Unsupported(eqn.primitive.name, where or "<unknown>", detail))
+        return where or "<unknown>"
 
     def _lookup(self, table: str, d):
         ctx = self
@@ -363,6 +380,8 @@ class _Recorder:
         self.rewritten: set[int] = set()                 # counts once
         self.touches: dict[int, tuple[Any, bool]] = {}   # see _jaxpr_touches
         self._monotone: dict[Any, bool] = {}
+        self.ragged: frozenset[str] = frozenset()        # the variables with per-row lengths
+        self.floors: dict[str, RowFloor] = {}            # see `_note_row_floor`
 
     def monotone(self, d) -> bool:
         # Cached per rewrite: dimensions of different symbolic scopes must never be compared.
@@ -670,6 +689,7 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
         return _eval_row_varying(ctx, eqn, invals)
     if not _eqn_touches(eqn, ctx.recorder.touches):
         return _bind(eqn, invals)
+    _note_row_floor(ctx, eqn, invals)
     name = eqn.primitive.name
     for v in eqn.outvars:
         for d in getattr(v.aval, "shape", ()):
@@ -707,6 +727,78 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
         ctx.recorder.rewritten.add(id(eqn))
     return [x if isinstance(x, RowVarying) else _like(x, v.aval)
             for x, v in zip(out, eqn.outvars)]
+
+
+def _window_starts(eqn, invals) -> list[tuple[int, Any, Any]]:
+    """``(axis, start, size)`` of each operand axis a windowed read indexes with a window of
+    more than one position: the start a constant (an int, a symbolic dimension) or None (a
+    traced start, which the rules clamp into the row). One position (``x[:, k]``) is clamped
+    into each row by the rules: it reads inside any row but an empty one, whose value is the
+    gather's fill."""
+    name, p = eqn.primitive.name, eqn.params
+    reads = []
+    if name == "slice":
+        shape = eqn.invars[0].aval.shape
+        strides = p["strides"] or (1,) * len(shape)
+        out = eqn.outvars[0].aval.shape
+        reads = [(a, p["start_indices"][a], (out[a] - 1) * strides[a] + 1)
+                 for a in range(len(shape))]
+    elif name in ("dynamic_slice", "dynamic_update_slice"):
+        first, window = (1, p["slice_sizes"]) if name == "dynamic_slice" else (2, invals[1].shape)
+        reads = [(a, int(st) if isinstance(st, (int, np.integer, np.ndarray)) and np.ndim(st) == 0
+                  else None, window[a]) for a, st in enumerate(invals[first:])]
+    elif name == "gather":
+        idx, dn = invals[1], p["dimension_numbers"]
+        literal = isinstance(idx, np.ndarray) and idx.size
+        reads = [(a, int(np.max(idx[..., i])) if literal else None, p["slice_sizes"][a])
+                 for i, a in enumerate(dn.start_index_map)]
+    return [(a, start, size) for a, start, size in reads if _is_sym(size) or size != 1]
+
+
+def _ragged_variable(ctx: _Ctx, *dims) -> str | None:
+    """The one ragged variable ``dims`` mention, None when they mention another or several."""
+    names = {n for d in dims if d is not None and _is_sym(d) for n in d._get_vars()}
+    return names.pop() if len(names) == 1 and names <= ctx.recorder.ragged else None
+
+
+def _note_row_floor(ctx: _Ctx, eqn, invals) -> None:
+    """Record (`RowFloor`) the shortest row a window of a ragged length fits: the window
+    ``[start, start + size)`` of a row of length ``n(t)`` fits when ``n(t) >= start(t) +
+    size(t)`` (a traced start is clamped to ``>= 0``). JAX proved that for every length from
+    the variable's declared min up; the lengths below it are checked here (rows shorter than
+    the min are accepted: a min is often there for JAX alone, ``x[:, 1:]`` of a scan)."""
+    if not ctx.recorder.ragged or eqn.primitive.name not in _WINDOWED:
+        return
+    shape = eqn.invars[0].aval.shape
+    for axis, start, size in _window_starts(eqn, invals):
+        n = shape[axis]
+        var = _ragged_variable(ctx, n, start, size) if _is_sym(n) else None
+        if var is None:
+            continue
+        lo, _ = _shape_poly._bounds_decision(_shape_poly._DimExpr._from_var(var, n.scope),
+                                             _shape_poly.BoundsPrecision.BEST)
+        at = lambda d, t: int(d._evaluate({var: t})) if _is_sym(d) else int(d)  # noqa: E731
+        short = [t for t in range(int(lo)) if at(size, t) > 0
+                 and max(at(start, t) if start is not None else 0, 0) + at(size, t) > at(n, t)]
+        floor = max(short, default=-1) + 1
+        if floor > getattr(ctx.recorder.floors.get(var), "length", 0):
+            ctx.recorder.floors[var] = RowFloor(var, floor, ctx.where(eqn))
+
+
+_WINDOWED = frozenset({"slice", "dynamic_slice", "dynamic_update_slice", "gather"})
+
+
+def window_fits_admitted_rows(ctx: _Ctx, n, size, start: int) -> bool:
+    """Whether the window ``[start, start + size)`` of a ragged axis of length ``n`` fits every
+    row a call admits, so that clamping its start per row changes nothing: JAX's bounds show
+    ``n - size - start >= 0`` from the declared min up, and the rows below the min that it
+    does not fit are refused (`_note_row_floor`)."""
+    if not _is_sym(n) or _ragged_variable(ctx, n, size) is None:
+        return False
+    room = n - size - start
+    if not _is_sym(room):
+        return int(room) >= 0
+    return _shape_poly._bounds_decision(room, _shape_poly.BoundsPrecision.BEST)[0] >= 0
 
 
 def _eval_row_varying(ctx: _Ctx, eqn, invals, rows: str | None = None) -> list:
@@ -958,6 +1050,7 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
             raise OptionError(f"rewrite: sizes_at[{name!r}]: expected the position of an int32 "
                               f"scalar input (0..{n - 1}), received {got}")
     recorder = _Recorder()
+    recorder.ragged = frozenset(rows_at or ())
     if not recorder.touched(jaxpr):
         return Logical(fn=_replay(closed_jaxpr), unsupported=(), rewritten=0)
 
@@ -978,7 +1071,7 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
              for v in jaxpr.invars]
     traced = jax.jit(logical).trace(*avals).jaxpr
     return Logical(fn=_replay(traced), unsupported=tuple(recorder.unsupported.values()),
-                   rewritten=len(recorder.rewritten))
+                   rewritten=len(recorder.rewritten), floors=tuple(recorder.floors.values()))
 
 
 def _replay(closed):

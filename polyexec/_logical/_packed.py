@@ -366,9 +366,38 @@ def _generic(ctx: _PackedCtx, eqn, invals):
     if name in ("gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
                 "scatter-max", "dynamic_slice", "dynamic_update_slice"):
         # Their rules bound indices by lengths read through `length`, which refuses a length
-        # that differs per sequence; indexing feature axes passes unchanged.
+        # that differs per sequence; indexing feature axes passes unchanged. A window that
+        # starts at a literal 0 bounds nothing, so it is refused here: ``x[:, :k]`` would read
+        # each packed row's first sequence for all of the row's sequences.
+        _refuse_windows_of_packed_length(ctx, eqn)
         return entry.rule(ctx, eqn, invals)
     raise _NoRule(f"{name} has no rule for packed rows")
+
+
+def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
+    """`_NoRule` for an indexing equation whose window along a packed length has a fixed size
+    (``x[:, :k]``, ``r[:k]`` under ``jax.vmap``, their transposes): one window per packed row,
+    where each sequence needs its own."""
+    shape = eqn.invars[0].aval.shape
+    p = eqn.params
+    # Batching axes (``take_along_axis``) pair each position with its own index.
+    batching = getattr(p.get("dimension_numbers"), "operand_batching_dims", ())
+    if eqn.primitive.name in ("gather", "dynamic_slice"):
+        window = p["slice_sizes"]
+    elif eqn.primitive.name == "dynamic_update_slice":
+        window = eqn.invars[1].aval.shape
+    else:       # a scatter: its update's window, a unit size where a dimension is inserted
+        dn, update_shape = p["dimension_numbers"], eqn.invars[2].aval.shape
+        sizes = iter(update_shape[d] for d in dn.update_window_dims)
+        window = [1 if a in dn.inserted_window_dims or a in batching else next(sizes)
+                  for a in range(len(shape))]
+    for a in set(ctx.packed_axes(shape)) - set(batching):
+        # A window of T - c from a constant start keeps each sequence's start column, as
+        # ``x[:, 1:]`` does (the module's frame); a constant or capped one (``min(T, k)``)
+        # covers the row's first columns only.
+        if not _is_sym(window[a]) or _is_sym(shape[a] - window[a]):
+            raise _NoRule("a window of a packed length of a fixed size (x[:, :k]): one window "
+                          "per packed row, where each sequence needs its own")
 
 
 _SCATTERS = {"scatter": None, "scatter-add": 0, "scatter-sub": 0, "scatter-mul": 1,
