@@ -356,8 +356,13 @@ def test_a_row_shorter_than_a_fixed_window_is_refused_naming_the_line(layout, tm
     prefix = lambda x, lengths: x[:, :2].sum(1)      # noqa: E731 - the line the error names
     f = with_min_3(prefix, layout)
     x, rows = ragged_batch([5, 1, 2])
-    with px.forbid_compiles(), pytest.raises(px.SpecError) as info:
+    with px.forbid_compiles(), pytest.raises(px.SpecError) as info, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         f(x, np.array([5, 1, 2], np.int32))
+    # Packed, the window is refused first (one window per packed row), the line named.
+    assert ["cannot run packed rows" in str(w.message) for w in caught] == (
+        [True] if layout == "pack" else [])
     assert str(info.value).startswith("args[1][1] = 1: lengths of 'T' must be >= 2")
     assert "test_ragged.py" in str(info.value) and "x[:, :2]" in str(info.value)
     # A row of 2, below the min of 3, reads inside itself: exact.
