@@ -379,6 +379,24 @@ def test_a_row_shorter_than_a_fixed_window_is_refused_naming_the_line(layout, tm
         loaded(x, np.array([5, 1, 2], np.int32))
 
 
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_a_rows_length_minus_one_is_minus_one_for_an_empty_row(layout):
+    """``r.shape[0] - 1`` as a number is what plain JAX computes, -1 for an empty row (as the
+    length of an axis it is 0 positions): an unbiased covariance of an empty row is -0, not
+    NaN, and its count is -1."""
+    def g(r):
+        c = r - r.mean(0)
+        return jnp.einsum("tf,tg->fg", c, c) / (r.shape[0] - 1), jnp.float32(r.shape[0] - 1)
+
+    lengths = [0, 2, 5, 1]
+    x, rows = ragged_batch(lengths)
+    _, (cov, count) = run(jax.vmap(g), x, lengths, layout=layout)
+    for b, r in enumerate(rows):
+        want_cov, want_count = g(jnp.asarray(r))
+        np.testing.assert_allclose(cov[b], want_cov, rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
+        assert count[b] == want_count
+
+
 def test_ragged_transparency_through_polyexec_testing():
     # The testing tool's batches: edge lengths (0 included), NaN/inf/3e38 padding, batches
     # padded past their longest row; values and gradients against each row alone.

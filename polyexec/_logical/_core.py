@@ -246,14 +246,16 @@ class _Ctx:
     def row_axes(self, shape, rows: str) -> list[int]:
         return [i for i, s in enumerate(shape) if _is_sym(s) and str(s) == rows]
 
-    def per_row(self, d):
-        """``d`` at each row's lengths: an int32 ``(B,)`` vector, never below 0 (a row of
-        length 0 has no ``T - 1`` positions, not -1)."""
+    def per_row(self, d, *, as_value: bool = False):
+        """``d`` at each row's lengths: an int32 ``(B,)`` vector, never below 0 as the length
+        of an axis (a row of length 0 has no ``T - 1`` positions, not -1), and as it is as a
+        value (``x.shape[0] - 1`` of an empty row is -1, as plain JAX computes it)."""
         env = dict(self.sizes)
         for name in d._get_vars():
             if name in self.rows:
                 env[name] = self.rows[name][0]
-        return jnp.maximum(lax.convert_element_type(d._evaluate(env), np.int32), 0)
+        value = lax.convert_element_type(d._evaluate(env), np.int32)
+        return value if as_value else jnp.maximum(value, 0)
 
     def row_mask(self, rows: str):
         """The real rows of a rows axis: below the real size, and (inside a scan over a ragged

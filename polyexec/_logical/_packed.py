@@ -229,8 +229,11 @@ class _PackedCtx(_Ctx):
         column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
         return jnp.where(pos >= 0, column - pos + self._at(d, seglen), -1).astype(np.int32)
 
-    def _at(self, d, seglen):
-        return jnp.maximum(d._evaluate({**self.sizes, self.var: seglen}), 0).astype(np.int32)
+    def _at(self, d, seglen, *, as_value: bool = False):
+        """``d`` at each cell's sequence length (``seglen``): never below 0 as the length of
+        an axis, as it is as a value (see `_Ctx.per_row`)."""
+        value = d._evaluate({**self.sizes, self.var: seglen})
+        return (value if as_value else jnp.maximum(value, 0)).astype(np.int32)
 
     def _summed(self, d, rows: str):
         b = _shape_poly._DimExpr._from_var(rows, d.scope)
@@ -244,7 +247,7 @@ class _PackedCtx(_Ctx):
     def row_mask(self, rows: str):
         return self.alive
 
-    def per_row(self, d):
+    def per_row(self, d, *, as_value: bool = False):
         raise _NoRule(f"the length {d} is per row, and a packed row holds several sequences")
 
     # -- equations ------------------------------------------------------------------------------
@@ -904,7 +907,7 @@ def _dim_as_value(ctx: _PackedCtx, eqn, invals):
     d = eqn.params["dim"]
     names = _names(d)
     if ctx.var in names and ctx.rows_name not in names:
-        return [PerSequence(ctx._at(d, ctx.seglen), None)]     # each sequence's own
+        return [PerSequence(ctx._at(d, ctx.seglen, as_value=True), None)]  # each sequence's own
     if ctx.var in names:
         return [ctx.length(d)]
     # The rows as a number are the sequences, not the packed rows.

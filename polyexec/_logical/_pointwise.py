@@ -36,5 +36,5 @@ def _dim_as_value(ctx, eqn, invals):
     rows = ctx.rows_of(d)
     if rows is not None and rows not in d._get_vars():
         # ``x.shape[1]`` of a ragged (B, T) array inside per-row code: each row's own length.
-        return [RowVarying(ctx.per_row(d), rows)]
+        return [RowVarying(ctx.per_row(d, as_value=True), rows)]
     return [ctx.length(d)]     # a count over rows (B*T) is the sum of the rows' real lengths
