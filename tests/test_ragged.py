@@ -397,6 +397,58 @@ def test_a_rows_length_minus_one_is_minus_one_for_an_empty_row(layout):
         assert count[b] == want_count
 
 
+ROWS_MOVED = {
+    "first rows": lambda x: x[:2].sum(),
+    "one row": lambda x: x[1].sum(),
+    "every other row": lambda x: x[::2].sum(),
+    "rows reversed": lambda x: (x - x[::-1]).sum((1, 2)),
+    "rows rolled": lambda x: (x * jnp.roll(x, 1, 0)).sum((1, 2)),
+    "rows permuted": lambda x: jnp.take(x, jnp.array([2, 0, 1]), axis=0).sum((1, 2)),
+    "rows sorted": lambda x: jnp.sort(x, 0).sum((1, 2)),
+    "a row added": lambda x: jnp.pad(x, ((1, 0), (0, 0), (0, 0))).sum((1, 2)),
+    "rows joined": lambda x: jnp.concatenate([x, x]).sum((1, 2)),
+    "rows accumulated": lambda x: jnp.cumsum(x, 0).sum((1, 2)),
+}
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("name", sorted(ROWS_MOVED))
+def test_moving_the_rows_of_a_ragged_value_is_flagged_naming_the_line(name, layout):
+    """Each row's real length belongs to its index: selecting, reordering, padding, joining
+    or accumulating the rows of a value that still has its ragged axis would give a moved row
+    another row's length (``x[:2].sum()`` summed the padding of rows 0 and 1 past their ends,
+    silently). Flagged, the line named, in both layouts."""
+    x, _ = ragged_batch([2, 5, 1])
+    with pytest.warns(UserWarning, match="not padding-safe"):
+        f, _ = run(ROWS_MOVED[name], x, [2, 5, 1], layout=layout)
+    assert "test_ragged.py" in f.plan.padding_reason and "rows" in f.plan.padding_reason
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_rows_without_a_ragged_axis_move_freely_and_updates_stay_in_place(layout):
+    """A value per row (its padding left out already) may be reordered; ``x.at[0].set`` writes
+    row 0 in place (packed rows cannot: it runs padded, the line named)."""
+    def g(x):
+        per_row = x.sum((1, 2))
+        return per_row[::-1], jnp.roll(per_row, 1), x.at[0].set(1.0).sum((1, 2))
+
+    lengths = [2, 5, 1]
+    x, rows = ragged_batch(lengths)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f, (reversed_, rolled, written) = run(g, x, lengths, layout=layout)
+    sums = np.array([r.sum() for r in rows])
+    np.testing.assert_allclose(reversed_, sums[::-1], rtol=1e-5)
+    np.testing.assert_allclose(rolled, np.roll(sums, 1), rtol=1e-5)
+    np.testing.assert_allclose(written, [3 * lengths[0], *sums[1:]], rtol=1e-5)
+    assert f.plan.padding_safe
+    if layout == "pack":
+        assert "x.at[0]" in f.plan.packing_reason
+        assert any("cannot run packed rows" in str(w.message) for w in caught)
+    else:
+        assert not caught, [str(w.message) for w in caught]
+
+
 def test_ragged_transparency_through_polyexec_testing():
     # The testing tool's batches: edge lengths (0 included), NaN/inf/3e38 padding, batches
     # padded past their longest row; values and gradients against each row alone.

@@ -691,6 +691,10 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
         return _eval_row_varying(ctx, eqn, invals)
     if not _eqn_touches(eqn, ctx.recorder.touches):
         return _bind(eqn, invals)
+    moved = moves_ragged_rows(ctx, eqn)
+    if moved is not None:
+        ctx.flag(eqn, moved)
+        return _bind(eqn, invals)
     _note_row_floor(ctx, eqn, invals)
     name = eqn.primitive.name
     for v in eqn.outvars:
@@ -729,6 +733,85 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
         ctx.recorder.rewritten.add(id(eqn))
     return [x if isinstance(x, RowVarying) else _like(x, v.aval)
             for x, v in zip(out, eqn.outvars)]
+
+
+def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
+    """``(operand aval, axes)`` for each operand of an equation that selects, reorders, pads,
+    joins or accumulates entries along those axes (``x[:2]``, ``x[::-1]``, ``jnp.roll``,
+    ``x[perm]``, ``jnp.sort(x, 0)``, ``jnp.pad``, ``jnp.concatenate``, ``jnp.cumsum``), as
+    opposed to keeping every entry at its index (elementwise maths, reductions, contractions,
+    in-place updates)."""
+    name, p = eqn.primitive.name, eqn.params
+    avals = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
+    if not avals:
+        return []
+    shape = avals[0].shape
+    if name == "slice":
+        strides = p["strides"] or (1,) * len(shape)
+        axes = [a for a in range(len(shape)) if (p["start_indices"][a], strides[a]) != (0, 1)
+                or not _same_dim(p["limit_indices"][a], shape[a])]
+    elif name == "rev":
+        axes = list(p["dimensions"])
+    elif name in ("gather", "dynamic_slice"):
+        batching = set(getattr(p.get("dimension_numbers"), "operand_batching_dims", ()))
+        indexed = set(getattr(p.get("dimension_numbers"), "start_index_map", ()))
+        axes = [a for a in range(len(shape)) if a not in batching
+                and (a in indexed or not _same_dim(p["slice_sizes"][a], shape[a]))]
+        if name == "dynamic_slice":
+            axes = [a for a in axes if not _same_dim(p["slice_sizes"][a], shape[a])]
+    elif name == "sort":
+        return [(aval, (p["dimension"],)) for aval in avals]
+    elif name in ("concatenate", "split"):
+        return [(aval, (p["dimension" if name == "concatenate" else "axis"],)) for aval in avals]
+    elif name == "pad":
+        axes = [a for a, c in enumerate(p["padding_config"]) if tuple(c) != (0, 0, 0)]
+    elif name in _CUMULATIVE:
+        axes = [p["axis"]]
+    else:
+        return []
+    return [(avals[0], tuple(axes))] if axes else []
+
+
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+
+
+def _same_dim(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - dimensions of different scopes do not compare
+        return False
+
+
+def moves_ragged_rows(ctx: _Ctx, eqn) -> str | None:
+    """Why ``eqn`` moves the rows of a ragged value, None when it does not: a value with a
+    rows axis and a length ragged along it holds each row's real length by the row's index
+    (the ``lengths_of`` input's), so selecting, reordering, padding or joining its rows
+    (``x[:2]``, ``x[::-1]``, ``jnp.roll(x, 1, 0)``, ``x[perm]``) would give the moved rows the
+    lengths of the rows whose place they take. Rows without a ragged axis move freely (a
+    ``(B,)`` loss per row: its padding was left out already)."""
+    if not ctx.rows:
+        return None
+    rows_names = {by for _, by in ctx.rows.values()}
+    for aval, axes in _moved_axes(eqn):
+        shape = aval.shape
+        for a in axes:
+            if not (_is_sym(shape[a]) and str(shape[a]) in rows_names):
+                continue
+            try:
+                ragged = any(ctx.rows_of(d) == str(shape[a]) for i, d in enumerate(shape)
+                             if i != a)
+            except _NoRule:
+                ragged = True
+            if ragged and eqn.primitive.name in _CUMULATIVE:
+                return (f"{eqn.primitive.name} accumulates across the rows ({shape[a]}) of a "
+                        f"value ragged along them: a shorter row's padding would reach the "
+                        f"rows after it")
+            if ragged:
+                return (f"{eqn.primitive.name} selects, reorders or joins the rows "
+                        f"({shape[a]}) of a value ragged along them: each row's real length "
+                        f"belongs to its index, so a moved row would take the length of the "
+                        f"row whose place it takes")
+    return None
 
 
 def _window_starts(eqn, invals) -> list[tuple[int, Any, Any]]:

@@ -78,7 +78,7 @@ from jax._src.export import shape_poly as _shape_poly
 
 from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_with, _Ctx,
                     _eqn_touches, _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule,
-                    _Recorder, _replay, _sub_jaxprs, _take_rows, _where)
+                    _Recorder, _replay, _sub_jaxprs, _take_rows, _where, moves_ragged_rows)
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
 from ._control import _at_step, frozen_scan
@@ -270,6 +270,10 @@ class _PackedCtx(_Ctx):
                                                                self.rows_name):
                     self.flag(eqn, f"the length {d} can exceed its sequence's room in a packed row")
                     return [NotPacked(f"the length {d}")] * len(eqn.outvars)
+        moved = moves_ragged_rows(self, eqn)
+        if moved is not None:
+            self.flag(eqn, moved)
+            return [NotPacked(moved)] * len(eqn.outvars)
         rule = (_per_cell if per_cell else _evaluate_per_sequence if per_sequence
                 else _PACKED_RULES.get(eqn.primitive.name, _generic))
         try:
@@ -380,7 +384,7 @@ def _generic(ctx: _PackedCtx, eqn, invals):
 def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
     """`_NoRule` for an indexing equation whose window along a packed length has a fixed size
     (``x[:, :k]``, ``r[:k]`` under ``jax.vmap``, their transposes): one window per packed row,
-    where each sequence needs its own."""
+    where each sequence needs its own; or that indexes the rows (``x.at[0].set``)."""
     shape = eqn.invars[0].aval.shape
     p = eqn.params
     # Batching axes (``take_along_axis``) pair each position with its own index.
@@ -394,6 +398,10 @@ def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
         sizes = iter(update_shape[d] for d in dn.update_window_dims)
         window = [1 if a in dn.inserted_window_dims or a in batching else next(sizes)
                   for a in range(len(shape))]
+    for a in set(ctx.row_axes(shape)) - set(batching):
+        if not _core_equal(window[a], shape[a]):
+            raise _NoRule("an index into the rows of packed rows (x.at[0]): a packed row holds "
+                          "several sequences")
     for a in set(ctx.packed_axes(shape)) - set(batching):
         # A window of T - c from a constant start keeps each sequence's start column, as
         # ``x[:, 1:]`` does (the module's frame); a constant or capped one (``min(T, k)``)
