@@ -738,9 +738,9 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
 def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
     """``(operand aval, axes)`` for each operand of an equation that selects, reorders, pads,
     joins or accumulates entries along those axes (``x[:2]``, ``x[::-1]``, ``jnp.roll``,
-    ``x[perm]``, ``jnp.sort(x, 0)``, ``jnp.pad``, ``jnp.concatenate``, ``jnp.cumsum``), as
-    opposed to keeping every entry at its index (elementwise maths, reductions, contractions,
-    in-place updates)."""
+    ``x[perm]``, ``jnp.sort(x, 0)``, ``jnp.pad``, ``jnp.concatenate``, ``jnp.cumsum``), or
+    scans over them, as opposed to keeping every entry at its index (elementwise maths,
+    reductions, contractions, in-place updates)."""
     name, p = eqn.primitive.name, eqn.params
     avals = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
     if not avals:
@@ -767,6 +767,9 @@ def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
         axes = [a for a, c in enumerate(p["padding_config"]) if tuple(c) != (0, 0, 0)]
     elif name in _CUMULATIVE:
         axes = [p["axis"]]
+    elif name == "scan":        # ``lax.map`` over the rows: each step sees one row, index-less
+        xs = avals[p["num_consts"] + p["num_carry"]:]
+        return [(aval, (0,)) for aval in xs]
     else:
         return []
     return [(avals[0], tuple(axes))] if axes else []
@@ -802,6 +805,10 @@ def moves_ragged_rows(ctx: _Ctx, eqn) -> str | None:
                              if i != a)
             except _NoRule:
                 ragged = True
+            if ragged and eqn.primitive.name == "scan":
+                return (f"a scan over the rows ({shape[a]}) of a value ragged along them "
+                        f"(lax.map): each step's row has no index to read its length by "
+                        f"(jax.vmap keeps it)")
             if ragged and eqn.primitive.name in _CUMULATIVE:
                 return (f"{eqn.primitive.name} accumulates across the rows ({shape[a]}) of a "
                         f"value ragged along them: a shorter row's padding would reach the "
