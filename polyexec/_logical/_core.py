@@ -46,8 +46,9 @@ class Unsupported:
 class RowFloor:
     """The shortest row a program reads right: a window of a fixed number of positions
     (``x[:, :k]``, ``lax.dynamic_slice(x, (0, i), (B, k))``) reads past the end of a shorter
-    row, where plain JAX on that row alone would give fewer positions or fail. The declared
-    ``min`` of ``var`` allows no such row, but ragged rows are only checked to be ``>= 0``."""
+    row, where plain JAX on that row alone would give fewer positions or fail. Ragged rows
+    below ``var``'s declared min are accepted (a min is often there for JAX alone), so a call
+    refuses only the rows shorter than a floor."""
 
     var: str            # the ragged length variable
     length: int         # rows of ``var`` shorter than this read past their end
@@ -752,13 +753,12 @@ def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
                 or not _same_dim(p["limit_indices"][a], shape[a])]
     elif name == "rev":
         axes = list(p["dimensions"])
-    elif name in ("gather", "dynamic_slice"):
-        batching = set(getattr(p.get("dimension_numbers"), "operand_batching_dims", ()))
-        indexed = set(getattr(p.get("dimension_numbers"), "start_index_map", ()))
-        axes = [a for a in range(len(shape)) if a not in batching
-                and (a in indexed or not _same_dim(p["slice_sizes"][a], shape[a]))]
-        if name == "dynamic_slice":
-            axes = [a for a in axes if not _same_dim(p["slice_sizes"][a], shape[a])]
+    elif name == "gather":
+        dn = p["dimension_numbers"]
+        axes = [a for a in range(len(shape)) if a not in dn.operand_batching_dims
+                and (a in dn.start_index_map or not _same_dim(p["slice_sizes"][a], shape[a]))]
+    elif name == "dynamic_slice":
+        axes = [a for a in range(len(shape)) if not _same_dim(p["slice_sizes"][a], shape[a])]
     elif name == "sort":
         return [(aval, (p["dimension"],)) for aval in avals]
     elif name in ("concatenate", "split"):
