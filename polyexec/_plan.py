@@ -11,6 +11,7 @@ plan once made.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -279,7 +280,7 @@ class Plan:
 
     can_pack = property(lambda self: self.packing_reason is None)
 
-    @property
+    @functools.cached_property   # read on every call (the executor checks the lengths)
     def row_floors(self) -> dict[str, Any]:
         """Per ragged length variable, the shortest row every segment reads right
         (`_logical.RowFloor`: its length and the user's line that needs it)."""

@@ -840,11 +840,22 @@ def _window_starts(eqn, invals) -> list[tuple[int, Any, Any]]:
         reads = [(a, int(st) if isinstance(st, (int, np.integer, np.ndarray)) and np.ndim(st) == 0
                   else None, window[a]) for a, st in enumerate(invals[first:])]
     elif name == "gather":
-        idx, dn = invals[1], p["dimension_numbers"]
-        literal = isinstance(idx, np.ndarray) and idx.size
-        reads = [(a, int(np.max(idx[..., i])) if literal else None, p["slice_sizes"][a])
-                 for i, a in enumerate(dn.start_index_map)]
-    return [(a, start, size) for a, start, size in reads if _is_sym(size) or size != 1]
+        reads = [(a, literal_start(invals[1], i), p["slice_sizes"][a])
+                 for i, a in enumerate(p["dimension_numbers"].start_index_map)]
+    return [(a, start, size) for a, start, size in reads if not one_position(size)]
+
+
+def literal_start(idx, component: int) -> int | None:
+    """The largest start a gather's (or scatter's) literal indices give along ``component``,
+    None when they are traced."""
+    if isinstance(idx, np.ndarray) and idx.size:
+        return int(np.max(idx[..., component]))
+    return None
+
+
+def one_position(size) -> bool:
+    """A window of one position (``x[:, k]``), which the rules clamp into each row."""
+    return not _is_sym(size) and size == 1
 
 
 def _ragged_variable(ctx: _Ctx, *dims) -> str | None:

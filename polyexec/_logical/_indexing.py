@@ -13,7 +13,8 @@ import numpy as np
 from jax import lax
 
 from ._core import (_NoRule, _bind_with, _fill_tail, _full, _has_sym, _highest, _iota, _is_sym,
-                    _logical_mask, _lowest, _rule, window_fits_admitted_rows)
+                    _logical_mask, _lowest, _rule, literal_start, one_position,
+                    window_fits_admitted_rows)
 
 
 def _room(ctx, x, window, axes):
@@ -90,11 +91,10 @@ def _index_bounds(ctx, operand_shape, window, index_map, idx, params):
             and params["mode"] != lax.GatherScatterMode.FILL_OR_DROP):
         return [None] * len(index_map), []
     bounds, room = [], []
-    literal = isinstance(idx, np.ndarray) and idx.size
     for i, a in enumerate(index_map):
-        n, w = operand_shape[a], window[a]
-        if literal and (_is_sym(w) or w != 1) and window_fits_admitted_rows(
-                ctx, n, w, int(np.max(idx[..., i]))):
+        n, w, start = operand_shape[a], window[a], literal_start(idx, i)
+        if start is not None and not one_position(w) and window_fits_admitted_rows(
+                ctx, n, w, start):
             bounds.append(None)     # ``r[1:3]``: every row it may run on holds the window
         elif _is_sym(n) or _is_sym(w):
             if not ctx.recorder.monotone(n - w):
