@@ -1,10 +1,11 @@
 """Stage 7, executor: `bucketed` caches plans and executables and runs them.
 
-Per call: bind the arguments (validate, read the sizes), pick each variable's bucket, get the
-plan of the call's signature (traced once, cached), then run its segments in order -- each
-one's executable at the bucket (compiled once, single-flight, LRU: `_Executables`), its inputs
-assembled by its `Convention` -- and slice the outputs back. Besides that one run path,
-`Bucketed` keeps statistics (`_Counters`) and warm-up. Nothing here traces or rewrites a
+Per call: bind the arguments (validate, read the sizes), get the plan of the call's signature
+(traced once, cached), let a layout (`_layouts`: pad or pack) place the call into a bucket, then
+run the plan's segments in order -- each one's executable for that layout and bucket (compiled
+once, single-flight, LRU: `_Executables`) -- and let the layout take the outputs back. Besides
+that one run path, `Bucketed` keeps statistics (`_Counters`) and warm-up; its views
+(`with_buckets`, `with_layout`) share what `_Shared` holds. Nothing here traces or rewrites a
 program: that is `plan_function`'s job, and a plan never changes once made.
 """
 
@@ -27,19 +28,16 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-from jax import export
 from rich.progress import Progress
 
-import buckets as _buckets
-
-from . import _bind
+from . import _bind, _layouts
 from ._cache import compiles_forbidden
 from ._errors import (CompileError, LengthOverflowError, OptionError, PolyexecError,
                       PolymorphismError, SpecError, check_bool, check_int, check_option)
 from ._plan import CutPoint, Plan, Segment
 from ._planner import plan_function
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables
-from ._trace import SHAPE_ERRORS, TraceCounter, evaluate_shape
+from ._trace import SHAPE_ERRORS, TraceCounter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +156,19 @@ class _Counters:
             return Stats(self.traces.count, dict(self._buckets))
 
 
+class _Shared:
+    """What every view of one bucketed function shares (`Bucketed.with_buckets`,
+    `Bucketed.with_layout`): its plans (one per signature, made once), its executables
+    (compiled once per segment, layout and bucket) and its stats. Plans and executables never
+    change once made; the maps holding them are guarded, each by its own lock."""
+
+    def __init__(self, max_cached: int):
+        self.lock = threading.Lock()
+        self.plans: dict[tuple[_bind.Signature, bool], concurrent.futures.Future] = {}
+        self.executables = _Executables(max_cached)
+        self.counters = _Counters()
+
+
 class Bucketed:
     """A function compiled once per length bucket from one symbolic trace; see `bucketed`."""
 
@@ -213,12 +224,25 @@ class Bucketed:
         self._prefix: tuple[Any, ...] = ()
         self._loaded: Plan | None = None
 
-        self._lock = threading.Lock()
-        self._plans: dict[tuple[_bind.Signature, bool], concurrent.futures.Future] = {}
-        self._executables = _Executables(check_int(max_cached, f"{where}: max_cached", min=1))
-        self._counters = _Counters()
+        self._shared = _Shared(check_int(max_cached, f"{where}: max_cached", min=1))
+        self._lock = threading.Lock()       # this view's own state: _sizes, _warned
         self._latest_plan: Plan | None = None
         self._warned = False
+
+    def _view(self, **changes) -> "Bucketed":
+        """This function with other options (`with_buckets`, `with_layout`): a value of its
+        own -- its lock, bucket sizes, latest plan and warning -- sharing with this one only
+        the configuration it does not change, which nothing mutates, and `_Shared`."""
+        other = copy.copy(self)
+        other._lock = threading.Lock()
+        other._sizes = dict(self._sizes)
+        for name, value in changes.items():
+            setattr(other, name, value)
+        return other
+
+    @property
+    def _counters(self) -> "_Counters":
+        return self._shared.counters
 
     @classmethod
     def from_plan(cls, plan: Plan, buckets: Mapping[LengthVar | str, Any] | None = None,
@@ -242,11 +266,20 @@ class Bucketed:
         call = self._bind(args)
         return self._run(self._plan(call.signature), call)
 
-    def _call_at_least(self, buckets: Mapping[str, int], *args):
-        """A padded call at buckets no smaller than ``buckets`` (each one of the variable's
-        bucket sizes). polyexec.training runs a partial batch's real rows at its full batch's
-        shape this way: padded rows of ``B`` are not rows, so a mean over the rows counts the
-        real ones only, where zero-length filler rows would have been counted."""
+    def call_at_least(self, buckets: Mapping[str, int], *args):
+        """``self(*args)`` run padded at buckets no smaller than ``buckets`` (each one of the
+        variable's bucket sizes; a packing call chooses its own rows). A partial batch's real
+        rows run at the full batch's compiled shape this way -- no new compile -- and the
+        padded rows of ``B`` are no rows: a mean over the rows counts the real ones only,
+        where zero-length filler rows would have been counted (`polyexec.training` does this).
+
+        >>> import jax.numpy as jnp, numpy as np, polyexec as px
+        >>> B, T = px.LengthVar("B", max=8), px.LengthVar("T", max=16)
+        >>> f = px.bucketed(lambda x: jnp.mean(jnp.sum(x, 1)), in_specs=(px.Spec("B T", jnp.float32),),
+        ...                 buckets={B: [2, 8], T: [16]})
+        >>> float(f.call_at_least({"B": 8}, np.ones((2, 3), np.float32))), sorted(f.stats.buckets)
+        (3.0, [(('B', 8), ('T', 16))])
+        """
         call = self._bind(args)
         return self._run(self._plan(call.signature), call, buckets)
 
@@ -310,35 +343,34 @@ class Bucketed:
         call = self._example_call(args)
         plan = self._plan(call.signature)
         if self.layout == "pack" and plan.can_pack:
-            return self._warmup_packed(plan, sizes, max_workers, progress)
-        if sizes is None:
-            names = list(self._input_names)
-            combos = [dict(zip(names, c))
-                      for c in itertools.product(*(self.bucket_sizes(n, plan) for n in names))]
+            jobs = [(plan.segments[0], _layouts.PACK, grid)
+                    for grid in self._packed_grids(plan, sizes)]
         else:
-            combos = [{n: self.bucket_for(n, int(s), plan) for n, s in d.items()} for d in sizes]
-        jobs = self._warmup_jobs(plan, combos)
-        self._compile_all([functools.partial(self._executable, plan, seg, combo)
-                           for seg, combo in jobs], max_workers, progress)
-        return [combo for _, combo in jobs]
+            if sizes is None:
+                names = list(self._input_names)
+                combos = [dict(zip(names, c)) for c in itertools.product(
+                    *(self.bucket_sizes(n, plan) for n in names))]
+            else:
+                combos = [{n: self.bucket_for(n, int(s), plan) for n, s in d.items()}
+                          for d in sizes]
+            jobs = [(seg, _layouts.PAD, combo) for seg, combo in self._warmup_jobs(plan, combos)]
+        self._compile_all([functools.partial(self._executable, plan, seg, layout, bucket)
+                           for seg, layout, bucket in jobs], max_workers, progress)
+        return [bucket for _, _, bucket in jobs]
 
-    def _warmup_packed(self, plan: Plan, sizes, max_workers, progress) -> list[dict[str, int]]:
+    def _packed_grids(self, plan: Plan, sizes) -> list[dict[str, int]]:
         """`warmup` under ``layout="pack"``: ``{B: rows, T: row length}`` sizes are packed
         grids, at the rows a call of that many rows would run (``pack_rows``, else B's
         bucket); by default every ``pack_rows`` entry, or else every B x T bucket."""
         ((var, (_, rows_var)),) = plan.segments[0].convention.rows_at.items()
         if sizes is None:
-            grids = ([{rows_var: r, var: n} for n, r in sorted(self.pack_rows.items())]
-                     or [{rows_var: r, var: n} for r in self.bucket_sizes(rows_var, plan)
-                         for n in self.bucket_sizes(var, plan)])
-        else:
-            grids = []
-            for d in sizes:
-                n = self.bucket_for(var, int(d[var]), plan)
-                grids.append({var: n,
-                              rows_var: self._packed_rows(plan, rows_var, n, int(d[rows_var]))})
-        self._compile_all([functools.partial(self._packed_executable, plan.segments[0], grid)
-                           for grid in grids], max_workers, progress)
+            return ([{rows_var: r, var: n} for n, r in sorted(self.pack_rows.items())]
+                    or [{rows_var: r, var: n} for r in self.bucket_sizes(rows_var, plan)
+                        for n in self.bucket_sizes(var, plan)])
+        grids = []
+        for d in sizes:
+            n = self.bucket_for(var, int(d[var]), plan)
+            grids.append({var: n, rows_var: self.packed_rows(plan, rows_var, n, int(d[rows_var]))})
         return grids
 
     def _compile_all(self, jobs: Sequence[Callable[[], Any]], max_workers, progress) -> None:
@@ -374,9 +406,7 @@ class Bucketed:
                                 f"use ({', '.join(self.variables)}), received {name!r}")
             policies[name] = policy
         sizes = {n: bucket_sizes(v, policies.get(n)) for n, v in self.variables.items()}
-        other = copy.copy(self)     # shares the lock, plans, executables and counters
-        other._policies, other._sizes = policies, sizes
-        return other
+        return self._view(_policies=policies, _sizes=sizes)
 
     def with_layout(self, layout: Layout, pack_rows: Mapping[int, int] | None = None
                     ) -> "Bucketed":
@@ -397,12 +427,10 @@ class Bucketed:
         [(('B', 4), ('T', 64)), (('rows(B)', 1), ('row_length(T)', 64))]
         """
         where = f"{self.name}.with_layout"
-        other = copy.copy(self)     # shares the lock, plans, executables and counters
-        other.layout = check_option(layout, LAYOUTS, f"{where}: layout")
-        other._with_packed = self._with_packed or other.layout != "pad"
-        other.pack_rows = _check_pack_rows(pack_rows, where) if pack_rows is not None \
-            else self.pack_rows
-        return other
+        layout = check_option(layout, LAYOUTS, f"{where}: layout")
+        return self._view(layout=layout, _with_packed=self._with_packed or layout != "pad",
+                          pack_rows=_check_pack_rows(pack_rows, where) if pack_rows is not None
+                          else self.pack_rows)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -427,17 +455,18 @@ class Bucketed:
         # A pad-only plan has no packed program: a copy that may pack (`with_layout`) makes
         # its own plan rather than run padded for ever.
         key = (signature, self._with_packed)
-        with self._lock:
-            future = self._plans.get(key)
+        shared = self._shared
+        with shared.lock:
+            future = shared.plans.get(key)
             owner = future is None
             if owner:
-                future = self._plans[key] = concurrent.futures.Future()
+                future = shared.plans[key] = concurrent.futures.Future()
         if owner:
             try:
                 plan = self._make_plan(signature)
             except BaseException as e:
-                with self._lock:
-                    del self._plans[key]
+                with shared.lock:
+                    del shared.plans[key]
                 future.set_exception(e)
                 raise
             future.set_result(plan)
@@ -498,115 +527,55 @@ class Bucketed:
     # -- running --------------------------------------------------------------------------------
 
     def _run(self, plan: Plan, call: _bind.BoundCall, least: Mapping[str, int] | None = None):
-        """One call: each segment at its bucket, in order; between two, the count of the
-        data-dependent size is read on the host and the handed values cut to its bucket."""
+        """One call, whatever its layout: placed into a bucket (`_place`), then each segment's
+        executable at that bucket, in order; between two segments the count of the
+        data-dependent size is read on the host and the handed values cut to its bucket.
+        The layout takes the outputs back (`Placed.unplace`)."""
         _bind.check_row_floors(call, plan.row_floors)
-        if self.layout != "pad" and plan.can_pack:
-            layout = self._pack(plan, call)
-            # auto: the layout with fewer cells for this call (a step's cost is per cell);
-            # equal cells stay padded, one sequence a row.
-            if self.layout == "pack" or layout.cells < self._padded_cells(plan, layout):
-                return self._run_packed(plan, call, layout)
-        sizes = dict(call.sizes)
-        least = least or {}
-        bucket = {n: max(self.bucket_for(n, s, plan), least.get(n, 0)) for n, s in sizes.items()}
-        poly, real, padded = _bind.pad_inputs(call, bucket)   # before compiling: it may refuse
+        placed = self._place(plan, call, least or {})
         handed: list[Any] = []
         for segment in plan.segments:
-            compiled = self._executable(plan, segment, bucket)
-            flat = segment.convention.assemble(arrays=call.arrays, poly=poly, handed=handed,
-                                               sizes=sizes)
-            outputs = compiled.executable(*segment.feed(flat, bucket))
-            self._counters.add(self._key(segment, bucket), calls=1, real_elements=real,
-                               padded_elements=padded)
+            compiled = self._executable(plan, segment, placed.layout, placed.bucket)
+            outputs = compiled.executable(*placed.inputs(segment, handed))
+            self._counters.add(placed.layout.stats_key(segment, placed.bucket), calls=1,
+                               real_elements=placed.real, padded_elements=placed.padded)
             if segment.cut is None:
                 break
             # A segment reads the values of every cut before it.
-            new, real, padded = self._hand_over(plan, segment.cut, outputs, sizes, bucket)
+            new, placed.real, placed.padded = self._hand_over(plan, segment.cut, outputs,
+                                                              placed.sizes, placed.bucket)
             handed = handed + new
-        n_user = len(outputs) - len(segment.count_names)
-        for name, count in zip(segment.count_names, outputs[n_user:]):
-            sizes[name] = int(count)
-        # Global arrays across processes cannot be read on one: their outputs' ragged tails
-        # stay as computed (polyexec.training's steps return losses, which have none).
-        ragged = {name: (np.asarray(flat[at])[:sizes[rows]], rows)
-                  for name, (at, rows) in segment.convention.rows_at.items()
-                  if _bind._readable(flat[at])}
-        return self._outputs(compiled.out_tree, segment, list(outputs[:n_user]), sizes, ragged)
+        return placed.unplace(segment, compiled.out_tree, outputs, self.out_specs)
 
-    def _pack(self, plan: Plan, call: _bind.BoundCall) -> "_PackedLayout":
-        """Where this call's sequences go: rows of the smallest row length (a bucket of T)
-        that holds the longest, as many as first-fit needs bucketed by B's buckets (or
-        ``pack_rows``), the sequences spread over all of them (`buckets.balanced_fit`): the
-        packed program's scans stop at the last real column."""
-        segment = plan.segments[0]
-        ((var, (at, rows_var)),) = segment.convention.rows_at.items()
-        poly_at = at - segment.convention.count("array")
-        lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
-        # A sequence of length 0 takes a cell where the program holds per-sequence values.
-        cells = np.maximum(lengths, 1) if segment.packed_per_sequence else lengths
-        row_length = self.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
-        first = _buckets.first_fit(cells, row_length)
-        n_rows = self._packed_rows(plan, rows_var, row_length, first.rows)
-        packing = _buckets.balanced_fit(cells, row_length, n_rows, first=first)
-        return _PackedLayout(lengths, packing, n_rows, var, rows_var,
-                             empty_cells=segment.packed_per_sequence)
+    def _place(self, plan: Plan, call: _bind.BoundCall, least: Mapping[str, int]
+               ) -> _layouts.Placed:
+        """The layout this call runs in, and the call placed by it. ``pack`` when the plan can;
+        ``auto``: the layout with fewer cells (a step's cost is per cell), equal cells staying
+        padded, one sequence a row. A call pinned at a least bucket (`call_at_least`) of a
+        packing function packs as usual: its rows are its own."""
+        if self.layout != "pad" and plan.can_pack:
+            packed = _layouts.PACK.place(plan, call, self)
+            if self.layout == "pack" or packed.cells < self._padded_cells(plan, packed):
+                return packed
+        bucket = {n: max(self.bucket_for(n, s, plan), least.get(n, 0))
+                  for n, s in call.sizes.items()}
+        return _layouts.PAD.place(call, bucket)
 
-    def _packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
+    def packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
         """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:
         ``pack_rows[row_length]`` when it holds them, else B's bucket."""
         rows = self.pack_rows.get(row_length, 0)
         return rows if rows >= max(needed, 1) else self.bucket_for(rows_var, max(needed, 1), plan)
 
-    def _padded_cells(self, plan: Plan, layout: "_PackedLayout") -> int | float:
+    def _padded_cells(self, plan: Plan, packed) -> int | float:
         """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
         has no bucket that holds the sequences)."""
+        grid = packed.grid
         try:
-            rows = self.bucket_for(layout.rows_var, max(len(layout.lengths), 1), plan)
+            rows = self.bucket_for(grid.rows_var, max(len(grid.lengths), 1), plan)
         except LengthOverflowError:
             return float("inf")
-        return rows * self.bucket_for(layout.var, max(layout.longest, 1), plan)
-
-    def _run_packed(self, plan: Plan, call: _bind.BoundCall, layout: "_PackedLayout"):
-        """One call with several sequences per row (`_pack`); per-sequence outputs cut back
-        out of their rows."""
-        segment = plan.segments[0]
-        var, rows_var, lengths = layout.var, layout.rows_var, layout.lengths
-        n_rows, row_length, longest = layout.rows, layout.packing.row_length, layout.longest
-        poly, real, padded = [], 0, 0
-        for arr, (spec, dtype) in zip(call.poly, call.signature.poly):
-            poly.append(layout.pack(np.asarray(arr), spec, dtype, self.bucket_for, plan))
-            if var in spec.dims and rows_var in spec.dims:
-                rest = int(np.prod(poly[-1].shape)) // (n_rows * row_length)
-                real += int(lengths.sum()) * rest
-                padded += n_rows * row_length * rest
-        sizes = {**call.sizes, rows_var: len(lengths), var: longest}
-        compiled = self._packed_executable(segment, {rows_var: n_rows, var: row_length})
-        key = _packed_key(segment, {rows_var: n_rows, var: row_length})
-        flat = segment.convention.assemble(arrays=call.arrays, poly=poly, sizes=sizes)
-        outputs = compiled.executable(*flat, layout.pos, layout.seglen)
-        self._counters.add(key, calls=1, real_elements=real, padded_elements=padded)
-        leaves = [layout.unpack(leaf, aval.shape, sizes)
-                  for leaf, aval in zip(outputs, segment.jaxpr.out_avals)]
-        return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
-
-    def _packed_executable(self, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
-        """The packed program at ``{rows: R, row length: L}``, compiled once."""
-        key = _packed_key(segment, bucket)
-
-        def compile_packed():
-            n = len(segment.convention.slots)
-            avals = [jax.ShapeDtypeStruct(evaluate_shape(a.shape, bucket), a.dtype)
-                     for a in segment.packed.in_avals]
-            # The convention's inputs carry their shardings; the two layout arrays follow.
-            avals = segment.convention.with_shardings(avals[:n], self.in_shardings) + avals[n:]
-            donate = (segment.convention.donated(self.donate_argnums) if segment.can_donate
-                      else ())
-            lowered = jax.jit(segment.packed.call, donate_argnums=donate).lower(*avals)
-            return _Compiled(lowered.compile(), segment.out_tree, segment.out_paths)
-
-        return self._cached((id(segment), "pack", key), key, f"packed rows {dict(bucket)}",
-                            compile_packed)
+        return rows * self.bucket_for(grid.var, max(grid.longest, 1), plan)
 
     def _hand_over(self, plan: Plan, cut: CutPoint, outputs: Sequence[Any],
                    sizes: dict[str, int], bucket: dict[str, int]) -> tuple[list[Any], int, int]:
@@ -639,45 +608,17 @@ class Bucketed:
             padded += size * rest
         return handed, real, padded
 
-    def _outputs(self, out_tree, segment: Segment, leaves: list[Any], sizes: Mapping[str, int],
-                 ragged: Mapping[str, tuple[np.ndarray, str]]):
-        """The outputs as the exact-size call returns them: each leaf cut to its symbolic shape
-        evaluated at the real sizes (``T - 1`` at T=5 is 4), or by ``out_specs`` when given.
-        A reshaping-impossible plan has no symbolic shapes: without ``out_specs`` its outputs
-        keep the bucket's size (its verdict has said so). An axis ragged along rows comes back
-        at the longest row's length, each row's tail set to the pad (the out Spec's, else 0)."""
-        specs = [None] * len(leaves)
-        if self.out_specs is not None:
-            specs = _bind.spec_per_leaf(self.out_specs, jax.tree_util.tree_unflatten(
-                out_tree, list(range(len(leaves)))), "out_specs")
-            leaves = [leaf if spec is _bind.FIXED else _bind.unpad(leaf, spec, sizes)
-                      for leaf, spec in zip(leaves, specs)]
-        elif segment.exported is not None:
-            env = {n: int(s) for n, s in sizes.items()}
-            # Sliced on the host, like inputs are padded there: slicing a device array would
-            # compile one small program per distinct real size.
-            real = [tuple(_real_size(d, env, ragged) for d in aval.shape)
-                    for aval in segment.exported.out_avals]
-            leaves = [leaf if shape == tuple(leaf.shape) else
-                      np.asarray(leaf)[tuple(slice(0, n) for n in shape)]
-                      for leaf, shape in zip(leaves, real)]
-        if ragged and segment.exported is not None:
-            leaves = [_clear_ragged_tails(leaf, aval.shape, sizes, ragged,
-                                          getattr(spec, "pad", 0) or 0)
-                      for leaf, aval, spec in zip(leaves, segment.exported.out_avals, specs)]
-        return jax.tree_util.tree_unflatten(out_tree, leaves)
-
     # -- compiling ------------------------------------------------------------------------------
 
-    def _key(self, segment: Segment, bucket: Mapping[str, int]) -> tuple:
-        return tuple((v.name, bucket[v.name]) for v in segment.live_variables)
-
-    def _executable(self, plan: Plan, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
-        """The compiled program of one segment at one bucket (counted in the stats when this
-        call compiled it)."""
-        key = self._key(segment, bucket)
-        return self._cached((id(segment), key), key, f"bucket {dict(bucket)}",
-                            lambda: self._compile(plan, segment, bucket))
+    def _executable(self, plan: Plan, segment: Segment, layout: _layouts.Layout,
+                    bucket: Mapping[str, int]) -> _Compiled:
+        """The compiled program of one segment in one layout at one bucket (counted in the
+        stats when this call compiled it)."""
+        key = layout.stats_key(segment, bucket)
+        what = (f"bucket {dict(bucket)}" if layout is _layouts.PAD
+                else f"{layout.name}ed rows {dict(bucket)}")
+        return self._cached((id(segment), layout.name, key), key, what,
+                            lambda: self._compile(plan, segment, layout, bucket))
 
     def _cached(self, cache_key: tuple, stats_key: tuple, what: str,
                 compile: Callable[[], _Compiled]) -> _Compiled:
@@ -688,16 +629,18 @@ class Bucketed:
                 raise CompileError(f"{self.name}: {what} is not compiled and compiles are "
                                    f"forbidden here")
 
-        compiled, seconds = self._executables.get(cache_key, compile, refuse)
+        compiled, seconds = self._shared.executables.get(cache_key, compile, refuse)
         if seconds is not None:
             self._counters.add(stats_key, compiles=1, compile_seconds=seconds)
         return compiled
 
-    def _compile(self, plan: Plan, segment: Segment, bucket: Mapping[str, int]) -> _Compiled:
-        convention = segment.convention
-        avals = convention.with_shardings(segment.bucket_avals(bucket), self.in_shardings)
-        donate = convention.donated(self.donate_argnums) if segment.can_donate else ()
-        program, cell = plan.program_at(segment, bucket, self._counters.traces)
+    def _compile(self, plan: Plan, segment: Segment, layout: _layouts.Layout,
+                 bucket: Mapping[str, int]) -> _Compiled:
+        program, avals, n, cell = layout.program(plan, segment, bucket, self._counters.traces)
+        # The convention's inputs carry the call's shardings; a layout's own inputs follow.
+        avals = segment.convention.with_shardings(avals[:n], self.in_shardings) + avals[n:]
+        donate = (segment.convention.donated(self.donate_argnums) if segment.can_donate
+                  else ())
         try:
             lowered = jax.jit(program, donate_argnums=donate).lower(*avals)
         except SHAPE_ERRORS as e:
@@ -730,12 +673,6 @@ class Bucketed:
         return jobs
 
 
-def _packed_key(segment: Segment, bucket: Mapping[str, int]) -> tuple:
-    """A packed program's stats key: ``(("rows(B)", R), ("row_length(T)", L))``."""
-    ((var, (_, rows_var)),) = segment.convention.rows_at.items()
-    return ((f"rows({rows_var})", bucket[rows_var]), (f"row_length({var})", bucket[var]))
-
-
 def _check_pack_rows(pack_rows: Mapping[int, int] | None, where: str) -> dict[int, int]:
     if pack_rows is not None and not isinstance(pack_rows, Mapping):
         raise OptionError(f"{where}: pack_rows: expected a mapping row length -> rows, "
@@ -746,170 +683,6 @@ def _check_pack_rows(pack_rows: Mapping[int, int] | None, where: str) -> dict[in
 
 Layout = Literal["pad", "pack", "auto"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
-
-
-class _PackedLayout:
-    """Where each sequence of one packed call sits, and the moves in and out of that grid
-    (on the host, like padding: a device gather would compile per call shape)."""
-
-    def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str, *,
-                 empty_cells: bool = False):
-        self.lengths, self.packing, self.rows = lengths, packing, rows
-        self.var, self.rows_var = var, rows_var
-        # Whether a sequence of length 0 holds a cell (pos 0, seglen 0) for its per-sequence
-        # values: `packing` placed it as a sequence of length 1.
-        self.empty_cells = empty_cells
-
-    # Per real cell, built only when the call runs packed: layout="auto" prices a call by
-    # its cells alone and may run it padded.
-    @functools.cached_property
-    def seq(self) -> np.ndarray:
-        return _cells_of(self.lengths)[0]
-
-    @functools.cached_property
-    def offset(self) -> np.ndarray:
-        return _cells_of(self.lengths)[1]
-
-    @functools.cached_property
-    def row(self) -> np.ndarray:
-        return self.packing.row[self.seq]
-
-    @functools.cached_property
-    def column(self) -> np.ndarray:
-        return self.packing.start[self.seq] + self.offset
-
-    @functools.cached_property
-    def pos(self) -> np.ndarray:
-        pos = np.full((self.rows, self.packing.row_length), -1, np.int32)
-        pos[self.row, self.column] = self.offset
-        if self.empty_cells:
-            empty = self.lengths == 0
-            pos[self.packing.row[empty], self.packing.start[empty]] = 0
-        return pos
-
-    @functools.cached_property
-    def sequence_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(sequence, row, column)`` of every cell a sequence holds (one for a sequence of
-        length 0 where it has one): where its per-sequence values are."""
-        seq, offset = _cells_of(np.maximum(self.lengths, 1) if self.empty_cells else self.lengths)
-        return seq, self.packing.row[seq], self.packing.start[seq] + offset
-
-    @functools.cached_property
-    def seglen(self) -> np.ndarray:
-        seglen = np.zeros((self.rows, self.packing.row_length), np.int32)
-        seglen[self.row, self.column] = self.lengths[self.seq]
-        return seglen
-
-    @property
-    def longest(self) -> int:
-        return int(self.lengths.max(initial=0))
-
-    @property
-    def cells(self) -> int:
-        return self.rows * self.packing.row_length
-
-    def pack(self, arr: np.ndarray, spec: Spec, dtype, bucket_for, plan) -> np.ndarray:
-        dims = list(spec.dims)
-        if self.rows_var in dims and self.var in dims:
-            b, t = dims.index(self.rows_var), dims.index(self.var)
-            x = np.moveaxis(arr, (b, t), (0, 1))
-            out = np.full((self.rows, self.packing.row_length) + x.shape[2:], spec.pad, dtype)
-            out[self.row, self.column] = x[self.seq, self.offset]
-            return np.moveaxis(out, (0, 1), (b, t))
-        if self.rows_var in dims:
-            # Per sequence (the lengths, labels): at every cell of its sequence, a columns axis
-            # after the rows axis.
-            b = dims.index(self.rows_var)
-            x = np.moveaxis(arr, b, 0)
-            out = np.zeros((self.rows, self.packing.row_length) + x.shape[1:], dtype)
-            seq, row, column = self.sequence_cells
-            out[row, column] = x[seq]
-            return np.moveaxis(out, (0, 1), (b, b + 1))
-        bucket = {n: bucket_for(n, s, plan) for n, s in zip(dims, arr.shape) if isinstance(n, str)}
-        bucket[self.var] = self.packing.row_length
-        return _bind.pad_to(arr.astype(dtype, copy=False),
-                            [bucket.get(d, s) if isinstance(d, str) else s
-                             for d, s in zip(dims, arr.shape)], spec.pad)
-
-    def unpack(self, leaf, shape, sizes: Mapping[str, int]):
-        """An output as the pad layout returns it: a ``(B, T-like)`` pair of axes becomes
-        ``(sequences, e(longest))`` with each sequence's own ``e(n)`` positions and zeros
-        after; other length axes are cut to their real sizes (on the host). An output with
-        no length axis (a loss, a train step's new parameters) stays on the device: reading
-        it would wait for the step, and the caller's next batch could not overlap it."""
-        names = [set(d._get_vars()) if export.is_symbolic_dim(d) else set() for d in shape]
-        if not any(names):
-            return leaf
-        leaf = np.asarray(leaf)
-        b = [a for a, n in enumerate(names) if n == {self.rows_var}]
-        t = [a for a, n in enumerate(names) if self.var in n and self.rows_var not in n]
-        if len(b) == 1 and len(t) == 1:
-            b, t = b[0], t[0]
-            d = shape[t]
-            per = np.maximum(np.asarray(d._evaluate({**sizes, self.var: self.lengths})), 0)
-            per = np.broadcast_to(per, self.lengths.shape).astype(np.int64)
-            x = np.moveaxis(leaf, (b, t), (0, 1))
-            out = np.zeros((len(self.lengths), int(per.max(initial=0))) + x.shape[2:], x.dtype)
-            keep = self.offset < per[self.seq]
-            out[self.seq[keep], self.offset[keep]] = x[self.row[keep], self.column[keep]]
-            return np.moveaxis(out, (0, 1), (b, t))
-        if len(b) == 1 and not t:
-            # Per sequence: held at every cell of its sequence; read at its first.
-            b = b[0]
-            x = np.moveaxis(leaf, (b, b + 1), (0, 1))
-            return np.moveaxis(x[self.packing.row, self.packing.start], 0, b)
-        real = evaluate_shape(shape, sizes)
-        return leaf[tuple(slice(0, n) for n in real)] if real != tuple(leaf.shape) else leaf
-
-
-def _cells_of(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(sequence, offset)`` of every cell of sequences laid end to end, ``counts`` cells
-    each."""
-    seq = np.repeat(np.arange(len(counts)), counts)
-    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def _real_size(d, env: Mapping[str, int], ragged: Mapping[str, tuple[np.ndarray, str]]) -> int:
-    """An output dimension at the real sizes: a count over rows of a length ragged along them
-    (``B*T``, a reshape merging the rows) is the sum of the rows' own counts."""
-    if not export.is_symbolic_dim(d):
-        return int(d)
-    names = d._get_vars()
-    for name, (lengths, rows) in ragged.items():
-        if name in names and rows in names:
-            per_row = np.maximum(np.asarray((d // export.symbolic_shape(rows, scope=d.scope)[0])
-                                            ._evaluate({**env, name: lengths})), 0)
-            return int(np.sum(per_row))
-    # A ragged length alone: the longest real row's (the input may be wider than that).
-    longest = {name: int(lengths.max(initial=0)) for name, (lengths, _) in ragged.items()
-               if name in names}
-    return max(int(d._evaluate({**env, **longest})), 0)
-
-
-def _clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],
-                        ragged: Mapping[str, tuple[np.ndarray, str]], pad) -> Any:
-    """``leaf`` with each row's positions beyond its own length (along every axis ragged along
-    a rows axis the leaf has) set to ``pad``: they do not exist, whatever the program left
-    there. On the host, like the slicing before it."""
-    out = None
-    for axis, d in enumerate(shape):
-        if not export.is_symbolic_dim(d):
-            continue
-        names = d._get_vars()
-        for name, (lengths, rows) in ragged.items():
-            row_axes = [k for k, r in enumerate(shape) if export.is_symbolic_dim(r) and str(r) == rows]
-            if name not in names or rows in names or len(row_axes) != 1:
-                continue
-            env = {**sizes, name: lengths}
-            per_row = np.maximum(np.asarray(d._evaluate(env)), 0)        # (rows,)
-            if out is None:
-                out = np.array(leaf)
-            index = [1] * out.ndim
-            index[axis] = out.shape[axis]
-            beyond = np.arange(out.shape[axis]).reshape(index) >= np.expand_dims(
-                per_row, [k for k in range(out.ndim) if k != row_axes[0]])
-            out = np.where(beyond, np.asarray(pad, out.dtype), out)
-    return leaf if out is None else out
 
 
 class _NoBar:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -86,6 +87,42 @@ class CutPoint:
         return f"{self.where}: defines {self.var.name} in [{self.var.min}, {self.var.max}] = count"
 
 
+class Program:
+    """One segment's program in one layout: its `jax.export.Exported`, or the reason (naming
+    the user's line) the layout cannot keep the segment's results.
+
+    A program given as ``build`` is exported when first asked for, once, whichever thread asks:
+    a plan that may pack holds both layouts' programs, and a call that runs packed never needs
+    the padded one (exporting it cost 0.4 s of the bench's GRU plan, stop 35).
+    ``empty_cells``: the packed program reads a per-sequence value, so a sequence of length 0
+    takes a cell too, where its per-sequence values are held.
+    """
+
+    def __init__(self, exported: Any = None, *, reason: str | None = None,
+                 empty_cells: bool = False, build: Callable[[], Any] | None = None):
+        self.reason = reason
+        self.empty_cells = empty_cells
+        self._exported = exported
+        self._build = build
+        self._lock = threading.Lock()
+
+    @property
+    def exported(self) -> Any:
+        if self._build is not None:
+            with self._lock:
+                if self._build is not None:
+                    self._exported, self._build = self._build(), None
+        return self._exported
+
+    @property
+    def built(self) -> bool:
+        """Whether the program has been exported (a plan builds what its calls run)."""
+        return self._build is None
+
+
+NO_PACKING = Program(reason="only the pad layout was asked for")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Segment:
     """One program of a plan: exported once, compiled once per bucket of its live variables.
@@ -93,8 +130,9 @@ class Segment:
     ``cut`` is the partition point it stops at (None for the last segment); ``inputs_from``
     the earlier points whose values it takes as extra inputs; ``count_names`` the variables it
     defines in-program (``partition=False``) and returns counts of, after its outputs.
-    ``exported``/``jaxpr`` are None when reshaping is impossible (the program is retraced per
-    bucket).
+    ``programs`` holds its `Program` per layout (``"pad"``, and ``"pack"`` where packing was
+    asked for); ``exported`` (the padded one) and ``jaxpr`` are None when reshaping is
+    impossible (the program is retraced per bucket).
 
     ``live_variables`` are those some shape of the live program depends on: it is compiled
     once per bucket combination of these alone. The dead ones (typically the input lengths in
@@ -105,7 +143,7 @@ class Segment:
 
     index: int
     convention: Convention
-    exported: Any
+    programs: Mapping[str, Program]
     jaxpr: Any
     out_tree: Any
     out_paths: tuple[str, ...]
@@ -115,16 +153,19 @@ class Segment:
     cut: CutPoint | None = None
     inputs_from: tuple[CutPoint, ...] = ()
     count_names: tuple[str, ...] = ()
-    # layout="pack": the program with several sequences per row (`_logical.rewrite_packed`),
-    # None with the reason when there is none (never asked for: "the pad layout was asked").
-    packed: Any = None
-    packing_reason: str | None = "only the pad layout was asked for"
-    # Whether the packed program reads a per-sequence value: then a sequence of length 0 takes
-    # a cell too, where its per-sequence values are held.
-    packed_per_sequence: bool = False
     # The shortest ragged rows the program reads right (`_logical.RowFloor`): a shorter row is
     # refused before anything runs.
     row_floors: tuple[Any, ...] = ()
+
+    @property
+    def exported(self) -> Any:
+        """The padded program (`jax.export.Exported`), None when reshaping is impossible."""
+        program = self.programs.get("pad")
+        return None if program is None else program.exported
+
+    def program(self, layout: str) -> Program:
+        """This segment's `Program` in ``layout`` (one that says why where there is none)."""
+        return self.programs.get(layout, NO_PACKING)
 
     @property
     def variables(self) -> tuple[LengthVar, ...]:
@@ -275,8 +316,10 @@ class Plan:
         if self.reshaping_is_impossible:
             return f"reshaping is impossible: {self.reason}"
         if self.mode != "single":
+            # A cut hands values whose count the host reads between segments: a packed row
+            # would hand on several sequences' values at once, and no packed hand-over exists.
             return "a plan with data-dependent sizes runs one sequence per row"
-        return self.segments[0].packing_reason
+        return self.segments[0].program("pack").reason
 
     can_pack = property(lambda self: self.packing_reason is None)
 
@@ -404,7 +447,8 @@ class Plan:
         out_tree = jax.tree_util.tree_structure(0 if n_out == 1 else tuple(range(n_out)))
         convention = Convention.stored(fields["input_specs"], fields["input_paths"],
                                        fields["variables"])
-        segment = Segment(index=0, convention=convention, exported=exported, jaxpr=None,
+        segment = Segment(index=0, convention=convention, programs={"pad": Program(exported)},
+                          jaxpr=None,
                           out_tree=out_tree, out_paths=fields["out_paths"],
                           padding_reason=fields["padding_reason"],
                           row_floors=fields["row_floors"],

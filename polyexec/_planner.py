@@ -34,6 +34,7 @@ earlier partition points is dead in later segments and XLA drops it when compili
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +49,7 @@ from . import _dynamic, _logical
 from ._bind import Signature, bind, example_args
 from ._convention import Convention
 from ._errors import OptionError, PolymorphismError, SpecError
-from ._plan import CutPoint, Plan, Segment, Verdict
+from ._plan import CutPoint, Plan, Program, Segment, Verdict
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
 from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, export_flat, trace_symbolic,
                      size_dependence, where)
@@ -89,58 +90,72 @@ def _wrap(fn, context: _dynamic.Context):
     return wrapped
 
 
-def logical_export(traced: Traced, convention: Convention,
-                   masking: bool) -> tuple[Any, str | None, tuple[_logical.RowFloor, ...]]:
-    """Stage 4 applied to one traced program: ``(exported, padding_reason, row_floors)``. The
-    exported program is the logical rewrite, or the traced program with the reason it is not
-    one (or `Failed`, when that program cannot be lowered over symbolic sizes); ``row_floors``
-    are the shortest ragged rows the logical program reads right (`_logical.RowFloor`)."""
+def logical_export(traced: Traced, convention: Convention, masking: bool, *,
+                   lazy: bool = False) -> tuple[Any, str | None, tuple[_logical.RowFloor, ...]]:
+    """Stage 4 applied to one traced program: ``(program, padding_reason, row_floors)``. The
+    `Program` is the logical rewrite, or the traced program with the reason it is not one (or
+    `Failed`, when that program cannot be lowered over symbolic sizes); ``row_floors`` are the
+    shortest ragged rows the logical program reads right (`_logical.RowFloor`).
+
+    ``lazy``: the rewrite runs now (it decides the verdict) but its export waits for the first
+    padded call -- for a plan whose calls may all run packed. The rewrite has traced the
+    logical program already, so what waits is its lowering; should that fail, the padded call
+    raises naming the cause (it cannot fall back: the verdict has been given)."""
     if not masking:
-        return (traced.exported, "masking=False: the program runs over the padded sizes as "
-                                 "written", ())
+        return (Program(traced.exported), "masking=False: the program runs over the padded "
+                                          "sizes as written", ())
     if not convention.variables:
-        return traced.exported, None, ()
+        return Program(traced.exported), None, ()
     try:
         logical = _logical.rewrite(traced.jaxpr, convention.sizes_at, convention.rows_at)
         if not logical.unsupported:
-            exported, _ = export_flat(logical.fn, traced.avals)
-            return exported, None, logical.floors
+            if lazy:
+                return Program(build=lambda: _export_late(logical.fn, traced.avals)), None, \
+                    logical.floors
+            return Program(export_flat(logical.fn, traced.avals)), None, logical.floors
     except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
         culprit = getattr(e, "equation", None)
         at = f"{where(culprit)}: {culprit.primitive.name}: " if culprit is not None else ""
-        return traced.exported, (f"{at}the logical rewrite failed ({type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"), ()
-    first = logical.unsupported[0]
-    more = len(logical.unsupported) - 1
-    return traced.exported, (f"{first.where}: {first.primitive}: {first.detail}"
-                             + (f" (and {more} more)" if more else "")), logical.floors
+        return Program(traced.exported), (
+            f"{at}the logical rewrite failed ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"), ()
+    return Program(traced.exported), _unsupported_reason(logical), logical.floors
 
 
-def packed_export(traced: Traced, convention: Convention) -> tuple[Any, str | None, bool]:
-    """The packed program (``layout="pack"``) of one traced program: ``(exported, None,
-    per_sequence)`` (whether it reads a per-sequence value, so that every sequence needs a
-    cell), or ``(None, reason, False)`` naming the user's line where packed rows cannot keep
-    a result."""
+def _export_late(fn: Callable, avals: Sequence[Any]) -> Any:
+    try:
+        return export_flat(fn, avals)
+    except Exception as e:  # noqa: BLE001 - named, never a silent fallback
+        raise PolymorphismError(f"the padded program could not be exported for a padded call "
+                                f"({type(e).__name__}: {e}); run with layout='pack' or "
+                                f"masking=False") from e
+
+
+def packed_export(traced: Traced, convention: Convention) -> Program:
+    """The packed `Program` (``layout="pack"``) of one traced program, or one whose reason
+    names the user's line where packed rows cannot keep a result."""
     names = {v.name for v in convention.variables}
     rows_at = convention.rows_at
     if rows_at and names - set(rows_at) - {by for _, by in rows_at.values()}:
-        return None, (f"length variables other than the packed one and its rows "
-                      f"({', '.join(sorted(names))})"), False
+        return Program(reason=f"length variables other than the packed one and its rows "
+                              f"({', '.join(sorted(names))})")
     try:
         logical = _logical.rewrite_packed(traced.jaxpr, convention.sizes_at, rows_at)
         if not logical.unsupported:
-            exported, _ = export_flat(logical.fn, logical.avals)
-            return exported, None, logical.per_sequence
+            return Program(export_flat(logical.fn, logical.avals),
+                           empty_cells=logical.per_sequence)
     except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
-        return None, (f"the packed rewrite failed ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"), False
+        return Program(reason=f"the packed rewrite failed ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    return Program(reason=_unsupported_reason(logical))
+
+
+def _unsupported_reason(logical: _logical.Logical) -> str:
+    """The first equation no rule made logical, naming the user's line, and how many more."""
     first = logical.unsupported[0]
     more = len(logical.unsupported) - 1
-    return None, (f"{first.where}: {first.primitive}: {first.detail}"
-                  + (f" (and {more} more)" if more else "")), False
-
-
-# -- tracing ------------------------------------------------------------------------------------
+    return f"{first.where}: {first.primitive}: {first.detail}" + (
+        f" (and {more} more)" if more else "")
 
 
 def _collect_dims(obj, out: list) -> None:
@@ -222,8 +237,8 @@ def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
              seconds: dict[str, float]) -> Segment:
     """A segment of a partitioned (or bounded) plan: its logical program, what it hands on,
     and which of its inputs and variables the live program uses."""
-    exported, padding_reason, floors = _timed(seconds, "rewrite", logical_export, traced,
-                                              convention, masking)
+    program, padding_reason, floors = _timed(seconds, "rewrite", logical_export, traced,
+                                             convention, masking)
     variables = convention.variables
     live_jaxpr, live_inputs, live_names = _liveness(traced.jaxpr, [v.name for v in variables])
     if context.cut is not None:
@@ -234,7 +249,7 @@ def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
         out_tree, out_paths = context.user_tree, list(context.user_paths)
         count_names = tuple(n for n, _ in context.points) if context.counts else ()
         out_paths = out_paths + [f"count of {n}" for n in count_names]
-    return Segment(index=index, convention=convention, exported=exported, jaxpr=live_jaxpr,
+    return Segment(index=index, convention=convention, programs={"pad": program}, jaxpr=live_jaxpr,
                    out_tree=out_tree, out_paths=tuple(out_paths), padding_reason=padding_reason,
                    live_variables=tuple(v for v in variables if v.name in live_names),
                    live_inputs=tuple(live_inputs), cut=context.cut, inputs_from=cuts,
@@ -247,24 +262,23 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
     in_vars = convention.variables
     everything = dict(live_variables=tuple(in_vars), live_inputs=(True,) * len(convention.slots))
     if isinstance(traced, Failed):
-        segment = Segment(0, convention, exported=None, jaxpr=None, out_tree=None, out_paths=(),
+        segment = Segment(0, convention, programs={}, jaxpr=None, out_tree=None, out_paths=(),
                           padding_reason=None, **everything)
         return Plan(name, tuple(in_vars), (segment,), fn=fn, seconds=seconds, verdict=Verdict(
             traced.reason, "reshaping is impossible: each bucket runs the function as retraced "
                            "at the bucket's sizes", traced.split_sizes))
-    exported, padding_reason, floors = _timed(seconds, "rewrite", logical_export, traced,
-                                              convention, masking)
-    if isinstance(exported, Failed):
-        return _single(fn, name, convention, exported, masking, pack, seconds)
-    packing = {}
+    # A plan that may pack exports its padded program when a call first runs padded.
+    pad, padding_reason, floors = _timed(seconds, "rewrite", functools.partial(
+        logical_export, lazy=pack), traced, convention, masking)
+    if isinstance(pad.exported if pad.built else None, Failed):
+        return _single(fn, name, convention, pad.exported, masking, pack, seconds)
+    programs = {"pad": pad}
     if pack:
-        packing = dict(zip(("packed", "packing_reason", "packed_per_sequence"),
-                           _timed(seconds, "packed rewrite", packed_export, traced, convention)
-                           if masking and padding_reason is None
-                           else (None, f"the pad layout is not exact either: {padding_reason}",
-                                 False)))
-    segment = Segment(0, convention, exported, traced.jaxpr, traced.out_tree, traced.out_paths,
-                      padding_reason, **everything, **packing, row_floors=floors)
+        programs["pack"] = (_timed(seconds, "packed rewrite", packed_export, traced, convention)
+                            if masking and padding_reason is None else Program(
+            reason=f"the pad layout is not exact either: {padding_reason}"))
+    segment = Segment(0, convention, programs, traced.jaxpr, traced.out_tree, traced.out_paths,
+                      padding_reason, **everything, row_floors=floors)
     return Plan(name, tuple(in_vars), (segment,), Verdict(padding=padding_reason), fn=fn,
                 seconds=seconds)
 
@@ -304,8 +318,10 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
                 f"px.compact/nonzero/loop_until/partition(..., length=...) defines")
         plan = _single(fn, name, convention, traced, masking, pack, seconds)
         if check_sizes and not plan.reshaping_is_impossible:
+            # The traced program's output shapes are the logical one's (a rewrite changes no
+            # shape), and reading them exports nothing.
             reason = _timed(seconds, "size check", size_dependence, fn, convention,
-                            plan.exported.out_avals, plan.out_paths, counter, bucket_sizes)
+                            traced.jaxpr.out_avals, plan.out_paths, counter, bucket_sizes)
             if reason is not None:
                 plan = _single(fn, name, convention, Failed(reason), masking, pack, seconds)
         return plan

@@ -369,11 +369,10 @@ def about_symbolic_dims(error: BaseException, names: Sequence[str]) -> bool:
             or any(re.search(rf"\b{re.escape(n)}\b", text) for n in names))
 
 
-def export_flat(run: Callable, avals: Sequence[Any]) -> tuple[Any, Any]:
-    """``(exported, jaxpr)`` of an already-flat program (the logical rewrite of a traced one)."""
-    jitted = jax.jit(run)
-    exported = export.export(jitted)(*avals)
-    return exported, jitted.trace(*avals).jaxpr
+def export_flat(run: Callable, avals: Sequence[Any]) -> Any:
+    """The `jax.export.Exported` of an already-flat program (the logical rewrite of a traced
+    one)."""
+    return export.export(jax.jit(run))(*avals)
 
 
 # -- concrete traces ----------------------------------------------------------------------------

@@ -42,7 +42,8 @@ except ImportError as e:  # the runtime does not need hypothesis; only this modu
                       "(or pip install hypothesis)") from e
 
 from ._context import binding
-from ._executor import Bucketed, _clear_ragged_tails, bucketed
+from ._executor import Bucketed, bucketed
+from ._layouts import clear_ragged_tails
 from ._errors import OptionError
 from ._spec import LengthVar, Spec, bucket_sizes, resolve_vars
 
@@ -340,7 +341,7 @@ def _without_ragged_tails(f, out, in_specs, args, sizes):
               for spec, arg in zip(in_specs, args)
               if isinstance(spec, Spec) and spec.lengths_of and len(spec.dims) == 1}
     leaves, tree = jax.tree_util.tree_flatten(out)
-    cleared = [_clear_ragged_tails(np.asarray(leaf), aval.shape, sizes, ragged, 0)
+    cleared = [clear_ragged_tails(np.asarray(leaf), aval.shape, sizes, ragged, 0)
                for leaf, aval in zip(leaves, segment.exported.out_avals)]
     return jax.tree_util.tree_unflatten(tree, cleared)
 

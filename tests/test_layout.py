@@ -75,6 +75,41 @@ def test_with_layout_shares_one_trace_and_the_compiled_programs():
         f.with_layout("pack", pack_rows=[64])
 
 
+def test_a_packing_plan_exports_its_padded_program_only_when_a_call_runs_padded():
+    f = px.bucketed(total, in_specs=SPECS, buckets={T: [64], B: [2, 4]}, layout="auto")
+    pad_program = lambda: f.plan.segments[0].programs["pad"]    # noqa: E731
+    x, n = ragged([64, 3, 5, 2])                   # 2 rows packed against 4 padded
+    assert float(f(x, n)) == pytest.approx(exact_total(n), rel=1e-6)
+    assert f.plan.segments[0].programs["pack"].built and not pad_program().built
+    x, n = ragged([60, 61, 62, 63])                # no saving: runs padded, exports now
+    assert float(f(x, n)) == pytest.approx(exact_total(n), rel=1e-6)
+    assert pad_program().built and f.traces == 1
+    pad_only = px.bucketed(total, in_specs=SPECS, buckets={T: [64], B: [4]}, layout="pad")
+    assert pad_only.plan.segments[0].programs["pad"].built
+    assert "pack" not in pad_only.plan.segments[0].programs
+
+
+def test_views_keep_their_own_options_and_share_the_compiled_programs():
+    f = px.bucketed(total, in_specs=SPECS, buckets={T: [16, 64], B: [4]}, layout="pad")
+    g = f.with_buckets({T: [64]})
+    assert (f.bucket_sizes("T"), g.bucket_sizes("T")) == ((16, 64), (64,))
+    assert g._lock is not f._lock and g._shared is f._shared
+    x, n = ragged([10, 3])
+    assert float(g(x, n)) == pytest.approx(float(f(x, n)))
+    assert sorted(f.stats.buckets) == [(("B", 4), ("T", 16)), (("B", 4), ("T", 64))]
+    g.with_layout("pack")(x, n)
+    assert f.layout == g.layout == "pad" and f.traces == 2    # the packing view's own plan
+
+
+def test_call_at_least_runs_at_the_given_bucket_and_counts_only_the_real_rows():
+    f = px.bucketed(lambda x, n: jnp.mean(jnp.sum(x, 1)), in_specs=SPECS,
+                    buckets={T: [16, 64], B: [2, 4]})
+    x, n = ragged([3, 2])
+    assert float(f.call_at_least({"B": 4, "T": 64}, x, n)) == pytest.approx(
+        exact_total(n) / 2, rel=1e-6)
+    assert list(f.stats.buckets) == [(("B", 4), ("T", 64))]
+
+
 def test_a_pad_function_traces_again_for_packed_rows():
     f = px.bucketed(total, in_specs=SPECS, buckets={T: [64], B: [4]})
     x, n = ragged([10, 3])

@@ -699,7 +699,7 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
 def _at_shape(step: Bucketed, shape: tuple[int, int], *args):
     """``step(*args)`` at the (rows, length) bucket ``shape`` that warmup compiled, however
     few real rows ``args`` hold (`Batching.stack`); a packed step chooses its own rows."""
-    return step._call_at_least({"B": shape[0], "T": shape[1]}, *args)
+    return step.call_at_least({"B": shape[0], "T": shape[1]}, *args)
 
 
 def evaluate(eval_step: Bucketed, model: Any, examples: Examples, batching: Batching,

@@ -1,0 +1,374 @@
+"""Layouts: where a call's sequences sit in a bucket, and how its outputs come back.
+
+A layout places one call into a bucket (`place`: the bucket to compile at and the program's
+inputs) and takes the program's outputs back to what the exact-size call returns (`unplace`).
+The executor runs every call the same way through them (`Bucketed._run`); a layout also names
+the program it runs (`Program` of a `Segment`) and how that program is compiled at a bucket.
+
+* ``PAD``: one sequence per row. Every input is padded up to the bucket of each length (on
+  the host); outputs are cut to their symbolic shapes at the real sizes, and an axis ragged
+  along rows has each row's tail reset to the pad. Invariant: row ``b`` holds sequence ``b``
+  at columns ``[0, lengths[b])``; the cells beyond exist for no result.
+* ``PACK``: several sequences per physical row of a row-length bucket, laid first-fit, with two
+  more program inputs per cell: ``pos`` (the cell's position in its sequence, -1 where no
+  sequence is) and ``seglen`` (its sequence's length). Invariant: a sequence's cells are
+  consecutive columns of one row, from position 0; per-sequence inputs (lengths, labels) are
+  held at every cell of their sequence and read back at its first.
+
+Both move data on the host, like padding always has: a device gather would compile one small
+program per call shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import export
+
+import buckets as _buckets
+
+from . import _bind
+from ._plan import Plan, Segment
+from ._spec import Spec
+from ._trace import evaluate_shape
+
+
+class Placed:
+    """One call placed into a bucket by a layout: what runs and how its outputs come back."""
+
+    layout: "Layout"
+    bucket: dict[str, int]        # the sizes the program is compiled at
+    sizes: dict[str, int]         # the call's real sizes (the longest sequence's for packing)
+    real: int                     # elements of the length-carrying inputs that are real
+    padded: int                   # and all of them, padding included (the stats' efficiency)
+
+    def inputs(self, segment: Segment, handed: Sequence[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def unplace(self, segment: Segment, out_tree, outputs: Sequence[Any], out_specs: Any):
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A layout's name and how its program of a segment is compiled at a bucket."""
+
+    name: str
+
+    def stats_key(self, segment: Segment, bucket: Mapping[str, int]) -> tuple:
+        raise NotImplementedError
+
+    def program(self, plan: Plan, segment: Segment, bucket: Mapping[str, int], counter
+                ) -> tuple[Callable, list[jax.ShapeDtypeStruct], int, list]:
+        """``(program, avals, n_convention, out_cell)``: the flat program to compile at
+        ``bucket``, its input avals (the first ``n_convention`` are the segment's convention
+        inputs, which take the call's shardings) and a cell holding ``(out_tree, out_paths)``
+        once traced."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# pad
+
+
+class _Pad(Layout):
+    def stats_key(self, segment, bucket):
+        return tuple((v.name, bucket[v.name]) for v in segment.live_variables)
+
+    def program(self, plan, segment, bucket, counter):
+        avals = segment.bucket_avals(bucket)
+        program, cell = plan.program_at(segment, bucket, counter)
+        return program, avals, len(avals), cell
+
+    def place(self, call: _bind.BoundCall, bucket: Mapping[str, int]) -> "_Padded":
+        """``call`` padded up to ``bucket`` (before compiling: padding may refuse)."""
+        poly, real, padded = _bind.pad_inputs(call, bucket)
+        return _Padded(self, call, dict(bucket), dict(call.sizes), real, padded, poly)
+
+
+PAD = _Pad("pad")
+
+
+class _Padded(Placed):
+    def __init__(self, layout, call, bucket, sizes, real, padded, poly):
+        self.layout, self.call, self.bucket, self.sizes = layout, call, bucket, sizes
+        self.real, self.padded, self.poly = real, padded, poly
+        self.flat: list[Any] = []
+
+    def inputs(self, segment, handed):
+        self.flat = segment.convention.assemble(arrays=self.call.arrays, poly=self.poly,
+                                                handed=handed, sizes=self.sizes)
+        return segment.feed(self.flat, self.bucket)
+
+    def unplace(self, segment, out_tree, outputs, out_specs):
+        """The outputs as the exact-size call returns them: each leaf cut to its symbolic shape
+        evaluated at the real sizes (``T - 1`` at T=5 is 4), or by ``out_specs`` when given.
+        A reshaping-impossible plan has no symbolic shapes: without ``out_specs`` its outputs
+        keep the bucket's size (its verdict has said so). An axis ragged along rows comes back
+        at the longest row's length, each row's tail set to the pad (the out Spec's, else 0).
+        Counts of in-program data-dependent sizes (``partition=False``) come last."""
+        n_user = len(outputs) - len(segment.count_names)
+        for name, count in zip(segment.count_names, outputs[n_user:]):
+            self.sizes[name] = int(count)
+        leaves, sizes = list(outputs[:n_user]), self.sizes
+        # Global arrays across processes cannot be read on one: their outputs' ragged tails
+        # stay as computed (polyexec.training's steps return losses, which have none).
+        ragged = {name: (np.asarray(self.flat[at])[:sizes[rows]], rows)
+                  for name, (at, rows) in segment.convention.rows_at.items()
+                  if _bind._readable(self.flat[at])}
+        specs = [None] * len(leaves)
+        if out_specs is not None:
+            specs = _bind.spec_per_leaf(out_specs, jax.tree_util.tree_unflatten(
+                out_tree, list(range(len(leaves)))), "out_specs")
+            leaves = [leaf if spec is _bind.FIXED else _bind.unpad(leaf, spec, sizes)
+                      for leaf, spec in zip(leaves, specs)]
+        elif segment.exported is not None:
+            env = {n: int(s) for n, s in sizes.items()}
+            # Sliced on the host, like inputs are padded there: slicing a device array would
+            # compile one small program per distinct real size.
+            real = [tuple(_real_size(d, env, ragged) for d in aval.shape)
+                    for aval in segment.exported.out_avals]
+            leaves = [leaf if shape == tuple(leaf.shape) else
+                      np.asarray(leaf)[tuple(slice(0, n) for n in shape)]
+                      for leaf, shape in zip(leaves, real)]
+        if ragged and segment.exported is not None:
+            leaves = [clear_ragged_tails(leaf, aval.shape, sizes, ragged,
+                                          getattr(spec, "pad", 0) or 0)
+                      for leaf, aval, spec in zip(leaves, segment.exported.out_avals, specs)]
+        return jax.tree_util.tree_unflatten(out_tree, leaves)
+
+
+def _real_size(d, env: Mapping[str, int], ragged: Mapping[str, tuple[np.ndarray, str]]) -> int:
+    """An output dimension at the real sizes: a count over rows of a length ragged along them
+    (``B*T``, a reshape merging the rows) is the sum of the rows' own counts."""
+    if not export.is_symbolic_dim(d):
+        return int(d)
+    names = d._get_vars()
+    for name, (lengths, rows) in ragged.items():
+        if name in names and rows in names:
+            per_row = np.maximum(np.asarray((d // export.symbolic_shape(rows, scope=d.scope)[0])
+                                            ._evaluate({**env, name: lengths})), 0)
+            return int(np.sum(per_row))
+    # A ragged length alone: the longest real row's (the input may be wider than that).
+    longest = {name: int(lengths.max(initial=0)) for name, (lengths, _) in ragged.items()
+               if name in names}
+    return max(int(d._evaluate({**env, **longest})), 0)
+
+
+def clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],
+                        ragged: Mapping[str, tuple[np.ndarray, str]], pad) -> Any:
+    """``leaf`` with each row's positions beyond its own length (along every axis ragged along
+    a rows axis the leaf has) set to ``pad``: they do not exist, whatever the program left
+    there. On the host, like the slicing before it."""
+    out = None
+    for axis, d in enumerate(shape):
+        if not export.is_symbolic_dim(d):
+            continue
+        names = d._get_vars()
+        for name, (lengths, rows) in ragged.items():
+            row_axes = [k for k, r in enumerate(shape) if export.is_symbolic_dim(r) and str(r) == rows]
+            if name not in names or rows in names or len(row_axes) != 1:
+                continue
+            env = {**sizes, name: lengths}
+            per_row = np.maximum(np.asarray(d._evaluate(env)), 0)        # (rows,)
+            if out is None:
+                out = np.array(leaf)
+            index = [1] * out.ndim
+            index[axis] = out.shape[axis]
+            beyond = np.arange(out.shape[axis]).reshape(index) >= np.expand_dims(
+                per_row, [k for k in range(out.ndim) if k != row_axes[0]])
+            out = np.where(beyond, np.asarray(pad, out.dtype), out)
+    return leaf if out is None else out
+
+
+# --------------------------------------------------------------------------------------------
+# pack
+
+
+class _Pack(Layout):
+    def stats_key(self, segment, bucket):
+        """``(("rows(B)", R), ("row_length(T)", L))``."""
+        ((var, (_, rows_var)),) = segment.convention.rows_at.items()
+        return ((f"rows({rows_var})", bucket[rows_var]), (f"row_length({var})", bucket[var]))
+
+    def program(self, plan, segment, bucket, counter):
+        packed = segment.program("pack").exported
+        avals = [jax.ShapeDtypeStruct(evaluate_shape(a.shape, bucket), a.dtype)
+                 for a in packed.in_avals]
+        # The convention's inputs come first; the two layout arrays (pos, seglen) follow.
+        return packed.call, avals, len(segment.convention.slots), [segment.out_tree,
+                                                                    segment.out_paths]
+
+    def place(self, plan: Plan, call: _bind.BoundCall, sizer) -> "_Packed":
+        """Where ``call``'s sequences go: rows of the smallest row length (a bucket of T) that
+        holds the longest, as many as first-fit needs bucketed by B's buckets or the run's
+        ``pack_rows`` (``sizer``, the `Bucketed`, knows both), the sequences spread over all
+        of them (`buckets.balanced_fit`): the packed program's scans stop at the last real
+        column. The grid's arrays are built only when the call runs packed (`inputs`):
+        ``layout="auto"`` prices a call by its cells alone and may run it padded."""
+        segment = plan.segments[0]
+        ((var, (at, rows_var)),) = segment.convention.rows_at.items()
+        poly_at = at - segment.convention.count("array")
+        lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
+        empty_cells = segment.program("pack").empty_cells
+        # A sequence of length 0 takes a cell where the program holds per-sequence values.
+        cells = np.maximum(lengths, 1) if empty_cells else lengths
+        row_length = sizer.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
+        first = _buckets.first_fit(cells, row_length)
+        n_rows = sizer.packed_rows(plan, rows_var, row_length, first.rows)
+        packing = _buckets.balanced_fit(cells, row_length, n_rows, first=first)
+        grid = _Grid(lengths, packing, n_rows, var, rows_var, empty_cells=empty_cells)
+        return _Packed(self, call, grid, sizer.bucket_for, plan)
+
+
+PACK = _Pack("pack")
+
+
+class _Packed(Placed):
+    def __init__(self, layout, call, grid: "_Grid", bucket_for, plan):
+        self.layout, self.call, self.grid = layout, call, grid
+        self._bucket_for, self._plan = bucket_for, plan
+        self.bucket = {grid.rows_var: grid.rows, grid.var: grid.packing.row_length}
+        self.sizes = {**call.sizes, grid.rows_var: len(grid.lengths), grid.var: grid.longest}
+        self.real = self.padded = 0
+
+    @property
+    def cells(self) -> int:
+        return self.grid.rows * self.grid.packing.row_length
+
+    def inputs(self, segment, handed):
+        grid, poly = self.grid, []
+        for arr, (spec, dtype) in zip(self.call.poly, self.call.signature.poly):
+            poly.append(grid.pack(np.asarray(arr), spec, dtype, self._bucket_for, self._plan))
+            if grid.var in spec.dims and grid.rows_var in spec.dims:
+                rest = int(np.prod(poly[-1].shape)) // self.cells
+                self.real += int(grid.lengths.sum()) * rest
+                self.padded += self.cells * rest
+        flat = segment.convention.assemble(arrays=self.call.arrays, poly=poly, sizes=self.sizes)
+        return list(flat) + [grid.pos, grid.seglen]
+
+    def unplace(self, segment, out_tree, outputs, out_specs):
+        """Per-sequence outputs cut back out of their rows (`_Grid.unpack`)."""
+        leaves = [self.grid.unpack(leaf, aval.shape, self.sizes)
+                  for leaf, aval in zip(outputs, segment.jaxpr.out_avals)]
+        return jax.tree_util.tree_unflatten(out_tree, leaves)
+
+
+class _Grid:
+    """Where each sequence of one packed call sits, and the moves in and out of that grid."""
+
+    def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str, *,
+                 empty_cells: bool = False):
+        self.lengths, self.packing, self.rows = lengths, packing, rows
+        self.var, self.rows_var = var, rows_var
+        # Whether a sequence of length 0 holds a cell (pos 0, seglen 0) for its per-sequence
+        # values: `packing` placed it as a sequence of length 1.
+        self.empty_cells = empty_cells
+
+    @functools.cached_property
+    def seq(self) -> np.ndarray:
+        return _cells_of(self.lengths)[0]
+
+    @functools.cached_property
+    def offset(self) -> np.ndarray:
+        return _cells_of(self.lengths)[1]
+
+    @functools.cached_property
+    def row(self) -> np.ndarray:
+        return self.packing.row[self.seq]
+
+    @functools.cached_property
+    def column(self) -> np.ndarray:
+        return self.packing.start[self.seq] + self.offset
+
+    @functools.cached_property
+    def pos(self) -> np.ndarray:
+        pos = np.full((self.rows, self.packing.row_length), -1, np.int32)
+        pos[self.row, self.column] = self.offset
+        if self.empty_cells:
+            empty = self.lengths == 0
+            pos[self.packing.row[empty], self.packing.start[empty]] = 0
+        return pos
+
+    @functools.cached_property
+    def sequence_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(sequence, row, column)`` of every cell a sequence holds (one for a sequence of
+        length 0 where it has one): where its per-sequence values are."""
+        seq, offset = _cells_of(np.maximum(self.lengths, 1) if self.empty_cells else self.lengths)
+        return seq, self.packing.row[seq], self.packing.start[seq] + offset
+
+    @functools.cached_property
+    def seglen(self) -> np.ndarray:
+        seglen = np.zeros((self.rows, self.packing.row_length), np.int32)
+        seglen[self.row, self.column] = self.lengths[self.seq]
+        return seglen
+
+    @property
+    def longest(self) -> int:
+        return int(self.lengths.max(initial=0))
+
+    def pack(self, arr: np.ndarray, spec: Spec, dtype, bucket_for, plan) -> np.ndarray:
+        dims = list(spec.dims)
+        if self.rows_var in dims and self.var in dims:
+            b, t = dims.index(self.rows_var), dims.index(self.var)
+            x = np.moveaxis(arr, (b, t), (0, 1))
+            out = np.full((self.rows, self.packing.row_length) + x.shape[2:], spec.pad, dtype)
+            out[self.row, self.column] = x[self.seq, self.offset]
+            return np.moveaxis(out, (0, 1), (b, t))
+        if self.rows_var in dims:
+            # Per sequence (the lengths, labels): at every cell of its sequence, a columns axis
+            # after the rows axis.
+            b = dims.index(self.rows_var)
+            x = np.moveaxis(arr, b, 0)
+            out = np.zeros((self.rows, self.packing.row_length) + x.shape[1:], dtype)
+            seq, row, column = self.sequence_cells
+            out[row, column] = x[seq]
+            return np.moveaxis(out, (0, 1), (b, b + 1))
+        bucket = {n: bucket_for(n, s, plan) for n, s in zip(dims, arr.shape) if isinstance(n, str)}
+        bucket[self.var] = self.packing.row_length
+        return _bind.pad_to(arr.astype(dtype, copy=False),
+                            [bucket.get(d, s) if isinstance(d, str) else s
+                             for d, s in zip(dims, arr.shape)], spec.pad)
+
+    def unpack(self, leaf, shape, sizes: Mapping[str, int]):
+        """An output as the pad layout returns it: a ``(B, T-like)`` pair of axes becomes
+        ``(sequences, e(longest))`` with each sequence's own ``e(n)`` positions and zeros
+        after; other length axes are cut to their real sizes (on the host). An output with
+        no length axis (a loss, a train step's new parameters) stays on the device: reading
+        it would wait for the step, and the caller's next batch could not overlap it."""
+        names = [set(d._get_vars()) if export.is_symbolic_dim(d) else set() for d in shape]
+        if not any(names):
+            return leaf
+        leaf = np.asarray(leaf)
+        b = [a for a, n in enumerate(names) if n == {self.rows_var}]
+        t = [a for a, n in enumerate(names) if self.var in n and self.rows_var not in n]
+        if len(b) == 1 and len(t) == 1:
+            b, t = b[0], t[0]
+            d = shape[t]
+            per = np.maximum(np.asarray(d._evaluate({**sizes, self.var: self.lengths})), 0)
+            per = np.broadcast_to(per, self.lengths.shape).astype(np.int64)
+            x = np.moveaxis(leaf, (b, t), (0, 1))
+            out = np.zeros((len(self.lengths), int(per.max(initial=0))) + x.shape[2:], x.dtype)
+            keep = self.offset < per[self.seq]
+            out[self.seq[keep], self.offset[keep]] = x[self.row[keep], self.column[keep]]
+            return np.moveaxis(out, (0, 1), (b, t))
+        if len(b) == 1 and not t:
+            # Per sequence: held at every cell of its sequence; read at its first.
+            b = b[0]
+            x = np.moveaxis(leaf, (b, b + 1), (0, 1))
+            return np.moveaxis(x[self.packing.row, self.packing.start], 0, b)
+        real = evaluate_shape(shape, sizes)
+        return leaf[tuple(slice(0, n) for n in real)] if real != tuple(leaf.shape) else leaf
+
+
+def _cells_of(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sequence, offset)`` of every cell of sequences laid end to end, ``counts`` cells
+    each."""
+    seq = np.repeat(np.arange(len(counts)), counts)
+    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
+
