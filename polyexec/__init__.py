@@ -21,7 +21,8 @@ read sizes, pad) -> ``_convention`` (the one order of a program's flat inputs) -
 trace) -> ``_logical`` (rewrite to logical lengths) -> ``_serialize`` (plan files) -> ``_plan``
 (the plan value: segments and verdict) -> ``_planner`` (tracing a function into its plan;
 `trace`) -> ``_cache`` (compile accounting, persistent cache) -> ``_executor`` (`bucketed`:
-caches and runs).
+caches and runs). Beneath them all, ``_jax_internals`` is the one module that reads JAX's
+private API (``jax._src``, private attributes of symbolic dimensions), for any stage.
 
 Beside the executor, for code that pads or measures on its own (``polyexec.training``, the
 benchmark): ``px.pad_to(array, shape, fill)`` is the executor's host-side padder, and

@@ -20,13 +20,9 @@ import threading
 from collections.abc import Iterator
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from ._errors import CompileError, PolyexecError
-
-try:  # a private hook; without it the config switch alone applies (see _reset_jax_cache)
-    from jax._src import compilation_cache as _compilation_cache
-except ImportError:
-    _compilation_cache = None
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
@@ -252,5 +248,4 @@ def _reset_jax_cache() -> None:
     # JAX opens the cache folder once, at the first compile of the process, and ignores later
     # changes of jax_compilation_cache_dir: without this reset, enabling the cache after any
     # compile, switching folders, or disabling it silently keeps writing to the first folder.
-    if _compilation_cache is not None:
-        _compilation_cache.reset_cache()
+    compilation_cache.reset_cache()

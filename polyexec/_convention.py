@@ -33,6 +33,7 @@ import numpy as np
 from jax import export
 
 from ._bind import Signature
+from ._jax_internals import evaluate_dim
 from ._spec import LengthVar, Spec
 
 SlotKind = Literal["array", "poly", "handed", "size"]
@@ -149,7 +150,7 @@ class Convention:
                 return int(d)
             if scope is not None:   # an earlier segment's dimension, read into this scope
                 return export.symbolic_shape(str(d), scope=scope)[0]
-            return int(d._evaluate(concrete))
+            return int(evaluate_dim(d, concrete))
 
         return [jax.ShapeDtypeStruct(tuple(dim(d) for d in s.dims), s.dtype) for s in self.slots]
 

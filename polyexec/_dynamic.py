@@ -25,16 +25,14 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import source_info_util
 
 from . import _context
 from ._errors import OptionError, PolyexecError, SpecError
 from ._spec import LengthVar
 
-try:  # equations made inside these ops are attributed to the user's call line (plan.describe)
-    from jax._src import source_info_util as _source_info
-    _source_info.register_exclusion(__file__)
-except (ImportError, AttributeError):  # a private API; only the describe() text depends on it
-    pass
+# Equations made inside these ops are attributed to the user's call line (plan.describe).
+source_info_util.register_exclusion(__file__)
 
 # -- the partition context ----------------------------------------------------------------------
 

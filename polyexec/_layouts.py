@@ -33,6 +33,7 @@ from jax import export
 import buckets as _buckets
 
 from . import _bind
+from ._jax_internals import dim_vars, evaluate_dim
 from ._plan import Plan, Segment
 from ._spec import Spec
 from ._trace import evaluate_shape
@@ -148,16 +149,16 @@ def _real_size(d, env: Mapping[str, int], ragged: Mapping[str, tuple[np.ndarray,
     (``B*T``, a reshape merging the rows) is the sum of the rows' own counts."""
     if not export.is_symbolic_dim(d):
         return int(d)
-    names = d._get_vars()
+    names = dim_vars(d)
     for name, (lengths, rows) in ragged.items():
         if name in names and rows in names:
-            per_row = np.maximum(np.asarray((d // export.symbolic_shape(rows, scope=d.scope)[0])
-                                            ._evaluate({**env, name: lengths})), 0)
+            per_row = np.maximum(np.asarray(evaluate_dim(
+                d // export.symbolic_shape(rows, scope=d.scope)[0], {**env, name: lengths})), 0)
             return int(np.sum(per_row))
     # A ragged length alone: the longest real row's (the input may be wider than that).
     longest = {name: int(lengths.max(initial=0)) for name, (lengths, _) in ragged.items()
                if name in names}
-    return max(int(d._evaluate({**env, **longest})), 0)
+    return max(int(evaluate_dim(d, {**env, **longest})), 0)
 
 
 def clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],
@@ -169,13 +170,13 @@ def clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],
     for axis, d in enumerate(shape):
         if not export.is_symbolic_dim(d):
             continue
-        names = d._get_vars()
+        names = dim_vars(d)
         for name, (lengths, rows) in ragged.items():
             row_axes = [k for k, r in enumerate(shape) if export.is_symbolic_dim(r) and str(r) == rows]
             if name not in names or rows in names or len(row_axes) != 1:
                 continue
             env = {**sizes, name: lengths}
-            per_row = np.maximum(np.asarray(d._evaluate(env)), 0)        # (rows,)
+            per_row = np.maximum(np.asarray(evaluate_dim(d, env)), 0)        # (rows,)
             if out is None:
                 out = np.array(leaf)
             index = [1] * out.ndim
@@ -341,7 +342,7 @@ class _Grid:
         after; other length axes are cut to their real sizes (on the host). An output with
         no length axis (a loss, a train step's new parameters) stays on the device: reading
         it would wait for the step, and the caller's next batch could not overlap it."""
-        names = [set(d._get_vars()) if export.is_symbolic_dim(d) else set() for d in shape]
+        names = [dim_vars(d) for d in shape]
         if not any(names):
             return leaf
         leaf = np.asarray(leaf)
@@ -350,7 +351,7 @@ class _Grid:
         if len(b) == 1 and len(t) == 1:
             b, t = b[0], t[0]
             d = shape[t]
-            per = np.maximum(np.asarray(d._evaluate({**sizes, self.var: self.lengths})), 0)
+            per = np.maximum(np.asarray(evaluate_dim(d, {**sizes, self.var: self.lengths})), 0)
             per = np.broadcast_to(per, self.lengths.shape).astype(np.int64)
             x = np.moveaxis(leaf, (b, t), (0, 1))
             out = np.zeros((len(self.lengths), int(per.max(initial=0))) + x.shape[2:], x.dtype)

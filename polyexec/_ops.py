@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import source_info_util
 
-try:  # equations made inside these helpers are attributed to the user's call line (describe())
-    from jax._src import source_info_util as _source_info
-    _source_info.register_exclusion(__file__)
-except (ImportError, AttributeError):  # a private API; only the describe() text depends on it
-    pass
+# Equations made inside these helpers are attributed to the user's call line (describe()).
+source_info_util.register_exclusion(__file__)
 
 
 def arange_like(x, axis: int = 0, dtype=jnp.int32):

@@ -49,15 +49,11 @@ from . import _dynamic, _logical
 from ._bind import Signature, bind, example_args
 from ._convention import Convention
 from ._errors import OptionError, PolymorphismError, SpecError
+from ._jax_internals import dce_jaxpr
 from ._plan import CutPoint, Plan, Program, Segment, Verdict
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
 from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, export_flat, trace_symbolic,
                      size_dependence, where)
-
-try:  # dead-code elimination of a segment's program; a private API (see _liveness)
-    from jax._src.interpreters.partial_eval import dce_jaxpr
-except ImportError:
-    dce_jaxpr = None
 
 
 def _wrap(fn, context: _dynamic.Context):
@@ -187,9 +183,10 @@ def _liveness(closed, names: Sequence[str]):
     depends on (XLA drops it too when compiling): a later segment still traces the code that
     fed earlier partition points, but only as dead code. A variable is live when a symbolic
     dimension anywhere in the live program mentions it."""
-    if dce_jaxpr is None:  # without the private API every input and variable counts as live
+    pruned = dce_jaxpr(closed.jaxpr)
+    if pruned is None:  # without the private API every input and variable counts as live
         return closed, [True] * len(closed.jaxpr.invars), set(names)
-    jaxpr, used = dce_jaxpr(closed.jaxpr, True, instantiate=False)
+    jaxpr, used = pruned
     dims: list = []
     _collect_dims(jaxpr, dims)
     text = " ".join(str(d) for d in dims)

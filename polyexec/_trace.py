@@ -26,13 +26,13 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import export
-from jax._src import source_info_util
-from jax._src.export import shape_poly
 
 from ._context import (ConcreteSizeRequested, binding, describe_frame, is_jax_internal,
                        is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
+from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, InconclusiveDimension, evaluate_dim,
+                              jax_user_frame)
 from ._spec import symbolic_dims
 
 # Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
@@ -41,7 +41,7 @@ from ._spec import symbolic_dims
 # jax.export cannot lower over a symbolic size (NotImplementedError: FFT).
 # jax.export and jax core each define an InconclusiveDimensionOperation (unrelated classes):
 # `int(T)` raises the first, a reshape to a literal size (`x.reshape(-1, 16)`) the second.
-SHAPE_ERRORS = (shape_poly.InconclusiveDimensionOperation,
+SHAPE_ERRORS = (InconclusiveDimension,
                 jax.errors.InconclusiveDimensionOperation,
                 jax.errors.ConcretizationTypeError, TypeError, ValueError, IndexError,
                 NotImplementedError)
@@ -114,7 +114,7 @@ def flat_program(fn: Callable, convention: Convention, bucket: Mapping[str, int]
 
 def where(eqn) -> str:
     """``file:line: `code``` of the user line that made an equation."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    frame = jax_user_frame(eqn.source_info.traceback)
     if frame is None:
         return "<unknown>"
     line = linecache.getline(frame.file_name, frame.start_line).strip()
@@ -139,7 +139,7 @@ def walk(jaxpr) -> Iterator[Any]:
 
 
 def evaluate_shape(shape, env: Mapping[str, int]) -> tuple[int, ...]:
-    return tuple(int(d._evaluate(env)) if export.is_symbolic_dim(d) else int(d) for d in shape)
+    return tuple(int(evaluate_dim(d, env)) for d in shape)
 
 
 # -- undecidable size comparisons ---------------------------------------------------------------
@@ -151,9 +151,6 @@ def evaluate_shape(shape, env: Mapping[str, int]) -> tuple[int, ...]:
 # recorded and the plan becomes reshaping-impossible with the line named. Nothing of JAX is
 # replaced: other threads, and JAX's own comparisons (its caches compare keys holding
 # dimensions), never see or make a verdict.
-_DIM_EQ = shape_poly._DimExpr.__eq__.__code__
-_DIM_NE = shape_poly._DimExpr.__ne__.__code__
-
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
@@ -168,7 +165,7 @@ def _undecided(diff) -> bool:
         try:
             if decided():
                 return False
-        except shape_poly.InconclusiveDimensionOperation:
+        except InconclusiveDimension:
             pass
     return True
 
@@ -178,7 +175,7 @@ def _comparing_frame(frame):
     generated dunder methods (a dataclass key's `__eq__`, file ``<string>``), whose caller is
     the one comparing."""
     caller = frame.f_back
-    if caller is not None and caller.f_code is _DIM_NE:
+    if caller is not None and caller.f_code is DIM_NE_CODE:
         caller = caller.f_back
     while (caller is not None and caller.f_code.co_filename.startswith("<")
            and caller.f_code.co_name.startswith("__") and caller.f_code.co_name.endswith("__")):
@@ -195,7 +192,7 @@ def _record_comparison(frame, records: list) -> None:
     if caller is None:
         return
     self, other = frame.f_locals.get("self"), frame.f_locals.get("other")
-    if isinstance(other, shape_poly._DimExpr):
+    if export.is_symbolic_dim(other):
         if self.scope is not other.scope:
             return
     elif not isinstance(other, (int, np.integer)):
@@ -220,7 +217,7 @@ def _comparisons_recorded(records: list) -> Iterator[None]:
         return
 
     def profile(frame, event, arg):
-        if event == "return" and arg is False and frame.f_code is _DIM_EQ:
+        if event == "return" and arg is False and frame.f_code is DIM_EQ_CODE:
             _record_comparison(frame, records)
         if previous is not None:
             previous(frame, event, arg)

@@ -287,3 +287,56 @@ def test_clients_import_no_private_polyexec_module():
     private = [f"{p.relative_to(root)}:{line}: {name}" for p in files
                for line, name in private_polyexec_imports(p.read_text())]
     assert not private, "clients must use polyexec's public surface:\n" + "\n".join(private)
+
+
+# -- JAX's private API is read in one module ------------------------------------------------------
+
+JAX_INTERNALS = PACKAGE / "_jax_internals.py"
+# Private attributes of JAX's symbolic dimensions (shape_poly._DimExpr and its terms, factors).
+PRIVATE_DIM_ATTRIBUTES = {"_get_vars", "_evaluate", "_sorted_terms", "_from_var",
+                          "_bounds_decision", "_DimExpr", "_DimFactor", "_factors"}
+
+
+def jax_internal_reads(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every import of ``jax._src`` (``import``, ``from ... import``,
+    ``from jax import _src``, ``jax._src.x`` as an attribute, ``importlib.import_module``) and
+    every read of a private attribute of a symbolic dimension (``d._get_vars()``,
+    ``getattr(d, "_evaluate")``, an imported ``_DimExpr``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if a.name.split(".")[:2] == ["jax", "_src"]]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [a.name for a in node.names]
+            if (node.module.split(".")[:2] == ["jax", "_src"]
+                    or (node.module == "jax" and "_src" in names)
+                    or PRIVATE_DIM_ATTRIBUTES & set(names)):
+                found.append((node.lineno, f"from {node.module} import {', '.join(names)}"))
+        elif isinstance(node, ast.Attribute) and (node.attr == "_src"
+                                                  or node.attr in PRIVATE_DIM_ATTRIBUTES):
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[-1], ast.Constant):
+            callee = getattr(node.func, "attr", getattr(node.func, "id", ""))
+            text = node.args[-1].value
+            if ((callee in ("import_module", "__import__") and str(text).startswith("jax._src"))
+                    or (callee in ("getattr", "hasattr") and text in PRIVATE_DIM_ATTRIBUTES)):
+                found.append((node.lineno, f"{callee}({text!r})"))
+    return sorted(found)
+
+
+def test_only_the_adapter_reads_jax_internals():
+    # A JAX release may change any private name; reading them in one module keeps the mending
+    # of such a break in one place (polyexec/_jax_internals.py).
+    forms = ("from jax._src import core\nimport jax._src.core as c\nfrom jax import _src\n"
+             "jax._src.core.is_constant_dim(1)\nd._get_vars()\nd._evaluate({})\n"
+             "x = d._sorted_terms\nt._factors\nshape_poly._DimExpr._from_var('T', s)\n"
+             "from jax._src.export.shape_poly import _DimFactor\ngetattr(d, '_evaluate')\n"
+             "importlib.import_module('jax._src.core')\nd.scope\nimport jax\n")
+    assert sorted({line for line, _ in jax_internal_reads(forms)}) == list(range(1, 13))
+    assert JAX_INTERNALS.exists() and jax_internal_reads(JAX_INTERNALS.read_text())
+    reads = [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+             for path in sorted(PACKAGE.rglob("*.py")) if path != JAX_INTERNALS
+             for line, what in jax_internal_reads(path.read_text())]
+    assert not reads, ("JAX internals are read only in polyexec/_jax_internals.py; move these "
+                       "reads into a shim there:\n" + "\n".join(reads))

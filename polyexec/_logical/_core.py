@@ -23,14 +23,14 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax._src import core as _core
-from jax._src import source_info_util
-from jax._src.export import shape_poly as _shape_poly
-from jax._src.lax import lax as _lax_internal
+from jax import export, lax
+from jax.extend import source_info_util
 
 from .._context import is_library
 from .._errors import OptionError, is_int
+from .._jax_internals import (convert_element_type, definitely_equal_shape, dim_as_value,
+                              dim_bounds, dim_vars, evaluate_dim, is_constant_dim,
+                              jax_user_frames, terms, var_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ class _NoRule(Exception):
 
 
 def _is_sym(d) -> bool:
-    return not _core.is_constant_dim(d)
+    return not is_constant_dim(d)
 
 
 def _has_sym(shape) -> bool:
@@ -96,27 +96,26 @@ def _monotone(d) -> bool:
         return True
     if _structurally_monotone(d):
         return True
-    names = d._get_vars()
+    names = dim_vars(d)
     if len(names) != 1:
         return False
     (name,) = names
-    var = _shape_poly._DimExpr._from_var(name, d.scope)
-    lo, hi = _shape_poly._bounds_decision(var, _shape_poly.BoundsPrecision.BEST)
+    lo, hi = dim_bounds(var_dim(name, d.scope))
     if not (math.isfinite(hi) and hi - lo <= 1 << 14):
         return False
-    values = [int(d._evaluate({name: v})) for v in range(max(int(lo), 0), int(hi) + 1)]
+    values = [int(evaluate_dim(d, {name: v})) for v in range(max(int(lo), 0), int(hi) + 1)]
     return all(a <= b for a, b in zip(values, values[1:]))
 
 
 def _structurally_monotone(d) -> bool:
     # A sum of positive multiples of products of non-negative, non-decreasing factors.
-    for term, coeff in d._sorted_terms:
-        if not term._factors:
+    for coeff, factors in terms(d):
+        if not factors:
             continue            # the constant term
         if coeff <= 0:
             return False
-        single = len(term._factors) == 1 and term._factors[0][1] == 1
-        if not all(_factor_monotone(f, need_nonneg=not single) for f, _ in term._factors):
+        single = len(factors) == 1 and factors[0][1] == 1
+        if not all(_factor_monotone(f, need_nonneg=not single) for f, _ in factors):
             return False
     return True
 
@@ -125,17 +124,17 @@ def _factor_monotone(f, need_nonneg: bool) -> bool:
     if f.var is not None:
         return True             # length variables are >= 1
     ops = f.operands
-    if f.operation == _shape_poly._DimFactor.FLOORDIV:
+    if f.operation == "floordiv":
         num, den = ops
         return (not _is_sym(den) and int(den) > 0 and _monotone_expr(num)
                 and (not need_nonneg or _nonneg(num)))
-    if f.operation in (_shape_poly._DimFactor.MAX, _shape_poly._DimFactor.MIN):
+    if f.operation in ("max", "min"):
         if not all(_monotone_expr(o) for o in ops):
             return False
         if not need_nonneg:
             return True
         nonneg = [_nonneg(o) for o in ops]
-        return any(nonneg) if f.operation == _shape_poly._DimFactor.MAX else all(nonneg)
+        return any(nonneg) if f.operation == "max" else all(nonneg)
     return False                # mod is not monotone
 
 
@@ -146,7 +145,7 @@ def _monotone_expr(e) -> bool:
 def _nonneg(e) -> bool:
     if not _is_sym(e):
         return int(e) >= 0
-    lo, _ = _shape_poly._bounds_decision(e, _shape_poly.BoundsPrecision.FOR_GEQ0_OR_LT0)
+    lo, _ = dim_bounds(e, sign_only=True)
     return lo >= 0
 
 
@@ -238,7 +237,7 @@ class _Ctx:
         """The rows variable of the ragged variables ``d`` mentions (None: not ragged)."""
         if not _is_sym(d) or not self.rows:
             return None
-        found = {self.rows[n][1] for n in d._get_vars() if n in self.rows}
+        found = {self.rows[n][1] for n in dim_vars(d) if n in self.rows}
         if len(found) > 1:
             raise _NoRule(f"the length {d} mixes variables ragged along different rows "
                           f"({', '.join(sorted(found))})")
@@ -252,10 +251,10 @@ class _Ctx:
         of an axis (a row of length 0 has no ``T - 1`` positions, not -1), and as it is as a
         value (``x.shape[0] - 1`` of an empty row is -1, as plain JAX computes it)."""
         env = dict(self.sizes)
-        for name in d._get_vars():
+        for name in dim_vars(d):
             if name in self.rows:
                 env[name] = self.rows[name][0]
-        value = lax.convert_element_type(d._evaluate(env), np.int32)
+        value = lax.convert_element_type(evaluate_dim(d, env), np.int32)
         return value if as_value else jnp.maximum(value, 0)
 
     def row_mask(self, rows: str):
@@ -269,13 +268,13 @@ class _Ctx:
     def _summed(self, d, rows: str):
         """A length that counts over the rows (``B*T``: the real elements of a ragged
         ``(B, T)`` array): the sum over real rows of the per-row quotient."""
-        b = _shape_poly._DimExpr._from_var(rows, d.scope)
+        b = var_dim(rows, d.scope)
         try:
             q = d // b
             exact = q * b == d
         except Exception:  # noqa: BLE001 - any failure: not a per-row count
             exact = False
-        if not exact or rows in q._get_vars():
+        if not exact or rows in dim_vars(q):
             raise _NoRule(f"the length {d} mixes the rows {rows} with a length ragged along "
                           f"them in a way that is not a per-row count")
         per_row = self.per_row(q) if _is_sym(q) else jnp.full(self.rows_vector_shape(rows), int(q))
@@ -337,8 +336,8 @@ class _Ctx:
         `_NoRule`: it reads one offset for all rows, which only a per-row rule may do."""
         rows = self.rows_of(d)
         if rows is None:
-            return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
-        if rows in d._get_vars():
+            return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
+        if rows in dim_vars(d):
             return self._summed(d, rows)
         if shape is not None:
             axes = self.row_axes(shape, rows)
@@ -356,7 +355,7 @@ class _Ctx:
         elif self.current is not None and self._has_rows(self.current, rows):
             raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per row (ragged along {rows}); it has no per-row rule")
-        return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+        return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
 
     def _has_rows(self, eqn, rows: str) -> bool:
         return any(self.row_axes(getattr(v.aval, "shape", ()), rows)
@@ -364,7 +363,7 @@ class _Ctx:
 
     def physical(self, d):
         """The bucket size of a dimension as a value (``dim_as_value``, not rewritten)."""
-        return self._cached("_physical", d, _core.dimension_as_value)
+        return self._cached("_physical", d, dim_as_value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +400,7 @@ def _where(eqn) -> str | None:
     """The user's line that made an equation: the innermost frame outside JAX and the other
     libraries polyexec knows (equinox's modules, polyexec itself), which JAX's own
     ``user_frame`` would name."""
-    frame = next((f for f in source_info_util.user_frames(eqn.source_info.traceback)
+    frame = next((f for f in jax_user_frames(eqn.source_info.traceback)
                   if not is_library(f.file_name)), None)
     if frame is None:
         return None
@@ -595,7 +594,7 @@ def _param_has_sym(value) -> bool:
         return False
     if isinstance(value, (tuple, list)):
         return any(_param_has_sym(v) for v in value)
-    return _core.is_symbolic_dim(value)
+    return export.is_symbolic_dim(value)
 
 
 def _jaxpr_touches(jaxpr, cache: dict) -> bool:
@@ -860,7 +859,7 @@ def one_position(size) -> bool:
 
 def _ragged_variable(ctx: _Ctx, *dims) -> str | None:
     """The one ragged variable ``dims`` mention, None when they mention another or several."""
-    names = {n for d in dims if d is not None and _is_sym(d) for n in d._get_vars()}
+    names = {n for d in dims if d is not None and _is_sym(d) for n in dim_vars(d)}
     return names.pop() if len(names) == 1 and names <= ctx.recorder.ragged else None
 
 
@@ -878,9 +877,8 @@ def _note_row_floor(ctx: _Ctx, eqn, invals) -> None:
         var = _ragged_variable(ctx, n, start, size) if _is_sym(n) else None
         if var is None:
             continue
-        lo, _ = _shape_poly._bounds_decision(_shape_poly._DimExpr._from_var(var, n.scope),
-                                             _shape_poly.BoundsPrecision.BEST)
-        at = lambda d, t: int(d._evaluate({var: t})) if _is_sym(d) else int(d)  # noqa: E731
+        lo, _ = dim_bounds(var_dim(var, n.scope))
+        at = lambda d, t: int(evaluate_dim(d, {var: t}))  # noqa: E731
         short = [t for t in range(int(lo)) if at(size, t) > 0
                  and max(at(start, t) if start is not None else 0, 0) + at(size, t) > at(n, t)]
         floor = max(short, default=-1) + 1
@@ -901,7 +899,7 @@ def window_fits_admitted_rows(ctx: _Ctx, n, size, start: int) -> bool:
     room = n - size - start
     if not _is_sym(room):
         return int(room) >= 0
-    return _shape_poly._bounds_decision(room, _shape_poly.BoundsPrecision.BEST)[0] >= 0
+    return dim_bounds(room)[0] >= 0
 
 
 def _eval_row_varying(ctx: _Ctx, eqn, invals, rows: str | None = None) -> list:
@@ -950,10 +948,10 @@ def _like(x, aval):
     outputs must keep their types)."""
     if not hasattr(aval, "dtype"):
         return x
-    have = _core.typeof(x)
+    have = jax.typeof(x)
     if have.dtype == aval.dtype and getattr(have, "weak_type", False) == aval.weak_type:
         return x
-    return _lax_internal._convert_element_type(x, aval.dtype, aval.weak_type)
+    return convert_element_type(x, aval.dtype, aval.weak_type)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1048,7 +1046,7 @@ def _public(rule: Callable, name: str) -> Callable:
                           f"expected {len(eqn.outvars)}")
         for i, (x, v) in enumerate(zip(out, eqn.outvars)):
             want = tuple(getattr(v.aval, "shape", ()))
-            if not _core.definitely_equal_shape(tuple(jnp.shape(x)), want):
+            if not definitely_equal_shape(tuple(jnp.shape(x)), want):
                 raise _NoRule(f"the rule registered for {name} returned output {i} of shape "
                               f"{tuple(jnp.shape(x))}, expected {want}")
         return out
@@ -1179,6 +1177,6 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
 
 def _replay(closed):
     def logical_program(*flat):
-        return tuple(_core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
+        return tuple(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
     return logical_program
 

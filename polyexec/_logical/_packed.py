@@ -74,8 +74,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.export import shape_poly as _shape_poly
 
+from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
 from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_with, _Ctx,
                     _eqn_touches, _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule,
                     _Recorder, _replay, _sub_jaxprs, _take_rows, _where, moves_ragged_rows)
@@ -89,7 +89,7 @@ from ._structure import _pad as _padded_pad
 from ._structure import _keeps_length_axes, _reshape as _padded_reshape
 from ._structure import _slice as _padded_slice
 from ._core import _highest, _lowest
-from ._sequences import PerSequence, _names, _spread, _to_cells, at_column, by_cell, held
+from ._sequences import PerSequence, _spread, _to_cells, at_column, by_cell, held
 from ._sequences import evaluate as _evaluate_per_sequence, rule as _per_sequence_rule
 
 
@@ -135,10 +135,10 @@ class _PackedCtx(_Ctx):
         """Axes whose length is an expression of the packed variable (T, T - 1), not a count
         over the rows."""
         return [i for i, s in enumerate(shape)
-                if self.var in _names(s) and self.rows_name not in _names(s)]
+                if self.var in dim_vars(s) and self.rows_name not in dim_vars(s)]
 
     def rows_of(self, d) -> str | None:
-        return self.rows_name if self.var in _names(d) else None
+        return self.rows_name if self.var in dim_vars(d) else None
 
     # -- lengths --------------------------------------------------------------------------------
 
@@ -151,13 +151,13 @@ class _PackedCtx(_Ctx):
         `_Ctx.length`)."""
         if not _is_sym(d):
             return int(d)
-        names = _names(d)
+        names = dim_vars(d)
         if self.var not in names:
             if self.rows_name in names:
                 if str(d) != self.rows_name:
                     raise _NoRule(f"the length {d} counts packed rows")
                 return self.physical(d)
-            return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+            return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
         if self.rows_name in names:
             return self._summed(d, self.rows_name)
         if shape is not None:
@@ -175,7 +175,7 @@ class _PackedCtx(_Ctx):
             raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per sequence of a packed row")
         # A value without rows: per position, real up to the longest sequence.
-        return self._cached("_lengths", d, lambda e: e._evaluate(self.sizes))
+        return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
 
     def _has_rows(self, eqn, rows: str) -> bool:
         return any(self.row_axes(getattr(v.aval, "shape", ()))
@@ -232,13 +232,13 @@ class _PackedCtx(_Ctx):
     def _at(self, d, seglen, *, as_value: bool = False):
         """``d`` at each cell's sequence length (``seglen``): never below 0 as the length of
         an axis, as it is as a value (see `_Ctx.per_row`)."""
-        value = d._evaluate({**self.sizes, self.var: seglen})
+        value = evaluate_dim(d, {**self.sizes, self.var: seglen})
         return (value if as_value else jnp.maximum(value, 0)).astype(np.int32)
 
     def _summed(self, d, rows: str):
-        b = _shape_poly._DimExpr._from_var(rows, d.scope)
+        b = var_dim(rows, d.scope)
         q = d // b
-        if q * b != d or rows in _names(q):
+        if q * b != d or rows in dim_vars(q):
             raise _NoRule(f"the length {d} is not a count over the sequences")
         starts = self.pos == 0
         per = (self._at(q, self.seglen) if _is_sym(q) else jnp.full(jnp.shape(self.pos), int(q)))
@@ -317,17 +317,16 @@ def _along(v2, ndim: int, rows_axis: int, packed_axis: int):
 def _fits(recorder: _Recorder, d, var: str, rows: str) -> bool:
     """Whether a packed length never exceeds its sequence: ``d(n) <= n`` for every n within
     the variable's bounds (a sequence's part of the axis stays inside its own cells)."""
-    names = _names(d)
+    names = dim_vars(d)
     if var not in names or rows in names:
         return True
     key = ("fits", d)
     if key not in recorder._monotone:
         ok = names == {var}
         if ok:
-            v = _shape_poly._DimExpr._from_var(var, d.scope)
-            lo, hi = _shape_poly._bounds_decision(v, _shape_poly.BoundsPrecision.BEST)
+            lo, hi = dim_bounds(var_dim(var, d.scope))
             ok = np.isfinite(hi) and hi - lo <= 1 << 14 and all(
-                int(d._evaluate({var: n})) <= n for n in range(max(int(lo), 0), int(hi) + 1))
+                int(evaluate_dim(d, {var: n})) <= n for n in range(max(int(lo), 0), int(hi) + 1))
         recorder._monotone[key] = bool(ok)
     return recorder._monotone[key]
 
@@ -913,13 +912,13 @@ def _sort(ctx: _PackedCtx, eqn, invals):
 @_packed("dim_as_value")
 def _dim_as_value(ctx: _PackedCtx, eqn, invals):
     d = eqn.params["dim"]
-    names = _names(d)
+    names = dim_vars(d)
     if ctx.var in names and ctx.rows_name not in names:
         return [PerSequence(ctx._at(d, ctx.seglen, as_value=True), None)]  # each sequence's own
     if ctx.var in names:
         return [ctx.length(d)]
     # The rows as a number are the sequences, not the packed rows.
-    return [lax.convert_element_type(d._evaluate(ctx.sizes), np.int32)]
+    return [lax.convert_element_type(evaluate_dim(d, ctx.sizes), np.int32)]
 
 
 def _position(ctx: _PackedCtx, eqn, shape, index, index_map, window):
@@ -1387,7 +1386,7 @@ def _scan(ctx: _PackedCtx, eqn, invals):
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
     length = p["length"]
     has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
-    if ctx.var not in _names(length) or not any(has_rows):
+    if ctx.var not in dim_vars(length) or not any(has_rows):
         if any(isinstance(x, PerSequence) for x in invals):
             raise _NoRule("a scan over another length than the packed one reads a "
                           "per-sequence value")
@@ -1582,7 +1581,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     def held_per_cell(shape):
         """Inputs with the rows axis and no packed length (the lengths, labels): per cell."""
         r = [a for a, d in enumerate(shape) if _is_sym(d) and str(d) == rows]
-        packed = [d for d in shape if var in _names(d)]
+        packed = [d for d in shape if var in dim_vars(d)]
         return r[0] if len(r) == 1 and not packed else None
 
     def packed(*args):

@@ -10,6 +10,7 @@ elementwise maths and layout-only primitives, which pass through, and ``dim_as_v
 
 from __future__ import annotations
 
+from .._jax_internals import dim_vars
 from ._core import ELEMENTWISE, RowVarying, _rule
 
 _rule(*"""
@@ -34,7 +35,7 @@ _rule(*"""
 def _dim_as_value(ctx, eqn, invals):
     d = eqn.params["dim"]
     rows = ctx.rows_of(d)
-    if rows is not None and rows not in d._get_vars():
+    if rows is not None and rows not in dim_vars(d):
         # ``x.shape[1]`` of a ragged (B, T) array inside per-row code: each row's own length.
         return [RowVarying(ctx.per_row(d, as_value=True), rows)]
     return [ctx.length(d)]     # a count over rows (B*T) is the sum of the rows' real lengths

@@ -48,10 +48,6 @@ class PerSequence:
     axis: int | None
 
 
-def _names(d) -> set[str]:
-    return set(d._get_vars()) if _is_sym(d) else set()
-
-
 def _spread(v, shape, targets):
     """``v`` broadcast to ``shape``, its axes going to the axes ``targets`` (in any order)."""
     order = sorted(range(len(targets)), key=targets.__getitem__)

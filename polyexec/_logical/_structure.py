@@ -20,8 +20,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as _core
 
+from .._jax_internals import definitely_equal, definitely_equal_shape
 from ._core import (_NoRule, _bind, _bind_with, _fill_tail, _full, _iota, _is_sym, _lowest, _place,
                     _rule, _take, _take_rows)
 
@@ -227,9 +227,9 @@ def _ragged_merge(ctx, x, src, dst):
         if rows is None or str(src[i]) != rows:
             continue
         j = i
-        if (len(dst) != len(src) - 1 or not _core.definitely_equal_shape(src[:i], dst[:j])
-                or not _core.definitely_equal_shape(src[i + 2:], dst[j + 1:])
-                or not _core.definitely_equal(dst[j], src[i] * src[i + 1])):
+        if (len(dst) != len(src) - 1 or not definitely_equal_shape(src[:i], dst[:j])
+                or not definitely_equal_shape(src[i + 2:], dst[j + 1:])
+                or not definitely_equal(dst[j], src[i] * src[i + 1])):
             raise _NoRule(f"a reshape of {tuple(src)} to {tuple(dst)} other than merging the "
                           f"rows {rows} with their ragged axis")
         lengths = jnp.where(ctx.row_mask(rows), ctx.per_row(src[i + 1]), 0)
@@ -248,8 +248,8 @@ def _prefix_preserving(src, dst) -> bool:
     """Only unit axes added or removed ((B, T-1, 1) <-> (B, T-1)), or one length axis on each
     side preceded by the same number of constant rows ((T, 4) <-> (4*T,)): either way each
     position keeps its logical block a prefix."""
-    if _core.definitely_equal_shape([d for d in src if not _is_unit(d)],
-                                    [d for d in dst if not _is_unit(d)]):
+    if definitely_equal_shape([d for d in src if not _is_unit(d)],
+                              [d for d in dst if not _is_unit(d)]):
         return True
     s = [a for a, d in enumerate(src) if _is_sym(d)]
     d = [a for a, e in enumerate(dst) if _is_sym(e)]

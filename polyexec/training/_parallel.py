@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax._src import xla_bridge
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._errors import OptionError, is_int
+from .._jax_internals import backends_are_initialized
 
 AXIS = "batch"
 
@@ -70,7 +70,7 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     """
     if jax.distributed.is_initialized():
         return jax.process_count()
-    if coordinator is None and xla_bridge.backends_are_initialized():
+    if coordinator is None and backends_are_initialized():
         # Too late to join anything (JAX is in use): what this process is, it stays.
         return jax.process_count()
     try:

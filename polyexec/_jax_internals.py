@@ -1,0 +1,154 @@
+"""Every read of JAX's private API, in one place.
+
+JAX promises nothing about ``jax._src`` or the private attributes of its symbolic dimensions:
+any release may rename or reshape them. polyexec needs a few (nothing public evaluates a
+symbolic dimension at concrete sizes, or says which line of user code made an equation), so
+they are read here and nowhere else: when a JAX release breaks one, this module is the one to
+mend (tests/test_architecture.py keeps it so). Each shim says what it reads and what public
+API would replace it. What JAX offers publicly (``jax.export.is_symbolic_dim``,
+``jax.extend.source_info_util``, ``jax.typeof``) is called where it is used, not wrapped here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from jax import export
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.export import shape_poly as _shape_poly
+from jax._src.lax import lax as _lax
+
+try:  # dead-code elimination is optional: without it the planner counts everything as live
+    from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
+except ImportError:
+    _dce_jaxpr = None
+
+# -- symbolic dimensions ------------------------------------------------------------------------
+
+# What `int(T)` or an undecidable `T >= 5` raises. Not jax.errors.InconclusiveDimensionOperation
+# (jax core's, an unrelated class), and jax.export does not name it.
+InconclusiveDimension = _shape_poly.InconclusiveDimensionOperation
+
+# The code of a symbolic dimension's `==` and `!=`, which the tracer's profile hook recognises
+# to record comparisons JAX cannot decide (_trace._comparisons_recorded); JAX's methods are
+# read, never replaced. No public API reports an undecided comparison.
+DIM_EQ_CODE = _shape_poly._DimExpr.__eq__.__code__
+DIM_NE_CODE = _shape_poly._DimExpr.__ne__.__code__
+
+
+def is_constant_dim(d) -> bool:
+    """Whether ``d`` is a static integer (anything ``operator.index`` accepts, and not a
+    traced value). ``jax.core.is_constant_dim`` is deprecated without a replacement;
+    ``not jax.export.is_symbolic_dim(d)`` differs on tracers and non-dimensions."""
+    return _core.is_constant_dim(d)
+
+
+def dim_vars(d) -> set[str]:
+    """The variables a dimension mentions; empty for an integer. Private (``_get_vars``);
+    jax.export offers only the string, ``str(d)``."""
+    return set(d._get_vars()) if export.is_symbolic_dim(d) else set()
+
+
+def evaluate_dim(d, env: Mapping[str, Any]):
+    """``d`` with each variable at ``env``'s value (ints, or arrays: then an array); an
+    integer is returned as it is. Private (``_evaluate``): nothing public evaluates a symbolic
+    dimension short of exporting and calling a program."""
+    return d._evaluate(env) if export.is_symbolic_dim(d) else d
+
+
+def var_dim(name: str, scope):
+    """The dimension of the single variable ``name`` in ``scope``. Private
+    (``_DimExpr._from_var``); ``jax.export.symbolic_shape(name, scope=scope)[0]`` parses a
+    string instead, and fails on a variable named like an operation (``max``, ``mod``)."""
+    return _shape_poly._DimExpr._from_var(name, scope)
+
+
+def dim_bounds(d, *, sign_only: bool = False) -> tuple[float, float]:
+    """``(lower, upper)`` bounds of a symbolic dimension as JAX's decision procedure finds
+    them (infinite when unbounded). ``sign_only`` lets it stop once ``d >= 0`` or ``d < 0`` is
+    decided: cheaper, and the bounds may then be loose. Private (``_bounds_decision``, looked
+    up at each call: JAX installs it when its decision module loads); publicly only a
+    comparison (``d >= 0``) can be asked, which raises when undecided."""
+    precision = (_shape_poly.BoundsPrecision.FOR_GEQ0_OR_LT0 if sign_only
+                 else _shape_poly.BoundsPrecision.BEST)
+    return _shape_poly._bounds_decision(d, precision)
+
+
+class Factor(NamedTuple):
+    """A factor of a term of a dimension: a variable (``var``), or ``operation`` -- JAX's
+    "floordiv", "mod", "max" or "min" -- applied to ``operands`` (dimensions or ints)."""
+
+    var: str | None
+    operation: str | None
+    operands: Sequence[Any]
+
+
+def terms(d) -> list[tuple[int, tuple[tuple[Factor, int], ...]]]:
+    """A symbolic dimension as JAX normalises it: a sum of ``coeff * f1**p1 * f2**p2 ...``,
+    one ``(coeff, ((factor, power), ...))`` per term; the constant term has no factors.
+    Private (``_sorted_terms``, ``_factors``): no public API shows an expression's structure,
+    which the monotonicity proof of the logical rewrite reads."""
+    return [(coeff, tuple((Factor(f.var, f.operation, f.operands), power)
+                          for f, power in term._factors))
+            for term, coeff in d._sorted_terms]
+
+
+def dim_as_value(d):
+    """A dimension as a JAX value (an int stays an int; a symbolic one becomes the size in
+    the program being traced). Private (``core.dimension_as_value``): no
+    public function turns a dimension into a value."""
+    return _core.dimension_as_value(d)
+
+
+def definitely_equal(a, b) -> bool:
+    """Whether two dimensions are equal at every size (False when JAX cannot decide).
+    Private (``core.definitely_equal``); publicly ``a == b``, which answers False both for
+    "different" and "undecided" and so cannot be told from it."""
+    return _core.definitely_equal(a, b)
+
+
+def definitely_equal_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """`definitely_equal` for every axis of two shapes of the same rank."""
+    return _core.definitely_equal_shape(a, b)
+
+
+# -- values, programs, the backend ----------------------------------------------------------------
+
+
+def convert_element_type(x, dtype, weak_type: bool):
+    """``x`` as ``dtype`` with the given weak type (a scan carry must keep its exact type).
+    Private (``lax._convert_element_type``); ``lax.convert_element_type`` always makes a
+    strong type."""
+    return _lax._convert_element_type(x, dtype, weak_type)
+
+
+def dce_jaxpr(jaxpr) -> tuple[Any, list[bool]] | None:
+    """``(jaxpr without the equations no output needs, which inputs are used)``, or None where
+    this JAX lacks it. Private (``partial_eval.dce_jaxpr``); no public dead-code elimination
+    of a jaxpr exists."""
+    if _dce_jaxpr is None:
+        return None
+    return _dce_jaxpr(jaxpr, True, instantiate=False)
+
+
+def jax_user_frames(traceback) -> Iterator[Any]:
+    """The frames of an equation's traceback (``eqn.source_info.traceback``) that JAX counts
+    as user code, innermost first, each with ``file_name`` and ``start_line``: all but JAX's
+    own files, the standard library's and those excluded with ``register_exclusion`` (other
+    libraries count). Private (``source_info_util.user_frames``);
+    ``jax.extend.source_info_util`` has no reader of a traceback."""
+    return _source_info.user_frames(traceback)
+
+
+def jax_user_frame(traceback):
+    """The first of `jax_user_frames`, or None (JAX caches it per traceback)."""
+    return _source_info.user_frame(traceback)
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has started its backends (then ``jax.distributed`` can no longer join a
+    cluster). Private (``xla_bridge``): every public query (``jax.devices()``) starts them."""
+    return _xla_bridge.backends_are_initialized()
