@@ -12,26 +12,27 @@ from __future__ import annotations
 
 from jax import lax
 
-from ._core import (_NoRule, _bind_with, _fill_tail, _has_sym, _highest, _iota, _is_sym, _lowest,
-                    _place, _rule, _take)
+from ._core import (NoRule, bind_eqn_with, fill_tail, has_sym, highest_value, iota_along, is_sym,
+                    lowest_value, place_window, defrule, take_clamped)
+from ._families import WINDOWS
 
 
-@_rule("dot_general")
+@defrule("dot_general")
 def _dot_general(ctx, eqn, invals):
     lhs, rhs = invals
     (lc, rc), _ = eqn.params["dimension_numbers"]
-    pairs = [(a, b) for a, b in zip(lc, rc) if _is_sym(lhs.shape[a]) or _is_sym(rhs.shape[b])]
+    pairs = [(a, b) for a, b in zip(lc, rc) if is_sym(lhs.shape[a]) or is_sym(rhs.shape[b])]
     if not pairs:
         return None         # batch and free length axes are per position
     # An operand made from lengths alone (a per-position weight in per-row code) may be
     # zeroed at the longest row's length when the other operand has the rows: that one is
     # zeroed at each row's own, so no row reads past its end. Otherwise its contraction
-    # differs per row with no axis to hold it (`_Ctx.length` refuses).
-    lhs = _fill_tail(ctx, lhs, [a for a, _ in pairs], 0,
+    # differs per row with no axis to hold it (`Ctx.length` refuses).
+    lhs = fill_tail(ctx, lhs, [a for a, _ in pairs], 0,
                      shared=_holds_rows(ctx, rhs.shape, [rhs.shape[b] for _, b in pairs]) or None)
-    rhs = _fill_tail(ctx, rhs, [b for _, b in pairs], 0,
+    rhs = fill_tail(ctx, rhs, [b for _, b in pairs], 0,
                      shared=_holds_rows(ctx, lhs.shape, [lhs.shape[a] for a, _ in pairs]) or None)
-    return _bind_with(eqn, [lhs, rhs])
+    return bind_eqn_with(eqn, [lhs, rhs])
 
 
 def _holds_rows(ctx, shape, lengths) -> bool:
@@ -40,88 +41,84 @@ def _holds_rows(ctx, shape, lengths) -> bool:
     return all(ctx.row_axes(shape, rows) for rows in found if rows is not None)
 
 
-@_rule("conv_general_dilated")
+@defrule("conv_general_dilated")
 def _conv(ctx, eqn, invals):
     lhs, rhs = invals
     p = eqn.params
     lhs_spec, rhs_spec, _ = p["dimension_numbers"]
     fg, bg = p["feature_group_count"], p["batch_group_count"]
     changed = False
-    if _is_sym(lhs.shape[lhs_spec[1]]) or _is_sym(rhs.shape[rhs_spec[1]]):
+    if is_sym(lhs.shape[lhs_spec[1]]) or is_sym(rhs.shape[rhs_spec[1]]):
         # Feature groups split these axes at physical offsets; batch groups split the batch
         # and output features, each group still contracting every feature (a depthwise
         # convolution's kernel gradient contracts the rows this way).
         if fg != 1:
-            raise _NoRule("grouped convolution over length features")
-        lhs = _fill_tail(ctx, lhs, (lhs_spec[1],), 0)
-        rhs = _fill_tail(ctx, rhs, (rhs_spec[1],), 0)
+            raise NoRule("grouped convolution over length features")
+        lhs = fill_tail(ctx, lhs, (lhs_spec[1],), 0)
+        rhs = fill_tail(ctx, rhs, (rhs_spec[1],), 0)
         changed = True
-    if ((bg != 1 and _is_sym(lhs.shape[lhs_spec[0]]))
-            or (fg != 1 and _is_sym(rhs.shape[rhs_spec[0]]))):
-        raise _NoRule("grouped convolution over a length axis")
+    if ((bg != 1 and is_sym(lhs.shape[lhs_spec[0]]))
+            or (fg != 1 and is_sym(rhs.shape[rhs_spec[0]]))):
+        raise NoRule("grouped convolution over a length axis")
     padding, lhs_dilation = list(p["padding"]), list(p["lhs_dilation"])
     for i, (la, ra) in enumerate(zip(lhs_spec[2:], rhs_spec[2:])):
-        if _is_sym(rhs.shape[ra]):
-            rhs = _fill_tail(ctx, rhs, (ra,), 0)
+        if is_sym(rhs.shape[ra]):
+            rhs = fill_tail(ctx, rhs, (ra,), 0)
             changed = True
         lo, hi = padding[i]
-        if not _is_sym(lo):
-            if _is_sym(lhs.shape[la]):
+        if not is_sym(lo):
+            if is_sym(lhs.shape[la]):
                 # The tail becomes zeros: the zero padding then starts at the logical end.
-                lhs = _fill_tail(ctx, lhs, (la,), 0)
+                lhs = fill_tail(ctx, lhs, (la,), 0)
                 changed = True
         else:
             # SAME with a stride: the low padding depends on the length. Build the padded
             # operand with the logical low padding and convolve it unpadded.
             n, ld = lhs.shape[la], lhs_dilation[i]
-            lhs = _place(ctx, lhs, la, lo, ld - 1, (n - 1) * ld + 1 + lo + hi, 0)
+            lhs = place_window(ctx, lhs, la, lo, ld - 1, (n - 1) * ld + 1 + lo + hi, 0)
             padding[i], lhs_dilation[i] = (0, 0), 1
             changed = True
     if not changed:
         return None
-    return _bind_with(eqn, [lhs, rhs], padding=tuple(padding), lhs_dilation=tuple(lhs_dilation))
-
-
-_WINDOW_IDENTITY = {"reduce_window_sum": lambda dt: 0, "reduce_window_max": _lowest,
-                    "reduce_window_min": _highest}
+    return bind_eqn_with(eqn, [lhs, rhs], padding=tuple(padding), lhs_dilation=tuple(lhs_dilation))
 
 
 def _windowed(ctx, operands, fills, p, dilation_key):
     """Shared by the windowed reductions: every operand's tail becomes its fill (the padding
     value), and a length-dependent low padding is built explicitly. Returns the operands and
     the new padding/dilation, or None when nothing reads across a length axis."""
-    if any(_is_sym(w) for w in p["window_dimensions"]):
-        raise _NoRule("a window whose size is a length")
+    if any(is_sym(w) for w in p["window_dimensions"]):
+        raise NoRule("a window whose size is a length")
     padding = list(p["padding"])
     dilation = list(p[dilation_key]) if dilation_key else [1] * len(padding)
     changed = False
     for a, (lo, hi) in enumerate(padding):
         n = operands[0].shape[a]
-        if not _is_sym(lo):
-            if _is_sym(n):
-                operands = [_fill_tail(ctx, x, (a,), f) for x, f in zip(operands, fills)]
+        if not is_sym(lo):
+            if is_sym(n):
+                operands = [fill_tail(ctx, x, (a,), f) for x, f in zip(operands, fills)]
                 changed = True
         else:
             size = (n - 1) * dilation[a] + 1 + lo + hi
-            operands = [_place(ctx, x, a, lo, dilation[a] - 1, size, f)
+            operands = [place_window(ctx, x, a, lo, dilation[a] - 1, size, f)
                         for x, f in zip(operands, fills)]
             padding[a], dilation[a] = (0, 0), 1
             changed = True
     return (operands, tuple(padding), tuple(dilation)) if changed else None
 
 
-@_rule(*_WINDOW_IDENTITY)
+@defrule(*WINDOWS)
 def _reduce_window_fixed(ctx, eqn, invals):
     (x,) = invals
-    fill = _WINDOW_IDENTITY[eqn.primitive.name](x.dtype)
+    fill = WINDOWS[eqn.primitive.name].identity(x.dtype)
     done = _windowed(ctx, [x], [fill], eqn.params, "base_dilation")
     if done is None:
         return None
     (x,), padding, base_dilation = done
-    return _bind_with(eqn, [x], padding=padding, base_dilation=base_dilation)
+    return bind_eqn_with(eqn, [x], padding=padding, base_dilation=base_dilation)
 
 
-@_rule("reduce_window")
+@defrule("reduce_window")
 def _reduce_window(ctx, eqn, invals):
     n = len(invals) // 2
     operands, inits = invals[:n], invals[n:]
@@ -129,19 +126,19 @@ def _reduce_window(ctx, eqn, invals):
     if done is None:
         return None
     operands, padding, base_dilation = done
-    return _bind_with(eqn, [*operands, *inits], padding=padding, base_dilation=base_dilation)
+    return bind_eqn_with(eqn, [*operands, *inits], padding=padding, base_dilation=base_dilation)
 
 
 def _select_fill(eqn, dtype):
     prim = eqn.params["select_prim"]
     if prim is lax.ge_p or prim is lax.gt_p:
-        return _lowest(dtype)
+        return lowest_value(dtype)
     if prim is lax.le_p or prim is lax.lt_p:
-        return _highest(dtype)
-    raise _NoRule(f"select_prim {prim}")
+        return highest_value(dtype)
+    raise NoRule(f"select_prim {prim}")
 
 
-@_rule("select_and_gather_add")
+@defrule("select_and_gather_add")
 def _select_and_gather_add(ctx, eqn, invals):
     # The JVP of max pooling: the tangent at each window's selected position. The operand's
     # tail loses every selection; the tangents' tail is zero anyway.
@@ -151,30 +148,30 @@ def _select_and_gather_add(ctx, eqn, invals):
     if done is None:
         return None
     (tangents, operand), padding, base_dilation = done
-    return _bind_with(eqn, [tangents, operand], padding=padding, base_dilation=base_dilation)
+    return bind_eqn_with(eqn, [tangents, operand], padding=padding, base_dilation=base_dilation)
 
 
-@_rule("select_and_scatter_add")
+@defrule("select_and_scatter_add")
 def _select_and_scatter_add(ctx, eqn, invals):
     # The transpose of max pooling: each window's cotangent (``source``) is added at the
     # window's selected position of ``operand``. Cotangents of windows beyond the logical
     # output become zero; the operand's tail loses every selection.
     source, operand = invals
     changed = False
-    if _has_sym(source.shape):
-        source = _fill_tail(ctx, source, range(source.ndim), 0)
+    if has_sym(source.shape):
+        source = fill_tail(ctx, source, range(source.ndim), 0)
         changed = True
     fill = _select_fill(eqn, operand.dtype)
     done = _windowed(ctx, [operand], [fill], eqn.params, None)
     if done is None:
-        return _bind_with(eqn, [source, operand]) if changed else None
+        return bind_eqn_with(eqn, [source, operand]) if changed else None
     (padded,), padding, _ = done
-    (out,) = _bind_with(eqn, [source, padded], padding=padding)
+    (out,) = bind_eqn_with(eqn, [source, padded], padding=padding)
     # Where the operand was padded explicitly, read the result back at the logical offset.
     for a, (lo, _) in enumerate(eqn.params["padding"]):
-        if _is_sym(lo):
+        if is_sym(lo):
             n = operand.shape[a]
-            out = _take(ctx, out, _iota((n,), 0) + ctx.length(lo), a)
+            out = take_clamped(ctx, out, iota_along((n,), 0) + ctx.length(lo), a)
     return [out]
 
 

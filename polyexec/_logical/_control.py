@@ -22,22 +22,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import _NoRule, _eval_closed, _fill_tail, _full, _is_sym, _rule
+from ._core import NoRule, eval_closed, fill_tail, filled, is_sym, defrule
 
 
-@_rule("scan", structural=True)
+@defrule("scan", structural=True)
 def _scan(ctx, eqn, invals):
     p = eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
     length = p["length"]
     body = p["jaxpr"]
-    if not _is_sym(length):
+    if not is_sym(length):
         if not ctx.recorder.touched(body):
             return None
 
         def step(carry, x):
-            out = _eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
+            out = eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
             return out[:ncarry], out[ncarry:]
 
         carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=p["reverse"],
@@ -52,7 +52,7 @@ def _scan(ctx, eqn, invals):
     # measured up to 20% slower on the GRU train step. Reverse scans start at the logical end.
     stop = ctx.length(length)
     ys_avals = [v.aval for v in eqn.outvars[ncarry:]]
-    ys0 = [_full(a.shape, 0, a.dtype) for a in ys_avals]
+    ys0 = [filled(a.shape, 0, a.dtype) for a in ys_avals]
 
     def cond(state):
         return state[0] < stop
@@ -60,8 +60,8 @@ def _scan(ctx, eqn, invals):
     def loop(state):
         i, carry, ys = state
         at = stop - 1 - i if p["reverse"] else i
-        x = [_at_step(v, at) for v in xs]
-        out = _eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
+        x = [at_step(v, at) for v in xs]
+        out = eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
         ys = [_set_step(y, v.astype(y.dtype), at)
               for y, v in zip(ys, out[ncarry:])]
         return i + 1, list(out[:ncarry]), ys
@@ -82,9 +82,9 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     for j, x in enumerate(init):
         axes = ctx.row_axes(x.shape, rows)
         if len(axes) > 1:
-            raise _NoRule(f"a carry of shape {tuple(x.shape)} has several {rows} axes")
+            raise NoRule(f"a carry of shape {tuple(x.shape)} has several {rows} axes")
         if not axes and not _invariant_or_per_row(body.jaxpr, p["num_consts"] + j, j, ctx, rows):
-            raise _NoRule(f"carry {j} has no {rows} axis yet changes at every step without "
+            raise NoRule(f"carry {j} has no {rows} axis yet changes at every step without "
                           f"reading the rows (a step counter?): with per-row lengths its "
                           f"final value is ambiguous")
         carry_axes.append(axes[0] if axes else None)
@@ -98,7 +98,7 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     return [*carry, *ys]
 
 
-def _at_step(x, at, axis=0):
+def at_step(x, at, axis=0):
     # ``at`` counts steps from 0: no negative index to wrap (a select per index XLA runs at
     # every step of the loop; jax's own scan skips it the same way).
     return lax.dynamic_index_in_dim(x, at, axis, keepdims=False, allow_negative_indices=False)
@@ -122,8 +122,8 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
     and the carries after every step for those ``keep`` marks (None for the others)."""
     p = eqn.params
     ncarry, body = p["num_carry"], p["jaxpr"]
-    ys0 = [_full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
-    ys0 += [_full((p["length"], *jnp.shape(c)), 0, c.dtype)
+    ys0 = [filled(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+    ys0 += [filled((p["length"], *jnp.shape(c)), 0, c.dtype)
             for c, k in zip(init, keep) if k]
 
     def by_rows(mask, value, other, axis):
@@ -138,9 +138,9 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
             carry = [c if a is None else by_rows(restart, c0, c, a)
                      for c, c0, a in zip(carry, init if init_at is None else init_at(at),
                                          carry_axes)]
-        x = [_at_step(v, at) for v in xs]
+        x = [at_step(v, at) for v in xs]
         here = consts if consts_at is None else consts_at(at)
-        out = _eval_closed(ctx.child(eqn, alive=alive), body, [*here, *carry, *x])
+        out = eval_closed(ctx.child(eqn, alive=alive), body, [*here, *carry, *x])
         new = [n if a is None or not freeze else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
         kept = [n for n, k in zip(new, keep) if k]
@@ -167,7 +167,7 @@ def _invariant_or_per_row(jaxpr, invar: int, outvar: int, ctx, rows) -> bool:
     return jaxpr.outvars[outvar] in seen
 
 
-@_rule("while", structural=True)
+@defrule("while", structural=True)
 def _while(ctx, eqn, invals):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -177,10 +177,10 @@ def _while(ctx, eqn, invals):
         return None
 
     def pred(c):
-        return _eval_closed(ctx.child(eqn), p["cond_jaxpr"], [*cconsts, *c])[0]
+        return eval_closed(ctx.child(eqn), p["cond_jaxpr"], [*cconsts, *c])[0]
 
     def body(c):
-        return _eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c])
+        return eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c])
 
     if not eqn.params["cond_jaxpr"].out_avals[0].shape:
         return list(lax.while_loop(pred, body, list(init)))
@@ -191,7 +191,7 @@ def _while(ctx, eqn, invals):
     # keep the loop running -- forever, for a condition like ``~(c >= x)`` -- nor count.
     def lanes(c):
         live = pred(c)
-        return _fill_tail(ctx, live, range(live.ndim), False)
+        return fill_tail(ctx, live, range(live.ndim), False)
 
     def step(c):
         live, new = lanes(c), body(c)
@@ -201,13 +201,13 @@ def _while(ctx, eqn, invals):
     return list(lax.while_loop(lambda c: jnp.any(lanes(c)), step, list(init)))
 
 
-@_rule("cond", structural=True)
+@defrule("cond", structural=True)
 def _cond(ctx, eqn, invals):
     branches = eqn.params["branches"]
     if not any(ctx.recorder.touched(b) for b in branches):
         return None
     index, *ops = invals
-    fns = [functools.partial(lambda br, *a: _eval_closed(ctx.child(eqn), br, a), br)
+    fns = [functools.partial(lambda br, *a: eval_closed(ctx.child(eqn), br, a), br)
            for br in branches]
     return list(lax.switch(index, fns, *ops))
 
@@ -216,12 +216,12 @@ def _call(key):
     def rule(ctx, eqn, invals):
         # Inlined: the logical program is exported and run, never differentiated again, so
         # custom derivative rules have nothing left to do.
-        return _eval_closed(ctx.child(eqn), eqn.params[key], invals)
+        return eval_closed(ctx.child(eqn), eqn.params[key], invals)
     rule.inline = True     # per-row values flow through it as through any other equations
     return rule
 
 
-_rule("jit", "pjit", "remat2", "checkpoint", structural=True)(_call("jaxpr"))
-_rule("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+defrule("jit", "pjit", "remat2", "checkpoint", structural=True)(_call("jaxpr"))
+defrule("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
       structural=True)(_call("call_jaxpr"))
-_rule("custom_vjp_call_jaxpr", structural=True)(_call("fun_jaxpr"))
+defrule("custom_vjp_call_jaxpr", structural=True)(_call("fun_jaxpr"))

@@ -1,12 +1,12 @@
 """The logical rewrite's machinery: the evaluation context, the interpreter, the rule registry.
 
 The families of rules (`_pointwise`, `_reductions`, `_structure`, `_indexing`, `_contractions`,
-`_control`) import this module and register each rule next to its definition with `_rule`; the
+`_control`) import this module and register each rule next to its definition with `defrule`; the
 package's ``__init__`` imports them all, so `rewrite` is only reached with the registry full.
 `register_rule` is the same registry's public door (``px.register_rule``).
 
 Rules take ``(ctx, eqn, invals)`` and return the outputs, or None when the equation needs no
-change after all; they raise `_NoRule` to report what they cannot do (a verdict naming the
+change after all; they raise `NoRule` to report what they cannot do (a verdict naming the
 user's line, and the equation runs unchanged).
 """
 
@@ -29,8 +29,8 @@ from jax.extend import source_info_util
 from .._context import is_library
 from .._errors import OptionError, is_int
 from .._jax_internals import (convert_element_type, definitely_equal_shape, dim_as_value,
-                              dim_bounds, dim_vars, evaluate_dim, is_constant_dim,
-                              jax_user_frames, terms, var_dim)
+                              dim_bounds, dim_vars, evaluate_dim, is_constant_dim, jax_user_frames,
+                              terms, var_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Logical:
     floors: tuple[RowFloor, ...] = ()       # per ragged variable, the longest floor found
 
 
-class _NoRule(Exception):
+class NoRule(Exception):
     """Raised by a rule that cannot make this equation logical; the message says why."""
 
 
@@ -77,12 +77,12 @@ class _NoRule(Exception):
 # Dimensions
 
 
-def _is_sym(d) -> bool:
+def is_sym(d) -> bool:
     return not is_constant_dim(d)
 
 
-def _has_sym(shape) -> bool:
-    return any(_is_sym(d) for d in shape)
+def has_sym(shape) -> bool:
+    return any(is_sym(d) for d in shape)
 
 
 def _monotone(d) -> bool:
@@ -92,7 +92,7 @@ def _monotone(d) -> bool:
     upper bound (every LengthVar has one) is then checked exhaustively: JAX normalises
     ``min(T, 3)`` to ``T - max(0, T - 3)`` and ``ceil(T/2)`` to ``-floordiv(-T, 2)``, which the
     structure alone does not show to be monotone."""
-    if not _is_sym(d):
+    if not is_sym(d):
         return True
     if _structurally_monotone(d):
         return True
@@ -126,7 +126,7 @@ def _factor_monotone(f, need_nonneg: bool) -> bool:
     ops = f.operands
     if f.operation == "floordiv":
         num, den = ops
-        return (not _is_sym(den) and int(den) > 0 and _monotone_expr(num)
+        return (not is_sym(den) and int(den) > 0 and _monotone_expr(num)
                 and (not need_nonneg or _nonneg(num)))
     if f.operation in ("max", "min"):
         if not all(_monotone_expr(o) for o in ops):
@@ -139,11 +139,11 @@ def _factor_monotone(f, need_nonneg: bool) -> bool:
 
 
 def _monotone_expr(e) -> bool:
-    return not _is_sym(e) or _structurally_monotone(e)
+    return not is_sym(e) or _structurally_monotone(e)
 
 
 def _nonneg(e) -> bool:
-    if not _is_sym(e):
+    if not is_sym(e):
         return int(e) >= 0
     lo, _ = dim_bounds(e, sign_only=True)
     return lo >= 0
@@ -153,7 +153,7 @@ def _nonneg(e) -> bool:
 # The evaluation context: real sizes and the values of dimension expressions
 
 
-class _Ctx:
+class Ctx:
     """Real sizes (int32 tracers by variable name) and the recorder, for one (sub-)program.
 
     A sub-program (a scan body, a branch) gets a child context: it may read its parents'
@@ -166,7 +166,7 @@ class _Ctx:
     (inside a scan over a ragged length) marks the rows whose sequence has not ended.
     """
 
-    def __init__(self, sizes: dict[str, Any], recorder: "_Recorder", parent: "_Ctx | None" = None,
+    def __init__(self, sizes: dict[str, Any], recorder: "Recorder", parent: "Ctx | None" = None,
                  eqn=None, rows: Mapping[str, tuple[Any, str]] | None = None, alive=None):
         self.sizes = sizes
         self.recorder = recorder
@@ -180,17 +180,17 @@ class _Ctx:
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
         # id(value) -> (value, axes): values of this trace known to be 0 beyond the logical
-        # lengths of those axes (see `_fill_tail`); only this context's own, since a child's
+        # lengths of those axes (see `fill_tail`); only this context's own, since a child's
         # masks also drop its ended rows.
         self._zeroed: dict[int, tuple[Any, frozenset]] = {}
         # id(value) -> value: values made from lengths alone (see `note_made_from_lengths`),
         # one registry for the whole trace: a call's program reads its caller's values.
         self._from_lengths: dict[int, Any] = parent._from_lengths if parent is not None else {}
 
-    def child(self, eqn, *, alive=None) -> "_Ctx":
+    def child(self, eqn, *, alive=None) -> "Ctx":
         if alive is not None and self.alive is not None:
             alive = lax.bitwise_and(alive, self.alive)
-        return _Ctx(self.sizes, self.recorder, self, eqn, self.rows,
+        return Ctx(self.sizes, self.recorder, self, eqn, self.rows,
                     self.alive if alive is None else alive)
 
     def evaluate(self, eqn, invals) -> list:
@@ -207,13 +207,13 @@ class _Ctx:
         """The user's line of an equation: its own, or else (equations JAX's own functions
         trace, e.g. inside ``jnp.linalg``) that of the innermost enclosing call whose
         traceback reaches user code."""
-        where, ctx = _where(eqn), self
+        where, ctx = user_line(eqn), self
         while where is None and ctx is not None:
-            where = _where(ctx.eqn) if ctx.eqn is not None else None
+            where = user_line(ctx.eqn) if ctx.eqn is not None else None
             ctx = ctx.parent
         return where or "<unknown>"
 
-    def _lookup(self, table: str, d):
+    def _table_value(self, table: str, d):
         ctx = self
         while ctx is not None:
             cache = getattr(ctx, table)
@@ -224,9 +224,9 @@ class _Ctx:
         return None
 
     def _cached(self, table: str, d, compute):
-        if not _is_sym(d):
+        if not is_sym(d):
             return int(d)
-        value = self._lookup(table, d)
+        value = self._table_value(table, d)
         if value is None:
             value = getattr(self, table)[d] = lax.convert_element_type(compute(d), np.int32)
         return value
@@ -235,16 +235,16 @@ class _Ctx:
 
     def rows_of(self, d) -> str | None:
         """The rows variable of the ragged variables ``d`` mentions (None: not ragged)."""
-        if not _is_sym(d) or not self.rows:
+        if not is_sym(d) or not self.rows:
             return None
         found = {self.rows[n][1] for n in dim_vars(d) if n in self.rows}
         if len(found) > 1:
-            raise _NoRule(f"the length {d} mixes variables ragged along different rows "
+            raise NoRule(f"the length {d} mixes variables ragged along different rows "
                           f"({', '.join(sorted(found))})")
         return found.pop() if found else None
 
     def row_axes(self, shape, rows: str) -> list[int]:
-        return [i for i, s in enumerate(shape) if _is_sym(s) and str(s) == rows]
+        return [i for i, s in enumerate(shape) if is_sym(s) and str(s) == rows]
 
     def per_row(self, d, *, as_value: bool = False):
         """``d`` at each row's lengths: an int32 ``(B,)`` vector, never below 0 as the length
@@ -275,9 +275,9 @@ class _Ctx:
         except Exception:  # noqa: BLE001 - any failure: not a per-row count
             exact = False
         if not exact or rows in dim_vars(q):
-            raise _NoRule(f"the length {d} mixes the rows {rows} with a length ragged along "
+            raise NoRule(f"the length {d} mixes the rows {rows} with a length ragged along "
                           f"them in a way that is not a per-row count")
-        per_row = self.per_row(q) if _is_sym(q) else jnp.full(self.rows_vector_shape(rows), int(q))
+        per_row = self.per_row(q) if is_sym(q) else jnp.full(self.rows_vector_shape(rows), int(q))
         return jnp.sum(jnp.where(self.row_mask(rows), per_row, 0)).astype(np.int32)
 
     def rows_vector_shape(self, rows: str):
@@ -301,10 +301,11 @@ class _Ctx:
             for y in invals:
                 if self._from_lengths.get(id(y)) is y:
                     continue
-                if isinstance(y, RowVarying) or any(self.rows_of(d) is not None or
-                                                    str(d) in rows for d in getattr(y, "shape", ())):
+                if isinstance(y, RowVarying) or any(
+                        self.rows_of(d) is not None or str(d) in rows
+                        for d in getattr(y, "shape", ())):
                     return
-        except _NoRule:
+        except NoRule:
             return
         self._from_lengths[id(x)] = x
 
@@ -319,7 +320,7 @@ class _Ctx:
         found = {r for x in invals if self.made_from_lengths(x)
                  for r in map(self.rows_of, x.shape) if r is not None}
         if len(found) != 1:
-            raise _NoRule(f"values made from lengths ragged along {sorted(found)}")
+            raise NoRule(f"values made from lengths ragged along {sorted(found)}")
         return found.pop()
 
     def length(self, d, shape=None, shared=None):
@@ -329,11 +330,11 @@ class _Ctx:
         real up to the longest row, which is right for a value that came from the rows' data
         (``shared``). A value made from lengths alone (`note_made_from_lengths`) is the same in
         every row, but what a rule makes of its tail -- a sum, a max, a flip -- differs per row
-        and has no axis to hold each row's: `_NoRule` for the shape of an input of the current
+        and has no axis to hold each row's: `NoRule` for the shape of an input of the current
         equation made so, unless ``shared=True`` (the rule zeroes a rows operand per row); the
         equation then runs once per row (`_eval_row_varying`).
         Without ``shape``, a rule asking for a ragged length of an equation that has rows gets
-        `_NoRule`: it reads one offset for all rows, which only a per-row rule may do."""
+        `NoRule`: it reads one offset for all rows, which only a per-row rule may do."""
         rows = self.rows_of(d)
         if rows is None:
             return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
@@ -342,18 +343,18 @@ class _Ctx:
         if shape is not None:
             axes = self.row_axes(shape, rows)
             if len(axes) > 1:
-                raise _NoRule(f"a value of shape {tuple(shape)} has several {rows} axes: which "
+                raise NoRule(f"a value of shape {tuple(shape)} has several {rows} axes: which "
                               f"one holds the rows of {d} is ambiguous")
             if axes:
                 out = [1] * len(shape)
                 out[axes[0]] = -1
                 return jnp.reshape(self.per_row(d), out)
             if shared is False or (shared is None and tuple(shape) in self.from_lengths_shapes):
-                raise _NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
+                raise NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
                               f"differs per row (ragged along {rows}), and has no {rows} axis "
                               f"to hold each row's result")
         elif self.current is not None and self._has_rows(self.current, rows):
-            raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
+            raise NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per row (ragged along {rows}); it has no per-row rule")
         return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
 
@@ -376,7 +377,7 @@ class RowVarying:
     rows: str
 
 
-class _Recorder:
+class Recorder:
     def __init__(self):
         self.unsupported: dict[int, Unsupported] = {}    # by id(eqn): a body traced twice
         self.rewritten: set[int] = set()                 # counts once
@@ -387,7 +388,7 @@ class _Recorder:
 
     def monotone(self, d) -> bool:
         # Cached per rewrite: dimensions of different symbolic scopes must never be compared.
-        if not _is_sym(d):
+        if not is_sym(d):
             return True
         if d not in self._monotone:
             self._monotone[d] = _monotone(d)
@@ -396,7 +397,7 @@ class _Recorder:
     def touched(self, jaxpr) -> bool:
         return _jaxpr_touches(getattr(jaxpr, "jaxpr", jaxpr), self.touches)
 
-def _where(eqn) -> str | None:
+def user_line(eqn) -> str | None:
     """The user's line that made an equation: the innermost frame outside JAX and the other
     libraries polyexec knows (equinox's modules, polyexec itself), which JAX's own
     ``user_frame`` would name."""
@@ -412,15 +413,15 @@ def _where(eqn) -> str | None:
 # Mask helpers
 
 
-def _iota(shape, axis):
+def iota_along(shape, axis):
     return lax.broadcasted_iota(np.int32, tuple(shape), axis)
 
 
-def _full(shape, fill, dtype):
+def filled(shape, fill, dtype):
     return lax.broadcast_in_dim(lax.convert_element_type(fill, dtype), tuple(shape), ())
 
 
-def _logical_mask(ctx: _Ctx, shape, axes, shared=None):
+def logical_mask(ctx: Ctx, shape, axes, shared=None):
     """True at positions that are logical along every length axis among ``axes``. A length
     ragged along rows is each row's; reading across a rows axis also drops, in every row, the
     positions of its ragged axes beyond that row's length (they do not exist) and the rows
@@ -430,25 +431,25 @@ def _logical_mask(ctx: _Ctx, shape, axes, shared=None):
     checked = set()
     for a in axes:
         for b in (a, *[o for o in range(len(shape)) if o not in axes]):
-            if not _is_sym(shape[b]) or b in checked:
+            if not is_sym(shape[b]) or b in checked:
                 continue
             if b != a:
                 rows = ctx.rows_of(shape[b])
                 if rows is None or str(shape[a]) != rows:
                     continue       # only a rows axis read across drops other axes' tails
             checked.add(b)
-            m = _iota(shape, b) < ctx.length(shape[b], shape, shared)
+            m = iota_along(shape, b) < ctx.length(shape[b], shape, shared)
             mask = m if mask is None else lax.bitwise_and(mask, m)
-        if (ctx.alive is not None and _is_sym(shape[a])
+        if (ctx.alive is not None and is_sym(shape[a])
                 and any(r == str(shape[a]) for _, r in ctx.rows.values())):
             m = lax.broadcast_in_dim(ctx.row_mask(str(shape[a])), tuple(shape), (a,))
             mask = m if mask is None else lax.bitwise_and(mask, m)
     return mask
 
 
-def _fill_tail(ctx: _Ctx, x, axes, fill, shared=None):
+def fill_tail(ctx: Ctx, x, axes, fill, shared=None):
     """``x`` with every position beyond a logical length along ``axes`` replaced by ``fill``.
-    A value made from lengths alone has no such tail for all rows at once (`_Ctx.length`),
+    A value made from lengths alone has no such tail for all rows at once (`Ctx.length`),
     unless ``shared``: its reader zeroes the rows' own operand per row."""
     if shared is None:
         shared = not ctx.made_from_lengths(x)
@@ -458,10 +459,10 @@ def _fill_tail(ctx: _Ctx, x, axes, fill, shared=None):
         known = ctx._zeroed.get(id(x))
         if known is not None and known[0] is x and axes <= known[1]:
             return x
-    mask = _logical_mask(ctx, x.shape, axes, shared)
+    mask = logical_mask(ctx, x.shape, axes, shared)
     if mask is None:
         return x
-    out = lax.select(mask, x, _full(x.shape, fill, x.dtype))
+    out = lax.select(mask, x, filled(x.shape, fill, x.dtype))
     if zero:
         ctx._zeroed[id(out)] = (out, axes)
     return out
@@ -469,7 +470,7 @@ def _fill_tail(ctx: _Ctx, x, axes, fill, shared=None):
 
 def _zeroed_reads(jaxpr) -> dict:
     """Per variable of ``jaxpr``, the length axes that its equations read it across with the
-    tail zeroed (contracted by ``dot_general``, summed by ``reduce_sum``): `_eval_jaxpr`
+    tail zeroed (contracted by ``dot_general``, summed by ``reduce_sum``): `eval_jaxpr`
     zeroes them where the value is made, for all its readers (see the package docstring)."""
     reads: dict[Any, set[int]] = {}
 
@@ -482,34 +483,34 @@ def _zeroed_reads(jaxpr) -> dict:
         if eqn.primitive.name == "dot_general":
             (lc, rc), _ = eqn.params["dimension_numbers"]
             pairs = [(a, b) for a, b in zip(lc, rc)
-                     if _is_sym(shapes[0][a]) or _is_sym(shapes[1][b])]
+                     if is_sym(shapes[0][a]) or is_sym(shapes[1][b])]
             add(eqn.invars[0], [a for a, _ in pairs])
             add(eqn.invars[1], [b for _, b in pairs])
         elif eqn.primitive.name == "reduce_sum":
-            add(eqn.invars[0], [a for a in eqn.params["axes"] if _is_sym(shapes[0][a])])
+            add(eqn.invars[0], [a for a in eqn.params["axes"] if is_sym(shapes[0][a])])
     return reads
 
 
-def _zero_read_tails(ctx: _Ctx, reads, v, x):
+def _zero_read_tails(ctx: Ctx, reads, v, x):
     axes = reads.get(v)
     if axes is None or not hasattr(x, "shape") or isinstance(x, RowVarying):
         return x
     try:
-        return _fill_tail(ctx, x, axes, 0)
-    except _NoRule:
+        return fill_tail(ctx, x, axes, 0)
+    except NoRule:
         return x        # the reader's own rule says why
 
 
-def _take(ctx: _Ctx, x, idx, axis):
+def take_clamped(ctx: Ctx, x, idx, axis):
     """``x`` indexed along ``axis`` by the int32 vector ``idx`` (clamped: positions whose index
     falls outside are beyond a logical length, so their value does not matter)."""
     idx = jnp.clip(idx, 0, ctx.physical(x.shape[axis]) - 1)
     return jnp.take(x, idx, axis=axis, mode="clip")
 
 
-def _take_rows(ctx: _Ctx, x, idx, axis):
+def take_rows(ctx: Ctx, x, idx, axis):
     """``x`` indexed along ``axis`` by ``idx`` of ``x``'s own shape: a different index per row
-    (per-row lengths), clamped like `_take`."""
+    (per-row lengths), clamped like `take_clamped`."""
     idx = jnp.clip(idx, 0, ctx.physical(x.shape[axis]) - 1)
     return jnp.take_along_axis(x, idx, axis=axis, mode="clip")
 
@@ -518,7 +519,7 @@ def _broadcast_along(v, shape, axis):
     return lax.broadcast_in_dim(v, tuple(shape), (axis,))
 
 
-def _place(ctx: _Ctx, x, axis, lo, interior, size, fill):
+def place_window(ctx: Ctx, x, axis, lo, interior, size, fill):
     """``lax.pad`` along one axis with the *logical* configuration: the result (``size``
     positions) holds ``x[j]`` at ``lo(t) + j * (interior + 1)`` for ``j`` below the logical
     length, and ``fill`` everywhere else. Used where the low padding is a length expression,
@@ -528,22 +529,22 @@ def _place(ctx: _Ctx, x, axis, lo, interior, size, fill):
     shape = [1] * x.ndim if per_row else [size]
     if per_row:
         shape[axis] = size
-    q = _iota(shape, axis if per_row else 0) - low
+    q = iota_along(shape, axis if per_row else 0) - low
     step = interior + 1
     src = q // step if step > 1 else q
     valid = (q >= 0) & (src < n)
     if step > 1:
         valid = valid & (q % step == 0)
     if per_row:
-        taken = _take_rows(ctx, x, src, axis)
+        taken = take_rows(ctx, x, src, axis)
         return lax.select(jnp.broadcast_to(valid, taken.shape), taken,
-                          _full(taken.shape, fill, x.dtype))
-    taken = _take(ctx, x, src, axis)
+                          filled(taken.shape, fill, x.dtype))
+    taken = take_clamped(ctx, x, src, axis)
     return lax.select(_broadcast_along(valid, taken.shape, axis), taken,
-                      _full(taken.shape, fill, x.dtype))
+                      filled(taken.shape, fill, x.dtype))
 
 
-def _lowest(dtype):
+def lowest_value(dtype):
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return False
@@ -552,7 +553,7 @@ def _lowest(dtype):
     return jnp.iinfo(dtype).min
 
 
-def _highest(dtype):
+def highest_value(dtype):
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return True
@@ -561,7 +562,7 @@ def _highest(dtype):
     return jnp.iinfo(dtype).max
 
 
-def _all_ones(dtype):
+def all_ones(dtype):
     return True if np.dtype(dtype) == np.bool_ else -1 if jnp.issubdtype(dtype, jnp.signedinteger) \
         else jnp.iinfo(dtype).max
 
@@ -570,17 +571,17 @@ def _all_ones(dtype):
 # The interpreter
 
 
-def _bind(eqn, invals):
+def bind_eqn(eqn, invals):
     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _bind_with(eqn, invals, **changes):
+def bind_eqn_with(eqn, invals, **changes):
     out = eqn.primitive.bind(*invals, **{**eqn.params, **changes})
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _sub_jaxprs(params):
+def sub_jaxprs(params):
     for value in params.values():
         for item in (value if isinstance(value, (tuple, list)) else (value,)):
             if isinstance(item, jax.extend.core.ClosedJaxpr):
@@ -602,21 +603,21 @@ def _jaxpr_touches(jaxpr, cache: dict) -> bool:
     ``cache`` is per rewrite, keyed by id: it holds the jaxprs, so ids are not reused."""
     hit = cache.get(id(jaxpr))
     if hit is None:
-        touches = any(_has_sym(getattr(v.aval, "shape", ()))
+        touches = any(has_sym(getattr(v.aval, "shape", ()))
                       for v in (*jaxpr.invars, *jaxpr.outvars)) or any(
-            _eqn_touches(e, cache) for e in jaxpr.eqns)
+            eqn_touches(e, cache) for e in jaxpr.eqns)
         cache[id(jaxpr)] = hit = (jaxpr, touches)
     return hit[1]
 
 
-def _eqn_touches(eqn, cache: dict) -> bool:
+def eqn_touches(eqn, cache: dict) -> bool:
     """Whether an equation involves a length axis: in an aval, a parameter, or a sub-program
     (a jitted function may use ``x.shape[0]`` inside although its own avals are fixed)."""
-    if any(_has_sym(getattr(v.aval, "shape", ())) for v in (*eqn.invars, *eqn.outvars)):
+    if any(has_sym(getattr(v.aval, "shape", ())) for v in (*eqn.invars, *eqn.outvars)):
         return True
     if any(_param_has_sym(v) for v in eqn.params.values()):
         return True
-    return any(_jaxpr_touches(j, cache) for j in _sub_jaxprs(eqn.params))
+    return any(_jaxpr_touches(j, cache) for j in sub_jaxprs(eqn.params))
 
 
 # Index arithmetic on constants, evaluated with NumPy while rewriting so that a rule sees the
@@ -646,7 +647,7 @@ def _folded(eqn, invals) -> list | None:
     return [np.asarray(fold(np.asarray(invals[0]), eqn.params), eqn.outvars[0].aval.dtype)]
 
 
-def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
+def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -676,42 +677,42 @@ def _eval_jaxpr(ctx: _Ctx, jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _eval_closed(ctx: _Ctx, closed, args) -> list:
+def eval_closed(ctx: Ctx, closed, args) -> list:
     if isinstance(closed, jax.extend.core.ClosedJaxpr):
-        return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)
-    return _eval_jaxpr(ctx, closed, (), args)
+        return eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)
+    return eval_jaxpr(ctx, closed, (), args)
 
 
-def _eval_eqn(ctx: _Ctx, eqn, invals) -> list:
+def _eval_eqn(ctx: Ctx, eqn, invals) -> list:
     return ctx.evaluate(eqn, invals)
 
 
-def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
+def _eval_padded(ctx: Ctx, eqn, invals) -> list:
     if any(isinstance(x, RowVarying) for x in invals):
         return _eval_row_varying(ctx, eqn, invals)
-    if not _eqn_touches(eqn, ctx.recorder.touches):
-        return _bind(eqn, invals)
+    if not eqn_touches(eqn, ctx.recorder.touches):
+        return bind_eqn(eqn, invals)
     moved = moves_ragged_rows(ctx, eqn)
     if moved is not None:
         ctx.flag(eqn, moved)
-        return _bind(eqn, invals)
+        return bind_eqn(eqn, invals)
     _note_row_floor(ctx, eqn, invals)
     name = eqn.primitive.name
     for v in eqn.outvars:
         for d in getattr(v.aval, "shape", ()):
             if not ctx.recorder.monotone(d):
                 ctx.flag(eqn, f"the length {d} can exceed its bucket size")
-                return _bind(eqn, invals)
-    entry = _lookup(eqn.primitive)
+                return bind_eqn(eqn, invals)
+    entry = lookup_rule(eqn.primitive)
     if entry is None:
         ctx.flag(eqn, f"no rule for {name} on a length axis")
-        return _bind(eqn, invals)
+        return bind_eqn(eqn, invals)
     if entry.rule is ELEMENTWISE:
-        return _bind(eqn, invals)
+        return bind_eqn(eqn, invals)
     try:
         ctx.current, ctx.from_lengths_shapes = eqn, ctx.shapes_made_from_lengths(invals)
         out = entry.rule(ctx, eqn, invals)
-    except _NoRule as e:
+    except NoRule as e:
         if ctx.from_lengths_shapes:
             # A value made from lengths alone, reduced (or flipped...) along them: run it
             # once per row at the row's own lengths, its result held per row (`RowVarying`).
@@ -721,17 +722,17 @@ def _eval_padded(ctx: _Ctx, eqn, invals) -> list:
             except Exception:  # noqa: BLE001 - not per row either: the rule's own verdict
                 pass
         ctx.flag(eqn, str(e))
-        return _bind(eqn, invals)
+        return bind_eqn(eqn, invals)
     except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace here is a verdict, not a crash
         ctx.flag(eqn, f"the {name} rule failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        return _bind(eqn, invals)
+        return bind_eqn(eqn, invals)
     finally:
         ctx.current, ctx.from_lengths_shapes = None, frozenset()
     if out is None:                     # the rule found nothing to change
-        return _bind(eqn, invals)
+        return bind_eqn(eqn, invals)
     if not entry.structural:
         ctx.recorder.rewritten.add(id(eqn))
-    return [x if isinstance(x, RowVarying) else _like(x, v.aval)
+    return [x if isinstance(x, RowVarying) else like_aval(x, v.aval)
             for x, v in zip(out, eqn.outvars)]
 
 
@@ -784,7 +785,7 @@ def _same_dim(a, b) -> bool:
         return False
 
 
-def moves_ragged_rows(ctx: _Ctx, eqn) -> str | None:
+def moves_ragged_rows(ctx: Ctx, eqn) -> str | None:
     """Why ``eqn`` moves the rows of a ragged value, None when it does not: a value with a
     rows axis and a length ragged along it holds each row's real length by the row's index
     (the ``lengths_of`` input's), so selecting, reordering, padding or joining its rows
@@ -797,12 +798,12 @@ def moves_ragged_rows(ctx: _Ctx, eqn) -> str | None:
     for aval, axes in _moved_axes(eqn):
         shape = aval.shape
         for a in axes:
-            if not (_is_sym(shape[a]) and str(shape[a]) in rows_names):
+            if not (is_sym(shape[a]) and str(shape[a]) in rows_names):
                 continue
             try:
                 ragged = any(ctx.rows_of(d) == str(shape[a]) for i, d in enumerate(shape)
                              if i != a)
-            except _NoRule:
+            except NoRule:
                 ragged = True
             if ragged and eqn.primitive.name == "scan":
                 return (f"a scan over the rows ({shape[a]}) of a value ragged along them "
@@ -854,16 +855,16 @@ def literal_start(idx, component: int) -> int | None:
 
 def one_position(size) -> bool:
     """A window of one position (``x[:, k]``), which the rules clamp into each row."""
-    return not _is_sym(size) and size == 1
+    return not is_sym(size) and size == 1
 
 
-def _ragged_variable(ctx: _Ctx, *dims) -> str | None:
+def _ragged_variable(ctx: Ctx, *dims) -> str | None:
     """The one ragged variable ``dims`` mention, None when they mention another or several."""
-    names = {n for d in dims if d is not None and _is_sym(d) for n in dim_vars(d)}
+    names = {n for d in dims if d is not None and is_sym(d) for n in dim_vars(d)}
     return names.pop() if len(names) == 1 and names <= ctx.recorder.ragged else None
 
 
-def _note_row_floor(ctx: _Ctx, eqn, invals) -> None:
+def _note_row_floor(ctx: Ctx, eqn, invals) -> None:
     """Record (`RowFloor`) the shortest row a window of a ragged length fits: the window
     ``[start, start + size)`` of a row of length ``n(t)`` fits when ``n(t) >= start(t) +
     size(t)`` (a traced start is clamped to ``>= 0``). JAX proved that for every length from
@@ -874,7 +875,7 @@ def _note_row_floor(ctx: _Ctx, eqn, invals) -> None:
     shape = eqn.invars[0].aval.shape
     for axis, start, size in _window_starts(eqn, invals):
         n = shape[axis]
-        var = _ragged_variable(ctx, n, start, size) if _is_sym(n) else None
+        var = _ragged_variable(ctx, n, start, size) if is_sym(n) else None
         if var is None:
             continue
         lo, _ = dim_bounds(var_dim(var, n.scope))
@@ -889,25 +890,25 @@ def _note_row_floor(ctx: _Ctx, eqn, invals) -> None:
 _WINDOWED = frozenset({"slice", "dynamic_slice", "dynamic_update_slice", "gather"})
 
 
-def window_fits_admitted_rows(ctx: _Ctx, n, size, start: int) -> bool:
+def window_fits_admitted_rows(ctx: Ctx, n, size, start: int) -> bool:
     """Whether the window ``[start, start + size)`` of a ragged axis of length ``n`` fits every
     row a call admits, so that clamping its start per row changes nothing: JAX's bounds show
     ``n - size - start >= 0`` from the declared min up, and the rows below the min that it
     does not fit are refused (`_note_row_floor`)."""
-    if not _is_sym(n) or _ragged_variable(ctx, n, size) is None:
+    if not is_sym(n) or _ragged_variable(ctx, n, size) is None:
         return False
     room = n - size - start
-    if not _is_sym(room):
+    if not is_sym(room):
         return int(room) >= 0
     return dim_bounds(room)[0] >= 0
 
 
-def _eval_row_varying(ctx: _Ctx, eqn, invals, rows: str | None = None) -> list:
+def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     """An equation reading a per-row value (`RowVarying`), or reading a value made from
     lengths alone along ``rows``' ragged lengths: run once per row (``jax.vmap`` over the held
     rows axis, the row's own lengths bound), and collapse each result onto its rows axis when
     it has one -- row ``b`` of the result is what row ``b`` computes."""
-    entry = _lookup(eqn.primitive)
+    entry = lookup_rule(eqn.primitive)
     if rows is None and entry is not None and getattr(entry.rule, "inline", False):
         return entry.rule(ctx, eqn, invals)      # a call: its equations meet the value
     rows = rows or next(x.rows for x in invals if isinstance(x, RowVarying))
@@ -921,7 +922,7 @@ def _eval_row_varying(ctx: _Ctx, eqn, invals, rows: str | None = None) -> list:
 
     def one_row(lengths, *xs):
         sizes = {**ctx.sizes, **dict(zip(ragged, lengths))}
-        row = _Ctx(sizes, ctx.recorder, ctx, ctx.eqn,
+        row = Ctx(sizes, ctx.recorder, ctx, ctx.eqn,
                    {n: v for n, v in ctx.rows.items() if n not in ragged})
         row.own_sizes = True
         return tuple(_eval_eqn(row, eqn, list(xs)))
@@ -937,13 +938,13 @@ def _eval_row_varying(ctx: _Ctx, eqn, invals, rows: str | None = None) -> list:
             results.append(RowVarying(out, rows))
             continue
         if len(axes) > 1:
-            raise _NoRule(f"a per-row value meets a value with several {rows} axes")
+            raise NoRule(f"a per-row value meets a value with several {rows} axes")
         diag = jnp.diagonal(out, axis1=0, axis2=axes[0] + 1)   # (..., rows) last
-        results.append(_like(jnp.moveaxis(diag, -1, axes[0]), v.aval))
+        results.append(like_aval(jnp.moveaxis(diag, -1, axes[0]), v.aval))
     return results
 
 
-def _like(x, aval):
+def like_aval(x, aval):
     """A rule's result with exactly the original dtype and weak type (scan carries and branch
     outputs must keep their types)."""
     if not hasattr(aval, "dtype"):
@@ -977,7 +978,7 @@ _REGISTRY_LOCK = threading.Lock()
 def _register(key, rule, *, structural: bool, origin: str, override: bool) -> None:
     with _REGISTRY_LOCK:
         # A primitive object's rule would shadow one registered under its name: refused alike.
-        existing = _REGISTRY.get(key) if isinstance(key, str) else _lookup(key)
+        existing = _REGISTRY.get(key) if isinstance(key, str) else lookup_rule(key)
         if existing is not None and not override:
             name = key if isinstance(key, str) else key.name
             raise OptionError(
@@ -986,10 +987,10 @@ def _register(key, rule, *, structural: bool, origin: str, override: bool) -> No
         _REGISTRY[key] = _Entry(rule, structural, origin)
 
 
-def _rule(*names: str, structural: bool = False):
+def defrule(*names: str, structural: bool = False):
     """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
-    ``batching.primitive_batchers[p] = rule``: ``@_rule("rev")`` over the definition, or
-    ``_rule(*names)(ELEMENTWISE)`` for pass-through primitives. ``structural``: the rule only
+    ``batching.primitive_batchers[p] = rule``: ``@defrule("rev")`` over the definition, or
+    ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``structural``: the rule only
     recurses into the equation's programs (scan, cond, calls), so it is not counted as a
     rewrite itself. Registering a name twice is a bug, refused at import."""
     def register(rule):
@@ -999,9 +1000,15 @@ def _rule(*names: str, structural: bool = False):
     return register
 
 
-def _lookup(primitive) -> _Entry | None:
+def lookup_rule(primitive) -> _Entry | None:
     entry = _REGISTRY.get(primitive)
     return entry if entry is not None else _REGISTRY.get(primitive.name)
+
+
+def padded_rule(eqn) -> Callable:
+    """The padded layout's rule of ``eqn``'s primitive: another layout's rule that reduces to
+    it on some axes calls it through the table, as JAX's batching rules call each other."""
+    return lookup_rule(eqn.primitive).rule
 
 
 class RuleContext:
@@ -1014,7 +1021,7 @@ class RuleContext:
 
     __slots__ = ("_ctx",)
 
-    def __init__(self, ctx: _Ctx):
+    def __init__(self, ctx: Ctx):
         self._ctx = ctx
 
     def length(self, dim):
@@ -1028,7 +1035,7 @@ class RuleContext:
         ``value`` (axes of constant size are left alone). A ``select``, never a multiply, so
         NaN or inf padding cannot leak: fill with the operation's identity (0 for a sum, -inf
         for a max) and the operation then reads only the real elements."""
-        return _fill_tail(self._ctx, x, tuple(axes), value)
+        return fill_tail(self._ctx, x, tuple(axes), value)
 
 
 def _public(rule: Callable, name: str) -> Callable:
@@ -1042,12 +1049,12 @@ def _public(rule: Callable, name: str) -> Callable:
             out = [out]
         out = list(out)
         if len(out) != len(eqn.outvars):
-            raise _NoRule(f"the rule registered for {name} returned {len(out)} outputs, "
+            raise NoRule(f"the rule registered for {name} returned {len(out)} outputs, "
                           f"expected {len(eqn.outvars)}")
         for i, (x, v) in enumerate(zip(out, eqn.outvars)):
             want = tuple(getattr(v.aval, "shape", ()))
             if not definitely_equal_shape(tuple(jnp.shape(x)), want):
-                raise _NoRule(f"the rule registered for {name} returned output {i} of shape "
+                raise NoRule(f"the rule registered for {name} returned output {i} of shape "
                               f"{tuple(jnp.shape(x))}, expected {want}")
         return out
     return run
@@ -1150,15 +1157,15 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
             got = f"input {at}: {aval.str_short()}" if aval is not None else repr(at)
             raise OptionError(f"rewrite: sizes_at[{name!r}]: expected the position of an int32 "
                               f"scalar input (0..{n - 1}), received {got}")
-    recorder = _Recorder()
+    recorder = Recorder()
     recorder.ragged = frozenset(rows_at or ())
     if not recorder.touched(jaxpr):
-        return Logical(fn=_replay(closed_jaxpr), unsupported=(), rewritten=0)
+        return Logical(fn=replay(closed_jaxpr), unsupported=(), rewritten=0)
 
     def logical(*args):
         sizes = {name: args[at] for name, at in sizes_at.items()}
         rows = {name: (args[at], by) for name, (at, by) in (rows_at or {}).items()}
-        outs = _eval_jaxpr(_Ctx(sizes, recorder, rows=rows), jaxpr, closed_jaxpr.consts, args)
+        outs = eval_jaxpr(Ctx(sizes, recorder, rows=rows), jaxpr, closed_jaxpr.consts, args)
         for i, out in enumerate(outs):
             if isinstance(out, RowVarying):
                 # A per-row number with no rows axis to hold it: which row's is meant?
@@ -1171,11 +1178,11 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
              for v in jaxpr.invars]
     traced = jax.jit(logical).trace(*avals).jaxpr
-    return Logical(fn=_replay(traced), unsupported=tuple(recorder.unsupported.values()),
+    return Logical(fn=replay(traced), unsupported=tuple(recorder.unsupported.values()),
                    rewritten=len(recorder.rewritten), floors=tuple(recorder.floors.values()))
 
 
-def _replay(closed):
+def replay(closed):
     def logical_program(*flat):
         return tuple(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat))
     return logical_program

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import (_NoRule, _bind_with, _fill_tail, _full, _has_sym, _highest, _iota, _is_sym,
-                    _logical_mask, _lowest, _rule, literal_start, one_position,
+from ._core import (NoRule, bind_eqn_with, fill_tail, filled, has_sym, highest_value, iota_along,
+                    is_sym, logical_mask, lowest_value, defrule, literal_start, one_position,
                     window_fits_admitted_rows)
+from ._families import SCATTERS
 
 
 def _room(ctx, x, window, axes):
@@ -42,7 +43,7 @@ def _clamped_starts(ctx, operand_shape, window_shape, starts):
     for a, (n, w) in enumerate(zip(operand_shape, window_shape)):
         if isinstance(starts[a], (int, np.integer, np.ndarray)) and int(starts[a]) == 0:
             continue            # a literal 0 is clamped to 0 at every size
-        if _is_sym(n) or _is_sym(w):
+        if is_sym(n) or is_sym(w):
             if not ctx.recorder.monotone(n - w):
                 room.append(a)
             start = jnp.asarray(starts[a])
@@ -51,30 +52,30 @@ def _clamped_starts(ctx, operand_shape, window_shape, starts):
     return out, room
 
 
-@_rule("dynamic_slice")
+@defrule("dynamic_slice")
 def _dynamic_slice(ctx, eqn, invals):
     x, *starts = invals
     sizes = eqn.params["slice_sizes"]
-    if not any(_is_sym(n) or _is_sym(w) for n, w in zip(x.shape, sizes)):
+    if not any(is_sym(n) or is_sym(w) for n, w in zip(x.shape, sizes)):
         return None
     starts, room = _clamped_starts(ctx, x.shape, sizes, starts)
-    return _bind_with(eqn, [_room(ctx, x, sizes, room), *starts])
+    return bind_eqn_with(eqn, [_room(ctx, x, sizes, room), *starts])
 
 
-@_rule("dynamic_update_slice")
+@defrule("dynamic_update_slice")
 def _dynamic_update_slice(ctx, eqn, invals):
     x, update, *starts = invals
-    if not _has_sym(x.shape) and not _has_sym(update.shape):
+    if not has_sym(x.shape) and not has_sym(update.shape):
         return None
     starts, room = _clamped_starts(ctx, x.shape, update.shape, starts)
     roomy = _room(ctx, x, update.shape, room)
-    (out,) = _bind_with(eqn, [roomy, update, *starts])
+    (out,) = bind_eqn_with(eqn, [roomy, update, *starts])
     # The update's tail was written too: where it landed, keep the operand.
     spill = None
     for a, w in enumerate(update.shape):
-        if _is_sym(w):
+        if is_sym(w):
             # Ragged rows: each row's update length (a start is one for every row).
-            s = (_iota(roomy.shape, a)
+            s = (iota_along(roomy.shape, a)
                  >= jnp.asarray(starts[a], np.int32) + ctx.length(w, roomy.shape))
             spill = s if spill is None else lax.bitwise_or(spill, s)
     if spill is not None:
@@ -96,7 +97,7 @@ def _index_bounds(ctx, operand_shape, window, index_map, idx, params):
         if start is not None and not one_position(w) and window_fits_admitted_rows(
                 ctx, n, w, start):
             bounds.append(None)     # ``r[1:3]``: every row it may run on holds the window
-        elif _is_sym(n) or _is_sym(w):
+        elif is_sym(n) or is_sym(w):
             if not ctx.recorder.monotone(n - w):
                 room.append(a)
             bounds.append(ctx.length(n - w))    # per row it may differ; the difference may not
@@ -105,14 +106,14 @@ def _index_bounds(ctx, operand_shape, window, index_map, idx, params):
     return bounds, room
 
 
-@_rule("gather")
+@defrule("gather")
 def _gather(ctx, eqn, invals):
     x, idx = invals
     p = eqn.params
     dn = p["dimension_numbers"]
     try:
         bounds, room = _index_bounds(ctx, x.shape, p["slice_sizes"], dn.start_index_map, idx, p)
-    except _NoRule:
+    except NoRule:
         picked = _per_row_position(ctx, eqn, x, idx)
         if picked is None:
             raise
@@ -123,21 +124,21 @@ def _gather(ctx, eqn, invals):
     fill_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
     comps, oob = _bounded_indices(idx, bounds, check=fill_mode, clamp=True)
     idx = jnp.stack(comps, axis=-1) if comps else idx
-    (out,) = _bind_with(eqn, [x, idx])
+    (out,) = bind_eqn_with(eqn, [x, idx])
     if oob is not None:
         # Out of the logical bounds: the fill value, as at the exact size.
         batch_dims = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
         mask = lax.broadcast_in_dim(oob, out.shape, batch_dims)
-        out = lax.select(mask, _full(out.shape, _gather_fill(p, out.dtype), out.dtype), out)
+        out = lax.select(mask, filled(out.shape, gather_fill(p, out.dtype), out.dtype), out)
     return [out]
 
 
-def _gather_fill(p, dtype):
+def gather_fill(p, dtype):
     """A gather's value outside its bounds: ``fill_value``, else lax.gather's own."""
     if p["fill_value"] is not None:
         return p["fill_value"]
-    return np.nan if jnp.issubdtype(dtype, jnp.inexact) else _highest(dtype) \
-        if jnp.issubdtype(dtype, jnp.unsignedinteger) or dtype == np.bool_ else _lowest(dtype)
+    return np.nan if jnp.issubdtype(dtype, jnp.inexact) else highest_value(dtype) \
+        if jnp.issubdtype(dtype, jnp.unsignedinteger) or dtype == np.bool_ else lowest_value(dtype)
 
 
 def _per_row_position(ctx, eqn, x, idx):
@@ -160,7 +161,7 @@ def _per_row_position(ctx, eqn, x, idx):
     out = lax.squeeze(jnp.take_along_axis(x, position, axis=t, mode="clip"), (t,))
     outside = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
     outside = lax.squeeze(jnp.broadcast_to(outside, one), (t,))
-    return [lax.select(outside, _full(out.shape, _gather_fill(p, out.dtype), out.dtype), out)]
+    return [lax.select(outside, filled(out.shape, gather_fill(p, out.dtype), out.dtype), out)]
 
 
 def _per_row_put(ctx, eqn, x, idx, updates):
@@ -178,11 +179,11 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     n = ctx.length(x.shape[t], shape=x.shape)
     k = idx[0]
     drop = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
-    at = (_iota(x.shape, t) == jnp.clip(k, 0, jnp.maximum(n - 1, 0))) & ~drop
+    at = (iota_along(x.shape, t) == jnp.clip(k, 0, jnp.maximum(n - 1, 0))) & ~drop
     spread = lax.broadcast_in_dim(updates, x.shape, tuple(a for a in range(x.ndim) if a != t))
     if eqn.primitive.name == "scatter":
         return [lax.select(at, spread, x)]
-    return [x + lax.select(at, spread, _full(x.shape, 0, x.dtype))]
+    return [x + lax.select(at, spread, filled(x.shape, 0, x.dtype))]
 
 
 def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
@@ -202,12 +203,7 @@ def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
     return comps, outside
 
 
-_SCATTER_IDENTITY = {"scatter-add": lambda dt: 0, "scatter-sub": lambda dt: 0,
-                     "scatter-mul": lambda dt: 1, "scatter-min": _highest,
-                     "scatter-max": _lowest}
-
-
-@_rule("scatter", *_SCATTER_IDENTITY)
+@defrule(*SCATTERS)
 def _scatter(ctx, eqn, invals):
     x, idx, updates = invals
     p = eqn.params
@@ -221,26 +217,26 @@ def _scatter(ctx, eqn, invals):
     scatter_dims = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
     try:
         bounds, room = _index_bounds(ctx, x.shape, window, dn.scatter_dims_to_operand_dims, idx, p)
-    except _NoRule:
+    except NoRule:
         put = _per_row_put(ctx, eqn, x, idx, updates)
         if put is None:
             raise
         return put
-    rows = [j for j, d in enumerate(scatter_dims) if _is_sym(updates.shape[d])]
-    window_tail = [u for u in dn.update_window_dims if _is_sym(updates.shape[u])]
+    rows = [j for j, d in enumerate(scatter_dims) if is_sym(updates.shape[d])]
+    window_tail = [u for u in dn.update_window_dims if is_sym(updates.shape[u])]
     if all(b is None for b in bounds) and not rows and not window_tail:
         return None
     if window_tail:
-        if name in _SCATTER_IDENTITY:
+        if SCATTERS[name] is not None:
             # Window elements beyond the logical length add the combiner's identity.
-            updates = _fill_tail(ctx, updates, window_tail,
-                                 _SCATTER_IDENTITY[name](updates.dtype))
+            updates = fill_tail(ctx, updates, window_tail,
+                                SCATTERS[name].identity(updates.dtype))
         elif name != "scatter":
-            raise _NoRule(f"{name} with a window of a length")
+            raise NoRule(f"{name} with a window of a length")
     if not dn.scatter_dims_to_operand_dims:
         if rows or (window_tail and name == "scatter"):
-            raise _NoRule("a scatter without indices whose rows or windows are lengths")
-        return _bind_with(eqn, [x, idx, updates])
+            raise NoRule("a scatter without indices whose rows or windows are lengths")
+        return bind_eqn_with(eqn, [x, idx, updates])
     # Clamp (CLIP, PROMISE_IN_BOUNDS) or drop (FILL_OR_DROP) against the logical bounds, then
     # drop rows beyond the updates' logical lengths by sending them out of bounds.
     drop_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
@@ -248,18 +244,18 @@ def _scatter(ctx, eqn, invals):
     comps, drop = _bounded_indices(idx, bounds, check=drop_mode, clamp=not drop_mode)
     batch_shape = idx.shape[:-1]
     for j in rows:
-        bad = _iota(batch_shape, j) >= ctx.length(batch_shape[j], batch_shape)
+        bad = iota_along(batch_shape, j) >= ctx.length(batch_shape[j], batch_shape)
         drop = bad if drop is None else drop | bad
     if drop is not None:
         comps[0] = jnp.where(drop, big, comps[0]).astype(idx.dtype)
     idx = jnp.stack(comps, axis=-1)
     roomy = _room(ctx, x, window, room)
     drop_mode = lax.GatherScatterMode.FILL_OR_DROP
-    (out,) = _bind_with(eqn, [roomy, idx, updates], mode=drop_mode)
+    (out,) = bind_eqn_with(eqn, [roomy, idx, updates], mode=drop_mode)
     if window_tail and name == "scatter":
         # A plain scatter writes its windows' tails too. Scatter "written by a logical window
         # element" alongside, and keep the operand wherever only tails landed.
-        marks = lax.convert_element_type(_logical_mask(ctx, updates.shape, window_tail), np.int32)
+        marks = lax.convert_element_type(logical_mask(ctx, updates.shape, window_tail), np.int32)
         written = lax.scatter_add(lax.full(roomy.shape, 0, np.int32), idx, marks, dn,
                                   indices_are_sorted=p["indices_are_sorted"],
                                   unique_indices=p["unique_indices"], mode=drop_mode)

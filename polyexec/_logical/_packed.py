@@ -76,20 +76,16 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_with, _Ctx,
-                    _eqn_touches, _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule,
-                    _Recorder, _replay, _sub_jaxprs, _take_rows, _where, moves_ragged_rows)
-from ._contractions import _dot_general as _padded_dot_general
-from ._control import _scan as _padded_scan
-from ._control import _at_step, frozen_scan
-from ._indexing import _gather_fill
-from ._reductions import _REDUCE_IDENTITY, _reduce as _padded_reduce
-from ._reductions import _reduction as _padded_reduction
-from ._structure import _pad as _padded_pad
-from ._structure import _keeps_length_axes, _reshape as _padded_reshape
-from ._structure import _slice as _padded_slice
-from ._core import _highest, _lowest
-from ._sequences import PerSequence, _spread, _to_cells, at_column, by_cell, held
+from ._core import (ELEMENTWISE, padded_rule, Logical, RowVarying, Unsupported, bind_eqn,
+                    bind_eqn_with, Ctx, eqn_touches, eval_jaxpr, filled, is_sym, like_aval,
+                    lookup_rule, NoRule, Recorder, replay, sub_jaxprs, take_rows, user_line,
+                    moves_ragged_rows)
+from ._control import at_step, frozen_scan
+from ._families import CUMULATIVE, REDUCERS, SCATTERS, WINDOWS
+from ._indexing import gather_fill
+from ._structure import keeps_length_axes
+from ._core import highest_value, lowest_value
+from ._sequences import PerSequence, spread, to_cells, at_column, by_cell, held
 from ._sequences import evaluate as _evaluate_per_sequence, rule as _per_sequence_rule
 
 
@@ -111,7 +107,7 @@ class PerCell:
     value: Any
 
 
-class _PackedCtx(_Ctx):
+class _PackedCtx(Ctx):
     """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B)."""
 
     def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
@@ -129,7 +125,7 @@ class _PackedCtx(_Ctx):
     # -- axes -----------------------------------------------------------------------------------
 
     def row_axes(self, shape, rows: str | None = None) -> list[int]:
-        return [i for i, s in enumerate(shape) if _is_sym(s) and str(s) == self.rows_name]
+        return [i for i, s in enumerate(shape) if is_sym(s) and str(s) == self.rows_name]
 
     def packed_axes(self, shape) -> list[int]:
         """Axes whose length is an expression of the packed variable (T, T - 1), not a count
@@ -148,14 +144,14 @@ class _PackedCtx(_Ctx):
         where its sequence's part of the axis ends (``iota < length`` is the frame). A count
         over the rows (``B*T``): the sum over the sequences. A value without rows: real up to
         the longest sequence, except one made from lengths alone (refused, as in
-        `_Ctx.length`)."""
-        if not _is_sym(d):
+        `Ctx.length`)."""
+        if not is_sym(d):
             return int(d)
         names = dim_vars(d)
         if self.var not in names:
             if self.rows_name in names:
                 if str(d) != self.rows_name:
-                    raise _NoRule(f"the length {d} counts packed rows")
+                    raise NoRule(f"the length {d} counts packed rows")
                 return self.physical(d)
             return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
         if self.rows_name in names:
@@ -164,15 +160,15 @@ class _PackedCtx(_Ctx):
             rows, packed = self.row_axes(shape), self.packed_axes(shape)
             if rows:
                 if len(rows) != 1 or len(packed) != 1:
-                    raise _NoRule(f"a value of shape {tuple(shape)} mixes sequences of a packed "
+                    raise NoRule(f"a value of shape {tuple(shape)} mixes sequences of a packed "
                                   f"row (it needs exactly one rows axis and one packed length)")
                 return _along(self.ends(shape[packed[0]]), len(shape), rows[0], packed[0])
             if shared is False or (shared is None and tuple(shape) in self.from_lengths_shapes):
-                raise _NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
+                raise NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
                               f"differs per sequence of a packed row, and has no rows axis to "
                               f"hold each sequence's result")
         elif self.current is not None and self._has_rows(self.current, self.rows_name):
-            raise _NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
+            raise NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per sequence of a packed row")
         # A value without rows: per position, real up to the longest sequence.
         return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
@@ -212,15 +208,15 @@ class _PackedCtx(_Ctx):
         sequence (two axes: attention's scores)."""
         (r,), packed = self.row_axes(shape), self.packed_axes(shape)
         if len(packed) == 1:
-            return _spread(self.in_frame(shape[packed[0]]), shape, (r, packed[0]))
+            return spread(self.in_frame(shape[packed[0]]), shape, (r, packed[0]))
         p, q = packed
         same = (self.starts(shape[p], -1)[:, :, None]
                 == self.starts(shape[q], -2)[:, None, :])          # (rows, p, q)
-        return _spread(same, shape, (r, p, q))
+        return spread(same, shape, (r, p, q))
 
     def frame_only(self, x, fill):
         """``x`` with ``fill`` outside its frame (see `frame`)."""
-        return lax.select(self.frame(x.shape), x, _full(x.shape, fill, x.dtype))
+        return lax.select(self.frame(x.shape), x, filled(x.shape, fill, x.dtype))
 
     def ends(self, d):
         """``(rows, d)`` int32: per cell, the column where its sequence's part ends (-1 in
@@ -231,7 +227,7 @@ class _PackedCtx(_Ctx):
 
     def _at(self, d, seglen, *, as_value: bool = False):
         """``d`` at each cell's sequence length (``seglen``): never below 0 as the length of
-        an axis, as it is as a value (see `_Ctx.per_row`)."""
+        an axis, as it is as a value (see `Ctx.per_row`)."""
         value = evaluate_dim(d, {**self.sizes, self.var: seglen})
         return (value if as_value else jnp.maximum(value, 0)).astype(np.int32)
 
@@ -239,16 +235,16 @@ class _PackedCtx(_Ctx):
         b = var_dim(rows, d.scope)
         q = d // b
         if q * b != d or rows in dim_vars(q):
-            raise _NoRule(f"the length {d} is not a count over the sequences")
+            raise NoRule(f"the length {d} is not a count over the sequences")
         starts = self.pos == 0
-        per = (self._at(q, self.seglen) if _is_sym(q) else jnp.full(jnp.shape(self.pos), int(q)))
+        per = (self._at(q, self.seglen) if is_sym(q) else jnp.full(jnp.shape(self.pos), int(q)))
         return jnp.sum(jnp.where(starts, per, 0)).astype(np.int32)
 
     def row_mask(self, rows: str):
         return self.alive
 
     def per_row(self, d, *, as_value: bool = False):
-        raise _NoRule(f"the length {d} is per row, and a packed row holds several sequences")
+        raise NoRule(f"the length {d} is per row, and a packed row holds several sequences")
 
     # -- equations ------------------------------------------------------------------------------
 
@@ -262,8 +258,8 @@ class _PackedCtx(_Ctx):
             return [NotPacked("a per-row value")] * len(eqn.outvars)
         per_cell = any(isinstance(x, PerCell) for x in invals)
         per_sequence = any(isinstance(x, PerSequence) for x in invals)
-        if not per_sequence and not per_cell and not _eqn_touches(eqn, self.recorder.touches):
-            return _bind(eqn, invals)
+        if not per_sequence and not per_cell and not eqn_touches(eqn, self.recorder.touches):
+            return bind_eqn(eqn, invals)
         for v in eqn.outvars:
             for d in getattr(v.aval, "shape", ()):
                 if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
@@ -279,7 +275,7 @@ class _PackedCtx(_Ctx):
         try:
             self.current, self.from_lengths_shapes = eqn, self.shapes_made_from_lengths(invals)
             out = rule(self, eqn, invals)
-        except _NoRule as e:
+        except NoRule as e:
             self.flag(eqn, str(e))
             return [NotPacked(str(e))] * len(eqn.outvars)
         except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict
@@ -289,11 +285,11 @@ class _PackedCtx(_Ctx):
         finally:
             self.current, self.from_lengths_shapes = None, frozenset()
         if out is None:
-            return _bind(eqn, invals)
+            return bind_eqn(eqn, invals)
         self.recorder.rewritten.add(id(eqn))
         return [x if isinstance(x, (NotPacked, PerCell)) else
-                PerSequence(_like(x.value, v.aval), x.axis) if isinstance(x, PerSequence)
-                else _like(x, v.aval) for x, v in zip(out, eqn.outvars)]
+                PerSequence(like_aval(x.value, v.aval), x.axis) if isinstance(x, PerSequence)
+                else like_aval(x, v.aval) for x, v in zip(out, eqn.outvars)]
 
     def without_rows(self, eqn, invals) -> list:
         """An elementwise equation of a per-sequence number and positions, without the rows
@@ -301,7 +297,7 @@ class _PackedCtx(_Ctx):
         return _per_cell(self, eqn, invals)
 
     def per_sequence(self, eqn, what: str) -> list:
-        where = _where(eqn) or "<unknown>"
+        where = user_line(eqn) or "<unknown>"
         return [NotPacked(f"{what} made at {where}, a per-sequence value (a packed row holds "
                           f"several sequences)")] * len(eqn.outvars)
 
@@ -314,7 +310,7 @@ def _along(v2, ndim: int, rows_axis: int, packed_axis: int):
     return jnp.expand_dims(v2, [a for a in range(ndim) if a not in (rows_axis, packed_axis)])
 
 
-def _fits(recorder: _Recorder, d, var: str, rows: str) -> bool:
+def _fits(recorder: Recorder, d, var: str, rows: str) -> bool:
     """Whether a packed length never exceeds its sequence: ``d(n) <= n`` for every n within
     the variable's bounds (a sequence's part of the axis stays inside its own cells)."""
     names = dim_vars(d)
@@ -353,7 +349,7 @@ _RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
 
 def _generic(ctx: _PackedCtx, eqn, invals):
     name = eqn.primitive.name
-    entry = _lookup(eqn.primitive)
+    entry = lookup_rule(eqn.primitive)
     if entry is not None and entry.rule is ELEMENTWISE:
         return _implicit_broadcasts(ctx, eqn, invals)
     if name in _RECURSING:
@@ -361,13 +357,13 @@ def _generic(ctx: _PackedCtx, eqn, invals):
     if name in _AXIS_PARAMS:
         axes = eqn.params[_AXIS_PARAMS[name]]
         axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-        if not any(_is_sym(x.shape[a]) for x in invals if hasattr(x, "shape") for a in axes
+        if not any(is_sym(x.shape[a]) for x in invals if hasattr(x, "shape") for a in axes
                    if a < x.ndim):
             return None
-        raise _NoRule(f"{name} along a length axis of a packed row (several sequences share it)")
+        raise NoRule(f"{name} along a length axis of a packed row (several sequences share it)")
     if entry is None:
-        raise _NoRule(f"no rule for {name} on a length axis")
-    if name in _SCATTERS and ctx.alive is not None:
+        raise NoRule(f"no rule for {name} on a length axis")
+    if name in SCATTERS and ctx.alive is not None:
         invals = _drop_dead_rows(ctx, eqn, invals)
     if name in ("gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
                 "scatter-max", "dynamic_slice", "dynamic_update_slice"):
@@ -377,11 +373,11 @@ def _generic(ctx: _PackedCtx, eqn, invals):
         # each packed row's first sequence for all of the row's sequences.
         _refuse_windows_of_packed_length(ctx, eqn)
         return entry.rule(ctx, eqn, invals)
-    raise _NoRule(f"{name} has no rule for packed rows")
+    raise NoRule(f"{name} has no rule for packed rows")
 
 
 def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
-    """`_NoRule` for an indexing equation whose window along a packed length has a fixed size
+    """`NoRule` for an indexing equation whose window along a packed length has a fixed size
     (``x[:, :k]``, ``r[:k]`` under ``jax.vmap``, their transposes): one window per packed row,
     where each sequence needs its own; or that indexes the rows (``x.at[0].set``)."""
     shape = eqn.invars[0].aval.shape
@@ -399,19 +395,15 @@ def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
                   for a in range(len(shape))]
     for a in set(ctx.row_axes(shape)) - set(batching):
         if not _core_equal(window[a], shape[a]):
-            raise _NoRule("an index into the rows of packed rows (x.at[0]): a packed row holds "
+            raise NoRule("an index into the rows of packed rows (x.at[0]): a packed row holds "
                           "several sequences")
     for a in set(ctx.packed_axes(shape)) - set(batching):
         # A window of T - c from a constant start keeps each sequence's start column, as
         # ``x[:, 1:]`` does (the module's frame); a constant or capped one (``min(T, k)``)
         # covers the row's first columns only.
-        if not _is_sym(window[a]) or _is_sym(shape[a] - window[a]):
-            raise _NoRule("a window of a packed length of a fixed size (x[:, :k]): one window "
+        if not is_sym(window[a]) or is_sym(shape[a] - window[a]):
+            raise NoRule("a window of a packed length of a fixed size (x[:, :k]): one window "
                           "per packed row, where each sequence needs its own")
-
-
-_SCATTERS = {"scatter": None, "scatter-add": 0, "scatter-sub": 0, "scatter-mul": 1,
-             "scatter-min": "max", "scatter-max": "min"}
 
 
 def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
@@ -422,13 +414,12 @@ def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
     axes = [d for d in ctx.row_axes(updates.shape) if d not in dn.update_window_dims]
     if not axes:
         return invals
-    identity = _SCATTERS[eqn.primitive.name]
-    if identity is None:
-        raise _NoRule("a scatter from the rows inside a scan over packed rows")
-    if isinstance(identity, str):
-        identity = (_highest if identity == "max" else _lowest)(updates.dtype)
+    family = SCATTERS[eqn.primitive.name]
+    if family is None:
+        raise NoRule("a scatter from the rows inside a scan over packed rows")
+    identity = family.identity(updates.dtype)
     keep = lax.broadcast_in_dim(ctx.alive, updates.shape, (axes[0],))
-    return [x, idx, lax.select(keep, updates, _full(updates.shape, identity, updates.dtype))]
+    return [x, idx, lax.select(keep, updates, filled(updates.shape, identity, updates.dtype))]
 
 
 def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
@@ -443,17 +434,17 @@ def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
     changed, new = False, []
     for x in invals:
         if jnp.ndim(x) != len(out) or eqn.primitive.name in ("transpose", "squeeze") or not all(
-                not _is_sym(d) and d == 1 or _core_equal(d, o) for d, o in zip(x.shape, out)):
+                not is_sym(d) and d == 1 or _core_equal(d, o) for d, o in zip(x.shape, out)):
             new.append(x)           # not lined up with the output axis by axis
             continue
         along = [t for t in packed if t in ctx.packed_axes(x.shape)]
-        if along and not _is_sym(x.shape[r]):
+        if along and not is_sym(x.shape[r]):
             dims = tuple(a for a in range(len(out)) if a != r)
             shape = tuple(out[r] if a == r else d for a, d in enumerate(x.shape))
             x = _by_position(ctx, lax.squeeze(x, (r,)), dims, shape, r, along)
             changed = True
         new.append(x)
-    return _bind(eqn, new) if changed else None
+    return bind_eqn(eqn, new) if changed else None
 
 
 @_packed("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
@@ -461,12 +452,12 @@ def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
 def _reduction(ctx: _PackedCtx, eqn, invals):
     x = invals[0]
     axes = set(eqn.params["axes"] if "axes" in eqn.params else eqn.params["dimensions"])
-    lengths = {a for a in range(x.ndim) if _is_sym(x.shape[a])}
+    lengths = {a for a in range(x.ndim) if is_sym(x.shape[a])}
     if not axes & lengths:
         return None
     rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
     arg = eqn.primitive.name in ("argmax", "argmin")
-    rule = _padded_reduce if eqn.primitive.name == "reduce" else _padded_reduction
+    rule = padded_rule(eqn)
     if not rows:                       # per position: real up to the longest sequence
         return rule(ctx, eqn, invals)
     if len(packed) == 2:               # pairs of cells (attention's scores): within a sequence
@@ -478,8 +469,8 @@ def _reduction(ctx: _PackedCtx, eqn, invals):
             n = len(invals) // 2
             fills = invals[n:]
         else:
-            n, fills = 1, [_REDUCE_IDENTITY[eqn.primitive.name](x.dtype)]
-        return _bind(eqn, [*(ctx.frame_only(v, f) for v, f in zip(invals[:n], fills)),
+            n, fills = 1, [REDUCERS[eqn.primitive.name].identity(x.dtype)]
+        return bind_eqn(eqn, [*(ctx.frame_only(v, f) for v, f in zip(invals[:n], fills)),
                            *invals[n:]])
     if packed:
         if rows | packed <= axes and not arg:
@@ -506,25 +497,25 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
     give the position inside the sequence (its first extreme, or its first NaN, as jnp)."""
     name = eqn.primitive.name
     if _SEGMENT.get(name, "") is None:
-        raise _NoRule(f"{name} along a packed length")
+        raise NoRule(f"{name} along a packed length")
     frame = ctx.frame(x.shape)
     axes = tuple(eqn.params["axes"])
     if name in ("argmax", "argmin"):
         best = "max" if name == "argmax" else "min"
         nan = jnp.isnan(x) & frame if jnp.issubdtype(x.dtype, jnp.inexact) else frame & False
-        fill = (_lowest if best == "max" else _highest)(x.dtype)
-        clean = lax.select(frame & ~nan, x, _full(x.shape, fill, x.dtype))
+        fill = (lowest_value if best == "max" else highest_value)(x.dtype)
+        clean = lax.select(frame & ~nan, x, filled(x.shape, fill, x.dtype))
         extreme = _segments(ctx, clean, r, p, best, fill)
         has_nan = _segments(ctx, nan.astype(np.int8), r, p, "max", 0)
         at = functools.partial(_read_cells, ctx, ctx.starts(x.shape[p], 0), r, p)
         hit = frame & jnp.where(at(has_nan) > 0, nan, clean == at(extreme))
-        position = _spread(ctx.cells(x.shape[p])[0], x.shape, (r, p))
+        position = spread(ctx.cells(x.shape[p])[0], x.shape, (r, p))
         big = np.iinfo(np.int32).max
         first = _segments(ctx, jnp.where(hit, position, big).astype(np.int32), r, p, "min", big)
         out = jnp.where(first == big, 0, first).astype(eqn.params["index_dtype"])
     else:
-        fill = _REDUCE_IDENTITY[name](x.dtype)
-        x = lax.select(frame, x, _full(x.shape, fill, x.dtype))
+        fill = REDUCERS[name].identity(x.dtype)
+        x = lax.select(frame, x, filled(x.shape, fill, x.dtype))
         x, (r, p) = _others_first(eqn, x, axes, (r, p))
         exact = x.dtype == np.bool_
         out = _segments(ctx, x.astype(np.int8) if exact else x, r, p, _SEGMENT[name],
@@ -540,7 +531,7 @@ def _others_first(eqn, x, axes, kept):
     others = tuple(a for a in axes if a not in kept)
     if not others:
         return x, tuple(kept)
-    return (_bind_with(eqn, [x], axes=others)[0],
+    return (bind_eqn_with(eqn, [x], axes=others)[0],
             tuple(k - sum(a < k for a in others) for k in kept))
 
 
@@ -552,8 +543,8 @@ def _over_positions(ctx: _PackedCtx, eqn, x, r: int, *packed: int):
     position over the rows long enough to hold it. A position no sequence reaches holds the
     identity, as padded."""
     name = eqn.primitive.name
-    fill = _REDUCE_IDENTITY[name](x.dtype)
-    x = lax.select(ctx.frame(x.shape), x, _full(x.shape, fill, x.dtype))
+    fill = REDUCERS[name].identity(x.dtype)
+    x = lax.select(ctx.frame(x.shape), x, filled(x.shape, fill, x.dtype))
     x, (r, *packed) = _others_first(eqn, x, eqn.params["axes"], (r, *packed))
     exact = x.dtype == np.bool_
     xs = jnp.moveaxis(x.astype(np.int8) if exact else x, (r, *packed), range(1 + len(packed)))
@@ -563,7 +554,7 @@ def _over_positions(ctx: _PackedCtx, eqn, x, r: int, *packed: int):
         pos, _ = ctx.cells(n)
         at = jnp.where(ctx.in_frame(n), pos, n)                      # n: dropped
         index.append(jnp.expand_dims(at, [1 + j for j in range(len(sizes)) if j != k]))
-    total = _full((*sizes, *xs.shape[1 + len(packed):]), int(fill) if exact else fill, xs.dtype)
+    total = filled((*sizes, *xs.shape[1 + len(packed):]), int(fill) if exact else fill, xs.dtype)
     out = getattr(total.at[tuple(index)], _SEGMENT[name])(xs, mode="drop").astype(x.dtype)
     return jnp.moveaxis(out, range(len(packed)), [p - (r < p) for p in packed])
 
@@ -578,7 +569,7 @@ def _segments(ctx: _PackedCtx, x, r: int, p: int, how: str, fill):
     n = xs.shape[1]
     row = lax.broadcasted_iota(np.int32, (rows, n), 0)
     into = jnp.where(ctx.in_frame(n), ctx.starts(n), columns)      # columns: dropped
-    total = _full((rows, columns, *xs.shape[2:]), fill, xs.dtype)
+    total = filled((rows, columns, *xs.shape[2:]), fill, xs.dtype)
     total = getattr(total.at[row, into], how)(xs, mode="drop")
     return _read_cells(ctx, ctx.sequence_starts(), 0, 1, total)
 
@@ -597,7 +588,7 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     out = eqn.outvars[0].aval.shape
     if len(ctx.row_axes(out)) > 1:
-        raise _NoRule("a contraction pairing the rows of packed rows")
+        raise NoRule("a contraction pairing the rows of packed rows")
     if ctx.row_axes(out) and ctx.packed_axes(out) and any(
             ctx.packed_axes(x.shape) and not ctx.row_axes(x.shape) for x in invals):
         return _placed_contraction(ctx, eqn, lhs, rhs)
@@ -615,7 +606,7 @@ def _dot_general(ctx: _PackedCtx, eqn, invals):
             return ctx.per_sequence(eqn, "a contraction over the rows alone")
         if rows & c and not packed and ctx.alive is None:
             return ctx.per_sequence(eqn, "a contraction over the rows")
-    return _padded_dot_general(ctx, eqn, invals)
+    return padded_rule(eqn)(ctx, eqn, invals)
 
 
 def _placed_contraction(ctx: _PackedCtx, eqn, lhs, rhs):
@@ -630,7 +621,7 @@ def _placed_contraction(ctx: _PackedCtx, eqn, lhs, rhs):
     (fc, vc), (fb, vb) = ((lc, rc), (lb, rb)) if k == 0 else ((rc, lc), (rb, lb))
     rows = ctx.row_axes(rows_value.shape)
     if len(rows) != 1 or rows[0] in vc or rows[0] in vb or ctx.row_axes(fixed.shape):
-        raise _NoRule("a contraction of a per-position value into packed rows, not one rows "
+        raise NoRule("a contraction of a per-position value into packed rows, not one rows "
                       "axis kept free")
     (r,) = rows
     packed = [1 + a for a in ctx.packed_axes(fixed.shape)]
@@ -641,7 +632,7 @@ def _placed_contraction(ctx: _PackedCtx, eqn, lhs, rhs):
     if set(packed) & set(fc):          # over a packed length: within each sequence only
         operands = [ctx.frame_only(x, 0) for x in operands]
     numbers = ((fc, vc), (fb, vb)) if k == 0 else ((vc, fc), (vb, fb))
-    (out,) = _bind_with(eqn, operands if k == 0 else operands[::-1],
+    (out,) = bind_eqn_with(eqn, operands if k == 0 else operands[::-1],
                         dimension_numbers=numbers)
     # The rows came out first (a batch axis): back among the free axes, where they were.
     free = [d for d in range(rows_value.ndim) if d not in vc and d not in vb[1:]]
@@ -665,7 +656,7 @@ def _along_each_sequence(ctx: _PackedCtx, eqn, lhs, rhs):
     first = lambda b, r: (r, *(d for d in b if d != r))      # noqa: E731 - the rows first
     numbers = ((lc[:i] + lc[i + 1:], rc[:i] + rc[i + 1:]),
                ((*first(lb, lr[0]), lp[0]), (*first(rb, rr[0]), rp[0])))
-    (cells,) = _bind_with(eqn, [ctx.frame_only(lhs, 0), ctx.frame_only(rhs, 0)],
+    (cells,) = bind_eqn_with(eqn, [ctx.frame_only(lhs, 0), ctx.frame_only(rhs, 0)],
                           dimension_numbers=numbers)
     # cells: (rows, other batch axes..., length, free axes...): each sequence's own sum.
     grid = _segments(ctx, cells, 0, len(lb), "add", 0)
@@ -680,15 +671,15 @@ def _pairing(ctx: _PackedCtx, eqn, lhs, rhs):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lr, rr = ctx.row_axes(lhs.shape), ctx.row_axes(rhs.shape)
     if not (lr and rr and lr[0] in lb and rr[0] in rb and lb.index(lr[0]) == rb.index(rr[0])):
-        raise _NoRule("a contraction pairing cells of packed rows, not batched over the rows")
+        raise NoRule("a contraction pairing cells of packed rows, not batched over the rows")
     lp, rp = ctx.packed_axes(lhs.shape), ctx.packed_axes(rhs.shape)
     if any((a in lp) != (b in rp) for a, b in zip(lc, rc)):
-        raise _NoRule("a contraction of a packed length with another axis")
+        raise NoRule("a contraction of a packed length with another axis")
     if not any(a in lp for a in lc):
         return None
     if not ctx.packed_axes(eqn.outvars[0].aval.shape):
         return ctx.per_sequence(eqn, "a contraction over packed lengths")
-    return _bind(eqn, [ctx.frame_only(x, 0) for x in (lhs, rhs)])
+    return bind_eqn(eqn, [ctx.frame_only(x, 0) for x in (lhs, rhs)])
 
 
 @_packed("conv_general_dilated")
@@ -707,46 +698,46 @@ def _conv(ctx: _PackedCtx, eqn, invals):
     rows = ctx.row_axes(lhs.shape)
     if not spatial:
         if any(ctx.packed_axes(x.shape) for x in invals) or rows == [lhs_spec[1]]:
-            raise _NoRule("a convolution over the rows or with a packed kernel, not along a "
+            raise NoRule("a convolution over the rows or with a packed kernel, not along a "
                           "packed length")
         return None          # rows as the batch, the length not convolved: per position
     (i,) = spatial
     la, ra, oa = lhs_spec[2 + i], rhs_spec[2 + i], out_spec[2 + i]
     lo, hi = p["padding"][i]
-    if _is_sym(lo) or _is_sym(hi) or p["lhs_dilation"][i] != 1 or any(
-            _is_sym(x.shape[a]) for x in invals for a in range(x.ndim)
+    if is_sym(lo) or is_sym(hi) or p["lhs_dilation"][i] != 1 or any(
+            is_sym(x.shape[a]) for x in invals for a in range(x.ndim)
             if a not in (*ctx.row_axes(x.shape), *ctx.packed_axes(x.shape))):
-        raise _NoRule("a convolution along a packed length with a length-dependent or "
+        raise NoRule("a convolution along a packed length with a length-dependent or "
                       "input-dilated padding, or over another length")
-    if rows == [lhs_spec[0]] and not _is_sym(rhs.shape[ra]):
+    if rows == [lhs_spec[0]] and not is_sym(rhs.shape[ra]):
         # Along the length: the forward pass and the input gradient.
         if p["window_strides"][i] != 1 or p["batch_group_count"] != 1:
-            raise _NoRule("a strided or batch-grouped convolution along a packed length (each "
+            raise NoRule("a strided or batch-grouped convolution along a packed length (each "
                           "sequence's outputs would start at another column, or mix rows)")
         taps, step, length = rhs.shape[ra], p["rhs_dilation"][i], eqn.outvars[0].aval.shape[oa]
         out = None
         for k in range(taps):
             x = _tap(ctx, lhs, rows[0], la, k * step - lo, length)
-            (y,) = _bind_with(eqn, [x, lax.slice_in_dim(rhs, k, k + 1, axis=ra)],
+            (y,) = bind_eqn_with(eqn, [x, lax.slice_in_dim(rhs, k, k + 1, axis=ra)],
                               padding=_replace(p["padding"], i, (0, 0)),
                               rhs_dilation=_replace(p["rhs_dilation"], i, 1))
             out = y if out is None else out + y
         return [out]
     if (rows == [lhs_spec[1]] and ctx.row_axes(rhs.shape) == [rhs_spec[1]]
-            and ctx.packed_axes(rhs.shape) == [ra] and not _is_sym(eqn.outvars[0].aval.shape[oa])):
+            and ctx.packed_axes(rhs.shape) == [ra] and not is_sym(eqn.outvars[0].aval.shape[oa])):
         # The kernel gradient: input and output gradient paired over the rows and the length.
         if p["rhs_dilation"][i] != 1 or p["feature_group_count"] != 1:
-            raise _NoRule("the kernel gradient of a strided or feature-grouped convolution along "
+            raise NoRule("the kernel gradient of a strided or feature-grouped convolution along "
                           "a packed length")
         length, step = rhs.shape[ra], p["window_strides"][i]
         rhs = ctx.frame_only(rhs, 0)
         outs = []
         for k in range(eqn.outvars[0].aval.shape[oa]):
             x = _tap(ctx, lhs, rows[0], la, k * step - lo, length)
-            outs += _bind_with(eqn, [x, rhs], window_strides=_replace(p["window_strides"], i, 1),
+            outs += bind_eqn_with(eqn, [x, rhs], window_strides=_replace(p["window_strides"], i, 1),
                                padding=_replace(p["padding"], i, (0, 0)))
         return [lax.concatenate(outs, oa)]
-    raise _NoRule("a convolution pairing packed rows in another way (not along the length "
+    raise NoRule("a convolution pairing packed rows in another way (not along the length "
                   "with the rows as its batch, nor a kernel gradient over them)")
 
 
@@ -756,25 +747,20 @@ def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fil
     ``pos(c) + offset`` (inside its part of ``x``), ``fill`` elsewhere."""
     n = x.shape[axis]
     high = length - n + offset
-    if _is_sym(high):
-        raise _NoRule(f"a convolution between packed lengths {n} and {length} that differ by "
+    if is_sym(high):
+        raise NoRule(f"a convolution between packed lengths {n} and {length} that differ by "
                       f"a length")
     config = [(0, 0, 0)] * x.ndim
     config[axis] = (-offset, int(high), 0)
-    shifted = lax.pad(x, _full((), 0, x.dtype), config)
+    shifted = lax.pad(x, filled((), 0, x.dtype), config)
     pos, seglen = ctx.cells(length)
     source = pos + offset
     real = ctx.in_frame(length) & (source >= 0) & (source < ctx._at(n, seglen))
-    return lax.select(_spread(real, shifted.shape, (rows_axis, axis)), shifted,
-                      _full(shifted.shape, fill, x.dtype))
+    return lax.select(spread(real, shifted.shape, (rows_axis, axis)), shifted,
+                      filled(shifted.shape, fill, x.dtype))
 
 
-# A window's combiner, and what it reads past a sequence's edges (`lax.reduce_window`'s init).
-_WINDOWS = {"reduce_window_sum": (lax.add, lambda dt: 0), "reduce_window_max": (lax.max, _lowest),
-            "reduce_window_min": (lax.min, _highest)}
-
-
-@_packed(*_WINDOWS)
+@_packed(*WINDOWS)
 def _window(ctx: _PackedCtx, eqn, invals):
     """A window along a packed length with stride 1 (a moving sum, average, max or min): each
     window reads its own sequence and the combiner's identity past its edges, as the
@@ -790,17 +776,17 @@ def _window(ctx: _PackedCtx, eqn, invals):
              or p["window_strides"][a] != 1 or tuple(p["padding"][a]) != (0, 0)
              or p["base_dilation"][a] != 1 or p["window_dilation"][a] != 1]
     if not any(a in packed for a in moved):
-        if any(a in rows or _is_sym(x.shape[a]) for a in moved):
-            raise _NoRule("a window over the rows of packed rows, or over another length")
+        if any(a in rows or is_sym(x.shape[a]) for a in moved):
+            raise NoRule("a window over the rows of packed rows, or over another length")
         return None                             # feature axes only: per position
     if len(rows) != 1 or len(packed) != 1 or len(moved) != 1:
-        raise _NoRule("a window along a packed length and another axis")
+        raise NoRule("a window along a packed length and another axis")
     (a,) = moved
     lo, hi = p["padding"][a]
-    if p["window_strides"][a] != 1 or p["base_dilation"][a] != 1 or _is_sym(lo) or _is_sym(hi):
-        raise _NoRule("a strided, base-dilated or length-padded window along a packed length "
+    if p["window_strides"][a] != 1 or p["base_dilation"][a] != 1 or is_sym(lo) or is_sym(hi):
+        raise NoRule("a strided, base-dilated or length-padded window along a packed length "
                       "(each sequence's outputs would start at another column)")
-    combine, identity = _WINDOWS[eqn.primitive.name]
+    combine, identity = WINDOWS[eqn.primitive.name]
     fill, step, length = identity(x.dtype), p["window_dilation"][a], eqn.outvars[0].aval.shape[a]
     out = None
     for k in range(p["window_dimensions"][a]):
@@ -824,14 +810,14 @@ def _rev(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     dims = tuple(eqn.params["dimensions"])
     rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
-    if any(a in rows for a in dims) or any(_is_sym(x.shape[a]) and a not in packed
+    if any(a in rows for a in dims) or any(is_sym(x.shape[a]) and a not in packed
                                            for a in dims):
-        raise _NoRule("a reverse over the rows of packed rows, or over another length")
+        raise NoRule("a reverse over the rows of packed rows, or over another length")
     along = [a for a in dims if a in packed]
     if not along:
         return None                             # feature axes only: per position
     if len(rows) != 1 or len(packed) != 1:
-        raise _NoRule(f"a reverse of a value of shape {tuple(x.shape)}, which mixes sequences "
+        raise NoRule(f"a reverse of a value of shape {tuple(x.shape)}, which mixes sequences "
                       f"of a packed row")
     return [_reverse(ctx, x, rows[0], along[0], tuple(d for d in dims if d != along[0]))]
 
@@ -845,16 +831,10 @@ def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
     pos, seglen = ctx.cells(n)
     column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
     source = jnp.where(ctx.in_frame(n), column - 2 * pos + ctx._at(n, seglen) - 1, column)
-    return _take_rows(ctx, x, _spread(source, x.shape, (r, a)), a)
+    return take_rows(ctx, x, spread(source, x.shape, (r, a)), a)
 
 
-# What each cumulative op combines with, and the value its running total restarts from.
-_CUMULATIVE = {"cumsum": (lax.add, lambda dt: 0), "cumprod": (lax.mul, lambda dt: 1),
-               "cummax": (lax.max, _lowest), "cummin": (lax.min, _highest),
-               "cumlogsumexp": (jnp.logaddexp, _lowest)}
-
-
-@_packed(*_CUMULATIVE)
+@_packed(*CUMULATIVE)
 def _cumulative(ctx: _PackedCtx, eqn, invals):
     """A cumulative op along a packed length runs per sequence: a scan over the columns whose
     running value restarts at each sequence's first cell (its last with ``reverse=True``, as
@@ -864,19 +844,19 @@ def _cumulative(ctx: _PackedCtx, eqn, invals):
     a, reverse = eqn.params["axis"], eqn.params["reverse"]
     rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
     if a not in packed:
-        if _is_sym(x.shape[a]):
-            raise _NoRule(f"{eqn.primitive.name} over the rows of packed rows")
+        if is_sym(x.shape[a]):
+            raise NoRule(f"{eqn.primitive.name} over the rows of packed rows")
         return None                             # along a feature axis: per position
     if len(rows) != 1 or len(packed) != 1:
-        raise _NoRule(f"{eqn.primitive.name} of a value of shape {tuple(x.shape)}, which mixes "
+        raise NoRule(f"{eqn.primitive.name} of a value of shape {tuple(x.shape)}, which mixes "
                       f"sequences of a packed row")
-    combine, identity = _CUMULATIVE[eqn.primitive.name]
+    combine, identity = CUMULATIVE[eqn.primitive.name]
     n = x.shape[a]
     pos, seglen = ctx.cells(n)
     restart = pos == (ctx._at(n, seglen) - 1 if reverse else 0)
     columns = jnp.moveaxis(x, a, 0)
-    restarts = jnp.moveaxis(_spread(restart, x.shape, (rows[0], a)), a, 0)
-    start = _full(columns.shape[1:], identity(x.dtype), x.dtype)
+    restarts = jnp.moveaxis(spread(restart, x.shape, (rows[0], a)), a, 0)
+    start = filled(columns.shape[1:], identity(x.dtype), x.dtype)
 
     def step(total, cell):
         value, restarts_here = cell
@@ -898,13 +878,13 @@ def _sort(ctx: _PackedCtx, eqn, invals):
     shape = invals[0].shape
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
     if d not in packed:
-        if _is_sym(shape[d]):
-            raise _NoRule("a sort over the rows of packed rows")
+        if is_sym(shape[d]):
+            raise NoRule("a sort over the rows of packed rows")
         return None                             # along a feature axis: per position
     if len(rows) != 1 or len(packed) != 1:
-        raise _NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of a "
+        raise NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of a "
                       f"packed row")
-    out = lax.sort_p.bind(_spread(ctx.starts(shape[d]), shape, (rows[0], d)), *invals, dimension=d,
+    out = lax.sort_p.bind(spread(ctx.starts(shape[d]), shape, (rows[0], d)), *invals, dimension=d,
                           is_stable=eqn.params["is_stable"], num_keys=eqn.params["num_keys"] + 1)
     return list(out[1:])
 
@@ -975,7 +955,7 @@ def _pick(ctx: _PackedCtx, eqn, invals):
     # to, whatever the mode).
     outside = ~inside if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
     keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
-    picked = jnp.where(keep, picked, jnp.asarray(_gather_fill(eqn.params, x.dtype), x.dtype))
+    picked = jnp.where(keep, picked, jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype))
     if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
         picked = jnp.expand_dims(picked, 2 + p - (r < p))
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
@@ -1000,7 +980,7 @@ def _put(ctx: _PackedCtx, eqn, invals):
         return None
     p, position, inside = found
     if isinstance(updates, PerSequence) and updates.axis is None or not ctx.row_axes(update_shape):
-        raise _NoRule("a scatter into one position of a packed length from a value without rows")
+        raise NoRule("a scatter into one position of a packed length from a value without rows")
     updates = held(ctx, updates, update_shape)
     (r,) = ctx.row_axes(shape)
     value = updates.value
@@ -1010,13 +990,13 @@ def _put(ctx: _PackedCtx, eqn, invals):
     # The update's axes in the operand's, the columns taking the place of the packed axis.
     targets = [a for a in range(len(shape)) if a != p]
     targets.insert(targets.index(r) + 1, p)
-    cells = _spread(lax.slice_in_dim(value, 0, n, axis=targets.index(p)), shape, targets)
+    cells = spread(lax.slice_in_dim(value, 0, n, axis=targets.index(p)), shape, targets)
     pos, _ = ctx.cells(n)
     at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
-    at = _spread(at & ctx.in_frame(n), shape, (r, p))
+    at = spread(at & ctx.in_frame(n), shape, (r, p))
     if eqn.primitive.name == "scatter":
         return [lax.select(at, cells, x)]
-    return [x + lax.select(at, cells, _full(shape, 0, x.dtype))]
+    return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
 
 
 @_packed("gather")
@@ -1044,7 +1024,7 @@ def _per_cell(ctx: _PackedCtx, eqn, invals):
     entry; a reverse along the packed length is per sequence; ``x[:, index]`` with it reads
     each sequence's own positions (`_gather_at_positions`, and its transpose)."""
     name = eqn.primitive.name
-    entry = _lookup(eqn.primitive)
+    entry = lookup_rule(eqn.primitive)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
     if entry is not None and getattr(entry.rule, "inline", False):
@@ -1054,7 +1034,7 @@ def _per_cell(ctx: _PackedCtx, eqn, invals):
         rows = ctx.row_axes(out)
         if not rows:
             cells = [_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)]
-            return [PerCell(_bind(eqn, cells)[0])]
+            return [PerCell(bind_eqn(eqn, cells)[0])]
         # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
         (r,) = rows
         return ctx.evaluate(eqn, [_onto_rows(x, r) if isinstance(x, PerCell) else x
@@ -1070,18 +1050,18 @@ def _per_cell(ctx: _PackedCtx, eqn, invals):
         v = x.value
         if r in dims:                   # a unit axis onto the rows: the rows are in front
             v, dims = lax.squeeze(v, (1 + dims.index(r),)), tuple(d for d in dims if d != r)
-        return [_spread(v, out, (r, *dims))]
+        return [spread(v, out, (r, *dims))]
     if name == "rev" and isinstance(x, PerCell):
         dims = tuple(eqn.params["dimensions"])
         packed = [d for d in dims if d in ctx.packed_axes(shapes[0])]
         if len(packed) != 1 or len(ctx.packed_axes(shapes[0])) != 1:
-            raise _NoRule("a reverse of a per-cell value along no, or more than one, length")
+            raise NoRule("a reverse of a per-cell value along no, or more than one, length")
         return [PerCell(_reverse(ctx, x.value, 0, packed[0] + 1,
                                  tuple(d + 1 for d in dims if d != packed[0])))]
     if name in ("gather", "scatter-add") and isinstance(invals[1], PerCell) and not any(
             isinstance(v, PerCell) for k, v in enumerate(invals) if k != 1):
         return _gather_at_positions(ctx, eqn, invals, shapes, out)
-    raise _NoRule(f"{name} of a value that differs per sequence and per position (it has no "
+    raise NoRule(f"{name} of a value that differs per sequence and per position (it has no "
                   f"rows axis)")
 
 
@@ -1094,13 +1074,13 @@ def _cells(ctx: _PackedCtx, x, shape, out):
     rows = ctx.pos.shape[0]
     if isinstance(x, PerSequence):
         if x.axis is not None or shape != () or len(packed) != 1:
-            raise _NoRule(f"a per-sequence value meets a value of shape {out}")
+            raise NoRule(f"a per-sequence value meets a value of shape {out}")
         v = lax.slice_in_dim(x.value, 0, out[packed[0]], axis=1)
-        return _spread(v, (rows, *out), (0, 1 + packed[0]))
+        return spread(v, (rows, *out), (0, 1 + packed[0]))
     if shape == ():
         return x
     if ctx.row_axes(shape) or not _core_equal_shapes(shape, out):
-        raise _NoRule(f"a per-cell value meets a value of shape {shape}")
+        raise NoRule(f"a per-cell value meets a value of shape {shape}")
     return _by_position(ctx, x, tuple(range(1, len(out) + 1)), (rows, *out), 0,
                         [1 + p for p in packed])
 
@@ -1132,14 +1112,14 @@ def _gather_at_positions(ctx: _PackedCtx, eqn, invals, shapes, out):
     if not (len(rows) == 1 and len(packed) == 1 and tuple(index_map) == tuple(packed)
             and tuple(collapsed) == tuple(packed) and not dn.operand_batching_dims
             and shapes[1][-1] == 1 and len(where) == 1 and ctx.packed_axes(where)):
-        raise _NoRule(f"{eqn.primitive.name} with a per-cell index of another form than "
+        raise NoRule(f"{eqn.primitive.name} with a per-cell index of another form than "
                       f"x[:, index]")
     (r,), (p,) = rows, packed
     window = (dn.offset_dims if gather else dn.update_window_dims)
     kept = [d for d in range(len(shape)) if d != p]
     if tuple(window) != tuple(d if d < p else d + 1 for d in range(len(kept))) or (
             gather and any(not _core_equal(eqn.params["slice_sizes"][d], shape[d]) for d in kept)):
-        raise _NoRule(f"{eqn.primitive.name} with a per-cell index that does not keep every "
+        raise NoRule(f"{eqn.primitive.name} with a per-cell index that does not keep every "
                       f"other axis in place")
     m = where[0]                       # the cells read (written): the index's length
     position = lax.slice_in_dim(index.value[..., 0], 0, m, axis=1).astype(np.int32)
@@ -1153,7 +1133,7 @@ def _gather_at_positions(ctx: _PackedCtx, eqn, invals, shapes, out):
     at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))
     if gather:
         got = jnp.take_along_axis(xs, jnp.maximum(at, 0), axis=1, mode="clip")
-        fill = jnp.asarray(_gather_fill(eqn.params, x.dtype), x.dtype)
+        fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
         return [jnp.moveaxis(jnp.where(at >= 0, got, fill), (0, 1), (r, p))]
     updates = jnp.moveaxis(invals[2], (r, p), (0, 1))
     row = lax.broadcasted_iota(np.int32, column.shape, 0)
@@ -1170,13 +1150,13 @@ def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
         return None
     if rows[0] in dims:
         k_rows = dims.index(rows[0])
-        if _is_sym(x.shape[k_rows]):
+        if is_sym(x.shape[k_rows]):
             return None                # the rows kept: per position
         # A unit axis broadcast onto the rows ((T,) -> (1, T) -> (B, T), jnp's implicit
         # broadcasting): a per-position value all the same, so drop it and place as below.
         x = lax.squeeze(x, (k_rows,))
         dims = dims[:k_rows] + dims[k_rows + 1:]
-    along = [t for t in packed if t in dims and _is_sym(x.shape[dims.index(t)])]
+    along = [t for t in packed if t in dims and is_sym(x.shape[dims.index(t)])]
     if not along:
         return None                    # a per-row broadcast, constant along the packed lengths
     return [_by_position(ctx, x, dims, shape, rows[0], along)]
@@ -1198,21 +1178,21 @@ def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
         index = jnp.expand_dims(index.T if a < b else index,
                                 [i for i in range(x.ndim) if i not in (a, b)])
         x = jnp.take_along_axis(x, index, axis=a, mode="clip")
-    return _spread(x, shape, targets)
+    return spread(x, shape, targets)
 
 
 @_packed("iota")
-def _iota(ctx: _PackedCtx, eqn, invals):
+def iota_along(ctx: _PackedCtx, eqn, invals):
     shape, dim = eqn.params["shape"], eqn.params["dimension"]
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
     if len(rows) != 1 or not packed:
         return None
     if dim == rows[0]:
-        raise _NoRule("iota along the rows of packed rows (which sequence is which?)")
+        raise NoRule("iota along the rows of packed rows (which sequence is which?)")
     if dim not in packed:
         return None
     pos, _ = ctx.cells(shape[dim])
-    return [_spread(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, (rows[0], dim))]
+    return [spread(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, (rows[0], dim))]
 
 
 @_packed("slice")
@@ -1220,20 +1200,20 @@ def _slice(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     rows = ctx.row_axes(x.shape)
     if not rows:
-        return _padded_slice(ctx, eqn, invals)
+        return padded_rule(eqn)(ctx, eqn, invals)
     p = eqn.params
     strides = p["strides"] or (1,) * x.ndim
     out = eqn.outvars[0].aval.shape
     for a in range(x.ndim):
-        if not _is_sym(x.shape[a]):
+        if not is_sym(x.shape[a]):
             continue
         start, stride = p["start_indices"][a], strides[a]
         if a in rows:
-            if _is_sym(start) or start != 0 or stride != 1 or not _core_equal(out[a], x.shape[a]):
-                raise _NoRule("a slice of the rows of packed rows")
-        elif _is_sym(start) or stride != 1 or not _is_sym(out[a]):
+            if is_sym(start) or start != 0 or stride != 1 or not _core_equal(out[a], x.shape[a]):
+                raise NoRule("a slice of the rows of packed rows")
+        elif is_sym(start) or stride != 1 or not is_sym(out[a]):
             # x[:, -1], x[:, T//2:], x[:, ::2]: where each sequence's part starts or ends.
-            raise _NoRule("a slice of a packed length that does not keep each sequence's "
+            raise NoRule("a slice of a packed length that does not keep each sequence's "
                           "start column (a per-sequence start, a stride, a constant size)")
     return None     # column q of the result reads column q + start: the same sequence
 
@@ -1245,19 +1225,19 @@ def _pad(ctx: _PackedCtx, eqn, invals):
     rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
     touched = [a for a, c in enumerate(config) if tuple(c) != (0, 0, 0)]
     if not rows or not any(a in rows or a in packed for a in touched):
-        return _padded_pad(ctx, eqn, invals) if not rows else None
+        return padded_rule(eqn)(ctx, eqn, invals) if not rows else None
     if any(a in rows for a in touched) or len(packed) != 1:
-        raise _NoRule("pad along the rows of packed rows")
+        raise NoRule("pad along the rows of packed rows")
     a = packed[0]
     lo, hi, interior = config[a]
-    if any(_is_sym(v) for v in (lo, hi, interior)) or lo < 0 or hi < 0 or interior:
-        raise _NoRule("pad of a packed length by a length, negative or interior amount")
-    (y,) = _bind(eqn, invals)
+    if any(is_sym(v) for v in (lo, hi, interior)) or lo < 0 or hi < 0 or interior:
+        raise NoRule("pad of a packed length by a length, negative or interior amount")
+    (y,) = bind_eqn(eqn, invals)
     # Column q of the result holds column q - lo of the operand: the sequence's own values
     # for positions lo .. lo + n, the fill before and after them.
     pos, seglen = ctx.cells(y.shape[a])
     inside = (pos >= lo) & (pos - lo < ctx._at(x.shape[a], seglen))
-    keep = _spread(inside, y.shape, (rows[0], a))
+    keep = spread(inside, y.shape, (rows[0], a))
     return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
 
 
@@ -1266,10 +1246,10 @@ def _reshape(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     src, dst = x.shape, eqn.params["new_sizes"]
     if not ctx.row_axes(src) and not ctx.row_axes(dst):
-        return _padded_reshape(ctx, eqn, invals)
-    if eqn.params.get("dimensions") is None and _keeps_length_axes(src, dst):
+        return padded_rule(eqn)(ctx, eqn, invals)
+    if eqn.params.get("dimensions") is None and keeps_length_axes(src, dst):
         return None
-    raise _NoRule("a reshape that merges or splits the rows or a packed length")
+    raise NoRule("a reshape that merges or splits the rows or a packed length")
 
 
 @_packed("concatenate")
@@ -1283,12 +1263,12 @@ def _concatenate(ctx: _PackedCtx, eqn, invals):
     shapes = [tuple(v.aval.shape) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
     if a not in ctx.packed_axes(out):
-        if any(_is_sym(s[a]) for s in shapes):
-            raise _NoRule("concatenate along the rows of packed rows")
+        if any(is_sym(s[a]) for s in shapes):
+            raise NoRule("concatenate along the rows of packed rows")
         return None     # along another axis: per position (a per-sequence value: per column)
     rows = ctx.row_axes(out)
     if len(rows) != 1 or len(ctx.packed_axes(out)) != 1:
-        raise _NoRule("concatenate along a packed length of a value without one rows axis")
+        raise NoRule("concatenate along a packed length of a value without one rows axis")
     (r,) = rows
     pos, seglen = ctx.cells(out[a])
     column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
@@ -1297,10 +1277,10 @@ def _concatenate(ctx: _PackedCtx, eqn, invals):
         if a in ctx.packed_axes(shape):
             # Padded to the output's length first: column ``c - offset`` is then always there.
             grow = out[a] - shape[a]
-            if _is_sym(grow):
-                raise _NoRule(f"concatenate of packed lengths {shape[a]} into {out[a]}")
+            if is_sym(grow):
+                raise NoRule(f"concatenate of packed lengths {shape[a]} into {out[a]}")
             config = [(0, int(grow) if i == a else 0, 0) for i in range(len(shape))]
-            piece = jnp.take_along_axis(lax.pad(x, _full((), 0, x.dtype), config),
+            piece = jnp.take_along_axis(lax.pad(x, filled((), 0, x.dtype), config),
                                         _along(column - offset, len(out), r, a), axis=a,
                                         mode="clip")
         else:
@@ -1311,10 +1291,10 @@ def _concatenate(ctx: _PackedCtx, eqn, invals):
             index = jnp.expand_dims(index, [i for i in range(held_x.ndim) if i not in (r, r + 1)])
             taken = jnp.take_along_axis(held_x, index, axis=at, mode="clip")
             unit = tuple(1 if i == a else d for i, d in enumerate(shape))
-            piece = _to_cells(ctx, PerSequence(taken, r), unit, out)
+            piece = to_cells(ctx, PerSequence(taken, r), unit, out)
         mask = _along(pos >= offset, len(out), r, a)
         result = piece if result is None else jnp.where(mask, piece, result)
-        offset = offset + (ctx._at(shape[a], seglen) if _is_sym(shape[a]) else shape[a])
+        offset = offset + (ctx._at(shape[a], seglen) if is_sym(shape[a]) else shape[a])
     return [result]
 
 
@@ -1330,12 +1310,12 @@ def _split(ctx: _PackedCtx, eqn, invals):
     a, sizes = eqn.params["axis"], eqn.params["sizes"]
     shape = tuple(eqn.invars[0].aval.shape)
     if a not in ctx.packed_axes(shape):
-        if _is_sym(shape[a]):
-            raise _NoRule("split along the rows of packed rows")
+        if is_sym(shape[a]):
+            raise NoRule("split along the rows of packed rows")
         return None
     rows = ctx.row_axes(shape)
     if len(rows) != 1 or len(ctx.packed_axes(shape)) != 1:
-        raise _NoRule("split along a packed length of a value without one rows axis")
+        raise NoRule("split along a packed length of a value without one rows axis")
     (r,) = rows
     # The operand with its rows and packed axes first; parts are cut from it by cell.
     moved = jnp.moveaxis(x, (r, a), (0, 1))
@@ -1343,7 +1323,7 @@ def _split(ctx: _PackedCtx, eqn, invals):
     # Per cell: where its sequence's next part starts (the sizes of the parts before it).
     parts, offset = [], jnp.zeros_like(ctx.seglen)
     for size in sizes:
-        if _is_sym(size):
+        if is_sym(size):
             pos, _ = ctx.cells(size)
             column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
             index = jnp.expand_dims(column + lax.slice_in_dim(offset, 0, size, axis=1),
@@ -1367,7 +1347,7 @@ def _split(ctx: _PackedCtx, eqn, invals):
             order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
             order.insert(order.index("r") + 1, "columns")
             parts.append(PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r))
-        offset = offset + (ctx._at(size, ctx.seglen) if _is_sym(size) else size)
+        offset = offset + (ctx._at(size, ctx.seglen) if is_sym(size) else size)
     return parts
 
 
@@ -1376,7 +1356,7 @@ _per_sequence_rule("split")(_split)
 
 @_packed("while")
 def _while(ctx: _PackedCtx, eqn, invals):
-    raise _NoRule("a while loop over packed rows (a per-sequence trip count)")
+    raise NoRule("a while loop over packed rows (a per-sequence trip count)")
 
 
 @_packed("scan")
@@ -1388,9 +1368,9 @@ def _scan(ctx: _PackedCtx, eqn, invals):
     has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
     if ctx.var not in dim_vars(length) or not any(has_rows):
         if any(isinstance(x, PerSequence) for x in invals):
-            raise _NoRule("a scan over another length than the packed one reads a "
+            raise NoRule("a scan over another length than the packed one reads a "
                           "per-sequence value")
-        return _padded_scan(ctx, eqn, invals)
+        return padded_rule(eqn)(ctx, eqn, invals)
     return _packed_scan(ctx, eqn, consts, init, xs)
 
 
@@ -1412,18 +1392,18 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     const_shapes, init_shapes = shapes[:nc], shapes[nc:nc + len(init)]
     if any(isinstance(v, PerSequence) and v.axis is None for v in (*consts, *init)) or any(
             isinstance(x, PerSequence) for x in xs):
-        raise _NoRule("a scan over a packed length reading a per-sequence number")
+        raise NoRule("a scan over a packed length reading a per-sequence number")
     if any(not ctx.row_axes(x.shape[1:]) for x in xs):
-        raise _NoRule("a scan over a packed length whose scanned input has no rows axis")
+        raise NoRule("a scan over a packed length whose scanned input has no rows axis")
     if any(ctx.row_axes(s) and ctx.packed_axes(s) for s in const_shapes):
-        raise _NoRule("a scan over a packed length that reads a whole packed value at each step")
+        raise NoRule("a scan over a packed length that reads a whole packed value at each step")
     carry_axes = []
     for j, shape in enumerate(init_shapes):
         axes = ctx.row_axes(shape)
         if len(axes) > 1:
-            raise _NoRule(f"a carry of shape {shape} has several rows axes")
+            raise NoRule(f"a carry of shape {shape} has several rows axes")
         if not axes and not _accumulates(body.jaxpr, nc + j, j, ctx):
-            raise _NoRule(f"carry {j} has no rows axis and is not a sum over the rows (a step "
+            raise NoRule(f"carry {j} has no rows axis and is not a sum over the rows (a step "
                           f"counter?): over packed rows its steps are not any sequence's")
         carry_axes.append(axes[0] if axes else None)
     in_frame = ctx.in_frame(length)                       # (rows, columns)
@@ -1442,8 +1422,8 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
     carry, ys, steps = frozen_scan(
         ctx, eqn, consts, starting, xs, carry_axes, stop,
-        alive_at=lambda at: _at_step(in_frame, at, 1),
-        restart_at=lambda at: _at_step(first, at, 1), freeze=False,
+        alive_at=lambda at: at_step(in_frame, at, 1),
+        restart_at=lambda at: at_step(first, at, 1), freeze=False,
         consts_at=at(consts), init_at=at(init), keep=keep)
     final = []
     for c, c0, shape, a, kept in zip(carry, init, init_shapes, carry_axes, steps):
@@ -1468,8 +1448,8 @@ def _final_carry(ctx: _PackedCtx, steps, initial: PerSequence, length, reverse: 
     last = start if reverse else start + count - 1
     shape = list(steps.shape)
     shape[a + 1] = ctx.pos.shape[1]
-    got = _take_rows(ctx, steps, _spread(jnp.maximum(last, 0), shape, (a, a + 1)), a + 1)
-    ran = _spread(count > 0, got.shape, (a, a + 1))
+    got = take_rows(ctx, steps, spread(jnp.maximum(last, 0), shape, (a, a + 1)), a + 1)
+    ran = spread(count > 0, got.shape, (a, a + 1))
     return PerSequence(lax.select(ran, got, initial.value), a)
 
 
@@ -1567,20 +1547,20 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     58.0
     """
     jaxpr = closed_jaxpr.jaxpr
-    recorder = _Recorder()
+    recorder = Recorder()
     recorder.used, recorder.per_sequence = _read_anywhere(jaxpr), False
     if len(rows_at) != 1:
         why = ("no input gives per-sequence lengths (a `lengths_of` Spec)" if not rows_at else
                "several length variables are ragged")
-        return Logical(fn=_replay(closed_jaxpr), rewritten=0,
+        return Logical(fn=replay(closed_jaxpr), rewritten=0,
                        unsupported=(Unsupported("layout", "<inputs>", why),))
     ((var, (_, rows)),) = rows_at.items()
-    dims = [d for v in jaxpr.invars for d in getattr(v.aval, "shape", ()) if _is_sym(d)]
+    dims = [d for v in jaxpr.invars for d in getattr(v.aval, "shape", ()) if is_sym(d)]
     grid = jax.export.symbolic_shape(f"{rows}, {var}", scope=dims[0].scope)
 
     def held_per_cell(shape):
         """Inputs with the rows axis and no packed length (the lengths, labels): per cell."""
-        r = [a for a, d in enumerate(shape) if _is_sym(d) and str(d) == rows]
+        r = [a for a, d in enumerate(shape) if is_sym(d) and str(d) == rows]
         packed = [d for d in shape if var in dim_vars(d)]
         return r[0] if len(r) == 1 and not packed else None
 
@@ -1593,7 +1573,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
             shape = getattr(v.aval, "shape", ())
             a = held_per_cell(shape)
             inputs.append(x if a is None else PerSequence(x, a))
-        outs = _eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, inputs)
+        outs = eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, inputs)
         for i, (out, v) in enumerate(zip(outs, jaxpr.outvars)):
             shape = getattr(v.aval, "shape", ())
             if held_per_cell(shape) is not None:      # returned per sequence
@@ -1608,7 +1588,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
                         else "a per-sequence value")
                 recorder.unsupported.setdefault(("output", i), Unsupported(
                     "output", f"output {i}", f"returns {made}"))
-                outs[i] = _full(v.aval.shape, 0, v.aval.dtype)
+                outs[i] = filled(v.aval.shape, 0, v.aval.dtype)
         return tuple(outs)
 
     avals = []
@@ -1619,7 +1599,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         avals.append(jax.ShapeDtypeStruct(shape, v.aval.dtype, weak_type=v.aval.weak_type))
     avals += [jax.ShapeDtypeStruct(tuple(grid), np.int32)] * 2
     traced = jax.jit(packed).trace(*avals).jaxpr
-    return Logical(fn=_replay(traced), unsupported=tuple(recorder.unsupported.values()),
+    return Logical(fn=replay(traced), unsupported=tuple(recorder.unsupported.values()),
                    rewritten=len(recorder.rewritten), avals=tuple(avals),
                    per_sequence=recorder.per_sequence)
 
@@ -1633,5 +1613,5 @@ def _read_anywhere(jaxpr) -> set:
         read.update(v for v in j.outvars if isinstance(v, jax.extend.core.Var))
         for eqn in j.eqns:
             read.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
-            stack.extend(_sub_jaxprs(eqn.params))
+            stack.extend(sub_jaxprs(eqn.params))
     return read

@@ -11,9 +11,9 @@ elementwise maths and layout-only primitives, which pass through, and ``dim_as_v
 from __future__ import annotations
 
 from .._jax_internals import dim_vars
-from ._core import ELEMENTWISE, RowVarying, _rule
+from ._core import ELEMENTWISE, RowVarying, defrule
 
-_rule(*"""
+defrule(*"""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
     bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos
     cosh digamma div eq eq_to erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
@@ -31,7 +31,7 @@ _rule(*"""
 # jax.debug callbacks return nothing the program reads (they may print padding, no more).
 
 
-@_rule("dim_as_value")
+@defrule("dim_as_value")
 def _dim_as_value(ctx, eqn, invals):
     d = eqn.params["dim"]
     rows = ctx.rows_of(d)

@@ -8,52 +8,40 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from ._core import _all_ones, _bind_with, _fill_tail, _highest, _is_sym, _lowest, _rule
-
-
-_REDUCE_IDENTITY = {
-    "reduce_sum": lambda dt: 0, "reduce_prod": lambda dt: 1, "reduce_max": _lowest,
-    "reduce_min": _highest, "reduce_and": _all_ones, "reduce_or": lambda dt: 0,
-    "reduce_xor": lambda dt: 0, "argmax": _lowest, "argmin": _highest,
-}
+from ._core import bind_eqn_with, defrule, fill_tail, is_sym
+from ._families import CUMULATIVE, REDUCERS
 
 
-@_rule(*_REDUCE_IDENTITY)
+@defrule(*REDUCERS)
 def _reduction(ctx, eqn, invals):
     (x,) = invals
     axes = eqn.params["axes"]
-    if not any(_is_sym(x.shape[a]) for a in axes):
+    if not any(is_sym(x.shape[a]) for a in axes):
         return None
-    fill = _REDUCE_IDENTITY[eqn.primitive.name](x.dtype)
-    return _bind_with(eqn, [_fill_tail(ctx, x, axes, fill)])
+    fill = REDUCERS[eqn.primitive.name].identity(x.dtype)
+    return bind_eqn_with(eqn, [fill_tail(ctx, x, axes, fill)])
 
 
-@_rule("reduce")
+@defrule("reduce")
 def _reduce(ctx, eqn, invals):
     # lax.reduce: operands then their init values, which are the reduction's identities.
     n = len(invals) // 2
     operands, inits = invals[:n], invals[n:]
     axes = eqn.params["dimensions"]
-    if not any(_is_sym(operands[0].shape[a]) for a in axes):
+    if not any(is_sym(operands[0].shape[a]) for a in axes):
         return None
-    operands = [_fill_tail(ctx, x, axes, init) for x, init in zip(operands, inits)]
-    return _bind_with(eqn, [*operands, *inits])
+    operands = [fill_tail(ctx, x, axes, init) for x, init in zip(operands, inits)]
+    return bind_eqn_with(eqn, [*operands, *inits])
 
 
-_CUMULATIVE_IDENTITY = {"cumsum": lambda dt: 0, "cumprod": lambda dt: 1, "cummax": _lowest,
-                        "cummin": _highest, "cumlogsumexp": lambda dt: -np.inf}
-
-
-@_rule(*_CUMULATIVE_IDENTITY)
+@defrule(*CUMULATIVE)
 def _cumulative(ctx, eqn, invals):
     # Forward: position i reads 0..i, a logical prefix. Reverse: i reads i..n-1, the tail
     # included, so the tail becomes the identity and the sums start from the logical end.
     (x,) = invals
     axis = eqn.params["axis"]
-    if not eqn.params["reverse"] or not _is_sym(x.shape[axis]):
+    if not eqn.params["reverse"] or not is_sym(x.shape[axis]):
         return None
-    fill = _CUMULATIVE_IDENTITY[eqn.primitive.name](x.dtype)
-    return _bind_with(eqn, [_fill_tail(ctx, x, (axis,), fill)])
+    fill = CUMULATIVE[eqn.primitive.name].identity(x.dtype)
+    return bind_eqn_with(eqn, [fill_tail(ctx, x, (axis,), fill)])
 

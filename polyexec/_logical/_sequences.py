@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._core import ELEMENTWISE, _bind, _bind_with, _full, _is_sym, _lookup, _NoRule
-from ._reductions import _REDUCE_IDENTITY
-from ._structure import _keeps_length_axes
+from ._core import ELEMENTWISE, bind_eqn, bind_eqn_with, filled, is_sym, lookup_rule, NoRule
+from ._families import REDUCERS
+from ._structure import keeps_length_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class PerSequence:
     axis: int | None
 
 
-def _spread(v, shape, targets):
+def spread(v, shape, targets):
     """``v`` broadcast to ``shape``, its axes going to the axes ``targets`` (in any order)."""
     order = sorted(range(len(targets)), key=targets.__getitem__)
     return lax.broadcast_in_dim(jnp.transpose(v, order), tuple(shape), tuple(sorted(targets)))
@@ -84,8 +84,8 @@ def first_only(ctx, x: PerSequence, fill):
     and columns, every sequence counts once."""
     first = ctx.pos == 0
     targets = (0, 1) if x.axis is None else (x.axis, x.axis + 1)
-    keep = _spread(first, x.value.shape, targets)
-    return lax.select(keep, x.value, _full(x.value.shape, fill, x.value.dtype))
+    keep = spread(first, x.value.shape, targets)
+    return lax.select(keep, x.value, filled(x.value.shape, fill, x.value.dtype))
 
 
 def by_cell(grid, axis):
@@ -119,7 +119,7 @@ def evaluate(ctx, eqn, invals) -> list:
         out = specific(ctx, eqn, invals)
         if out is not None:
             return out
-    entry = _lookup(eqn.primitive)
+    entry = lookup_rule(eqn.primitive)
     if entry is not None and getattr(entry.rule, "inline", False):
         return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
     return _per_column(ctx, eqn, invals, entry)
@@ -140,49 +140,49 @@ def _per_column(ctx, eqn, invals, entry) -> list:
     elementwise = entry is not None and entry.rule is ELEMENTWISE
     if any(ctx.packed_axes(s) for s in out_shapes):
         if not elementwise or name in ("broadcast_in_dim", "iota"):
-            raise _NoRule(f"{name} of a per-sequence value and a packed length")
+            raise NoRule(f"{name} of a per-sequence value and a packed length")
         if not ctx.row_axes(out_shapes[0]):
             return ctx.without_rows(eqn, invals)    # positions of each sequence: per cell
         # Then as any packed equation (a per-position operand, ``iota < lengths[:, None]``'s
         # ``(1, T)`` iota, is placed by position).
-        return ctx.evaluate(eqn, [_to_cells(ctx, x, s, out_shapes[0])
+        return ctx.evaluate(eqn, [to_cells(ctx, x, s, out_shapes[0])
                                   if isinstance(x, PerSequence) else x
                                   for x, s in zip(invals, shapes)])
     if any(ctx.packed_axes(s) for s in shapes):
-        raise _NoRule(f"{name} of a per-sequence value and a value along a packed length")
+        raise NoRule(f"{name} of a per-sequence value and a value along a packed length")
     if not elementwise and name not in _PER_POSITION:
-        raise _NoRule(f"{name} has no rule for a per-sequence value of packed rows")
+        raise NoRule(f"{name} has no rule for a per-sequence value of packed rows")
     for i, (x, s) in enumerate(zip(invals, shapes)):
         if isinstance(x, PerSequence) and x.axis is not None and _acts_on(eqn, i, x.axis, s):
-            raise _NoRule(f"{name} along the sequences of a per-sequence value")
+            raise NoRule(f"{name} along the sequences of a per-sequence value")
     rowless = [isinstance(x, PerSequence) and x.axis is None for x in invals]
     rowful = any(isinstance(x, PerSequence) and x.axis is not None for x in invals) or any(
         ctx.row_axes(s) for s in shapes)
     if any(rowless) and not rowful:
         # Numbers per sequence (``x.shape[1] - 1``): once per cell.
         if any(ctx.row_axes(s) for s in out_shapes):
-            raise _NoRule(f"{name} makes rows of a per-sequence number")
+            raise NoRule(f"{name} makes rows of a per-sequence number")
         axes = [0 if r else None for r in rowless]
-        run = jax.vmap(jax.vmap(lambda *xs: tuple(_bind(eqn, list(xs))), axes), axes)
+        run = jax.vmap(jax.vmap(lambda *xs: tuple(bind_eqn(eqn, list(xs))), axes), axes)
         outs = run(*[x.value if r else x for x, r in zip(invals, rowless)])
         return [PerSequence(o, None) for o in outs]
     if any(rowless):
         # A number per sequence meets rows: an elementwise scalar, held at the rows' shape.
         if not elementwise or any(r and s != () for r, s in zip(rowless, shapes)):
-            raise _NoRule(f"{name} of a per-sequence number and a per-sequence value")
+            raise NoRule(f"{name} of a per-sequence number and a per-sequence value")
         (out,) = out_shapes
         (r,) = ctx.row_axes(out)
-        invals = [PerSequence(_spread(x.value, grid_shape(ctx, out, r), (r, r + 1)), r)
+        invals = [PerSequence(spread(x.value, grid_shape(ctx, out, r), (r, r + 1)), r)
                   if is_rowless else x for x, is_rowless in zip(invals, rowless)]
     out_axes = []
     for s in out_shapes:
         rows = ctx.row_axes(s)
         if len(rows) != 1:
-            raise _NoRule(f"{name} of a per-sequence value "
+            raise NoRule(f"{name} of a per-sequence value "
                           f"{'combines the sequences' if not rows else 'pairs the sequences'}")
         out_axes.append(rows[0] + 1)
     in_axes = [x.axis + 1 if isinstance(x, PerSequence) else None for x in invals]
-    run = jax.vmap(lambda *xs: tuple(_bind(eqn, list(xs))), in_axes=in_axes,
+    run = jax.vmap(lambda *xs: tuple(bind_eqn(eqn, list(xs))), in_axes=in_axes,
                    out_axes=tuple(out_axes))
     outs = run(*[x.value if isinstance(x, PerSequence) else x for x in invals])
     return [PerSequence(o, a - 1) for o, a in zip(outs, out_axes)]
@@ -193,7 +193,7 @@ def _acts_on(eqn, i: int, axis: int, shape) -> bool:
     (then running it per column would mix the sequences of one column)."""
     p, name = eqn.params, eqn.primitive.name
     if name == "reshape":        # (B, 2, 3) -> (B, 6) keeps each row; (B, 6) -> (6, B) not
-        return p.get("dimensions") is not None or not _keeps_length_axes(shape, p["new_sizes"])
+        return p.get("dimensions") is not None or not keeps_length_axes(shape, p["new_sizes"])
     if name in ("broadcast_in_dim", "transpose", "squeeze", "select_n", "expand_dims"):
         return False
     if name == "dot_general":
@@ -224,26 +224,26 @@ def _acts_on(eqn, i: int, axis: int, shape) -> bool:
     return False
 
 
-def _to_cells(ctx, x: PerSequence, shape, out):
+def to_cells(ctx, x: PerSequence, shape, out):
     """A per-sequence operand of an elementwise equation along a packed length (``h[:, None]
     + x`` after jnp's ``(B, 1, H)`` broadcast, ``x / x.shape[1]``): each cell reads its own
     sequence's entry, as a value of the output's ``shape``."""
     rows, packed = ctx.row_axes(out), ctx.packed_axes(out)
     if len(rows) != 1 or len(packed) != 1:
-        raise _NoRule(f"a per-sequence value meets a value of shape {tuple(out)}")
+        raise NoRule(f"a per-sequence value meets a value of shape {tuple(out)}")
     (r,), (p,) = rows, packed
     if x.axis is None:
         if shape != ():
-            raise _NoRule("a per-sequence number of more than one entry meets a packed length")
-        return _spread(lax.slice_in_dim(x.value, 0, out[p], axis=1), out, (r, p))
-    if len(shape) != len(out) or x.axis != r or _is_sym(shape[p]) or shape[p] != 1:
-        raise _NoRule(f"a per-sequence value of shape {tuple(shape)} meets a value of shape "
+            raise NoRule("a per-sequence number of more than one entry meets a packed length")
+        return spread(lax.slice_in_dim(x.value, 0, out[p], axis=1), out, (r, p))
+    if len(shape) != len(out) or x.axis != r or is_sym(shape[p]) or shape[p] != 1:
+        raise NoRule(f"a per-sequence value of shape {tuple(shape)} meets a value of shape "
                       f"{tuple(out)}")
     v = lax.squeeze(x.value, (p + (p > r),))            # its unit axis gives way to the columns
     labels = [a for a in range(len(shape)) if a != p]
     labels.insert(labels.index(r) + 1, "columns")
     v = lax.slice_in_dim(v, 0, out[p], axis=labels.index("columns"))
-    return _spread(v, out, [p if a == "columns" else a for a in labels])
+    return spread(v, out, [p if a == "columns" else a for a in labels])
 
 
 @rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
@@ -257,11 +257,11 @@ def _over_sequences(ctx, eqn, invals):
         return None
     name = eqn.primitive.name
     if name in ("argmax", "argmin"):
-        raise _NoRule(f"{name} over the sequences of a per-sequence value")
+        raise NoRule(f"{name} over the sequences of a per-sequence value")
     a = x.axis
-    fill = _REDUCE_IDENTITY[name](x.value.dtype)
+    fill = REDUCERS[name].identity(x.value.dtype)
     physical = tuple(sorted({b + (b > a) for b in axes} | {a + 1}))
-    return _bind_with(eqn, [first_only(ctx, x, fill)], axes=physical)
+    return bind_eqn_with(eqn, [first_only(ctx, x, fill)], axes=physical)
 
 
 @rule("dot_general")
@@ -277,10 +277,10 @@ def _contract_sequences(ctx, eqn, invals):
         return None
     if any(isinstance(x, PerSequence) and x.axis is None for x in invals) or any(
             ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
-        raise _NoRule("a contraction over the sequences of a per-sequence value and another "
+        raise NoRule("a contraction over the sequences of a per-sequence value and another "
                       "kind of value")
     if not (lr and rr and lr[0] in lc and rr[0] in rc and lc.index(lr[0]) == rc.index(rr[0])):
-        raise _NoRule("a contraction of the sequences with another axis")
+        raise NoRule("a contraction of the sequences with another axis")
     # Both at first cells only: a cell outside every sequence holds anything (NaN: 0 * NaN).
     lhs, rhs = (PerSequence(first_only(ctx, v, 0), v.axis) for v in
                 (held(ctx, invals[0], lhs_shape), held(ctx, invals[1], rhs_shape)))
@@ -290,7 +290,7 @@ def _contract_sequences(ctx, eqn, invals):
 
     numbers = ((moved(lc, lhs.axis) + (lhs.axis + 1,), moved(rc, rhs.axis) + (rhs.axis + 1,)),
                (moved(lb, lhs.axis), moved(rb, rhs.axis)))
-    return _bind_with(eqn, [lhs.value, rhs.value], dimension_numbers=numbers)
+    return bind_eqn_with(eqn, [lhs.value, rhs.value], dimension_numbers=numbers)
 
 
 def _against_cells(ctx, eqn, invals, shapes):
@@ -307,14 +307,14 @@ def _against_cells(ctx, eqn, invals, shapes):
     if (isinstance(other, PerSequence) or a is None or len(rows) != 1 or len(packed) != 1
             or a not in sb or rows[0] not in ob or sb.index(a) != ob.index(rows[0])
             or packed[0] in oc):
-        raise _NoRule("a contraction of a per-sequence value with a value along a packed "
+        raise NoRule("a contraction of a per-sequence value with a value along a packed "
                       "length, not batched over the rows")
     (p,) = packed
     cells = lax.slice_in_dim(seq.value, 0, shapes[1 - k][p], axis=a + 1)
     moved = tuple(d + (d > a) for d in sc), (*(d + (d > a) for d in sb), a + 1)
     ours, theirs = moved, (oc, (*ob, p))
     numbers = tuple(zip(ours, theirs)) if k == 0 else tuple(zip(theirs, ours))
-    (out,) = _bind_with(eqn, [cells, other] if k == 0 else [other, cells],
+    (out,) = bind_eqn_with(eqn, [cells, other] if k == 0 else [other, cells],
                         dimension_numbers=numbers)
     # The packed axis comes out after the batch axes: back to its place among the other's
     # free axes.
@@ -333,22 +333,22 @@ def _broadcast(ctx, eqn, invals):
     if not isinstance(x, PerSequence) or not (packed or (rows and x.axis is None)):
         return None
     if len(rows) != 1 or len(packed) > 1 or (packed and packed[0] in dims):
-        raise _NoRule(f"a per-sequence value broadcast to shape {shape}")
+        raise NoRule(f"a per-sequence value broadcast to shape {shape}")
     (r,) = rows
     if x.axis is None:
         if not packed:
             targets = (r, r + 1, *(d + (d > r) for d in dims))
-            return [PerSequence(_spread(x.value, grid_shape(ctx, shape, r), targets), r)]
+            return [PerSequence(spread(x.value, grid_shape(ctx, shape, r), targets), r)]
         targets, v = (r, packed[0], *dims), lax.slice_in_dim(x.value, 0, shape[packed[0]], axis=1)
-        return [_spread(v, shape, targets)]
+        return [spread(v, shape, targets)]
     (p,) = packed
     a = x.axis
     v = lax.slice_in_dim(x.value, 0, shape[p], axis=a + 1)
-    return [_spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
+    return [spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
 
 
 @rule("cond", "while", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
       "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
       "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k")
 def _refused(ctx, eqn, invals):
-    raise _NoRule(f"{eqn.primitive.name} of a per-sequence value has no packed rule")
+    raise NoRule(f"{eqn.primitive.name} of a per-sequence value has no packed rule")

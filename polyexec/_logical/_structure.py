@@ -22,15 +22,15 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape
-from ._core import (_NoRule, _bind, _bind_with, _fill_tail, _full, _iota, _is_sym, _lowest, _place,
-                    _rule, _take, _take_rows)
+from ._core import (NoRule, bind_eqn, bind_eqn_with, fill_tail, filled, iota_along, is_sym,
+                    lowest_value, place_window, defrule, take_clamped, take_rows)
 
 
-@_rule("rev")
+@defrule("rev")
 def _rev(ctx, eqn, invals):
     (x,) = invals
     dims = eqn.params["dimensions"]
-    sym = [a for a in dims if _is_sym(x.shape[a])]
+    sym = [a for a in dims if is_sym(x.shape[a])]
     if not sym:
         return None
     fixed = tuple(a for a in dims if a not in sym)
@@ -40,17 +40,17 @@ def _rev(ctx, eqn, invals):
         n = x.shape[a]
         length = ctx.length(n, x.shape)
         if jnp.ndim(length):      # ragged: each row reversed within its own length
-            x = _take_rows(ctx, x, length - 1 - _iota(x.shape, a), a)
+            x = take_rows(ctx, x, length - 1 - iota_along(x.shape, a), a)
         else:
-            x = _take(ctx, x, length - 1 - _iota((n,), 0), a)
+            x = take_clamped(ctx, x, length - 1 - iota_along((n,), 0), a)
     return [x]
 
 
-@_rule("tile")
+@defrule("tile")
 def _tile(ctx, eqn, invals):
     (x,) = invals
     reps = eqn.params["reps"]
-    sym = [a for a, r in enumerate(reps) if r != 1 and _is_sym(x.shape[a])]
+    sym = [a for a, r in enumerate(reps) if r != 1 and is_sym(x.shape[a])]
     if not sym:
         return None
     # Tile the other axes as written, then each length axis as a gather of ``i mod t``: the
@@ -60,47 +60,48 @@ def _tile(ctx, eqn, invals):
         x = lax.tile(x, fixed)
     for a in sym:
         n = x.shape[a]
-        x = _take(ctx, x, _iota((reps[a] * n,), 0) % ctx.length(n), a)
+        x = take_clamped(ctx, x, iota_along((reps[a] * n,), 0) % ctx.length(n), a)
     return [x]
 
 
-@_rule("sort")
+@defrule("sort")
 def _sort(ctx, eqn, invals):
     d = eqn.params["dimension"]
     shape = invals[0].shape
-    if not _is_sym(shape[d]):
+    if not is_sym(shape[d]):
         return None
     # A leading key 0 (logical) / 1 (tail) sorts the tail last; within the logical positions
     # the order, ties and stability are those of the original keys.
-    is_tail = lax.convert_element_type(_iota(shape, d) >= ctx.length(shape[d], shape), np.int32)
+    is_tail = lax.convert_element_type(iota_along(shape, d) >= ctx.length(shape[d], shape),
+                                       np.int32)
     out = lax.sort_p.bind(is_tail, *invals, dimension=d, is_stable=eqn.params["is_stable"],
                           num_keys=eqn.params["num_keys"] + 1)
     return list(out[1:])
 
 
-@_rule("top_k")
+@defrule("top_k")
 def _top_k(ctx, eqn, invals):
     (x,) = invals
     axis = eqn.params.get("axis", x.ndim - 1)
     if axis < 0:
         axis += x.ndim
-    if not _is_sym(x.shape[axis]):
+    if not is_sym(x.shape[axis]):
         return None
-    if _is_sym(eqn.params["k"]):
-        raise _NoRule("top_k with a symbolic k")
+    if is_sym(eqn.params["k"]):
+        raise NoRule("top_k with a symbolic k")
     # The tail becomes the lowest value; top_k breaks ties towards the lower index, so a
     # logical position equal to the lowest value still wins over the tail.
-    return _bind_with(eqn, [_fill_tail(ctx, x, (axis,), _lowest(x.dtype))])
+    return bind_eqn_with(eqn, [fill_tail(ctx, x, (axis,), lowest_value(x.dtype))])
 
 
 
-@_rule("slice")
+@defrule("slice")
 def _slice(ctx, eqn, invals):
     (x,) = invals
     p = eqn.params
     starts, limits = p["start_indices"], p["limit_indices"]
     strides = p["strides"] or (1,) * x.ndim
-    moving = [a for a in range(x.ndim) if _is_sym(starts[a])]
+    moving = [a for a in range(x.ndim) if is_sym(starts[a])]
     if not moving:
         return None             # constant starts read a logical prefix
     # Slice the constant-start axes; on the others take start(t) + i * stride.
@@ -114,39 +115,39 @@ def _slice(ctx, eqn, invals):
         if jnp.ndim(start):     # ragged: each row's own start (``x[-1]`` of a row)
             shape = [1] * y.ndim
             shape[a] = out_shape[a]
-            y = _take_rows(ctx, y, start + strides[a] * _iota(shape, a), a)
+            y = take_rows(ctx, y, start + strides[a] * iota_along(shape, a), a)
         else:
-            y = _take(ctx, y, start + strides[a] * _iota((out_shape[a],), 0), a)
+            y = take_clamped(ctx, y, start + strides[a] * iota_along((out_shape[a],), 0), a)
     return [y]
 
 
-@_rule("split")
+@defrule("split")
 def _split(ctx, eqn, invals):
     (x,) = invals
     axis, sizes = eqn.params["axis"], eqn.params["sizes"]
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-    if not any(_is_sym(o) for o in offsets):
+    if not any(is_sym(o) for o in offsets):
         return None
-    pieces = _bind(eqn, invals)
+    pieces = bind_eqn(eqn, invals)
     for k, (off, size) in enumerate(zip(offsets, sizes)):
-        if _is_sym(off):
+        if is_sym(off):
             start = ctx.length(off, x.shape)
             if jnp.ndim(start):     # ragged: each row's piece from its own offset
                 shape = [1] * x.ndim
                 shape[axis] = size
-                pieces[k] = _take_rows(ctx, x, start + _iota(shape, axis), axis)
+                pieces[k] = take_rows(ctx, x, start + iota_along(shape, axis), axis)
             else:
-                pieces[k] = _take(ctx, x, start + _iota((size,), 0), axis)
+                pieces[k] = take_clamped(ctx, x, start + iota_along((size,), 0), axis)
     return pieces
 
 
-@_rule("concatenate")
+@defrule("concatenate")
 def _concatenate(ctx, eqn, invals):
     axis = eqn.params["dimension"]
     sizes = [x.shape[axis] for x in invals]
-    if not any(_is_sym(s) for s in sizes[:-1]):
+    if not any(is_sym(s) for s in sizes[:-1]):
         return None             # every operand starts at a constant offset
-    (joined,) = _bind(eqn, invals)
+    (joined,) = bind_eqn(eqn, invals)
     # Output position p belongs to operand k when logical_offset_k <= p: read it from
     # p - logical_offset_k + physical_offset_k of the physical concatenation. Ragged: the
     # logical offsets are each row's own.
@@ -155,24 +156,24 @@ def _concatenate(ctx, eqn, invals):
     per_row = any(jnp.ndim(v) for v in lengths)
     shape = [1] * joined.ndim
     shape[axis] = n
-    pos = _iota(shape, axis) if per_row else _iota((n,), 0)
+    pos = iota_along(shape, axis) if per_row else iota_along((n,), 0)
     src = pos
     logical_off, physical_off = 0, 0
     for size, length in zip(sizes[:-1], lengths):
         logical_off = logical_off + length
         physical_off = physical_off + ctx.physical(size)
         src = jnp.where(pos >= logical_off, pos - logical_off + physical_off, src)
-    return [_take_rows(ctx, joined, src, axis) if per_row else _take(ctx, joined, src, axis)]
+    return [take_rows(ctx, joined, src, axis) if per_row else take_clamped(ctx, joined, src, axis)]
 
 
-@_rule("pad")
+@defrule("pad")
 def _pad(ctx, eqn, invals):
     x, value = invals
     config = eqn.params["padding_config"]
     out_shape = eqn.outvars[0].aval.shape
     general = [a for a, (lo, _, interior) in enumerate(config)
-               if _is_sym(lo) or (interior and _is_sym(x.shape[a]))]
-    masked = [a for a, _ in enumerate(config) if a not in general and _is_sym(x.shape[a])]
+               if is_sym(lo) or (interior and is_sym(x.shape[a]))]
+    masked = [a for a, _ in enumerate(config) if a not in general and is_sym(x.shape[a])]
     if not general and not masked:
         return None
     simple = tuple((0, 0, 0) if a in general else c for a, c in enumerate(config))
@@ -181,22 +182,22 @@ def _pad(ctx, eqn, invals):
         # A constant low padding: the value must also fill from the operand's logical end on.
         lo, _, interior = config[a]
         end = lo + (ctx.length(x.shape[a], y.shape) - 1) * (interior + 1) + 1
-        keep = _iota(y.shape, a) < end
-        y = lax.select(keep, y, _full(y.shape, value, y.dtype))
+        keep = iota_along(y.shape, a) < end
+        y = lax.select(keep, y, filled(y.shape, value, y.dtype))
     for a in general:
         lo, _, interior = config[a]
-        y = _place(ctx, y, a, lo, interior, out_shape[a], value)
+        y = place_window(ctx, y, a, lo, interior, out_shape[a], value)
     return [y]
 
 
 
-@_rule("reshape")
+@defrule("reshape")
 def _reshape(ctx, eqn, invals):
     (x,) = invals
     if eqn.params.get("dimensions") is not None:
-        raise _NoRule("reshape with a dimensions permutation")
+        raise NoRule("reshape with a dimensions permutation")
     src, dst = x.shape, eqn.params["new_sizes"]
-    if _prefix_preserving(src, dst) or _keeps_length_axes(src, dst):
+    if _prefix_preserving(src, dst) or keeps_length_axes(src, dst):
         return None
     merged = _ragged_merge(ctx, x, src, dst)
     if merged is not None:
@@ -207,7 +208,7 @@ def _reshape(ctx, eqn, invals):
     flat = lax.reshape(x, (math.prod(src),))
     offset = 0
     for a, d in enumerate(dst):
-        offset = offset * ctx.length(d) + _iota(dst, a)
+        offset = offset * ctx.length(d) + iota_along(dst, a)
     pos = 0
     for a in reversed(range(len(src))):
         n = ctx.length(src[a])
@@ -215,7 +216,7 @@ def _reshape(ctx, eqn, invals):
         offset = offset // n
         stride = math.prod(ctx.physical(d) for d in src[a + 1:]) if a + 1 < len(src) else 1
         pos = pos + comp * stride
-    return [_take(ctx, flat, pos.reshape(-1), 0).reshape(dst)]
+    return [take_clamped(ctx, flat, pos.reshape(-1), 0).reshape(dst)]
 
 
 def _ragged_merge(ctx, x, src, dst):
@@ -230,17 +231,17 @@ def _ragged_merge(ctx, x, src, dst):
         if (len(dst) != len(src) - 1 or not definitely_equal_shape(src[:i], dst[:j])
                 or not definitely_equal_shape(src[i + 2:], dst[j + 1:])
                 or not definitely_equal(dst[j], src[i] * src[i + 1])):
-            raise _NoRule(f"a reshape of {tuple(src)} to {tuple(dst)} other than merging the "
+            raise NoRule(f"a reshape of {tuple(src)} to {tuple(dst)} other than merging the "
                           f"rows {rows} with their ragged axis")
         lengths = jnp.where(ctx.row_mask(rows), ctx.per_row(src[i + 1]), 0)
         ends = jnp.cumsum(lengths)
-        p = _iota((dst[j],), 0)
+        p = iota_along((dst[j],), 0)
         # The row of position p: how many rows end at or before it (searchsorted's default
         # method needs a constant size; B is symbolic).
         b = jnp.sum(p[:, None] >= ends[None, :], axis=1).astype(np.int32)
         t = p - (ends - lengths)[jnp.clip(b, 0, ctx.physical(src[i]) - 1)]
         flat = lax.reshape(x, (*src[:i], src[i] * src[i + 1], *src[i + 2:]))
-        return _take(ctx, flat, b * ctx.physical(src[i + 1]) + t, i)
+        return take_clamped(ctx, flat, b * ctx.physical(src[i + 1]) + t, i)
     return None
 
 
@@ -251,21 +252,21 @@ def _prefix_preserving(src, dst) -> bool:
     if definitely_equal_shape([d for d in src if not _is_unit(d)],
                               [d for d in dst if not _is_unit(d)]):
         return True
-    s = [a for a, d in enumerate(src) if _is_sym(d)]
-    d = [a for a, e in enumerate(dst) if _is_sym(e)]
+    s = [a for a, d in enumerate(src) if is_sym(d)]
+    d = [a for a, e in enumerate(dst) if is_sym(e)]
     if len(s) != 1 or len(d) != 1:
         return False
     return math.prod(src[:s[0]]) == math.prod(dst[:d[0]])
 
 
-def _keeps_length_axes(src, dst) -> bool:
+def keeps_length_axes(src, dst) -> bool:
     """Length axes in the same order, with the same constant block before and between them
     (a head split ``(B, T, 256) -> (B, T, 4, 64)``): each element keeps its coordinates on
     every length axis, so its padding stays padding."""
     def blocks(shape):
         out, run = [], 1
         for d in shape:
-            if _is_sym(d):
+            if is_sym(d):
                 out.append((run, str(d)))
                 run = 1
             else:
@@ -275,6 +276,6 @@ def _keeps_length_axes(src, dst) -> bool:
 
 
 def _is_unit(d) -> bool:
-    return not _is_sym(d) and int(d) == 1
+    return not is_sym(d) and int(d) == 1
 
 
