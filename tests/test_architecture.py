@@ -340,3 +340,17 @@ def test_only_the_adapter_reads_jax_internals():
              for line, what in jax_internal_reads(path.read_text())]
     assert not reads, ("JAX internals are read only in polyexec/_jax_internals.py; move these "
                        "reads into a shim there:\n" + "\n".join(reads))
+
+
+def test_no_rule_module_imports_a_siblings_private_names():
+    # A rule that needs another layout's rule for the same primitive reaches it through the
+    # registry (`padded_rule`), and shared helpers are the package's names: a private import
+    # would tie one rule file to another's internals, as before the one-registry rewrite.
+    found = []
+    for path in sorted((PACKAGE / "_logical").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private:
+                    found.append(f"{path.name} imports {private} from .{node.module}")
+    assert not found, "\n".join(found)
