@@ -48,7 +48,7 @@ room for its logical positions.
 # The families register their rules as they are imported; `rewrite` is only reachable through
 # this package, so it always sees the full registry.
 from . import _contractions, _control, _indexing, _pointwise, _reductions, _structure  # noqa: F401
-from ._core import Logical, RowFloor, RuleContext, Unsupported, register_rule, rewrite
+from ._core import Logical, register_rule, rewrite, RowFloor, RuleContext, Unsupported
 from ._packed import rewrite_packed
 
 __all__ = ["Logical", "RowFloor", "RuleContext", "Unsupported", "register_rule", "rewrite", "rewrite_packed"]

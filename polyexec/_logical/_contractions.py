@@ -12,12 +12,21 @@ from __future__ import annotations
 
 from jax import lax
 
-from ._core import (NoRule, bind_eqn_with, fill_tail, has_sym, highest_value, iota_along, is_sym,
-                    lowest_value, place_window, defrule, take_clamped)
+from ._core import (NoRule, bind_eqn_with, defrule, fill_tail, has_sym, highest_value, iota_along,
+                    is_sym, lowest_value, place_window, take_clamped)
 from ._families import WINDOWS
 
 
-@defrule("dot_general")
+def _contracted_tails(eqn):
+    """A contraction reads the length axes it contracts with their tails zeroed where each
+    operand is made."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    pairs = [(a, b) for a, b in zip(lc, rc) if is_sym(lhs[a]) or is_sym(rhs[b])]
+    return [(0, [a for a, _ in pairs]), (1, [b for _, b in pairs])]
+
+
+@defrule("dot_general", zeroed_reads=_contracted_tails)
 def _dot_general(ctx, eqn, invals):
     lhs, rhs = invals
     (lc, rc), _ = eqn.params["dimension_numbers"]

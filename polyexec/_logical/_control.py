@@ -22,10 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import NoRule, eval_closed, fill_tail, filled, is_sym, defrule
+from ._core import NoRule, defrule, eval_closed, fill_tail, filled, is_sym, operand_avals
 
 
-@defrule("scan", structural=True)
+def _scanned_moves(eqn):
+    p = eqn.params
+    return [(aval, (0,)) for aval in operand_avals(eqn)[p["num_consts"] + p["num_carry"]:]]
+
+
+@defrule("scan", structural=True, moves=_scanned_moves, moves_rows_why=(
+    "a scan over the rows ({rows}) of a value ragged along them (lax.map): each step's row "
+    "has no index to read its length by (jax.vmap keeps it)"))
 def _scan(ctx, eqn, invals):
     p = eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]

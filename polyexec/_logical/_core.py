@@ -27,7 +27,7 @@ from jax import export, lax
 from jax.extend import source_info_util
 
 from .._context import is_library
-from .._errors import OptionError, is_int
+from .._errors import is_int, OptionError
 from .._jax_internals import (convert_element_type, definitely_equal_shape, dim_as_value,
                               dim_bounds, dim_vars, evaluate_dim, is_constant_dim, jax_user_frames,
                               terms, var_dim)
@@ -470,24 +470,18 @@ def fill_tail(ctx: Ctx, x, axes, fill, shared=None):
 
 def _zeroed_reads(jaxpr) -> dict:
     """Per variable of ``jaxpr``, the length axes that its equations read it across with the
-    tail zeroed (contracted by ``dot_general``, summed by ``reduce_sum``): `eval_jaxpr`
-    zeroes them where the value is made, for all its readers (see the package docstring)."""
+    tail zeroed (each primitive's `_Entry.zeroed_reads`: contracted by ``dot_general``, summed
+    by ``reduce_sum``): `eval_jaxpr` zeroes them where the value is made, for all its readers
+    (see the package docstring)."""
     reads: dict[Any, set[int]] = {}
-
-    def add(v, axes):
-        if axes and isinstance(v, jax.extend.core.Var):
-            reads.setdefault(v, set()).update(axes)
-
     for eqn in jaxpr.eqns:
-        shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
-        if eqn.primitive.name == "dot_general":
-            (lc, rc), _ = eqn.params["dimension_numbers"]
-            pairs = [(a, b) for a, b in zip(lc, rc)
-                     if is_sym(shapes[0][a]) or is_sym(shapes[1][b])]
-            add(eqn.invars[0], [a for a, _ in pairs])
-            add(eqn.invars[1], [b for _, b in pairs])
-        elif eqn.primitive.name == "reduce_sum":
-            add(eqn.invars[0], [a for a in eqn.params["axes"] if is_sym(shapes[0][a])])
+        entry = lookup_rule(eqn.primitive)
+        if entry is None or entry.zeroed_reads is None:
+            continue
+        for i, axes in entry.zeroed_reads(eqn):
+            v = eqn.invars[i]
+            if axes and isinstance(v, jax.extend.core.Var):
+                reads.setdefault(v, set()).update(axes)
     return reads
 
 
@@ -704,7 +698,7 @@ def _eval_padded(ctx: Ctx, eqn, invals) -> list:
                 ctx.flag(eqn, f"the length {d} can exceed its bucket size")
                 return bind_eqn(eqn, invals)
     entry = lookup_rule(eqn.primitive)
-    if entry is None:
+    if entry is None or entry.rule is None:
         ctx.flag(eqn, f"no rule for {name} on a length axis")
         return bind_eqn(eqn, invals)
     if entry.rule is ELEMENTWISE:
@@ -738,47 +732,20 @@ def _eval_padded(ctx: Ctx, eqn, invals) -> list:
 
 def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
     """``(operand aval, axes)`` for each operand of an equation that selects, reorders, pads,
-    joins or accumulates entries along those axes (``x[:2]``, ``x[::-1]``, ``jnp.roll``,
-    ``x[perm]``, ``jnp.sort(x, 0)``, ``jnp.pad``, ``jnp.concatenate``, ``jnp.cumsum``), or
-    scans over them, as opposed to keeping every entry at its index (elementwise maths,
-    reductions, contractions, in-place updates)."""
-    name, p = eqn.primitive.name, eqn.params
-    avals = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
-    if not avals:
+    joins or accumulates entries along those axes, or scans over them (its primitive's
+    `_Entry.moves`), as opposed to keeping every entry at its index."""
+    entry = lookup_rule(eqn.primitive)
+    if entry is None or entry.moves is None or not operand_avals(eqn):
         return []
-    shape = avals[0].shape
-    if name == "slice":
-        strides = p["strides"] or (1,) * len(shape)
-        axes = [a for a in range(len(shape)) if (p["start_indices"][a], strides[a]) != (0, 1)
-                or not _same_dim(p["limit_indices"][a], shape[a])]
-    elif name == "rev":
-        axes = list(p["dimensions"])
-    elif name == "gather":
-        dn = p["dimension_numbers"]
-        axes = [a for a in range(len(shape)) if a not in dn.operand_batching_dims
-                and (a in dn.start_index_map or not _same_dim(p["slice_sizes"][a], shape[a]))]
-    elif name == "dynamic_slice":
-        axes = [a for a in range(len(shape)) if not _same_dim(p["slice_sizes"][a], shape[a])]
-    elif name == "sort":
-        return [(aval, (p["dimension"],)) for aval in avals]
-    elif name in ("concatenate", "split"):
-        return [(aval, (p["dimension" if name == "concatenate" else "axis"],)) for aval in avals]
-    elif name == "pad":
-        axes = [a for a, c in enumerate(p["padding_config"]) if tuple(c) != (0, 0, 0)]
-    elif name in _CUMULATIVE:
-        axes = [p["axis"]]
-    elif name == "scan":        # ``lax.map`` over the rows: each step sees one row, index-less
-        xs = avals[p["num_consts"] + p["num_carry"]:]
-        return [(aval, (0,)) for aval in xs]
-    else:
-        return []
-    return [(avals[0], tuple(axes))] if axes else []
+    return entry.moves(eqn)
 
 
-_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+def operand_avals(eqn) -> list:
+    """The avals of an equation's array operands (what the facts of `_Entry` read)."""
+    return [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
 
 
-def _same_dim(a, b) -> bool:
+def same_dim(a, b) -> bool:
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - dimensions of different scopes do not compare
@@ -805,43 +772,20 @@ def moves_ragged_rows(ctx: Ctx, eqn) -> str | None:
                              if i != a)
             except NoRule:
                 ragged = True
-            if ragged and eqn.primitive.name == "scan":
-                return (f"a scan over the rows ({shape[a]}) of a value ragged along them "
-                        f"(lax.map): each step's row has no index to read its length by "
-                        f"(jax.vmap keeps it)")
-            if ragged and eqn.primitive.name in _CUMULATIVE:
-                return (f"{eqn.primitive.name} accumulates across the rows ({shape[a]}) of a "
-                        f"value ragged along them: a shorter row's padding would reach the "
-                        f"rows after it")
             if ragged:
-                return (f"{eqn.primitive.name} selects, reorders or joins the rows "
-                        f"({shape[a]}) of a value ragged along them: each row's real length "
-                        f"belongs to its index, so a moved row would take the length of the "
-                        f"row whose place it takes")
+                why = lookup_rule(eqn.primitive).moves_rows_why or MOVES_ROWS_WHY
+                return why.format(name=eqn.primitive.name, rows=shape[a])
     return None
 
 
 def _window_starts(eqn, invals) -> list[tuple[int, Any, Any]]:
     """``(axis, start, size)`` of each operand axis a windowed read indexes with a window of
-    more than one position: the start a constant (an int, a symbolic dimension) or None (a
-    traced start, which the rules clamp into the row). One position (``x[:, k]``) is clamped
-    into each row by the rules: it reads inside any row but an empty one, whose value is the
-    gather's fill."""
-    name, p = eqn.primitive.name, eqn.params
-    reads = []
-    if name == "slice":
-        shape = eqn.invars[0].aval.shape
-        strides = p["strides"] or (1,) * len(shape)
-        out = eqn.outvars[0].aval.shape
-        reads = [(a, p["start_indices"][a], (out[a] - 1) * strides[a] + 1)
-                 for a in range(len(shape))]
-    elif name in ("dynamic_slice", "dynamic_update_slice"):
-        first, window = (1, p["slice_sizes"]) if name == "dynamic_slice" else (2, invals[1].shape)
-        reads = [(a, int(st) if isinstance(st, (int, np.integer, np.ndarray)) and np.ndim(st) == 0
-                  else None, window[a]) for a, st in enumerate(invals[first:])]
-    elif name == "gather":
-        reads = [(a, literal_start(invals[1], i), p["slice_sizes"][a])
-                 for i, a in enumerate(p["dimension_numbers"].start_index_map)]
+    more than one position (its primitive's `_Entry.window`): the start a constant (an int, a
+    symbolic dimension) or None (a traced start, which the rules clamp into the row). One
+    position (``x[:, k]``) is clamped into each row by the rules: it reads inside any row but
+    an empty one, whose value is the gather's fill."""
+    entry = lookup_rule(eqn.primitive)
+    reads = entry.window(eqn, invals) if entry is not None and entry.window else []
     return [(a, start, size) for a, start, size in reads if not one_position(size)]
 
 
@@ -870,7 +814,8 @@ def _note_row_floor(ctx: Ctx, eqn, invals) -> None:
     size(t)`` (a traced start is clamped to ``>= 0``). JAX proved that for every length from
     the variable's declared min up; the lengths below it are checked here (rows shorter than
     the min are accepted: a min is often there for JAX alone, ``x[:, 1:]`` of a scan)."""
-    if not ctx.recorder.ragged or eqn.primitive.name not in _WINDOWED:
+    entry = lookup_rule(eqn.primitive)
+    if not ctx.recorder.ragged or entry is None or entry.window is None:
         return
     shape = eqn.invars[0].aval.shape
     for axis, start, size in _window_starts(eqn, invals):
@@ -885,9 +830,6 @@ def _note_row_floor(ctx: Ctx, eqn, invals) -> None:
         floor = max(short, default=-1) + 1
         if floor > getattr(ctx.recorder.floors.get(var), "length", 0):
             ctx.recorder.floors[var] = RowFloor(var, floor, ctx.where(eqn))
-
-
-_WINDOWED = frozenset({"slice", "dynamic_slice", "dynamic_update_slice", "gather"})
 
 
 def window_fits_admitted_rows(ctx: Ctx, n, size, start: int) -> bool:
@@ -960,12 +902,34 @@ def like_aval(x, aval):
 
 ELEMENTWISE = "elementwise"
 
+MOVES_ROWS_WHY = ("{name} selects, reorders or joins the rows ({rows}) of a value ragged along "
+                  "them: each row's real length belongs to its index, so a moved row would "
+                  "take the length of the row whose place it takes")
+
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    rule: Callable | Literal["elementwise"]
-    structural: bool    # only recurses into sub-programs: the equations inside count, not it
-    origin: str         # who registered it, for the refusal to register over it
+    """All the rewrite knows of one primitive: its rule in each layout, and what it moves or
+    reads along an axis, which the interpreter asks before any rule runs (JAX's batching keeps
+    one table of rules; its per-primitive facts are the rules' own). A rule takes ``(ctx, eqn,
+    invals)`` and returns the outputs, None when nothing needs to change, or raises `NoRule`."""
+
+    rule: Callable | Literal["elementwise"] | None = None   # padded (and ragged) rows
+    structural: bool = False   # only recurses into sub-programs: their equations count, not it
+    origin: str = "polyexec's own"   # who registered the rule, for the refusal to replace it
+    packed: Callable | None = None         # packed rows; None: `_packed`'s generic handling
+    per_sequence: Callable | None = None   # packed rows, an input held per sequence
+    # ``eqn -> [(operand aval, axes)]``: the axes it selects, reorders, pads, joins, accumulates
+    # or scans along (`moves_ragged_rows`), as opposed to keeping each entry at its index.
+    moves: Callable | None = None
+    # Why moving the rows of a ragged value this way is flagged (`moves_ragged_rows`), with
+    # ``{name}`` and ``{rows}``; None: `MOVES_ROWS_WHY`.
+    moves_rows_why: str | None = None
+    # ``(eqn, invals) -> [(axis, start, size)]``: the windows it reads (`_note_row_floor`).
+    window: Callable | None = None
+    # ``eqn -> [(operand index, axes)]``: the length axes it reads an operand across with the
+    # tail zeroed (a contraction, a sum), zeroed once where the operand is made.
+    zeroed_reads: Callable | None = None
 
 
 # Keyed by primitive name (polyexec's rules, and the user's given a name) or by the primitive
@@ -976,26 +940,50 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def _register(key, rule, *, structural: bool, origin: str, override: bool) -> None:
+    """The padded rule of ``key``; what else the entry holds (other layouts' rules, the
+    primitive's facts) stays."""
     with _REGISTRY_LOCK:
         # A primitive object's rule would shadow one registered under its name: refused alike.
         existing = _REGISTRY.get(key) if isinstance(key, str) else lookup_rule(key)
-        if existing is not None and not override:
+        if existing is not None and existing.rule is not None and not override:
             name = key if isinstance(key, str) else key.name
             raise OptionError(
                 f"register_rule: primitive {name!r} already has a rule ({existing.origin}); "
                 f"pass override=True to replace it")
-        _REGISTRY[key] = _Entry(rule, structural, origin)
+        _REGISTRY[key] = dataclasses.replace(existing or _Entry(), rule=rule,
+                                             structural=structural, origin=origin)
 
 
-def defrule(*names: str, structural: bool = False):
+_SLOTS = ("rule", "packed", "per_sequence")
+
+
+def defrule(*names: str, layout: Literal["pad", "pack", "per_sequence"] = "pad",
+            structural: bool = False, moves: Callable | None = None,
+            moves_rows_why: str | None = None, window: Callable | None = None,
+            zeroed_reads: Callable | None = None):
     """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
     ``batching.primitive_batchers[p] = rule``: ``@defrule("rev")`` over the definition, or
-    ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``structural``: the rule only
-    recurses into the equation's programs (scan, cond, calls), so it is not counted as a
-    rewrite itself. Registering a name twice is a bug, refused at import."""
+    ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``layout``: the padded rule
+    (``"pad"``, also ragged rows), the packed one (``"pack"``) or the one for an input held
+    per sequence in packed rows (``"per_sequence"``), each in the same entry. ``structural``:
+    the rule only recurses into the equation's programs (scan, cond, calls), so it is not
+    counted as a rewrite itself. ``moves``, ``moves_rows_why``, ``window``, ``zeroed_reads``:
+    the primitive's facts (`_Entry`), stated beside its padded rule. Registering a slot twice is a bug, refused at
+    import."""
+    slot = _SLOTS[("pad", "pack", "per_sequence").index(layout)]
+    facts = dict(moves=moves, moves_rows_why=moves_rows_why, window=window,
+                 zeroed_reads=zeroed_reads)
+
     def register(rule):
         for name in names:
-            _register(name, rule, structural=structural, origin="polyexec's own", override=False)
+            with _REGISTRY_LOCK:
+                entry = _REGISTRY.get(name) or _Entry()
+                if getattr(entry, slot) is not None:
+                    raise OptionError(f"defrule: {name!r} already has a {layout} rule")
+                _REGISTRY[name] = dataclasses.replace(
+                    entry, **{slot: rule}, **({"structural": structural, **{
+                        k: v for k, v in facts.items() if v is not None}}
+                        if slot == "rule" else {}))
         return rule
     return register
 

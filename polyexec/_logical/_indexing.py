@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import (NoRule, bind_eqn_with, fill_tail, filled, has_sym, highest_value, iota_along,
-                    is_sym, logical_mask, lowest_value, defrule, literal_start, one_position,
-                    window_fits_admitted_rows)
+from ._core import (NoRule, bind_eqn_with, defrule, fill_tail, filled, has_sym, highest_value,
+                    iota_along, is_sym, literal_start, logical_mask, lowest_value, one_position,
+                    operand_avals, same_dim, window_fits_admitted_rows)
 from ._families import SCATTERS
 
 
@@ -52,7 +52,23 @@ def _clamped_starts(ctx, operand_shape, window_shape, starts):
     return out, room
 
 
-@defrule("dynamic_slice")
+def _dynamic_slice_moves(eqn):
+    aval = operand_avals(eqn)[0]
+    axes = tuple(a for a in range(len(aval.shape))
+                 if not same_dim(eqn.params["slice_sizes"][a], aval.shape[a]))
+    return [(aval, axes)] if axes else []
+
+
+def _dynamic_window(eqn, invals):
+    """A dynamic slice's (or update's) window from each start: the start an int when it is a
+    constant, else None (traced)."""
+    first, window = ((1, eqn.params["slice_sizes"]) if eqn.primitive.name == "dynamic_slice"
+                     else (2, invals[1].shape))
+    return [(a, int(st) if isinstance(st, (int, np.integer, np.ndarray)) and np.ndim(st) == 0
+             else None, window[a]) for a, st in enumerate(invals[first:])]
+
+
+@defrule("dynamic_slice", moves=_dynamic_slice_moves, window=_dynamic_window)
 def _dynamic_slice(ctx, eqn, invals):
     x, *starts = invals
     sizes = eqn.params["slice_sizes"]
@@ -62,7 +78,7 @@ def _dynamic_slice(ctx, eqn, invals):
     return bind_eqn_with(eqn, [_room(ctx, x, sizes, room), *starts])
 
 
-@defrule("dynamic_update_slice")
+@defrule("dynamic_update_slice", window=_dynamic_window)
 def _dynamic_update_slice(ctx, eqn, invals):
     x, update, *starts = invals
     if not has_sym(x.shape) and not has_sym(update.shape):
@@ -106,7 +122,21 @@ def _index_bounds(ctx, operand_shape, window, index_map, idx, params):
     return bounds, room
 
 
-@defrule("gather")
+def _gather_moves(eqn):
+    aval, p = operand_avals(eqn)[0], eqn.params
+    dn = p["dimension_numbers"]
+    axes = tuple(a for a in range(len(aval.shape)) if a not in dn.operand_batching_dims
+                 and (a in dn.start_index_map or not same_dim(p["slice_sizes"][a], aval.shape[a])))
+    return [(aval, axes)] if axes else []
+
+
+def _gather_window(eqn, invals):
+    p = eqn.params
+    return [(a, literal_start(invals[1], i), p["slice_sizes"][a])
+            for i, a in enumerate(p["dimension_numbers"].start_index_map)]
+
+
+@defrule("gather", moves=_gather_moves, window=_gather_window)
 def _gather(ctx, eqn, invals):
     x, idx = invals
     p = eqn.params

@@ -76,17 +76,16 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._core import (ELEMENTWISE, padded_rule, Logical, RowVarying, Unsupported, bind_eqn,
-                    bind_eqn_with, Ctx, eqn_touches, eval_jaxpr, filled, is_sym, like_aval,
-                    lookup_rule, NoRule, Recorder, replay, sub_jaxprs, take_rows, user_line,
-                    moves_ragged_rows)
+from ._core import (ELEMENTWISE, Ctx, Logical, NoRule, Recorder, RowVarying, Unsupported, bind_eqn,
+                    bind_eqn_with, defrule, eqn_touches, eval_jaxpr, filled, is_sym, like_aval,
+                    lookup_rule, moves_ragged_rows, padded_rule, replay, sub_jaxprs, take_rows,
+                    user_line)
 from ._control import at_step, frozen_scan
 from ._families import CUMULATIVE, REDUCERS, SCATTERS, WINDOWS
 from ._indexing import gather_fill
 from ._structure import keeps_length_axes
-from ._core import highest_value, lowest_value
-from ._sequences import PerSequence, spread, to_cells, at_column, by_cell, held
-from ._sequences import evaluate as _evaluate_per_sequence, rule as _per_sequence_rule
+from ._sequences import PerSequence, at_column, by_cell, held, spread, to_cells
+from ._sequences import evaluate as _evaluate_per_sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +269,10 @@ class _PackedCtx(Ctx):
         if moved is not None:
             self.flag(eqn, moved)
             return [NotPacked(moved)] * len(eqn.outvars)
+        entry = lookup_rule(eqn.primitive)
         rule = (_per_cell if per_cell else _evaluate_per_sequence if per_sequence
-                else _PACKED_RULES.get(eqn.primitive.name, _generic))
+                else entry.packed if entry is not None and entry.packed is not None
+                else _generic)
         try:
             self.current, self.from_lengths_shapes = eqn, self.shapes_made_from_lengths(invals)
             out = rule(self, eqn, invals)
@@ -330,17 +331,6 @@ def _fits(recorder: Recorder, d, var: str, rows: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # Rules
 
-_PACKED_RULES: dict[str, Any] = {}
-
-
-def _packed(*names):
-    def register(rule):
-        for name in names:
-            _PACKED_RULES[name] = rule
-        return rule
-    return register
-
-
 # Primitives that act along the axes their parameter names; elsewhere they are per position.
 _AXIS_PARAMS = {"argsort": "dimension"}
 _RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
@@ -361,7 +351,7 @@ def _generic(ctx: _PackedCtx, eqn, invals):
                    if a < x.ndim):
             return None
         raise NoRule(f"{name} along a length axis of a packed row (several sequences share it)")
-    if entry is None:
+    if entry is None or entry.rule is None:
         raise NoRule(f"no rule for {name} on a length axis")
     if name in SCATTERS and ctx.alive is not None:
         invals = _drop_dead_rows(ctx, eqn, invals)
@@ -447,8 +437,8 @@ def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
     return bind_eqn(eqn, new) if changed else None
 
 
-@_packed("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-         "reduce_xor", "argmax", "argmin", "reduce")
+@defrule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+         "reduce_xor", "argmax", "argmin", "reduce", layout="pack")
 def _reduction(ctx: _PackedCtx, eqn, invals):
     x = invals[0]
     axes = set(eqn.params["axes"] if "axes" in eqn.params else eqn.params["dimensions"])
@@ -503,7 +493,7 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
     if name in ("argmax", "argmin"):
         best = "max" if name == "argmax" else "min"
         nan = jnp.isnan(x) & frame if jnp.issubdtype(x.dtype, jnp.inexact) else frame & False
-        fill = (lowest_value if best == "max" else highest_value)(x.dtype)
+        fill = REDUCERS[name].identity(x.dtype)
         clean = lax.select(frame & ~nan, x, filled(x.shape, fill, x.dtype))
         extreme = _segments(ctx, clean, r, p, best, fill)
         has_nan = _segments(ctx, nan.astype(np.int8), r, p, "max", 0)
@@ -582,7 +572,7 @@ def _read_cells(ctx: _PackedCtx, starts, r, p, grid):
     return jnp.moveaxis(grid[row, starts], (0, 1), (r, p))
 
 
-@_packed("dot_general")
+@defrule("dot_general", layout="pack")
 def _dot_general(ctx: _PackedCtx, eqn, invals):
     lhs, rhs = invals
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -682,7 +672,7 @@ def _pairing(ctx: _PackedCtx, eqn, lhs, rhs):
     return bind_eqn(eqn, [ctx.frame_only(x, 0) for x in (lhs, rhs)])
 
 
-@_packed("conv_general_dilated")
+@defrule("conv_general_dilated", layout="pack")
 def _conv(ctx: _PackedCtx, eqn, invals):
     """A convolution along a packed length with stride 1: every tap reads its own sequence,
     and zeros beyond its edges, as the exact-size convolution's zero padding does. The
@@ -760,7 +750,7 @@ def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fil
                       filled(shifted.shape, fill, x.dtype))
 
 
-@_packed(*WINDOWS)
+@defrule(*WINDOWS, layout="pack")
 def _window(ctx: _PackedCtx, eqn, invals):
     """A window along a packed length with stride 1 (a moving sum, average, max or min): each
     window reads its own sequence and the combiner's identity past its edges, as the
@@ -801,7 +791,7 @@ def _replace(values, i, value):
     return tuple(values)
 
 
-@_packed("rev")
+@defrule("rev", layout="pack")
 def _rev(ctx: _PackedCtx, eqn, invals):
     """Reversing a packed length reverses each sequence in place: the cell at position ``p``
     of a part of ``e`` cells reads its own sequence's position ``e - 1 - p``, at column
@@ -834,7 +824,7 @@ def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
     return take_rows(ctx, x, spread(source, x.shape, (r, a)), a)
 
 
-@_packed(*CUMULATIVE)
+@defrule(*CUMULATIVE, layout="pack")
 def _cumulative(ctx: _PackedCtx, eqn, invals):
     """A cumulative op along a packed length runs per sequence: a scan over the columns whose
     running value restarts at each sequence's first cell (its last with ``reverse=True``, as
@@ -867,7 +857,7 @@ def _cumulative(ctx: _PackedCtx, eqn, invals):
     return [jnp.moveaxis(out, 0, a)]
 
 
-@_packed("sort")
+@defrule("sort", layout="pack")
 def _sort(ctx: _PackedCtx, eqn, invals):
     """A sort along a packed length sorts each sequence in place: a leading key, the
     sequence's start column for the cells in its frame and a cell's own column elsewhere,
@@ -889,7 +879,7 @@ def _sort(ctx: _PackedCtx, eqn, invals):
     return list(out[1:])
 
 
-@_packed("dim_as_value")
+@defrule("dim_as_value", layout="pack")
 def _dim_as_value(ctx: _PackedCtx, eqn, invals):
     d = eqn.params["dim"]
     names = dim_vars(d)
@@ -999,20 +989,20 @@ def _put(ctx: _PackedCtx, eqn, invals):
     return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
 
 
-@_packed("gather")
+@defrule("gather", layout="pack")
 def _gather(ctx: _PackedCtx, eqn, invals):
     picked = _pick(ctx, eqn, invals)
     return picked if picked is not None else _generic(ctx, eqn, invals)
 
 
-@_packed("scatter-add", "scatter")
+@defrule("scatter-add", "scatter", layout="pack")
 def _scatter(ctx: _PackedCtx, eqn, invals):
     put = _put(ctx, eqn, invals)
     return put if put is not None else _generic(ctx, eqn, invals)
 
 
-_per_sequence_rule("gather")(_pick)
-_per_sequence_rule("scatter-add", "scatter")(_put)
+defrule("gather", layout="per_sequence")(_pick)
+defrule("scatter-add", "scatter", layout="per_sequence")(_put)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1141,7 +1131,7 @@ def _gather_at_positions(ctx: _PackedCtx, eqn, invals, shapes, out):
     return [jnp.moveaxis(xs.at[row, into].add(updates, mode="drop"), (0, 1), (r, p))]
 
 
-@_packed("broadcast_in_dim")
+@defrule("broadcast_in_dim", layout="pack")
 def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
     (x,) = invals[:1]
     shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
@@ -1181,7 +1171,7 @@ def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
     return spread(x, shape, targets)
 
 
-@_packed("iota")
+@defrule("iota", layout="pack")
 def iota_along(ctx: _PackedCtx, eqn, invals):
     shape, dim = eqn.params["shape"], eqn.params["dimension"]
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
@@ -1195,7 +1185,7 @@ def iota_along(ctx: _PackedCtx, eqn, invals):
     return [spread(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, (rows[0], dim))]
 
 
-@_packed("slice")
+@defrule("slice", layout="pack")
 def _slice(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     rows = ctx.row_axes(x.shape)
@@ -1218,7 +1208,7 @@ def _slice(ctx: _PackedCtx, eqn, invals):
     return None     # column q of the result reads column q + start: the same sequence
 
 
-@_packed("pad")
+@defrule("pad", layout="pack")
 def _pad(ctx: _PackedCtx, eqn, invals):
     x, fill = invals
     config = eqn.params["padding_config"]
@@ -1241,7 +1231,7 @@ def _pad(ctx: _PackedCtx, eqn, invals):
     return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
 
 
-@_packed("reshape")
+@defrule("reshape", layout="pack")
 def _reshape(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     src, dst = x.shape, eqn.params["new_sizes"]
@@ -1252,7 +1242,7 @@ def _reshape(ctx: _PackedCtx, eqn, invals):
     raise NoRule("a reshape that merges or splits the rows or a packed length")
 
 
-@_packed("concatenate")
+@defrule("concatenate", layout="pack")
 def _concatenate(ctx: _PackedCtx, eqn, invals):
     """Along a packed length, each sequence's pieces one after another from its own start
     column (``concatenate([bos, x[:, :-1]], 1)``, a shift right): position ``p`` of a
@@ -1298,10 +1288,10 @@ def _concatenate(ctx: _PackedCtx, eqn, invals):
     return [result]
 
 
-_per_sequence_rule("concatenate")(_concatenate)
+defrule("concatenate", layout="per_sequence")(_concatenate)
 
 
-@_packed("split")
+@defrule("split", layout="pack")
 def _split(ctx: _PackedCtx, eqn, invals):
     """Along a packed length (a concatenate's transpose), each sequence's parts at its own
     offsets: a part of a packed length holds position ``q`` at column ``start + q``, one of a
@@ -1351,15 +1341,15 @@ def _split(ctx: _PackedCtx, eqn, invals):
     return parts
 
 
-_per_sequence_rule("split")(_split)
+defrule("split", layout="per_sequence")(_split)
 
 
-@_packed("while")
+@defrule("while", layout="pack")
 def _while(ctx: _PackedCtx, eqn, invals):
     raise NoRule("a while loop over packed rows (a per-sequence trip count)")
 
 
-@_packed("scan")
+@defrule("scan", layout="pack")
 def _scan(ctx: _PackedCtx, eqn, invals):
     p = eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
@@ -1374,7 +1364,7 @@ def _scan(ctx: _PackedCtx, eqn, invals):
     return _packed_scan(ctx, eqn, consts, init, xs)
 
 
-_per_sequence_rule("scan")(_scan)
+defrule("scan", layout="per_sequence")(_scan)
 
 
 def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):

@@ -8,11 +8,18 @@
 
 from __future__ import annotations
 
-from ._core import bind_eqn_with, defrule, fill_tail, is_sym
+from ._core import bind_eqn_with, defrule, fill_tail, is_sym, operand_avals
 from ._families import CUMULATIVE, REDUCERS
 
 
-@defrule(*REDUCERS)
+def _summed_tails(eqn):
+    """A sum reads its length axes with their tails zeroed where the operand is made."""
+    shape = eqn.invars[0].aval.shape
+    return [(0, [a for a in eqn.params["axes"] if is_sym(shape[a])])]
+
+
+@defrule("reduce_sum", zeroed_reads=_summed_tails)
+@defrule(*(name for name in REDUCERS if name != "reduce_sum"))
 def _reduction(ctx, eqn, invals):
     (x,) = invals
     axes = eqn.params["axes"]
@@ -34,7 +41,13 @@ def _reduce(ctx, eqn, invals):
     return bind_eqn_with(eqn, [*operands, *inits])
 
 
-@defrule(*CUMULATIVE)
+def _cumulative_moves(eqn):
+    return [(operand_avals(eqn)[0], (eqn.params["axis"],))]
+
+
+@defrule(*CUMULATIVE, moves=_cumulative_moves, moves_rows_why=(
+    "{name} accumulates across the rows ({rows}) of a value ragged along them: a shorter "
+    "row's padding would reach the rows after it"))
 def _cumulative(ctx, eqn, invals):
     # Forward: position i reads 0..i, a logical prefix. Reverse: i reads i..n-1, the tail
     # included, so the tail becomes the identity and the sums start from the logical end.

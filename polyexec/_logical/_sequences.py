@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._core import ELEMENTWISE, bind_eqn, bind_eqn_with, filled, is_sym, lookup_rule, NoRule
+from ._core import (ELEMENTWISE, bind_eqn, bind_eqn_with, defrule, filled, is_sym, lookup_rule,
+                    NoRule)
 from ._families import REDUCERS
 from ._structure import keeps_length_axes
 
@@ -100,26 +101,14 @@ def _shapes(vs):
 # --------------------------------------------------------------------------------------------
 # Equations reading per-sequence values
 
-RULES: dict[str, Any] = {}
-
-
-def rule(*names):
-    def register(fn):
-        for name in names:
-            RULES[name] = fn
-        return fn
-    return register
-
-
 def evaluate(ctx, eqn, invals) -> list:
     """One equation with a `PerSequence` among its inputs."""
     ctx.recorder.per_sequence = True
-    specific = RULES.get(eqn.primitive.name)
-    if specific is not None:
-        out = specific(ctx, eqn, invals)
+    entry = lookup_rule(eqn.primitive)
+    if entry is not None and entry.per_sequence is not None:
+        out = entry.per_sequence(ctx, eqn, invals)
         if out is not None:
             return out
-    entry = lookup_rule(eqn.primitive)
     if entry is not None and getattr(entry.rule, "inline", False):
         return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
     return _per_column(ctx, eqn, invals, entry)
@@ -246,8 +235,8 @@ def to_cells(ctx, x: PerSequence, shape, out):
     return spread(v, out, [p if a == "columns" else a for a in labels])
 
 
-@rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-      "argmax", "argmin")
+@defrule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+      "argmax", "argmin", layout="per_sequence")
 def _over_sequences(ctx, eqn, invals):
     """A reduction over the rows of a per-sequence value (``jnp.mean(loss)``): over every
     sequence once, at its first cell."""
@@ -264,7 +253,7 @@ def _over_sequences(ctx, eqn, invals):
     return bind_eqn_with(eqn, [first_only(ctx, x, fill)], axes=physical)
 
 
-@rule("dot_general")
+@defrule("dot_general", layout="per_sequence")
 def _contract_sequences(ctx, eqn, invals):
     """A contraction over the rows of per-sequence values (a head's weight gradient
     ``h.T @ g``): over every sequence once, at its first cell."""
@@ -323,7 +312,7 @@ def _against_cells(ctx, eqn, invals, shapes):
     return [jnp.moveaxis(out, len(lb), len(lb) + before + free.index(p))]
 
 
-@rule("broadcast_in_dim")
+@defrule("broadcast_in_dim", layout="per_sequence")
 def _broadcast(ctx, eqn, invals):
     """A per-sequence value broadcast onto rows (a number per sequence) or along a packed
     length (``h[:, None, :]`` to ``(B, T, H)``): each cell its own sequence's entry."""
@@ -347,8 +336,8 @@ def _broadcast(ctx, eqn, invals):
     return [spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
 
 
-@rule("cond", "while", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
+@defrule("cond", "while", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
       "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
-      "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k")
+      "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k", layout="per_sequence")
 def _refused(ctx, eqn, invals):
     raise NoRule(f"{eqn.primitive.name} of a per-sequence value has no packed rule")

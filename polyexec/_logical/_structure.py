@@ -22,11 +22,16 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape
-from ._core import (NoRule, bind_eqn, bind_eqn_with, fill_tail, filled, iota_along, is_sym,
-                    lowest_value, place_window, defrule, take_clamped, take_rows)
+from ._core import (NoRule, bind_eqn, bind_eqn_with, defrule, fill_tail, filled, iota_along,
+                    is_sym, lowest_value, operand_avals, place_window, same_dim, take_clamped,
+                    take_rows)
 
 
-@defrule("rev")
+def _rev_moves(eqn):
+    return [(operand_avals(eqn)[0], tuple(eqn.params["dimensions"]))]
+
+
+@defrule("rev", moves=_rev_moves)
 def _rev(ctx, eqn, invals):
     (x,) = invals
     dims = eqn.params["dimensions"]
@@ -64,7 +69,11 @@ def _tile(ctx, eqn, invals):
     return [x]
 
 
-@defrule("sort")
+def _sort_moves(eqn):
+    return [(aval, (eqn.params["dimension"],)) for aval in operand_avals(eqn)]
+
+
+@defrule("sort", moves=_sort_moves)
 def _sort(ctx, eqn, invals):
     d = eqn.params["dimension"]
     shape = invals[0].shape
@@ -95,7 +104,21 @@ def _top_k(ctx, eqn, invals):
 
 
 
-@defrule("slice")
+def _slice_moves(eqn):
+    (aval,), p = operand_avals(eqn), eqn.params
+    strides = p["strides"] or (1,) * len(aval.shape)
+    axes = tuple(a for a in range(len(aval.shape)) if (p["start_indices"][a], strides[a]) != (0, 1)
+                 or not same_dim(p["limit_indices"][a], aval.shape[a]))
+    return [(aval, axes)] if axes else []
+
+
+def _slice_window(eqn, invals):
+    p, shape, out = eqn.params, eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    strides = p["strides"] or (1,) * len(shape)
+    return [(a, p["start_indices"][a], (out[a] - 1) * strides[a] + 1) for a in range(len(shape))]
+
+
+@defrule("slice", moves=_slice_moves, window=_slice_window)
 def _slice(ctx, eqn, invals):
     (x,) = invals
     p = eqn.params
@@ -121,7 +144,12 @@ def _slice(ctx, eqn, invals):
     return [y]
 
 
-@defrule("split")
+def _joined_moves(eqn):
+    axis = eqn.params["dimension" if eqn.primitive.name == "concatenate" else "axis"]
+    return [(aval, (axis,)) for aval in operand_avals(eqn)]
+
+
+@defrule("split", moves=_joined_moves)
 def _split(ctx, eqn, invals):
     (x,) = invals
     axis, sizes = eqn.params["axis"], eqn.params["sizes"]
@@ -141,7 +169,7 @@ def _split(ctx, eqn, invals):
     return pieces
 
 
-@defrule("concatenate")
+@defrule("concatenate", moves=_joined_moves)
 def _concatenate(ctx, eqn, invals):
     axis = eqn.params["dimension"]
     sizes = [x.shape[axis] for x in invals]
@@ -166,7 +194,12 @@ def _concatenate(ctx, eqn, invals):
     return [take_rows(ctx, joined, src, axis) if per_row else take_clamped(ctx, joined, src, axis)]
 
 
-@defrule("pad")
+def _pad_moves(eqn):
+    axes = tuple(a for a, c in enumerate(eqn.params["padding_config"]) if tuple(c) != (0, 0, 0))
+    return [(operand_avals(eqn)[0], axes)] if axes else []
+
+
+@defrule("pad", moves=_pad_moves)
 def _pad(ctx, eqn, invals):
     x, value = invals
     config = eqn.params["padding_config"]
