@@ -4,6 +4,7 @@ what came -- or, where legal but surprising, warned about. Never silently filter
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,6 +41,7 @@ def _refused(call, error, message):
 
 
 X = np.ones((2, 5), np.float32)
+KEYS = jax.random.split(jax.random.key(0), 2)     # made here: refusing them compiles nothing
 
 # -- lengths that do not fit int32: checked as given, never after a wrapping cast ---------------
 
@@ -91,6 +93,10 @@ NOT_ARRAYS = [
      "args[0]: expected an array for Spec('B T', float32, pad=0), received tuple ()"),
     ("a list of strings", lambda f: f([["a", "b"]], np.array([1], np.int32)),
      "args[0]: expected an array of numbers or bools, received list of dtype <U1"),
+    ("a typed PRNG key", lambda f: f(X, KEYS),
+     "args[1]: expected an array of numbers or bools, received a typed PRNG key array (dtype "
+     "key<fry>, shape (2,)): a key has no length axis to pad (give it None in in_specs: it is "
+     "then passed through as it is)"),
 ]
 
 
