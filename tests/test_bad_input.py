@@ -271,7 +271,27 @@ OPS = [
      "bucketed: fn: expected a callable or a px.Plan, received str 'f'"),
     ("trace fn not callable", lambda: px.trace(5, px.Spec("T", jnp.float32)), px.OptionError,
      "trace: fn: expected a callable, received int 5"),
+    ("bucketed variables None", lambda: _with_variables(None), px.OptionError,
+     "bucketed(double): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received NoneType None"),
+    ("bucketed variables one LengthVar", lambda: _with_variables(T), px.OptionError,
+     "bucketed(double): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received a single LengthVar LengthVar('T', min=1, max=64)"),
+    ("bucketed variables a string", lambda: _with_variables("T"), px.OptionError,
+     "bucketed(double): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received str 'T'"),
+    ("bucketed variables holding a name", lambda: _with_variables([T, "B"]), px.OptionError,
+     "bucketed(double): variables[1]: expected a px.LengthVar, received str 'B'"),
+    ("trace variables None",
+     lambda: px.trace(lambda x: x, px.Spec((T,), jnp.float32), variables=None), px.OptionError,
+     "trace(<lambda>): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received NoneType None"),
 ]
+
+
+def _with_variables(variables):
+    return px.bucketed(lambda x: x, in_specs=(px.Spec((T,), jnp.float32),), name="double",
+                       variables=variables)
 
 
 @pytest.mark.parametrize("call, error, message", [c[1:] for c in OPS], ids=[c[0] for c in OPS])
