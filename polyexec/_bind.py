@@ -112,6 +112,22 @@ def _check_spec_args(args: Sequence[Any], in_specs: Sequence[Any], offset: int) 
         # A structure mismatch: spec_per_leaf reports it with the whole structure.
 
 
+def _check_concrete(args: Sequence[Any], offset: int) -> None:
+    """Refuse a JAX tracer anywhere in the arguments, before anything reads a size or a value:
+    under ``jax.jit``/``grad``/``vmap`` polyexec would fail deep inside, reading a tracer's
+    values on the host or handing it to a compiled executable (a raw ConcretizationTypeError
+    or 'Cannot apply JAX transformations to a function lowered and compiled')."""
+    for keypath, leaf in jax.tree_util.tree_leaves_with_path(tuple(args)):
+        if isinstance(leaf, jax.core.Tracer):
+            raise SpecError(
+                f"{_path(keypath, offset)}: expected a concrete array, received a JAX tracer "
+                f"({leaf.aval.str_short()}): the bucketed function was called inside jax.jit, "
+                f"jax.grad, jax.vmap or another transformation. It reads sizes on the host and "
+                f"runs its own program compiled per bucket, which takes no tracers: call it "
+                f"outside the transformation, or transform the function it wraps instead "
+                f"(px.bucketed(jax.grad(loss), ...))")
+
+
 def _lists_as_arrays(args: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, ...]:
     """A (nested) Python list given where a Spec expects an array is one array, not a pytree
     of scalars: read it as NumPy would, so errors speak of its rank, not of ``args[0][0][0]``."""
@@ -159,6 +175,7 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
          offset: int = 0) -> BoundCall:
     """Validate ``args`` against ``in_specs`` and read every length variable's size. The first
     ``offset`` arguments are not the caller's (errors count positions after them)."""
+    _check_concrete(args, offset)
     if len(args) != len(in_specs):
         raise SpecError(f"expected {len(in_specs) - offset} positional arguments (one per "
                         f"in_specs entry), received {len(args) - offset}")

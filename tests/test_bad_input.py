@@ -107,6 +107,38 @@ def test_non_arrays_for_spec_arguments(call, message):
     assert f.traces == 0
 
 
+# -- called under a JAX transformation: the arguments are tracers ------------------------------
+
+TRACERS = [
+    ("jit, a Spec'd argument", lambda f, m, x, rows: jax.jit(lambda x: f(m, x))(x),
+     "args[1]", "float32[5]"),
+    ("grad, a Spec'd argument", lambda f, m, x, rows: jax.grad(lambda x: f(m, x).sum())(x),
+     "args[1]", "float32[5]"),
+    ("vmap over rows", lambda f, m, x, rows: jax.vmap(lambda r: f(m, r))(rows),
+     "args[1]", "float32[5]"),
+    ("jit, the model", lambda f, m, x, rows: jax.jit(lambda m: f(m, x))(m),
+     "args[0]['w']", "float32[]"),
+    ("grad, the model", lambda f, m, x, rows: jax.grad(lambda m: f(m, x).sum())(m),
+     "args[0]['w']", "float32[]"),
+]
+
+
+@pytest.mark.parametrize("call, path, aval", [c[1:] for c in TRACERS], ids=[c[0] for c in TRACERS])
+def test_tracers_are_refused_naming_the_argument(call, path, aval):
+    f = px.bucketed(lambda m, x: m["w"] * x, in_specs=(None, px.Spec((T,), jnp.float32)),
+                    buckets={T: [8]})
+    model = {"w": jnp.asarray(np.float32(2.0))}
+    x, rows = jnp.asarray(np.ones(5, np.float32)), jnp.asarray(np.ones((2, 5), np.float32))
+    _refused(lambda: call(f, model, x, rows), px.SpecError,
+             f"{path}: expected a concrete array, received a JAX tracer ({aval}): the bucketed "
+             f"function was called inside jax.jit, jax.grad, jax.vmap or another "
+             f"transformation. It reads sizes on the host and runs its own program compiled per "
+             f"bucket, which takes no tracers: call it outside the transformation, or transform "
+             f"the function it wraps instead (px.bucketed(jax.grad(loss), ...))")
+    assert f.traces == 0
+    assert f(model, x).tolist() == [2.0] * 5      # outside any transformation it runs
+
+
 # -- declarations: LengthVar, Spec -----------------------------------------------------------
 
 DECLARATIONS = [
