@@ -26,11 +26,10 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import export
-from jax._src import source_info_util
 from jax._src.export import shape_poly
 
-from ._context import (ConcreteSizeRequested, binding, describe_frame, is_jax_internal,
-                       is_library, user_frame)
+from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_line,
+                       is_jax_internal, is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
 from ._spec import symbolic_dims
@@ -113,12 +112,8 @@ def flat_program(fn: Callable, convention: Convention, bucket: Mapping[str, int]
 
 
 def where(eqn) -> str:
-    """``file:line: `code``` of the user line that made an equation."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    if frame is None:
-        return "<unknown>"
-    line = linecache.getline(frame.file_name, frame.start_line).strip()
-    return f"{frame.file_name}:{frame.start_line}" + (f": `{line}`" if line else "")
+    """``file:line: `code``` of the user line that made an equation (`equation_line`)."""
+    return equation_line(eqn) or "<unknown>"
 
 
 def sub_jaxprs(eqn) -> Iterator[Any]:

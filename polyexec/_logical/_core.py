@@ -13,7 +13,6 @@ user's line, and the equation runs unchanged).
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -29,7 +28,7 @@ from jax._src import source_info_util
 from jax._src.export import shape_poly as _shape_poly
 from jax._src.lax import lax as _lax_internal
 
-from .._context import is_library
+from .._context import equation_line
 from .._errors import OptionError, is_int
 
 
@@ -208,9 +207,9 @@ class _Ctx:
         """The user's line of an equation: its own, or else (equations JAX's own functions
         trace, e.g. inside ``jnp.linalg``) that of the innermost enclosing call whose
         traceback reaches user code."""
-        where, ctx = _where(eqn), self
+        where, ctx = equation_line(eqn), self
         while where is None and ctx is not None:
-            where = _where(ctx.eqn) if ctx.eqn is not None else None
+            where = equation_line(ctx.eqn) if ctx.eqn is not None else None
             ctx = ctx.parent
         return where or "<unknown>"
 
@@ -396,18 +395,6 @@ class _Recorder:
 
     def touched(self, jaxpr) -> bool:
         return _jaxpr_touches(getattr(jaxpr, "jaxpr", jaxpr), self.touches)
-
-def _where(eqn) -> str | None:
-    """The user's line that made an equation: the innermost frame outside JAX and the other
-    libraries polyexec knows (equinox's modules, polyexec itself), which JAX's own
-    ``user_frame`` would name."""
-    frame = next((f for f in source_info_util.user_frames(eqn.source_info.traceback)
-                  if not is_library(f.file_name)), None)
-    if frame is None:
-        return None
-    line = linecache.getline(frame.file_name, frame.start_line).strip()
-    return f"{frame.file_name}:{frame.start_line}" + (f": `{line}`" if line else "")
-
 
 # --------------------------------------------------------------------------------------------
 # Mask helpers

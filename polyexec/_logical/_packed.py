@@ -76,9 +76,10 @@ import numpy as np
 from jax import lax
 from jax._src.export import shape_poly as _shape_poly
 
+from .._context import equation_line
 from ._core import (ELEMENTWISE, Logical, RowVarying, Unsupported, _bind, _bind_with, _Ctx,
                     _eqn_touches, _eval_jaxpr, _full, _is_sym, _like, _lookup, _NoRule,
-                    _Recorder, _replay, _sub_jaxprs, _take_rows, _where, moves_ragged_rows)
+                    _Recorder, _replay, _sub_jaxprs, _take_rows, moves_ragged_rows)
 from ._contractions import _dot_general as _padded_dot_general
 from ._control import _scan as _padded_scan
 from ._control import _at_step, frozen_scan
@@ -301,7 +302,7 @@ class _PackedCtx(_Ctx):
         return _per_cell(self, eqn, invals)
 
     def per_sequence(self, eqn, what: str) -> list:
-        where = _where(eqn) or "<unknown>"
+        where = equation_line(eqn) or "<unknown>"
         return [NotPacked(f"{what} made at {where}, a per-sequence value (a packed row holds "
                           f"several sequences)")] * len(eqn.outvars)
 
