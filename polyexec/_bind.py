@@ -58,6 +58,9 @@ class Signature:
     kinds: tuple[str, ...]                       # per leaf: "poly", "array" or "static"
     statics: tuple[Any, ...]                     # the static leaves, in order
     array_avals: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    # Per "array" leaf: the impl of a typed PRNG key, which travels as its uint32 key data (the
+    # aval above) and is rewrapped where the function is called; None for any other array.
+    array_keys: tuple[Any, ...]
     poly: tuple[tuple[Spec, np.dtype], ...]
     paths: tuple[str, ...] = dataclasses.field(compare=False)
     args: tuple[int, ...] = dataclasses.field(compare=False, default=())  # per leaf: argument
@@ -69,7 +72,10 @@ class Signature:
         return [a for a, k in zip(self.args, self.kinds) if k == kind]
 
     def unflatten(self, arrays: Sequence[Any], poly: Sequence[Any]) -> tuple[Any, ...]:
-        """The positional arguments from their array and Spec'd leaves (statics restored)."""
+        """The positional arguments from their array and Spec'd leaves (statics restored, typed
+        PRNG keys rewrapped from their data)."""
+        arrays = [a if impl is None else jax.random.wrap_key_data(a, impl=impl)
+                  for a, impl in zip(arrays, self.array_keys, strict=True)]
         sources = {"array": iter(arrays), "poly": iter(poly), "static": iter(self.statics)}
         return jax.tree_util.tree_unflatten(self.treedef,
                                             [next(sources[kind]) for kind in self.kinds])
@@ -78,7 +84,7 @@ class Signature:
 @dataclasses.dataclass
 class BoundCall:
     signature: Signature
-    arrays: list[Any]                # the "array" leaves as given
+    arrays: list[Any]                # the "array" leaves as given (a typed key: its data)
     poly: list[Any]                  # the "poly" leaves, as arrays of the canonical dtype
     sizes: dict[str, int]            # each length variable's real size
 
@@ -106,6 +112,22 @@ def _check_spec_args(args: Sequence[Any], in_specs: Sequence[Any], offset: int) 
         # A structure mismatch: spec_per_leaf reports it with the whole structure.
 
 
+def _check_concrete(args: Sequence[Any], offset: int) -> None:
+    """Refuse a JAX tracer anywhere in the arguments, before anything reads a size or a value:
+    under ``jax.jit``/``grad``/``vmap`` polyexec would fail deep inside, reading a tracer's
+    values on the host or handing it to a compiled executable (a raw ConcretizationTypeError
+    or 'Cannot apply JAX transformations to a function lowered and compiled')."""
+    for keypath, leaf in jax.tree_util.tree_leaves_with_path(tuple(args)):
+        if isinstance(leaf, jax.core.Tracer):
+            raise SpecError(
+                f"{_path(keypath, offset)}: expected a concrete array, received a JAX tracer "
+                f"({leaf.aval.str_short()}): the bucketed function was called inside jax.jit, "
+                f"jax.grad, jax.vmap or another transformation. It reads sizes on the host and "
+                f"runs its own program compiled per bucket, which takes no tracers: call it "
+                f"outside the transformation, or transform the function it wraps instead "
+                f"(px.bucketed(jax.grad(loss), ...))")
+
+
 def _lists_as_arrays(args: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, ...]:
     """A (nested) Python list given where a Spec expects an array is one array, not a pytree
     of scalars: read it as NumPy would, so errors speak of its rank, not of ``args[0][0][0]``."""
@@ -117,7 +139,17 @@ def _lists_as_arrays(args: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, ..
     return tuple(out)
 
 
+def is_key(leaf: Any) -> bool:
+    """A typed PRNG key array (``jax.random.key(0)``, dtype ``key<fry>``)."""
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
 def _as_array(leaf: Any, path: str) -> Any:
+    if is_key(leaf):
+        raise SpecError(f"{path}: expected an array of numbers or bools, received a typed PRNG "
+                        f"key array (dtype {leaf.dtype}, shape {tuple(leaf.shape)}): a key has "
+                        f"no length axis to pad (give it None in in_specs: it is then passed "
+                        f"through as it is)")
     if isinstance(leaf, (jax.Array, np.ndarray)):
         return leaf
     try:
@@ -143,6 +175,7 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
          offset: int = 0) -> BoundCall:
     """Validate ``args`` against ``in_specs`` and read every length variable's size. The first
     ``offset`` arguments are not the caller's (errors count positions after them)."""
+    _check_concrete(args, offset)
     if len(args) != len(in_specs):
         raise SpecError(f"expected {len(in_specs) - offset} positional arguments (one per "
                         f"in_specs entry), received {len(args) - offset}")
@@ -151,6 +184,7 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
     specs = spec_per_leaf(tuple(in_specs), args, "in_specs")
     keyed, treedef = jax.tree_util.tree_flatten_with_path(args)
     kinds, statics, arrays, array_avals, poly, poly_sig, paths, args = [], [], [], [], [], [], [], []
+    array_keys = []
     given = []       # the Spec'd leaves as received, before any cast: values are checked on these
     sizes: dict[str, int] = {}
     where: dict[str, str] = {}
@@ -161,9 +195,15 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
         args.append(keypath[0].idx)
         if spec is FIXED:
             if isinstance(leaf, (jax.Array, np.ndarray)):
+                impl = None
+                if is_key(leaf):
+                    # Its data stands in for it from here to the traced call (`unflatten`):
+                    # signatures, conventions, jax.export and plan files see plain uint32.
+                    impl, leaf = jax.random.key_impl(leaf), jax.random.key_data(leaf)
                 kinds.append("array")
                 arrays.append(leaf)
                 array_avals.append((tuple(leaf.shape), canonical_dtype(leaf.dtype)))
+                array_keys.append(impl)
             else:
                 try:
                     hash(leaf)
@@ -211,7 +251,7 @@ def bind(args: Sequence[Any], in_specs: Sequence[Any], variables: Mapping[str, L
 
     _check_lengths(keyed, specs, given, sizes, where, variables, offset)
     signature = Signature(treedef, tuple(kinds), tuple(statics), tuple(array_avals),
-                          tuple(poly_sig), tuple(paths), tuple(args))
+                          tuple(array_keys), tuple(poly_sig), tuple(paths), tuple(args))
     return BoundCall(signature, arrays, poly, sizes)
 
 

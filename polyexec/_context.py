@@ -10,14 +10,19 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import linecache
 import os
+import site
 import sys
+import sysconfig
 import threading
 import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+
 from ._errors import PolyexecError
+from ._jax_internals import jax_user_frames
 from ._spec import LengthVar
 
 _STATE = threading.local()
@@ -104,44 +109,92 @@ def max_length(var: LengthVar | str) -> int:
     return b.bucket[name]
 
 
-# Packages whose frames are never "the user's line", found where they are installed (not
-# imported: equinox imported after polyexec is as much a library as one imported before).
-_LIBRARIES = ("jax", "jaxlib", "numpy", "equinox", "optax")
+# Packages whose frames are JAX's own machinery (with polyexec and the standard library): a
+# size comparison made there is a cache key or a shape rule. Found where they are installed
+# (not imported: a package imported after polyexec counts as much as one imported before).
+_INTERNAL = ("jax", "jaxlib", "numpy")
+# Model libraries found the same way, for a checkout of one put on sys.path: a library
+# anywhere else is found by where it is installed (`_install_dirs`).
+_LIBRARIES = ("equinox", "optax")
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 
 
-@functools.cache
-def _library_dirs() -> tuple[str, ...]:
-    dirs = [os.path.dirname(os.path.abspath(__file__))]
-    for name in _LIBRARIES:
+def _package_dirs(names) -> list[str]:
+    dirs = []
+    for name in names:
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
             spec = None
-        for location in (spec.submodule_search_locations or []) if spec is not None else []:
-            dirs.append(os.path.abspath(location))
+        dirs += (spec.submodule_search_locations or []) if spec is not None else []
+    return dirs
+
+
+def _install_dirs(path: tuple[str, ...]) -> list[str]:
+    """Where packages are installed: this interpreter's site-packages (its venv's, the
+    user's, the system's) and any ``site-packages``/``dist-packages`` folder on ``path``
+    (another environment's, a ``pip install --target``). The user's project is on sys.path
+    too (the script's folder, PYTHONPATH, an editable install's source), never in them."""
+    dirs = list(getattr(site, "getsitepackages", list)())
+    if site.ENABLE_USER_SITE and hasattr(site, "getusersitepackages"):
+        dirs.append(site.getusersitepackages())
+    dirs += [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    dirs += [p for p in path
+             if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")]
+    return dirs
+
+
+def _as_prefixes(dirs) -> tuple[str, ...]:
     # A frame's file name is the path it was imported by; a symlinked install has two.
-    return tuple({p + os.sep for d in dirs for p in (d, os.path.realpath(d))})
+    return tuple({p + os.sep for d in dirs if d
+                  for p in (os.path.abspath(d), os.path.realpath(d))})
+
+
+@functools.cache
+def _internal_dirs() -> tuple[str, ...]:
+    return _as_prefixes([os.path.dirname(os.path.abspath(__file__))]
+                        + _package_dirs(_INTERNAL))
+
+
+@functools.lru_cache(maxsize=4)     # keyed by sys.path: a folder added later is seen
+def _library_dirs(path: tuple[str, ...]) -> tuple[str, ...]:
+    return _internal_dirs() + _as_prefixes(_package_dirs(_LIBRARIES) + _install_dirs(path))
 
 
 def is_library(filename: str) -> bool:
+    """A frame that is never the user's line: polyexec, the standard library, or any
+    installed package (JAX, equinox, Flax, ...). Verdicts name the innermost frame outside
+    them: the user's line that called into Flax, not ``flax/nnx/nn/stochastic.py``."""
     path = os.path.abspath(filename)
-    in_stdlib = path.startswith(_STDLIB_DIR) and "site-packages" not in path
-    return path.startswith(_library_dirs()) or in_stdlib or filename.startswith("<frozen")
+    return path.startswith(_library_dirs(tuple(sys.path))) or _is_stdlib(path, filename)
 
 
 def is_jax_internal(filename: str) -> bool:
     """Frames of JAX, NumPy, polyexec and the standard library: a size comparison made there
-    is a cache key or a shape rule, never a branch of the user's model (one made by equinox
-    or optax code the user calls is: a pooling layer choosing its padding)."""
+    is a cache key or a shape rule, never a branch of the user's model (one made by the code
+    of any other library the user calls, equinox's or optax's, is: a pooling layer choosing
+    its padding)."""
     path = os.path.abspath(filename)
-    return is_library(filename) and not path.startswith(_branching_library_dirs())
+    return path.startswith(_internal_dirs()) or _is_stdlib(path, filename)
 
 
-@functools.cache
-def _branching_library_dirs() -> tuple[str, ...]:
-    return tuple(d for d in _library_dirs()
-                 if any(d.rstrip(os.sep).endswith(os.sep + n) for n in ("equinox", "optax")))
+def _is_stdlib(path: str, filename: str) -> bool:
+    # A system Python's site-packages sits inside the standard library's folder, yet the
+    # packages installed there (Flax) are no part of it: their size comparisons are branches.
+    return ((path.startswith(_STDLIB_DIR) and "site-packages" not in path
+             and "dist-packages" not in path) or filename.startswith("<frozen"))
+
+
+def equation_line(eqn) -> str | None:
+    """``file:line: `code``` of the user's line that made an equation: the innermost frame
+    of its traceback outside JAX and every other library (`is_library`), which JAX's own
+    ``user_frame`` would name when it is a library's."""
+    frame = next((f for f in jax_user_frames(eqn.source_info.traceback)
+                  if not is_library(f.file_name)), None)
+    if frame is None:
+        return None
+    line = linecache.getline(frame.file_name, frame.start_line).strip()
+    return f"{frame.file_name}:{frame.start_line}" + (f": `{line}`" if line else "")
 
 
 def user_frame(exc: BaseException) -> traceback.FrameSummary | None:

@@ -485,11 +485,13 @@ class Bucketed:
                                  pack=self._with_packed)
         # A loaded plan runs as it is, for the fixed arrays it was traced with.
         expected = [s for s in self._loaded.input_specs if not isinstance(s, Spec)]
-        for path, (shape, dtype), want in zip(signature.leaf_paths("array"),
-                                              signature.array_avals, expected):
+        for path, (shape, dtype), key, want in zip(signature.leaf_paths("array"),
+                                                   signature.array_avals, signature.array_keys,
+                                                   expected):
             if (tuple(shape), np.dtype(dtype)) != (tuple(want[0]), np.dtype(want[1])):
+                data = "" if key is None else f" (the data of a typed PRNG key, impl {key})"
                 raise SpecError(f"{path}: expected {np.dtype(want[1]).name}{list(want[0])}, "
-                                f"received {np.dtype(dtype).name}{list(shape)}")
+                                f"received {np.dtype(dtype).name}{list(shape)}{data}")
         return self._loaded
 
     def _verdict(self, plan: Plan) -> None:

@@ -143,11 +143,6 @@ def jax_user_frames(traceback) -> Iterator[Any]:
     return _source_info.user_frames(traceback)
 
 
-def jax_user_frame(traceback):
-    """The first of `jax_user_frames`, or None (JAX caches it per traceback)."""
-    return _source_info.user_frame(traceback)
-
-
 def backends_are_initialized() -> bool:
     """Whether JAX has started its backends (then ``jax.distributed`` can no longer join a
     cluster). Private (``xla_bridge``): every public query (``jax.devices()``) starts them."""

@@ -439,7 +439,9 @@ class Plan:
         """Read a plan written by `save`. It runs without the Python code that made it, through
         ``px.bucketed(plan)`` (or `Bucketed.from_plan`): call that with the arrays of its Spec
         inputs (and, unless the plan was saved with its constants, the fixed arrays first, in
-        flattened order)."""
+        flattened order). A typed PRNG key among the fixed arrays is stored, and taken, as its
+        uint32 data (`jax.random.key_data`): the program reads it as a key of the impl it was
+        traced with."""
         fields = _serialize.load(path)
         exported = fields["exported"]
         n_out = len(exported.out_avals)

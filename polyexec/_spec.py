@@ -7,7 +7,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import jax
@@ -195,9 +195,18 @@ class CallVariables:
 def call_variables(in_specs: Any, out_specs: Any, buckets: Mapping[Any, Any] | None,
                    variables: Sequence[LengthVar], where: str) -> CallVariables:
     buckets = dict(buckets or {})
-    for var in variables:
+    # Checked whole first: iterating a LengthVar or None fails with a bare TypeError, and a
+    # string would iterate into characters.
+    if isinstance(variables, (str, bytes, LengthVar)) or not isinstance(variables, Iterable):
+        received = (f"a single LengthVar {variables!r}" if isinstance(variables, LengthVar)
+                    else f"{type(variables).__name__} {variables!r}")
+        raise OptionError(f"{where}: variables: expected a sequence of px.LengthVar (e.g. "
+                          f"variables=[T]), received {received}")
+    variables = tuple(variables)
+    for i, var in enumerate(variables):
         if not isinstance(var, LengthVar):
-            raise OptionError(f"{where}: variables: expected LengthVars, received {var!r}")
+            raise OptionError(f"{where}: variables[{i}]: expected a px.LengthVar, received "
+                              f"{type(var).__name__} {var!r}")
     in_leaves, out_leaves = spec_leaves(in_specs), spec_leaves(out_specs)
     given = ([v for s in in_leaves + out_leaves for v in s.variables] + list(variables)
              + [k for k in buckets if isinstance(k, LengthVar)])

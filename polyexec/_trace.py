@@ -27,12 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
-from ._context import (ConcreteSizeRequested, binding, describe_frame, is_jax_internal,
-                       is_library, user_frame)
+from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_line,
+                       is_jax_internal, is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
-from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, InconclusiveDimension, evaluate_dim,
-                              jax_user_frame)
+from ._jax_internals import DIM_EQ_CODE, DIM_NE_CODE, InconclusiveDimension, evaluate_dim
 from ._spec import symbolic_dims
 
 # Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
@@ -113,12 +112,8 @@ def flat_program(fn: Callable, convention: Convention, bucket: Mapping[str, int]
 
 
 def where(eqn) -> str:
-    """``file:line: `code``` of the user line that made an equation."""
-    frame = jax_user_frame(eqn.source_info.traceback)
-    if frame is None:
-        return "<unknown>"
-    line = linecache.getline(frame.file_name, frame.start_line).strip()
-    return f"{frame.file_name}:{frame.start_line}" + (f": `{line}`" if line else "")
+    """``file:line: `code``` of the user line that made an equation (`equation_line`)."""
+    return equation_line(eqn) or "<unknown>"
 
 
 def sub_jaxprs(eqn) -> Iterator[Any]:

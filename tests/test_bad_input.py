@@ -4,6 +4,7 @@ what came -- or, where legal but surprising, warned about. Never silently filter
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,6 +41,7 @@ def _refused(call, error, message):
 
 
 X = np.ones((2, 5), np.float32)
+KEYS = jax.random.split(jax.random.key(0), 2)     # made here: refusing them compiles nothing
 
 # -- lengths that do not fit int32: checked as given, never after a wrapping cast ---------------
 
@@ -91,6 +93,10 @@ NOT_ARRAYS = [
      "args[0]: expected an array for Spec('B T', float32, pad=0), received tuple ()"),
     ("a list of strings", lambda f: f([["a", "b"]], np.array([1], np.int32)),
      "args[0]: expected an array of numbers or bools, received list of dtype <U1"),
+    ("a typed PRNG key", lambda f: f(X, KEYS),
+     "args[1]: expected an array of numbers or bools, received a typed PRNG key array (dtype "
+     "key<fry>, shape (2,)): a key has no length axis to pad (give it None in in_specs: it is "
+     "then passed through as it is)"),
 ]
 
 
@@ -99,6 +105,38 @@ def test_non_arrays_for_spec_arguments(call, message):
     f = _ragged()
     _refused(lambda: call(f), px.SpecError, message)
     assert f.traces == 0
+
+
+# -- called under a JAX transformation: the arguments are tracers ------------------------------
+
+TRACERS = [
+    ("jit, a Spec'd argument", lambda f, m, x, rows: jax.jit(lambda x: f(m, x))(x),
+     "args[1]", "float32[5]"),
+    ("grad, a Spec'd argument", lambda f, m, x, rows: jax.grad(lambda x: f(m, x).sum())(x),
+     "args[1]", "float32[5]"),
+    ("vmap over rows", lambda f, m, x, rows: jax.vmap(lambda r: f(m, r))(rows),
+     "args[1]", "float32[5]"),
+    ("jit, the model", lambda f, m, x, rows: jax.jit(lambda m: f(m, x))(m),
+     "args[0]['w']", "float32[]"),
+    ("grad, the model", lambda f, m, x, rows: jax.grad(lambda m: f(m, x).sum())(m),
+     "args[0]['w']", "float32[]"),
+]
+
+
+@pytest.mark.parametrize("call, path, aval", [c[1:] for c in TRACERS], ids=[c[0] for c in TRACERS])
+def test_tracers_are_refused_naming_the_argument(call, path, aval):
+    f = px.bucketed(lambda m, x: m["w"] * x, in_specs=(None, px.Spec((T,), jnp.float32)),
+                    buckets={T: [8]})
+    model = {"w": jnp.asarray(np.float32(2.0))}
+    x, rows = jnp.asarray(np.ones(5, np.float32)), jnp.asarray(np.ones((2, 5), np.float32))
+    _refused(lambda: call(f, model, x, rows), px.SpecError,
+             f"{path}: expected a concrete array, received a JAX tracer ({aval}): the bucketed "
+             f"function was called inside jax.jit, jax.grad, jax.vmap or another "
+             f"transformation. It reads sizes on the host and runs its own program compiled per "
+             f"bucket, which takes no tracers: call it outside the transformation, or transform "
+             f"the function it wraps instead (px.bucketed(jax.grad(loss), ...))")
+    assert f.traces == 0
+    assert f(model, x).tolist() == [2.0] * 5      # outside any transformation it runs
 
 
 # -- declarations: LengthVar, Spec -----------------------------------------------------------
@@ -265,7 +303,27 @@ OPS = [
      "bucketed: fn: expected a callable or a px.Plan, received str 'f'"),
     ("trace fn not callable", lambda: px.trace(5, px.Spec("T", jnp.float32)), px.OptionError,
      "trace: fn: expected a callable, received int 5"),
+    ("bucketed variables None", lambda: _with_variables(None), px.OptionError,
+     "bucketed(double): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received NoneType None"),
+    ("bucketed variables one LengthVar", lambda: _with_variables(T), px.OptionError,
+     "bucketed(double): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received a single LengthVar LengthVar('T', min=1, max=64)"),
+    ("bucketed variables a string", lambda: _with_variables("T"), px.OptionError,
+     "bucketed(double): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received str 'T'"),
+    ("bucketed variables holding a name", lambda: _with_variables([T, "B"]), px.OptionError,
+     "bucketed(double): variables[1]: expected a px.LengthVar, received str 'B'"),
+    ("trace variables None",
+     lambda: px.trace(lambda x: x, px.Spec((T,), jnp.float32), variables=None), px.OptionError,
+     "trace(<lambda>): variables: expected a sequence of px.LengthVar (e.g. variables=[T]), "
+     "received NoneType None"),
 ]
+
+
+def _with_variables(variables):
+    return px.bucketed(lambda x: x, in_specs=(px.Spec((T,), jnp.float32),), name="double",
+                       variables=variables)
 
 
 @pytest.mark.parametrize("call, error, message", [c[1:] for c in OPS], ids=[c[0] for c in OPS])

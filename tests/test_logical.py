@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import os
 import re
@@ -601,6 +602,52 @@ def test_equinox_imported_after_polyexec_is_a_library(tmp_path):
     for reason, marker in ((rope_reason, "# the rope line"), (pool_reason, "# the pool line")):
         lineno = next(i for i, t in enumerate(lines) if marker in t) + 1
         assert f"{script}:{lineno}" in reason and f"{os.sep}equinox{os.sep}" not in reason, reason
+
+
+# An installed library polyexec knows nothing of (as Flax is): each function does something a
+# verdict names -- random bits shaped by a length, an FFT over one, a branch on a size.
+_INSTALLED_LIBRARY = """
+import jax, jax.numpy as jnp
+
+def noisy(key, x):
+    return x * jax.random.uniform(key, x.shape)
+
+def spectrum(x):
+    return jnp.abs(jnp.fft.fft(x))
+
+def halved(x):
+    return x[::2] if x.shape[0] == 8 else x
+"""
+
+
+def test_verdicts_name_the_users_line_not_an_installed_librarys(tmp_path, monkeypatch):
+    # Installed where pip installs: a site-packages folder on sys.path, found by its name.
+    installed = tmp_path / "site-packages"
+    installed.mkdir()
+    (installed / "fakelib.py").write_text(_INSTALLED_LIBRARY)
+    monkeypatch.syspath_prepend(str(installed))
+    spec = importlib.util.spec_from_file_location("fakelib", installed / "fakelib.py")
+    fakelib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fakelib)
+    T = px.LengthVar("T", max=16)
+
+    def noisy(key, x):
+        return fakelib.noisy(key, x)            # the noisy line
+
+    def spectrum(x):
+        return fakelib.spectrum(x)              # the spectrum line
+
+    def halved(x):
+        return fakelib.halved(x)                # the halved line
+
+    plan = px.trace(noisy, jax.random.key(0), px.Spec((T,), jnp.float32), check_sizes=False)
+    assert plan.padding_reason.startswith(_line_of(noisy, "# the noisy line") + ":"), \
+        plan.padding_reason
+    assert "random_bits" in plan.padding_reason and "fakelib.py" not in plan.padding_reason
+    for fn, marker in ((spectrum, "# the spectrum line"), (halved, "# the halved line")):
+        reason = px.trace(fn, px.Spec((T,), jnp.float32), check_sizes=False).reason
+        assert reason.startswith(_line_of(fn, marker)), reason
+        assert "fakelib.py" not in reason, reason
 
 
 def test_a_vmapped_while_over_a_length_is_exact_not_flagged():

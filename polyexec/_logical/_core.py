@@ -13,7 +13,6 @@ user's line, and the equation runs unchanged).
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -26,11 +25,10 @@ import numpy as np
 from jax import export, lax
 from jax.extend import source_info_util
 
-from .._context import is_library
-from .._errors import is_int, OptionError
+from .._context import equation_line
+from .._errors import OptionError, is_int
 from .._jax_internals import (convert_element_type, definitely_equal_shape, dim_as_value,
-                              dim_bounds, dim_vars, evaluate_dim, is_constant_dim, jax_user_frames,
-                              terms, var_dim)
+                              dim_bounds, dim_vars, evaluate_dim, is_constant_dim, terms, var_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +205,9 @@ class Ctx:
         """The user's line of an equation: its own, or else (equations JAX's own functions
         trace, e.g. inside ``jnp.linalg``) that of the innermost enclosing call whose
         traceback reaches user code."""
-        where, ctx = user_line(eqn), self
+        where, ctx = equation_line(eqn), self
         while where is None and ctx is not None:
-            where = user_line(ctx.eqn) if ctx.eqn is not None else None
+            where = equation_line(ctx.eqn) if ctx.eqn is not None else None
             ctx = ctx.parent
         return where or "<unknown>"
 
@@ -396,18 +394,6 @@ class Recorder:
 
     def touched(self, jaxpr) -> bool:
         return _jaxpr_touches(getattr(jaxpr, "jaxpr", jaxpr), self.touches)
-
-def user_line(eqn) -> str | None:
-    """The user's line that made an equation: the innermost frame outside JAX and the other
-    libraries polyexec knows (equinox's modules, polyexec itself), which JAX's own
-    ``user_frame`` would name."""
-    frame = next((f for f in jax_user_frames(eqn.source_info.traceback)
-                  if not is_library(f.file_name)), None)
-    if frame is None:
-        return None
-    line = linecache.getline(frame.file_name, frame.start_line).strip()
-    return f"{frame.file_name}:{frame.start_line}" + (f": `{line}`" if line else "")
-
 
 # --------------------------------------------------------------------------------------------
 # Mask helpers

@@ -75,11 +75,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
 from ._core import (ELEMENTWISE, Ctx, Logical, NoRule, Recorder, RowVarying, Unsupported, bind_eqn,
                     bind_eqn_with, defrule, eqn_touches, eval_jaxpr, filled, is_sym, like_aval,
-                    lookup_rule, moves_ragged_rows, padded_rule, replay, sub_jaxprs, take_rows,
-                    user_line)
+                    lookup_rule, moves_ragged_rows, padded_rule, replay, sub_jaxprs, take_rows)
 from ._control import at_step, frozen_scan
 from ._families import CUMULATIVE, REDUCERS, SCATTERS, WINDOWS
 from ._indexing import gather_fill
@@ -298,7 +298,7 @@ class _PackedCtx(Ctx):
         return _per_cell(self, eqn, invals)
 
     def per_sequence(self, eqn, what: str) -> list:
-        where = user_line(eqn) or "<unknown>"
+        where = equation_line(eqn) or "<unknown>"
         return [NotPacked(f"{what} made at {where}, a per-sequence value (a packed row holds "
                           f"several sequences)")] * len(eqn.outvars)
 
