@@ -26,6 +26,14 @@ second buffer for every weight gradient's operand.
 
 Rules, by family (each registered next to its definition, like JAX's batching rules)
 -------------------------------------------------------------------------------------
+One registry (`_core`: one `_Entry` per primitive) holds each primitive's rule in every layout
+-- padded (and ragged) rows, packed rows, a value held per sequence in packed rows -- and its
+facts, stated beside its padded rule with ``defrule``: what it moves (flagged on ragged rows),
+the window it reads (the shortest row it fits), the length axes it reads with zeroed tails,
+what it acts on (per-sequence values run per column through the rest). The interpreter asks
+the entry; no module switches on primitive names for these. `_families` states each
+combining family's identity once (reducers, cumulative ops, windows, scatters).
+
 - `_pointwise`: elementwise and layout primitives pass through; ``dim_as_value``.
 - `_reductions`: reductions (tail -> identity) and cumulative ones.
 - `_structure`: ``rev``, ``tile``, ``sort``, ``top_k``, ``reshape``, ``slice``, ``split``,
@@ -35,9 +43,10 @@ Rules, by family (each registered next to its definition, like JAX's batching ru
   ``select_and_{scatter,gather}_add``.
 - `_control`: ``scan``, ``while``, ``cond`` and the call-likes (structural: they recurse).
 - `_packed` (`rewrite_packed`, ``layout="pack"``) and `_sequences` (its per-sequence values):
-  the same program over rows that hold several sequences.
+  the packed rules of the same primitives, over rows that hold several sequences.
 - `_core`: the evaluation context, the interpreter, the registry, `rewrite`;
   `register_rule` (``px.register_rule``) adds a rule for a primitive polyexec does not know.
+  JAX's internals are read through `polyexec._jax_internals` only.
 
 An equation that touches a length axis (an aval or a parameter holds a symbolic dimension) and
 has no rule is recorded as `Unsupported` with the user's line, and runs unchanged. So is one

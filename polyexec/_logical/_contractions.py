@@ -26,7 +26,12 @@ def _contracted_tails(eqn):
     return [(0, [a for a, _ in pairs]), (1, [b for _, b in pairs])]
 
 
-@defrule("dot_general", zeroed_reads=_contracted_tails)
+def _contraction_acts_on(eqn, i, axis, shape):
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    return axis in (lc, rc)[i]
+
+
+@defrule("dot_general", zeroed_reads=_contracted_tails, acts_on=_contraction_acts_on)
 def _dot_general(ctx, eqn, invals):
     lhs, rhs = invals
     (lc, rc), _ = eqn.params["dimension_numbers"]

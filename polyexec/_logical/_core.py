@@ -726,6 +726,17 @@ def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
     return entry.moves(eqn)
 
 
+def acts_along_params(eqn, i: int, axis: int, shape) -> bool:
+    """`_Entry.acts_on` of a primitive that acts along the axes its parameter names (a
+    reduction's ``axes``, a sort's ``dimension``, a cumulative op's ``axis``) and keeps every
+    other axis per position."""
+    for key in ("axes", "dimensions", "dimension", "axis"):
+        if key in eqn.params:
+            value = eqn.params[key]
+            return axis in (value if isinstance(value, (tuple, list)) else (value,))
+    return False
+
+
 def operand_avals(eqn) -> list:
     """The avals of an equation's array operands (what the facts of `_Entry` read)."""
     return [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
@@ -916,6 +927,11 @@ class _Entry:
     # ``eqn -> [(operand index, axes)]``: the length axes it reads an operand across with the
     # tail zeroed (a contraction, a sum), zeroed once where the operand is made.
     zeroed_reads: Callable | None = None
+    # ``(eqn, i, axis, shape) -> bool``: whether it combines or moves the entries of operand
+    # ``i`` (of ``shape``) along ``axis``. In packed rows a value held per sequence runs
+    # through it once per column when it does not act on the value's rows axis (`_sequences`);
+    # None: never per column, unless elementwise.
+    acts_on: Callable | None = None
 
 
 # Keyed by primitive name (polyexec's rules, and the user's given a name) or by the primitive
@@ -946,19 +962,19 @@ _SLOTS = ("rule", "packed", "per_sequence")
 def defrule(*names: str, layout: Literal["pad", "pack", "per_sequence"] = "pad",
             structural: bool = False, moves: Callable | None = None,
             moves_rows_why: str | None = None, window: Callable | None = None,
-            zeroed_reads: Callable | None = None):
+            zeroed_reads: Callable | None = None, acts_on: Callable | None = None):
     """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
     ``batching.primitive_batchers[p] = rule``: ``@defrule("rev")`` over the definition, or
     ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``layout``: the padded rule
     (``"pad"``, also ragged rows), the packed one (``"pack"``) or the one for an input held
     per sequence in packed rows (``"per_sequence"``), each in the same entry. ``structural``:
     the rule only recurses into the equation's programs (scan, cond, calls), so it is not
-    counted as a rewrite itself. ``moves``, ``moves_rows_why``, ``window``, ``zeroed_reads``:
-    the primitive's facts (`_Entry`), stated beside its padded rule. Registering a slot twice is a bug, refused at
-    import."""
+    counted as a rewrite itself. ``moves``, ``moves_rows_why``, ``window``, ``zeroed_reads``,
+    ``acts_on``: the primitive's facts (`_Entry`), stated beside its padded rule. Registering
+    a slot twice is a bug, refused at import."""
     slot = _SLOTS[("pad", "pack", "per_sequence").index(layout)]
     facts = dict(moves=moves, moves_rows_why=moves_rows_why, window=window,
-                 zeroed_reads=zeroed_reads)
+                 zeroed_reads=zeroed_reads, acts_on=acts_on)
 
     def register(rule):
         for name in names:

@@ -136,7 +136,17 @@ def _gather_window(eqn, invals):
             for i, a in enumerate(p["dimension_numbers"].start_index_map)]
 
 
-@defrule("gather", moves=_gather_moves, window=_gather_window)
+def _gather_acts_on(eqn, i, axis, shape):
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    if i == 0:
+        return not (axis in dn.operand_batching_dims or (
+            axis not in dn.collapsed_slice_dims and axis not in dn.start_index_map
+            and str(p["slice_sizes"][axis]) == str(shape[axis])))
+    return axis == len(shape) - 1
+
+
+@defrule("gather", moves=_gather_moves, window=_gather_window, acts_on=_gather_acts_on)
 def _gather(ctx, eqn, invals):
     x, idx = invals
     p = eqn.params
@@ -233,7 +243,16 @@ def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
     return comps, outside
 
 
-@defrule(*SCATTERS)
+def _scatter_acts_on(eqn, i, axis, shape):
+    # Per sequence only where each row scatters into its own row (batched over the rows).
+    dn = eqn.params["dimension_numbers"]
+    rows = [a for a, d in enumerate(eqn.invars[0].aval.shape) if str(d) == str(shape[axis])]
+    return (i == 1 and axis == len(shape) - 1) or len(rows) != 1 or (
+        rows[0] not in dn.operand_batching_dims)
+
+
+@defrule("scatter", "scatter-add", acts_on=_scatter_acts_on)
+@defrule(*(name for name in SCATTERS if name not in ("scatter", "scatter-add")))
 def _scatter(ctx, eqn, invals):
     x, idx, updates = invals
     p = eqn.params

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from ._core import bind_eqn_with, defrule, fill_tail, is_sym, operand_avals
+from ._core import acts_along_params, bind_eqn_with, defrule, fill_tail, is_sym, operand_avals
 from ._families import CUMULATIVE, REDUCERS
 
 
@@ -18,8 +18,8 @@ def _summed_tails(eqn):
     return [(0, [a for a in eqn.params["axes"] if is_sym(shape[a])])]
 
 
-@defrule("reduce_sum", zeroed_reads=_summed_tails)
-@defrule(*(name for name in REDUCERS if name != "reduce_sum"))
+@defrule("reduce_sum", zeroed_reads=_summed_tails, acts_on=acts_along_params)
+@defrule(*(name for name in REDUCERS if name != "reduce_sum"), acts_on=acts_along_params)
 def _reduction(ctx, eqn, invals):
     (x,) = invals
     axes = eqn.params["axes"]
@@ -45,7 +45,7 @@ def _cumulative_moves(eqn):
     return [(operand_avals(eqn)[0], (eqn.params["axis"],))]
 
 
-@defrule(*CUMULATIVE, moves=_cumulative_moves, moves_rows_why=(
+@defrule(*CUMULATIVE, moves=_cumulative_moves, acts_on=acts_along_params, moves_rows_why=(
     "{name} accumulates across the rows ({rows}) of a value ragged along them: a shorter "
     "row's padding would reach the rows after it"))
 def _cumulative(ctx, eqn, invals):

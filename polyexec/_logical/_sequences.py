@@ -33,10 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._core import (ELEMENTWISE, bind_eqn, bind_eqn_with, defrule, filled, is_sym, lookup_rule,
-                    NoRule)
+from ._core import (ELEMENTWISE, NoRule, bind_eqn, bind_eqn_with, defrule, filled, is_sym,
+                    lookup_rule)
 from ._families import REDUCERS
-from ._structure import keeps_length_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +113,6 @@ def evaluate(ctx, eqn, invals) -> list:
     return _per_column(ctx, eqn, invals, entry)
 
 
-# Primitives acting along the axes their parameter names (elsewhere per position).
-_AXIS_PARAMS = ("axes", "dimensions", "dimension", "axis")
-_PER_POSITION = {"broadcast_in_dim", "reshape", "squeeze", "transpose", "dot_general", "gather",
-                 "scatter-add", "scatter", "slice", "pad", "concatenate", "select_n",
-                 "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                 "reduce_or", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-                 "cumlogsumexp", "sort", "rev", "split", "expand_dims"}
-
-
 def _per_column(ctx, eqn, invals, entry) -> list:
     name = eqn.primitive.name
     shapes, out_shapes = _shapes(eqn.invars), _shapes(eqn.outvars)
@@ -139,10 +129,12 @@ def _per_column(ctx, eqn, invals, entry) -> list:
                                   for x, s in zip(invals, shapes)])
     if any(ctx.packed_axes(s) for s in shapes):
         raise NoRule(f"{name} of a per-sequence value and a value along a packed length")
-    if not elementwise and name not in _PER_POSITION:
+    acts_on = None if entry is None or elementwise else entry.acts_on
+    if not elementwise and acts_on is None:
         raise NoRule(f"{name} has no rule for a per-sequence value of packed rows")
     for i, (x, s) in enumerate(zip(invals, shapes)):
-        if isinstance(x, PerSequence) and x.axis is not None and _acts_on(eqn, i, x.axis, s):
+        if (isinstance(x, PerSequence) and x.axis is not None and acts_on is not None
+                and acts_on(eqn, i, x.axis, s)):
             raise NoRule(f"{name} along the sequences of a per-sequence value")
     rowless = [isinstance(x, PerSequence) and x.axis is None for x in invals]
     rowful = any(isinstance(x, PerSequence) and x.axis is not None for x in invals) or any(
@@ -177,42 +169,6 @@ def _per_column(ctx, eqn, invals, entry) -> list:
     return [PerSequence(o, a - 1) for o, a in zip(outs, out_axes)]
 
 
-def _acts_on(eqn, i: int, axis: int, shape) -> bool:
-    """Whether equation ``eqn`` combines or moves entries along axis ``axis`` of input ``i``
-    (then running it per column would mix the sequences of one column)."""
-    p, name = eqn.params, eqn.primitive.name
-    if name == "reshape":        # (B, 2, 3) -> (B, 6) keeps each row; (B, 6) -> (6, B) not
-        return p.get("dimensions") is not None or not keeps_length_axes(shape, p["new_sizes"])
-    if name in ("broadcast_in_dim", "transpose", "squeeze", "select_n", "expand_dims"):
-        return False
-    if name == "dot_general":
-        (lc, rc), _ = p["dimension_numbers"]
-        return axis in (lc, rc)[i]
-    if name == "gather":
-        dn = p["dimension_numbers"]
-        if i == 0:
-            return not (axis in dn.operand_batching_dims or (
-                axis not in dn.collapsed_slice_dims and axis not in dn.start_index_map
-                and str(p["slice_sizes"][axis]) == str(shape[axis])))
-        return axis == len(shape) - 1
-    if name in ("scatter-add", "scatter"):
-        # Per sequence only where each row scatters into its own row (batched over the rows).
-        dn = p["dimension_numbers"]
-        rows = [a for a, d in enumerate(eqn.invars[0].aval.shape) if str(d) == str(shape[axis])]
-        return (i == 1 and axis == len(shape) - 1) or len(rows) != 1 or (
-            rows[0] not in dn.operand_batching_dims)
-    if name == "slice":
-        return (p["start_indices"][axis] != 0 or str(p["limit_indices"][axis]) != str(shape[axis])
-                or (p["strides"] or (1,) * len(shape))[axis] != 1)
-    if name == "pad":
-        return i == 0 and tuple(p["padding_config"][axis]) != (0, 0, 0)
-    for key in _AXIS_PARAMS:
-        if key in p:
-            value = p[key]
-            return axis in (value if isinstance(value, (tuple, list)) else (value,))
-    return False
-
-
 def to_cells(ctx, x: PerSequence, shape, out):
     """A per-sequence operand of an elementwise equation along a packed length (``h[:, None]
     + x`` after jnp's ``(B, 1, H)`` broadcast, ``x / x.shape[1]``): each cell reads its own
@@ -236,7 +192,7 @@ def to_cells(ctx, x: PerSequence, shape, out):
 
 
 @defrule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-      "argmax", "argmin", layout="per_sequence")
+         "argmax", "argmin", layout="per_sequence")
 def _over_sequences(ctx, eqn, invals):
     """A reduction over the rows of a per-sequence value (``jnp.mean(loss)``): over every
     sequence once, at its first cell."""
@@ -337,7 +293,8 @@ def _broadcast(ctx, eqn, invals):
 
 
 @defrule("cond", "while", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
-      "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
-      "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k", layout="per_sequence")
+         "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
+         "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k",
+         layout="per_sequence")
 def _refused(ctx, eqn, invals):
     raise NoRule(f"{eqn.primitive.name} of a per-sequence value has no packed rule")

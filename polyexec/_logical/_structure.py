@@ -22,16 +22,16 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape
-from ._core import (NoRule, bind_eqn, bind_eqn_with, defrule, fill_tail, filled, iota_along,
-                    is_sym, lowest_value, operand_avals, place_window, same_dim, take_clamped,
-                    take_rows)
+from ._core import (NoRule, acts_along_params, bind_eqn, bind_eqn_with, defrule, fill_tail, filled,
+                    iota_along, is_sym, lowest_value, operand_avals, place_window, same_dim,
+                    take_clamped, take_rows)
 
 
 def _rev_moves(eqn):
     return [(operand_avals(eqn)[0], tuple(eqn.params["dimensions"]))]
 
 
-@defrule("rev", moves=_rev_moves)
+@defrule("rev", moves=_rev_moves, acts_on=acts_along_params)
 def _rev(ctx, eqn, invals):
     (x,) = invals
     dims = eqn.params["dimensions"]
@@ -73,7 +73,7 @@ def _sort_moves(eqn):
     return [(aval, (eqn.params["dimension"],)) for aval in operand_avals(eqn)]
 
 
-@defrule("sort", moves=_sort_moves)
+@defrule("sort", moves=_sort_moves, acts_on=acts_along_params)
 def _sort(ctx, eqn, invals):
     d = eqn.params["dimension"]
     shape = invals[0].shape
@@ -118,7 +118,13 @@ def _slice_window(eqn, invals):
     return [(a, p["start_indices"][a], (out[a] - 1) * strides[a] + 1) for a in range(len(shape))]
 
 
-@defrule("slice", moves=_slice_moves, window=_slice_window)
+def _slice_acts_on(eqn, i, axis, shape):
+    p = eqn.params
+    return (p["start_indices"][axis] != 0 or str(p["limit_indices"][axis]) != str(shape[axis])
+            or (p["strides"] or (1,) * len(shape))[axis] != 1)
+
+
+@defrule("slice", moves=_slice_moves, window=_slice_window, acts_on=_slice_acts_on)
 def _slice(ctx, eqn, invals):
     (x,) = invals
     p = eqn.params
@@ -149,7 +155,7 @@ def _joined_moves(eqn):
     return [(aval, (axis,)) for aval in operand_avals(eqn)]
 
 
-@defrule("split", moves=_joined_moves)
+@defrule("split", moves=_joined_moves, acts_on=acts_along_params)
 def _split(ctx, eqn, invals):
     (x,) = invals
     axis, sizes = eqn.params["axis"], eqn.params["sizes"]
@@ -169,7 +175,7 @@ def _split(ctx, eqn, invals):
     return pieces
 
 
-@defrule("concatenate", moves=_joined_moves)
+@defrule("concatenate", moves=_joined_moves, acts_on=acts_along_params)
 def _concatenate(ctx, eqn, invals):
     axis = eqn.params["dimension"]
     sizes = [x.shape[axis] for x in invals]
@@ -199,7 +205,11 @@ def _pad_moves(eqn):
     return [(operand_avals(eqn)[0], axes)] if axes else []
 
 
-@defrule("pad", moves=_pad_moves)
+def _pad_acts_on(eqn, i, axis, shape):
+    return i == 0 and tuple(eqn.params["padding_config"][axis]) != (0, 0, 0)
+
+
+@defrule("pad", moves=_pad_moves, acts_on=_pad_acts_on)
 def _pad(ctx, eqn, invals):
     x, value = invals
     config = eqn.params["padding_config"]
@@ -224,7 +234,13 @@ def _pad(ctx, eqn, invals):
 
 
 
-@defrule("reshape")
+def _reshape_acts_on(eqn, i, axis, shape):
+    # (B, 2, 3) -> (B, 6) keeps each row; (B, 6) -> (6, B) does not.
+    p = eqn.params
+    return p.get("dimensions") is not None or not keeps_length_axes(shape, p["new_sizes"])
+
+
+@defrule("reshape", acts_on=_reshape_acts_on)
 def _reshape(ctx, eqn, invals):
     (x,) = invals
     if eqn.params.get("dimensions") is not None:
