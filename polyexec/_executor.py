@@ -507,7 +507,7 @@ class Bucketed:
             unchecked = (", and nothing checks that padding leaves its result unchanged (each "
                          "bucket runs it on the padded arrays as written)" if self.masking else "")
             # Nor can its outputs' length axes be told apart: without out_specs they keep the
-            # bucket's sizes (see `_outputs`).
+            # bucket's sizes (see `_layouts._Padded.unplace`).
             uncut = ("; its outputs keep the bucket's shape (out_specs says how to cut them back)"
                      if self.out_specs is None else "")
             message = (f"{self.name} is not shape-polymorphic, so it is retraced and compiled per "

@@ -12,6 +12,7 @@ user's line, and the equation runs unchanged).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -184,6 +185,16 @@ class Ctx:
         # id(value) -> value: values made from lengths alone (see `note_made_from_lengths`),
         # one registry for the whole trace: a call's program reads its caller's values.
         self._from_lengths: dict[int, Any] = parent._from_lengths if parent is not None else {}
+
+    @contextlib.contextmanager
+    def applying(self, eqn, invals):
+        """While a rule rewrites ``eqn``: `length` reads which of its inputs were made from
+        lengths alone (``from_lengths_shapes``) and which equation asks (``current``)."""
+        self.current, self.from_lengths_shapes = eqn, self.shapes_made_from_lengths(invals)
+        try:
+            yield
+        finally:
+            self.current, self.from_lengths_shapes = None, frozenset()
 
     def child(self, eqn, *, alive=None) -> "Ctx":
         if alive is not None and self.alive is not None:
@@ -376,13 +387,18 @@ class RowVarying:
 
 
 class Recorder:
-    def __init__(self):
+    """What one rewrite learns as it goes (verdicts, floors), and what it knows of the whole
+    program before it starts (``ragged``, ``used``)."""
+
+    def __init__(self, *, ragged: frozenset[str] = frozenset(), used: frozenset = frozenset()):
         self.unsupported: dict[int, Unsupported] = {}    # by id(eqn): a body traced twice
         self.rewritten: set[int] = set()                 # counts once
         self.touches: dict[int, tuple[Any, bool]] = {}   # see _jaxpr_touches
         self._monotone: dict[Any, bool] = {}
-        self.ragged: frozenset[str] = frozenset()        # the variables with per-row lengths
+        self.ragged = ragged        # the variables with per-row lengths
+        self.used = used            # packed: the variables some equation or output reads
         self.floors: dict[str, RowFloor] = {}            # see `_note_row_floor`
+        self.per_sequence = False   # packed: whether a per-sequence value was read
 
     def monotone(self, d) -> bool:
         # Cached per rewrite: dimensions of different symbolic scopes must never be compared.
@@ -689,25 +705,25 @@ def _eval_padded(ctx: Ctx, eqn, invals) -> list:
         return bind_eqn(eqn, invals)
     if entry.rule is ELEMENTWISE:
         return bind_eqn(eqn, invals)
-    try:
-        ctx.current, ctx.from_lengths_shapes = eqn, ctx.shapes_made_from_lengths(invals)
-        out = entry.rule(ctx, eqn, invals)
-    except NoRule as e:
-        if ctx.from_lengths_shapes:
-            # A value made from lengths alone, reduced (or flipped...) along them: run it
-            # once per row at the row's own lengths, its result held per row (`RowVarying`).
-            try:
-                return _eval_row_varying(ctx, eqn, invals,
-                                         rows=ctx.rows_of_made_from_lengths(invals))
-            except Exception:  # noqa: BLE001 - not per row either: the rule's own verdict
-                pass
-        ctx.flag(eqn, str(e))
-        return bind_eqn(eqn, invals)
-    except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace here is a verdict, not a crash
-        ctx.flag(eqn, f"the {name} rule failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        return bind_eqn(eqn, invals)
-    finally:
-        ctx.current, ctx.from_lengths_shapes = None, frozenset()
+    with ctx.applying(eqn, invals):   # the rule's equation, read by `length`
+        try:
+            out = entry.rule(ctx, eqn, invals)
+        except NoRule as e:
+            if ctx.from_lengths_shapes:
+                # A value made from lengths alone, reduced (or flipped...) along them: run
+                # it once per row at the row's own lengths, its result held per row
+                # (`RowVarying`).
+                try:
+                    return _eval_row_varying(ctx, eqn, invals,
+                                             rows=ctx.rows_of_made_from_lengths(invals))
+                except Exception:  # noqa: BLE001 - not per row either: the rule's own verdict
+                    pass
+            ctx.flag(eqn, str(e))
+            return bind_eqn(eqn, invals)
+        except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict, not a crash
+            ctx.flag(eqn, f"the {name} rule failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}")
+            return bind_eqn(eqn, invals)
     if out is None:                     # the rule found nothing to change
         return bind_eqn(eqn, invals)
     if not entry.structural:
@@ -1147,8 +1163,7 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
             got = f"input {at}: {aval.str_short()}" if aval is not None else repr(at)
             raise OptionError(f"rewrite: sizes_at[{name!r}]: expected the position of an int32 "
                               f"scalar input (0..{n - 1}), received {got}")
-    recorder = Recorder()
-    recorder.ragged = frozenset(rows_at or ())
+    recorder = Recorder(ragged=frozenset(rows_at or ()))
     if not recorder.touched(jaxpr):
         return Logical(fn=replay(closed_jaxpr), unsupported=(), rewritten=0)
 

@@ -273,18 +273,16 @@ class _PackedCtx(Ctx):
         rule = (_per_cell if per_cell else _evaluate_per_sequence if per_sequence
                 else entry.packed if entry is not None and entry.packed is not None
                 else _generic)
-        try:
-            self.current, self.from_lengths_shapes = eqn, self.shapes_made_from_lengths(invals)
-            out = rule(self, eqn, invals)
-        except NoRule as e:
-            self.flag(eqn, str(e))
-            return [NotPacked(str(e))] * len(eqn.outvars)
-        except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict
-            self.flag(eqn, f"the packed {eqn.primitive.name} rule failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200] if str(e) else ''}")
-            return [NotPacked("a failed rule")] * len(eqn.outvars)
-        finally:
-            self.current, self.from_lengths_shapes = None, frozenset()
+        with self.applying(eqn, invals):
+            try:
+                out = rule(self, eqn, invals)
+            except NoRule as e:
+                self.flag(eqn, str(e))
+                return [NotPacked(str(e))] * len(eqn.outvars)
+            except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict
+                self.flag(eqn, f"the packed {eqn.primitive.name} rule failed: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+                return [NotPacked("a failed rule")] * len(eqn.outvars)
         if out is None:
             return bind_eqn(eqn, invals)
         self.recorder.rewritten.add(id(eqn))
@@ -1537,8 +1535,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     58.0
     """
     jaxpr = closed_jaxpr.jaxpr
-    recorder = Recorder()
-    recorder.used, recorder.per_sequence = _read_anywhere(jaxpr), False
+    recorder = Recorder(used=_read_anywhere(jaxpr))
     if len(rows_at) != 1:
         why = ("no input gives per-sequence lengths (a `lengths_of` Spec)" if not rows_at else
                "several length variables are ragged")
