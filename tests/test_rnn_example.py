@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -102,6 +103,36 @@ def test_cli_bad_flags_are_one_line_usage_errors(argv, message, capsys):
     err = capsys.readouterr().err
     *_, error = err.strip().splitlines()
     assert error.startswith("python -m examples.rnn.train: error: ") and message in error, err
+
+
+def test_cli_reports_fits_refusal_in_one_line_and_trains_with_train_on_padding(monkeypatch,
+                                                                              capsys):
+    """The example's loss edited into one padding may change (token dropout drawn at the padded
+    shape: random bits along T have no rule): fit's refusal, naming the line, is a usage error;
+    --train-on-padding trains it anyway, with the executor's warning."""
+    import jax.numpy as jnp
+
+    from examples.rnn import model
+
+    def dropout_loss(m, tokens, lengths):
+        keep = jax.random.bernoulli(jax.random.PRNGKey(1), 0.9, tokens.shape)
+        return model.loss_fn(m, jnp.where(keep, tokens, 0), lengths)
+
+    monkeypatch.setattr(train, "loss_fn", dropout_loss)
+    argv = ["--limit", "24", "--epochs", "1", "--hidden", "4", "--embed", "4", "--cap", "32",
+            "--buckets", "fixed:32", "--samples", "0", "--no-cache", "--no-progress"]
+    with pytest.raises(SystemExit) as exit_:
+        train.main(argv)
+    assert exit_.value.code == 2
+    *_, error = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"python -m examples\.rnn\.train: error: fit: loss_fn: expected a train "
+                        r"step that padding cannot change \(padding-safe\), received one that is "
+                        r"not: .*test_rnn_example\.py:\d+: `keep = jax\.random\.bernoulli\(.*`: "
+                        r"random_bits: no rule for random_bits on a length axis; .*, or pass "
+                        r"train_on_padding=True to train on it anyway", error), error
+    with pytest.warns(UserWarning, match="train_step is not padding-safe"):
+        out = train.main([*argv, "--train-on-padding"])
+    assert out["val_loss"] > 0
 
 
 def test_corpus_split_is_deterministic_and_capped():

@@ -3,6 +3,7 @@ equals one device, and training lowers the validation loss."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -265,6 +266,8 @@ def test_cache_false_leaves_a_compile_cache_the_user_configured(fit_in_a_users_c
     ({"devices": 64}, None, r"fit: devices: expected an int from 1 to \d+ .*, received 64"),
     ({"devices": []}, None, "fit: devices: expected None, an int or a non-empty list of devices"),
     ({"progress": 0}, None, "fit: progress: expected one of True, False, received 0"),
+    ({"train_on_padding": 1}, None, "fit: train_on_padding: expected one of True, False, "
+                                    "received 1"),
     ({"epoch": 2}, None, "fit: expected keyword arguments among optimizer, validation, eval_fn, "
                          "epochs, .*, received unknown 'epoch'"),
 ])
@@ -707,3 +710,101 @@ def test_a_partial_batch_counts_only_its_real_rows():
     np.testing.assert_allclose([r["loss"] for r in steps], [5 * w] * 3, rtol=1e-6)
     np.testing.assert_allclose(result.val_loss, 5 * w, rtol=1e-6)
     assert result.train_step.stats.compiles == 1
+
+
+# -- never on padding: a step padding may change is refused before anything compiles ----------
+
+def dropout_loss(model, tokens, lengths):
+    """Token dropout drawn at the padded shape: random bits along T have no rule."""
+    keep = jax.random.bernoulli(jax.random.PRNGKey(1), 0.9, tokens.shape)
+    return loss_fn(model, jnp.where(keep, tokens, 0), lengths)
+
+
+def dropout_eval(model, tokens, lengths):
+    keep = jax.random.bernoulli(jax.random.PRNGKey(1), 0.9, tokens.shape)
+    return loss_and_count(model, jnp.where(keep, tokens, 0), lengths)
+
+
+@pytest.fixture
+def made_steps(monkeypatch):
+    """The steps fit makes (views of them share their stats), to count what they compiled."""
+    from polyexec.training import _fit
+
+    made = []
+
+    def spy(make):
+        def making(*args, **kwargs):
+            made.append(make(*args, **kwargs))
+            return made[-1]
+        return making
+
+    monkeypatch.setattr(_fit, "make_train_step", spy(_fit.make_train_step))
+    monkeypatch.setattr(_fit, "make_eval_step", spy(_fit.make_eval_step))
+    return made
+
+
+def refused(made_steps, loss, **kwargs) -> str:
+    """fit's refusal of ``loss``, checked to come before any step ran or any bucket compiled
+    (buckets="auto" compiles one to measure it: not even that)."""
+    steps = []
+    data = random_sentences(8, 16, seed=0)
+    with pytest.raises(px.PolymorphismError) as info:
+        training.fit(tiny_model(), loss, data, validation=data[:4], optimizer=OPT,
+                     callbacks=[steps.append], verbose=False, cache=False, **kwargs)
+    assert steps == [] and len(made_steps) == 2
+    assert [s.stats.compiles for s in made_steps] == [0, 0]
+    return str(info.value)
+
+
+def test_fit_refuses_a_step_retraced_per_bucket_and_says_to_pass_min_length_2(made_steps):
+    """At min_length=1 JAX cannot decide `T - 1 >= 1` for `tokens[:, 1:]`: retraced per bucket,
+    the step ran on the padded batch as written and learned to predict the padding."""
+    message = refused(made_steps, loss_fn, min_length=1)
+    assert message.startswith("fit: loss_fn: expected a train step traced once for every "
+                              "length (shape-polymorphic), received one retraced per bucket")
+    assert re.search(r"examples/rnn/model\.py:\d+ in loss_and_count: `nll = .*tokens\[:, 1:, "
+                     r"None\].*`: InconclusiveDimensionOperation: .*'T - 1' >= '1' is "
+                     r"inconclusive; pass min_length=2 ", message), message
+    assert message.endswith("or pass train_on_padding=True to train on it anyway")
+
+
+@pytest.mark.parametrize("loss, eval_fn, start", [
+    (dropout_loss, None, "fit: loss_fn: expected a train step that padding cannot change "
+                         "(padding-safe), received one that is not: "),
+    (loss_fn, dropout_eval, "fit: eval_fn: expected an eval step that padding cannot change "
+                            "(padding-safe), received one that is not: "),
+])
+def test_fit_refuses_a_step_that_is_not_padding_safe_naming_the_line(made_steps, loss, eval_fn,
+                                                                     start):
+    message = refused(made_steps, loss, eval_fn=eval_fn)
+    assert message.startswith(start), message
+    assert re.search(r"test_training\.py:\d+: `.*jax\.random\.bernoulli\(.*`: random_bits: no "
+                     r"rule for random_bits on a length axis; change that line, or mask the "
+                     r"padding by hand and pass masking=False, or pass train_on_padding=True to "
+                     r"train on it anyway$", message), message
+
+
+@pytest.mark.parametrize("loss, min_length, warning", [
+    (dropout_loss, 2, "train_step is not padding-safe, so padding may change its result: "
+                      r".*test_training\.py:\d+"),
+    (loss_fn, 1, "train_step is not shape-polymorphic, so it is retraced and compiled per "
+                 r"bucket, .*'T - 1' >= '1'"),
+])
+def test_train_on_padding_trains_the_refused_step_with_a_warning(loss, min_length, warning):
+    with pytest.warns(UserWarning, match=warning):
+        result = training.fit(tiny_model(), loss, random_sentences(8, 16, seed=0), optimizer=OPT,
+                              min_length=min_length, buckets=[16], batch_size=4,
+                              train_on_padding=True, verbose=False, cache=False)
+    assert len([r for r in result.history if r["kind"] == "step"]) == 2
+    assert np.isfinite(result.epochs()[0]["train_loss"])
+
+
+def test_masking_false_is_never_refused(made_steps):
+    """masking=False says the loss masks the padding itself: the step refused with the rewrite
+    on (its plan not padding-safe) trains with it off, the plan saying why."""
+    refused(made_steps, dropout_loss)
+    result = training.fit(tiny_model(), dropout_loss, random_sentences(8, 16, seed=0),
+                          optimizer=OPT, buckets=[16], batch_size=4, masking=False,
+                          verbose=False, cache=False)
+    assert np.isfinite(result.epochs()[0]["train_loss"])
+    assert result.train_step.plan.padding_reason.startswith("masking=False: ")

@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-masking", action="store_true",
                    help="turn off the executor's logical-length rewrite (px.bucketed(masking=False)): "
                         "the loss masks by the lengths itself, so only the speed changes")
+    p.add_argument("--train-on-padding", action="store_true",
+                   help="train even a loss the rewrite cannot keep padding out of (not "
+                        "padding-safe, or retraced per bucket), which is refused otherwise: "
+                        "padding may then change the loss (fit(train_on_padding=True))")
     p.add_argument("--seed", type=_int_flag(0), default=DEFAULTS["seed"])
     p.add_argument("--metrics", help="append metrics as JSON lines to this file")
     p.add_argument("--samples", type=_int_flag(0), default=len(PROMPTS),
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "three, or none (then a cluster environment jax.distributed detects, if any)")
     # What argparse cannot check alone (a fixed bucket below the longest sentence, more
     # devices than there are, a checkpoint of another run) is a px.OptionError from the code
-    # that finds out: a one-line usage error too, never a traceback.
+    # that finds out, and a model edited into one padding may change a px.PolymorphismError
+    # (fit's refusal, naming the line): a one-line usage error too, never a traceback.
     processes = 1
     try:
         processes = training.initialize_distributed(
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
             heartbeat_timeout=args.heartbeat_timeout)
         check_outputs(args)
         return run(args)
-    except px.OptionError as e:
+    except (px.OptionError, px.PolymorphismError) as e:
         parser.error(str(e))
     except jax.errors.JaxRuntimeError as e:
         if processes == 1:
@@ -237,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
         validation=corpus.validation, eval_fn=eval_loss, batch_size=args.batch_size,
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
         cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
-        layout=args.layout if masking else "pad",
+        layout=args.layout if masking else "pad", train_on_padding=args.train_on_padding,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         metrics_file=args.metrics, progress=False if args.no_progress else None, console=console)
 

@@ -14,8 +14,10 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
 import time
 import typing
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +30,7 @@ import buckets as _buckets
 
 from .. import Bucketed
 from .._cache import count_compiles, enable_persistent_cache
-from .._errors import OptionError, check_int, is_int
+from .._errors import OptionError, PolymorphismError, check_int, is_int
 from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, load_checkpoint, read_meta,
                           save_checkpoint)
 from ._auto import choose_buckets, choose_layout, rebucket
@@ -99,8 +101,9 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ``min_length=2``, ``pad_id=0``, ``seed=0``, ``shuffle=True``, ``devices``, ``cache``,
     ``warmup=True``, ``warmup_workers``, ``checkpoint_dir``, ``checkpoint_every``,
     ``keep_checkpoints=3``, ``resume=True``, ``max_steps``, ``metrics_file``, ``callbacks``,
-    ``progress``, ``verbose=True``, ``console``, ``masking=True``, ``layout="auto"``) are the
-    fields of `FitOptions`, declared and checked there; what they do is below.
+    ``progress``, ``verbose=True``, ``console``, ``masking=True``, ``layout="auto"``,
+    ``train_on_padding=False``) are the fields of `FitOptions`, declared and checked there;
+    what they do is below.
 
     ``data`` (and ``validation``) is a sequence of variable-length examples: 1-D integer arrays
     or ``bytes``. Each epoch groups them into batches whose lengths fall in one bucket
@@ -112,6 +115,17 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     with length 0), and the executor pads it to the bucket, so ``train_step.stats`` count the
     padding. The loss must mask by ``lengths`` (``px.sequence_mask``); then padding never
     changes a gradient. ``masking=False`` turns off the executor's logical-length rewrite.
+
+    Never on padding: a step the rewrite cannot keep padding out of is refused before either
+    step compiles, with a `px.PolymorphismError` quoting the plan's verdict (naming your line):
+    one that is not padding-safe (``plan.padding_reason``: an operation on a length axis with
+    no rule, such as random draws shaped by the length), or one that is reshaping-impossible
+    (``plan.reason``: retraced per bucket, it would run on the padded batch as written). At
+    ``min_length=1``, a loss that slices ``tokens[:, 1:]`` is the latter (JAX cannot decide
+    ``T - 1 >= 1``): the error says to pass ``min_length=2``. ``train_on_padding=True`` trains
+    such a step anyway, with the executor's one warning, padding possibly changing the loss
+    and its gradients. With ``masking=False`` the loss masks the padding itself, as you said,
+    and nothing is refused.
 
     Buckets: ``buckets="auto"`` (or None, the default) compiles and times the step once at the
     largest bucket, then chooses the (length x rows) set with the least predicted time for the
@@ -182,6 +196,12 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ([0, 1, 2], 1)
     >>> result.epochs()[-1]["val_loss"] < result.epochs()[0]["val_loss"]
     True
+    >>> def noisy(model, tokens, lengths):        # noise drawn at the padded shape: no rule
+    ...     return loss(model, tokens + jax.random.bernoulli(jax.random.PRNGKey(0), 0.1, tokens.shape), lengths)
+    >>> training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), noisy, data,
+    ...              optimizer=optax.adam(0.05), batch_size=8, buckets=[8, 16, 40], verbose=False)
+    Traceback (most recent call last):
+    polyexec._errors.PolymorphismError: fit: loss_fn: expected a train step that padding cannot change (padding-safe), received one that is not: <doctest ...>:2: `return loss(...)`: random_bits: no rule for random_bits on a length axis; change that line, ..., or pass train_on_padding=True to train on it anyway
     """
     options = FitOptions.from_kwargs(options)
     _check_outputs(options)
@@ -198,6 +218,7 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
         state, position, history, restored = _restore(
             run, TrainState.create(copy_arrays(model), optimizer))
         state = place(state, run.dp.replicated)
+        _refuse_padding(run, state, eval_fn)
         run = _settle(run, state, position, restored)
         log = MetricsLog(options.metrics_file if run.main else None, history,
                          restored=position if restored else None)
@@ -374,6 +395,61 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
     return run if auto else _with_policy(run, policy)
+
+
+def _refuse_padding(run: _Run, state: TrainState, eval_fn: EvalFn | None) -> None:
+    """Refuse, before either step compiles, a step that padding may change -- unless the run
+    says ``train_on_padding=True`` (then the executor warns once, and it trains).
+
+    Both verdicts count: not padding-safe (an operation on a length axis has no rule), and
+    reshaping-impossible (retraced per bucket, the step runs on the padded batch as written,
+    unchecked: at ``min_length=1`` a next-token loss learned to predict the padding and
+    reported a loss far below the exact one). ``masking=False`` says the loss masks the
+    padding itself, so its plan, not padding-safe by design, is never refused.
+    """
+    options = run.options
+    if options.train_on_padding or not options.masking:
+        return
+    steps = [("loss_fn", "a train step", run.train_step, state)]
+    if run.eval_step is not None:
+        steps.append(("eval_fn" if eval_fn is not None else "loss_fn", "an eval step",
+                      run.eval_step, state.model))
+    for where, what, step, arg in steps:
+        # The executor warns of the verdict as it plans; a refused step is reported by the
+        # refusal alone. Recorded under "always", so that a filter turning warnings into errors
+        # cannot raise the verdict's warning in the refusal's place; any other warning of the
+        # trace is passed on as it came.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = step.plan_for(arg)
+        refusal = _refusal(plan, what, options.min_length)
+        if refusal is not None:
+            raise PolymorphismError(f"fit: {where}: {refusal}")
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _refusal(plan: Any, what: str, min_length: int) -> str | None:
+    """Why ``plan`` may not train (the verdict, naming the user's line) and the fix, or None."""
+    anyway = "pass train_on_padding=True to train on it anyway"
+    if plan.reshaping_is_impossible:
+        # A length bound JAX cannot decide at the smallest length, as `tokens[:, 1:]` gives
+        # at min_length=1 ('T - 1' >= '1'), is decided once T's minimum is high enough.
+        bound = re.search(r"comparison 'T(?: - (\d+))?' >= '(\d+)' is inconclusive",
+                          plan.reason)
+        need = int(bound[1] or 0) + int(bound[2]) if bound else 0
+        fix = (f"pass min_length={need} (JAX cannot decide that comparison for lengths down to "
+               f"min_length={min_length}), or {anyway}" if need > min_length else
+               f"make that line work for every length, or mask the padding by hand and pass "
+               f"masking=False, or {anyway}")
+        return (f"expected {what} traced once for every length (shape-polymorphic), received "
+                f"one retraced per bucket, which would train on the padded batch as written, "
+                f"nothing keeping the padding out of the loss: {plan.reason.rstrip('.')}; {fix}")
+    if not plan.padding_safe:
+        return (f"expected {what} that padding cannot change (padding-safe), received one "
+                f"that is not: {plan.padding_reason.rstrip('.')}; change that line, or mask the "
+                f"padding by hand and pass masking=False, or {anyway}")
+    return None
 
 
 def _check_optimizer(optimizer: Any) -> None:

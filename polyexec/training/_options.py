@@ -60,6 +60,7 @@ class FitOptions:
     console: Any = None
     masking: bool = True
     layout: str = "auto"
+    train_on_padding: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, *, also: Sequence[str] = ("optimizer", "validation",
@@ -90,7 +91,7 @@ class FitOptions:
                                       optional=optional))
         if self.batch_size is None and self.max_tokens is None:
             normalise("batch_size", 32)
-        for name in ("shuffle", "masking", "warmup", "resume", "verbose"):
+        for name in ("shuffle", "masking", "warmup", "resume", "verbose", "train_on_padding"):
             check_bool(getattr(self, name), f"fit: {name}")
         if self.progress is not None:
             check_bool(self.progress, "fit: progress")
