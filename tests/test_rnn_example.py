@@ -107,18 +107,20 @@ def test_cli_bad_flags_are_one_line_usage_errors(argv, message, capsys):
 
 def test_cli_reports_fits_refusal_in_one_line_and_trains_with_train_on_padding(monkeypatch,
                                                                               capsys):
-    """The example's loss edited into one padding may change (token dropout drawn at the padded
-    shape: random bits along T have no rule): fit's refusal, naming the line, is a usage error;
-    --train-on-padding trains it anyway, with the executor's warning."""
+    """The example's loss edited into one padding may change (a weight from a triangular solve
+    along T, which has no rule; token dropout, the edit here before, is padding-safe now):
+    fit's refusal, naming the line, is a usage error; --train-on-padding trains it anyway, with
+    the executor's warning."""
     import jax.numpy as jnp
 
     from examples.rnn import model
 
-    def dropout_loss(m, tokens, lengths):
-        keep = jax.random.bernoulli(jax.random.PRNGKey(1), 0.9, tokens.shape)
-        return model.loss_fn(m, jnp.where(keep, tokens, 0), lengths)
+    def unsafe_loss(m, tokens, lengths):
+        T = tokens.shape[1]
+        w = jax.scipy.linalg.solve_triangular(2 * jnp.eye(T), jnp.ones(T), lower=True)
+        return model.loss_fn(m, tokens, lengths) * jnp.mean(w)
 
-    monkeypatch.setattr(train, "loss_fn", dropout_loss)
+    monkeypatch.setattr(train, "loss_fn", unsafe_loss)
     argv = ["--limit", "24", "--epochs", "1", "--hidden", "4", "--embed", "4", "--cap", "32",
             "--buckets", "fixed:32", "--samples", "0", "--no-cache", "--no-progress"]
     with pytest.raises(SystemExit) as exit_:
@@ -127,8 +129,9 @@ def test_cli_reports_fits_refusal_in_one_line_and_trains_with_train_on_padding(m
     *_, error = capsys.readouterr().err.strip().splitlines()
     assert re.fullmatch(r"python -m examples\.rnn\.train: error: fit: loss_fn: expected a train "
                         r"step that padding cannot change \(padding-safe\), received one that is "
-                        r"not: .*test_rnn_example\.py:\d+: `keep = jax\.random\.bernoulli\(.*`: "
-                        r"random_bits: no rule for random_bits on a length axis; .*, or pass "
+                        r"not: .*test_rnn_example\.py:\d+: `w = jax\.scipy\.linalg\.solve_triangular"
+                        r"\(.*`: triangular_solve: no rule for triangular_solve on a length axis"
+                        r"( \(and \d+ more\))?; .*, or pass "
                         r"train_on_padding=True to train on it anyway", error), error
     with pytest.warns(UserWarning, match="train_step is not padding-safe"):
         out = train.main([*argv, "--train-on-padding"])

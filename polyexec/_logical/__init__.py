@@ -42,6 +42,9 @@ combining family's identity once (reducers, cumulative ops, windows, scatters).
 - `_contractions`: ``dot_general``, ``conv_general_dilated``, ``reduce_window*``,
   ``select_and_{scatter,gather}_add``.
 - `_control`: ``scan``, ``while``, ``cond`` and the call-likes (structural: they recurse).
+- `_random`: ``random_bits`` shaped by a length (dropout): not exact (JAX's draw depends on
+  the whole shape) but layout-invariant: a cell draws from the key folded with its indices
+  along the length axes, whatever the bucket; refused along packed rows.
 - `_packed` (`rewrite_packed`, ``layout="pack"``) and `_sequences` (its per-sequence values):
   the packed rules of the same primitives, over rows that hold several sequences.
 - `_core`: the evaluation context, the interpreter, the registry, `rewrite`;
@@ -56,7 +59,8 @@ room for its logical positions.
 
 # The families register their rules as they are imported; `rewrite` is only reachable through
 # this package, so it always sees the full registry.
-from . import _contractions, _control, _indexing, _pointwise, _reductions, _structure  # noqa: F401
+from . import (_contractions, _control, _indexing, _pointwise, _random,  # noqa: F401
+               _reductions, _structure)
 from ._core import Logical, register_rule, rewrite, RowFloor, RuleContext, Unsupported
 from ._packed import rewrite_packed
 
