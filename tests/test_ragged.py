@@ -497,3 +497,91 @@ def test_multi_head_attention_gradients_follow_the_rows():
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     for have, want in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(want_grad)):
         np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-5)
+
+
+# Each row's last real token (or a position found in the row), read by index from the whole
+# batch -- row b's own ``lengths[b] - 1`` -- against the row alone (issue 38). The index is a
+# value made from the lengths, so the gather's rule bounds it by the length of the row each
+# entry reads: exact as is, values and gradients.
+_ARANGE = lambda x: jnp.arange(x.shape[0])  # noqa: E731
+LAST_TOKEN = {
+    "h[arange(B), lengths - 1]": (lambda x, n: x[_ARANGE(x), n - 1], lambda r: r[-1]),
+    "h[arange(B), lengths - 1] of (B, T)": (lambda x, n: x[..., 0][_ARANGE(x), n - 1],
+                                            lambda r: r[-1, 0]),
+    "take_along_axis(h, lengths - 1)": (
+        lambda x, n: jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)[:, 0],
+        lambda r: r[-1]),
+    "take_along_axis(h, maximum(lengths - 1, 0))": (
+        lambda x, n: jnp.take_along_axis(x, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0],
+        lambda r: r[-1]),
+    "take_along_axis of (B, T)": (
+        lambda x, n: jnp.take_along_axis(x[..., 0], (n - 1)[:, None], axis=1)[:, 0],
+        lambda r: r[-1, 0]),
+    "h[arange(B), argmax(scores, 1)]": (
+        lambda x, n: x[_ARANGE(x), jnp.argmax(x[..., 0] * x[..., 1], axis=1)],
+        lambda r: r[jnp.argmax(r[:, 0] * r[:, 1])]),
+}
+
+
+def _last_token_call(g, layout):
+    def value_and_grad(x, lengths):
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(g(x, lengths)) * 1.5))(x), g(x, lengths)
+    return px.bucketed(value_and_grad, in_specs=SPECS, buckets={T: [16, 64]}, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("name", sorted(LAST_TOKEN))
+def test_a_rows_last_token_by_its_length_is_each_rows_own(name, layout):
+    """``h[jnp.arange(B), lengths - 1]``, ``take_along_axis(h, lengths - 1, 1)``: each row's
+    entry, and its gradient into that row's own position (rows of 1 and of differing lengths;
+    the padding is NaN). Packed, ``take_along_axis`` (batched over the rows) reads each
+    sequence's own cell; an index into the rows (``jnp.arange(B)``) cannot address a sequence
+    of a packed row: run padded, the line named."""
+    g, alone = LAST_TOKEN[name]
+    lengths = [5, 1, 9, 3, 1]
+    x, rows = ragged_batch(lengths)
+    f = _last_token_call(g, layout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (value, grad), out = f(x, np.asarray(lengths, np.int32))
+    assert f.plan.padding_safe, f.plan.padding_reason
+    want_value = 0.0
+    for b, r in enumerate(rows):
+        want, want_grad = alone(r), jax.grad(lambda r: jnp.sum(jnp.sin(alone(r)) * 1.5))(r)
+        want_value += float(jnp.sum(jnp.sin(want) * 1.5))
+        np.testing.assert_allclose(out[b], want, rtol=1e-6, err_msg=f"row {b}")
+        np.testing.assert_allclose(grad[b, :len(r)], want_grad, rtol=1e-6, err_msg=f"row {b}")
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    if layout == "pack":
+        assert f.plan.can_pack == ("take_along_axis" in name), f.plan.packing_reason
+    if layout == "pack" and not f.plan.can_pack:      # run padded, the line named
+        assert "test_ragged.py" in f.plan.packing_reason
+        assert any("cannot run packed rows" in str(w.message) for w in caught)
+    else:
+        assert not caught, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_the_last_token_of_an_empty_row(layout):
+    """A row of length 0 has no token: ``lengths - 1`` is -1 there. Clamped (``x[rows, k]``,
+    ``maximum(lengths - 1, 0)``), it reads position 0 -- the caller's own padding there, as
+    ``jax.jit`` on the exact-size batch reads it; ``take_along_axis`` finds -1 outside the
+    row and gives its fill, NaN. Packed, an empty sequence has no cell at all: the fill.
+    Its gradient lands in the row's padding (none is real)."""
+    lengths = [3, 0, 2]
+    x, rows = ragged_batch(lengths)
+    x[1, 0] = 7.0                       # the empty row's padding at position 0
+    names = ["h[arange(B), lengths - 1]", "take_along_axis(h, maximum(lengths - 1, 0))",
+             "take_along_axis(h, lengths - 1)"]
+    for name, clamped in zip(names, [True, True, False]):
+        f = _last_token_call(LAST_TOKEN[name][0], layout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (_, grad), out = f(x, np.asarray(lengths, np.int32))
+        packed = layout == "pack" and f.plan.can_pack
+        assert packed == (layout == "pack" and "take_along_axis" in name), name
+        empty = 7.0 if clamped and not packed else np.nan
+        np.testing.assert_array_equal(out[1], np.full(3, empty, np.float32), err_msg=name)
+        for b in (0, 2):
+            np.testing.assert_allclose(out[b], rows[b][-1], rtol=1e-6, err_msg=name)
+        assert np.isfinite(grad[[0, 2]]).all() and np.isfinite(grad[1]).all(), name

@@ -99,11 +99,13 @@ def _dynamic_update_slice(ctx, eqn, invals):
     return [_unroom(out, x.shape)]
 
 
-def _index_bounds(ctx, operand_shape, window, index_map, idx, params):
+def _index_bounds(ctx, operand_shape, window, index_map, idx, params, batching=((), ())):
     """Per index component: the largest start that keeps the window inside the logical
     operand, or None where the operand axis is not a length axis or the program fixed the
-    index at 0 (``x[:, :1]``: clamped, 0 stays 0 at every size, ragged rows included); and the
-    operand axes that need `_room`."""
+    index at 0 (``x[:, :1]``: clamped, 0 stays 0 at every size, ragged rows included); the
+    operand axes that need `_room`. A bound may be per index entry, at the length of the row
+    it reads (`_row_bounds`); ``batching``: the equation's operand and index batching
+    dimensions."""
     if (isinstance(idx, np.ndarray) and not idx.any()
             and params["mode"] != lax.GatherScatterMode.FILL_OR_DROP):
         return [None] * len(index_map), []
@@ -116,17 +118,58 @@ def _index_bounds(ctx, operand_shape, window, index_map, idx, params):
         elif is_sym(n) or is_sym(w):
             if not ctx.recorder.monotone(n - w):
                 room.append(a)
-            bounds.append(ctx.length(n - w))    # per row it may differ; the difference may not
+            try:
+                bounds.append(ctx.length(n - w))   # per row it may differ; the difference may not
+            except NoRule:
+                per_row = _row_bounds(ctx, n - w, operand_shape, window, index_map, idx, batching)
+                if per_row is None:
+                    raise
+                bounds.append(per_row)
         else:
             bounds.append(None)
     return bounds, room
 
 
+def _row_bounds(ctx, d, operand_shape, window, index_map, idx, batching):
+    """The bound ``d`` (a length ragged along rows, minus the window) of each index entry, at
+    the length of the row that entry reads, when the equation pairs each entry with one row: a batching dimension over the rows
+    (``take_along_axis(h, (lengths - 1)[:, None, None], 1)``), or an index component picking
+    one row (``h[jnp.arange(B), lengths - 1]``, ``h[rows, positions]``), whose index is
+    clamped into the real rows first, as at the exact size. Never below 0: a row of length 0
+    has no position, and an index clamped into it reads position 0 -- the caller's own
+    padding there, as ``jax.jit`` on the exact-size batch reads it (one FILL_OR_DROP finds
+    outside, ``-1``, gives the fill). Shaped to broadcast against one index component; None
+    for any other equation."""
+    rows = ctx.rows_of(d)
+    axes = ctx.row_axes(operand_shape, rows) if rows is not None else []
+    if len(axes) != 1:
+        return None
+    (r,) = axes
+    per_row = ctx.per_row(d)                # (rows,), never below 0
+    operand_batching, index_batching = (tuple(b) for b in batching)
+    if r in operand_batching:
+        shape = [1] * (jnp.ndim(idx) - 1)
+        shape[index_batching[operand_batching.index(r)]] = -1
+        return jnp.reshape(per_row, shape)
+    if r in index_map and one_position(window[r]):
+        row = jnp.clip(jnp.asarray(idx)[..., list(index_map).index(r)], 0,
+                       ctx.length(operand_shape[r] - 1))
+        return jnp.take(per_row, row, mode="clip")
+    return None
+
+
 def _gather_moves(eqn):
     aval, p = operand_avals(eqn)[0], eqn.params
     dn = p["dimension_numbers"]
-    axes = tuple(a for a in range(len(aval.shape)) if a not in dn.operand_batching_dims
-                 and (a in dn.start_index_map or not same_dim(p["slice_sizes"][a], aval.shape[a])))
+    shape, sizes = aval.shape, p["slice_sizes"]
+    # One position of every other length axis, each indexed: a picked row keeps no length
+    # (``h[jnp.arange(B), lengths - 1]``); the rule bounds each position by its row's own.
+    points = lambda a: all(b == a or b in dn.operand_batching_dims or not is_sym(shape[b])  # noqa: E731
+                           or (b in dn.start_index_map and one_position(sizes[b]))
+                           for b in range(len(shape)))
+    axes = tuple(a for a in range(len(shape)) if a not in dn.operand_batching_dims
+                 and (a in dn.start_index_map or not same_dim(sizes[a], shape[a]))
+                 and not (a in dn.start_index_map and one_position(sizes[a]) and points(a)))
     return [(aval, axes)] if axes else []
 
 
@@ -152,7 +195,9 @@ def _gather(ctx, eqn, invals):
     p = eqn.params
     dn = p["dimension_numbers"]
     try:
-        bounds, room = _index_bounds(ctx, x.shape, p["slice_sizes"], dn.start_index_map, idx, p)
+        bounds, room = _index_bounds(
+            ctx, x.shape, p["slice_sizes"], dn.start_index_map, idx, p,
+            (dn.operand_batching_dims, dn.start_indices_batching_dims))
     except NoRule:
         picked = _per_row_position(ctx, eqn, x, idx)
         if picked is None:
@@ -244,11 +289,21 @@ def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
 
 
 def _scatter_acts_on(eqn, i, axis, shape):
-    # Per sequence only where each row scatters into its own row (batched over the rows).
+    # Per sequence only where each row scatters into its own row: batched over the rows, or
+    # the rows a whole window axis of the update (``x.at[:, 0].add(u)``, the gradient of
+    # ``x[:, 0]``).
     dn = eqn.params["dimension_numbers"]
-    rows = [a for a, d in enumerate(eqn.invars[0].aval.shape) if str(d) == str(shape[axis])]
-    return (i == 1 and axis == len(shape) - 1) or len(rows) != 1 or (
-        rows[0] not in dn.operand_batching_dims)
+    operand = eqn.invars[0].aval.shape
+    rows = [a for a, d in enumerate(operand) if str(d) == str(shape[axis])]
+    if (i == 1 and axis == len(shape) - 1) or len(rows) != 1:
+        return True
+    (a,) = rows
+    window_axes = [b for b in range(len(operand))
+                   if b not in dn.inserted_window_dims and b not in dn.operand_batching_dims]
+    if a in window_axes and a not in dn.scatter_dims_to_operand_dims:
+        u = dn.update_window_dims[window_axes.index(a)]
+        return str(eqn.invars[2].aval.shape[u]) != str(operand[a])
+    return a not in dn.operand_batching_dims
 
 
 @defrule("scatter", "scatter-add", acts_on=_scatter_acts_on)
@@ -265,7 +320,9 @@ def _scatter(ctx, eqn, invals):
         window[a] = updates.shape[u]
     scatter_dims = [d for d in range(updates.ndim) if d not in dn.update_window_dims]
     try:
-        bounds, room = _index_bounds(ctx, x.shape, window, dn.scatter_dims_to_operand_dims, idx, p)
+        bounds, room = _index_bounds(
+            ctx, x.shape, window, dn.scatter_dims_to_operand_dims, idx, p,
+            (dn.operand_batching_dims, dn.scatter_indices_batching_dims))
     except NoRule:
         put = _per_row_put(ctx, eqn, x, idx, updates)
         if put is None:

@@ -53,7 +53,8 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   predictions) or is the number of sequences.
 
 A per-sequence value (a scan's final carry that is read, a reduction or a contraction along
-T alone, ``x[:, k]``, ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
+T alone, ``x[:, k]``, ``take_along_axis(x, (lengths - 1)[:, None, None], 1)``,
+``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
 labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
 there). A per-sequence number meeting positions without the rows axis (``jnp.arange(T) /
 T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`PerCell`): it
@@ -918,6 +919,115 @@ def _position(ctx: _PackedCtx, eqn, shape, index, index_map, window):
     return p, position.astype(np.int32), inside
 
 
+def _own_position(ctx: _PackedCtx, eqn, shape, index, index_map, window, batching,
+                  index_shape):
+    """Where ``take_along_axis(x, (lengths - 1)[:, None, None], 1)`` reads (or its transpose
+    writes) along the packed axis of ``shape``: an equation batched over the rows (each
+    sequence's entry with its own index) that takes one position of the packed axis and every
+    entry of the others, its index a number per sequence. ``(r, p, s, position, inside)``:
+    the rows and packed axes, the index's rows axis, the position per grid cell and whether
+    it is inside the sequence's part of the axis; None for any other indexing."""
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    operand_batching, index_batching = (tuple(b) for b in batching)
+    if len(rows) != 1 or len(packed) != 1 or operand_batching != tuple(rows):
+        return None
+    (r,), (p,) = rows, packed
+    (s,) = index_batching
+    if (ctx.row_axes(index_shape) != [s] or tuple(index_map) != (p,) or window[p] != 1
+            or any(a not in (r, p) and not _core_equal(window[a], shape[a])
+                   for a in range(len(shape)))
+            or any(is_sym(d) or d != 1 for a, d in enumerate(index_shape) if a != s)):
+        return None
+    if not isinstance(index, PerSequence):
+        if not hasattr(index, "shape"):
+            return None
+        index = held(ctx, index, index_shape)
+    if index.axis != s:
+        return None
+    position = jnp.reshape(jnp.moveaxis(index.value, (s, s + 1), (0, 1)), ctx.pos.shape)
+    n = ctx._at(shape[p], ctx.seglen)
+    inside = (position >= 0) & (position < n)
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    return r, p, s, position.astype(np.int32), inside
+
+
+def _pick_own(ctx: _PackedCtx, eqn, invals):
+    """``take_along_axis(x, (lengths - 1)[:, None, None], 1)`` of a packed value (the gather
+    batched over the rows): each sequence's own position, a per-sequence value; outside the
+    sequence (and in a sequence of length 0, which has no cell), the gather's fill."""
+    x, index = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _own_position(
+        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
+        (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
+    if found is None or not set(dn.collapsed_slice_dims) <= {found[1]}:
+        return None
+    r, p, s, position, inside = found
+    column = ctx.sequence_starts() + position
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))
+    picked = jnp.take_along_axis(xs, at, axis=1, mode="clip")      # (rows, columns, *rest)
+    fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
+    picked = jnp.where(jnp.expand_dims(inside, tuple(range(2, xs.ndim))), picked, fill)
+    rest = [a for a in range(len(shape)) if a not in (r, p)]
+    if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
+        kept = sorted([*rest, p])
+        picked = jnp.expand_dims(picked, 2 + kept.index(p))
+    out = eqn.outvars[0].aval.shape
+    batch = [d for d in range(len(out)) if d not in dn.offset_dims]   # the index's axes
+    r_out = batch[s]
+    held_at = lambda d: d + (d > r_out)  # noqa: E731 - the columns follow the rows
+    others = [d for d in batch if d != r_out]
+    picked = jnp.reshape(picked, (*picked.shape, *(1,) * len(others)))
+    dest = [r_out, r_out + 1, *map(held_at, dn.offset_dims), *map(held_at, others)]
+    return [PerSequence(jnp.moveaxis(picked, tuple(range(len(dest))), dest), r_out)]
+
+
+def _put_own(ctx: _PackedCtx, eqn, invals):
+    """The transpose of `_pick_own`: each sequence's update added into (or set at) its own
+    position; nothing where that is outside the sequence."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    update_shape = eqn.invars[2].aval.shape
+    if isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter"):
+        return None
+    window = [1 if a in dn.inserted_window_dims or a in dn.operand_batching_dims else None
+              for a in range(len(shape))]
+    sizes = iter(update_shape[d] for d in dn.update_window_dims)
+    window = [w if w is not None else next(sizes) for w in window]
+    found = _own_position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
+                          (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
+                          eqn.invars[1].aval.shape)
+    if found is None or not set(dn.inserted_window_dims) <= {found[1]}:
+        return None
+    r, p, s, position, inside = found
+    scattered = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
+    r_upd = scattered[s]
+    if isinstance(updates, PerSequence) and updates.axis != r_upd:
+        return None
+    updates = held(ctx, updates, update_shape)
+    u = jnp.moveaxis(updates.value, (r_upd, r_upd + 1), (0, 1))
+    # Then the update's other axes in order: the index's unit axes and the window's.
+    rest_u = [d for d in range(len(update_shape)) if d != r_upd]
+    unit = [2 + i for i, d in enumerate(rest_u) if d not in dn.update_window_dims]
+    if p not in dn.inserted_window_dims:            # the position's unit axis: squeezed
+        kept = [a for a in range(len(shape)) if a not in (r,) and a not in dn.inserted_window_dims]
+        unit.append(2 + len([d for d in rest_u if d not in dn.update_window_dims])
+                    + kept.index(p))
+    u = lax.squeeze(u, tuple(unit))                 # (rows, columns, *operand's other axes)
+    n = shape[p]
+    u = lax.slice_in_dim(u, 0, n, axis=1)
+    rest = [a for a in range(len(shape)) if a not in (r, p)]
+    cells = spread(u, shape, (r, p, *rest))
+    pos, _ = ctx.cells(n)
+    at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
+    at = spread(at & ctx.in_frame(n), shape, (r, p))
+    if eqn.primitive.name == "scatter":
+        return [lax.select(at, cells, x)]
+    return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
+
+
 def _pick(ctx: _PackedCtx, eqn, invals):
     """``x[:, k]`` and ``x[:, -1]`` of a packed value (and ``r[k]`` under ``jax.vmap``): each
     sequence's own position ``k`` (``n - 1``), a per-sequence value; outside the sequence, as
@@ -987,20 +1097,33 @@ def _put(ctx: _PackedCtx, eqn, invals):
     return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
 
 
+def _pick_any(ctx: _PackedCtx, eqn, invals):
+    """One position of each sequence: ``x[:, k]`` (`_pick`) or batched over the rows with a
+    per-sequence index (`_pick_own`); None for any other gather."""
+    picked = _pick(ctx, eqn, invals)
+    return picked if picked is not None else _pick_own(ctx, eqn, invals)
+
+
+def _put_any(ctx: _PackedCtx, eqn, invals):
+    """The transposes of `_pick_any`."""
+    put = _put(ctx, eqn, invals)
+    return put if put is not None else _put_own(ctx, eqn, invals)
+
+
 @defrule("gather", layout="pack")
 def _gather(ctx: _PackedCtx, eqn, invals):
-    picked = _pick(ctx, eqn, invals)
+    picked = _pick_any(ctx, eqn, invals)
     return picked if picked is not None else _generic(ctx, eqn, invals)
 
 
 @defrule("scatter-add", "scatter", layout="pack")
 def _scatter(ctx: _PackedCtx, eqn, invals):
-    put = _put(ctx, eqn, invals)
+    put = _put_any(ctx, eqn, invals)
     return put if put is not None else _generic(ctx, eqn, invals)
 
 
-defrule("gather", layout="per_sequence")(_pick)
-defrule("scatter-add", "scatter", layout="per_sequence")(_put)
+defrule("gather", layout="per_sequence")(_pick_any)
+defrule("scatter-add", "scatter", layout="per_sequence")(_put_any)
 
 
 # --------------------------------------------------------------------------------------------
