@@ -1020,6 +1020,15 @@ def _put_own(ctx: _PackedCtx, eqn, invals):
     u = lax.slice_in_dim(u, 0, n, axis=1)
     rest = [a for a in range(len(shape)) if a not in (r, p)]
     cells = spread(u, shape, (r, p, *rest))
+    return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
+
+
+def _write_at_positions(ctx: _PackedCtx, eqn, x, cells, position, inside, r: int, p: int):
+    """``x`` with each sequence's cell at ``position`` (per cell, where ``inside``) set to
+    ``cells`` there (``scatter``) or added to (``scatter-add``): the write-back of a packed
+    per-sequence index, the transpose of reading one."""
+    shape = eqn.invars[0].aval.shape
+    n = shape[p]
     pos, _ = ctx.cells(n)
     at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
     at = spread(at & ctx.in_frame(n), shape, (r, p))
@@ -1089,12 +1098,7 @@ def _put(ctx: _PackedCtx, eqn, invals):
     targets = [a for a in range(len(shape)) if a != p]
     targets.insert(targets.index(r) + 1, p)
     cells = spread(lax.slice_in_dim(value, 0, n, axis=targets.index(p)), shape, targets)
-    pos, _ = ctx.cells(n)
-    at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
-    at = spread(at & ctx.in_frame(n), shape, (r, p))
-    if eqn.primitive.name == "scatter":
-        return [lax.select(at, cells, x)]
-    return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
+    return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
 
 
 def _pick_any(ctx: _PackedCtx, eqn, invals):
