@@ -196,12 +196,14 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ([0, 1, 2], 1)
     >>> result.epochs()[-1]["val_loss"] < result.epochs()[0]["val_loss"]
     True
-    >>> def noisy(model, tokens, lengths):        # noise drawn at the padded shape: no rule
-    ...     return loss(model, tokens + jax.random.bernoulli(jax.random.PRNGKey(0), 0.1, tokens.shape), lengths)
-    >>> training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), noisy, data,
+    >>> def weighted(model, tokens, lengths):     # a triangular solve along T: no rule
+    ...     n = tokens.shape[1]
+    ...     w = jax.scipy.linalg.solve_triangular(2 * jnp.eye(n), jnp.ones(n), lower=True)
+    ...     return loss(model, tokens, lengths) * jnp.mean(w)
+    >>> training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), weighted, data,
     ...              optimizer=optax.adam(0.05), batch_size=8, buckets=[8, 16, 40], verbose=False)
     Traceback (most recent call last):
-    polyexec._errors.PolymorphismError: fit: loss_fn: expected a train step that padding cannot change (padding-safe), received one that is not: <doctest ...>:2: `return loss(...)`: random_bits: no rule for random_bits on a length axis; change that line, ..., or pass train_on_padding=True to train on it anyway
+    polyexec._errors.PolymorphismError: fit: loss_fn: expected a train step that padding cannot change (padding-safe), received one that is not: <doctest ...>:3: `w = jax.scipy.linalg.solve_triangular(...)`: triangular_solve: no rule for triangular_solve on a length axis...; change that line, ..., or pass train_on_padding=True to train on it anyway
     """
     options = FitOptions.from_kwargs(options)
     _check_outputs(options)
