@@ -343,9 +343,26 @@ def _equation_named_in(jitted, avals, message: str) -> tuple[Any, str] | None:
     return search(jaxpr.jaxpr, "<unknown>")
 
 
+# Idioms JAX itself cannot trace over a symbolic length, by a phrase of JAX's message, and the
+# form that traces (each checked exact, values and gradients, in tests/test_ragged.py).
+_FORMS_THAT_WORK = {
+    "differentiation does not work for lax.while_loop or lax.fori_loop": (
+        "a fori_loop over a length is a while_loop to JAX (its trip count is symbolic), which "
+        "has no reverse-mode derivative; write it as a scan over the positions, "
+        "`lax.scan(lambda h, t: (body(t, h), None), h0, jnp.arange(x.shape[1]))[0]`, which "
+        "polyexec runs over each row's real length"),
+    "associative scan over axis of non-constant size": (
+        "JAX's associative_scan needs a constant length; for a sum, product, max or min use "
+        "jnp.cumsum, jnp.cumprod, lax.cummax or lax.cummin, and lax.scan for any other "
+        "combination: each runs over each row's real length"),
+}
+
+
 def failure_reason(error: BaseException) -> str:
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"{describe_frame(user_frame(error))}: {type(error).__name__}: {message}"
+    reason = f"{describe_frame(user_frame(error))}: {type(error).__name__}: {message}"
+    hint = next((form for phrase, form in _FORMS_THAT_WORK.items() if phrase in str(error)), None)
+    return reason if hint is None else f"{reason} -- {hint}"
 
 
 def about_symbolic_dims(error: BaseException, names: Sequence[str]) -> bool:

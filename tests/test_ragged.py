@@ -585,3 +585,82 @@ def test_the_last_token_of_an_empty_row(layout):
         for b in (0, 2):
             np.testing.assert_allclose(out[b], rows[b][-1], rtol=1e-6, err_msg=name)
         assert np.isfinite(grad[[0, 2]]).all() and np.isfinite(grad[1]).all(), name
+
+
+def _while_rnn(x, lengths):
+    """An RNN written as a while loop over the batch's length (``t < x.shape[1]``)."""
+    def body(carry):
+        t, h = carry
+        return t + 1, jnp.tanh(h @ W + jax.lax.dynamic_index_in_dim(x, t, 1, keepdims=False))
+    t, h = jax.lax.while_loop(lambda c: c[0] < x.shape[1], body, (0, jnp.zeros((x.shape[0], 3))))
+    return t + jnp.zeros(x.shape[0], int), h      # the step counter, held in the rows
+
+
+def _fori_rnn(x, lengths):
+    h0 = jnp.zeros((x.shape[0], 3))
+    return (jnp.zeros(x.shape[0], int) + x.shape[1],
+            jax.lax.fori_loop(0, x.shape[1], lambda t, h: jnp.tanh(h @ W + x[:, t]), h0))
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("loop", [_while_rnn, _fori_rnn])
+def test_a_loop_over_the_length_runs_each_row_to_its_own_end(loop, layout):
+    """A ``while_loop``/``fori_loop`` over ``x.shape[1]`` of a ragged batch: each row loops to
+    its own length (its step counter ends there), as the row alone does -- no step reads
+    padding (NaN here). It crashed the while rule before. A packed row holds sequences of
+    different trip counts: run padded, the line named."""
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+    f = px.bucketed(loop, in_specs=SPECS, buckets={T: [16, 64]}, layout=layout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps, h = f(x, np.asarray(lengths, np.int32))
+    assert f.plan.padding_safe, f.plan.padding_reason
+    for b, r in enumerate(rows):
+        want_steps, want_h = loop(jnp.asarray(r[None]), None)
+        assert steps[b] == want_steps[0] == len(r)
+        np.testing.assert_allclose(h[b], want_h[0], rtol=1e-5, err_msg=f"row {b}")
+    if layout == "pack":
+        assert not f.plan.can_pack and "test_ragged.py" in f.plan.packing_reason
+        assert any("cannot run packed rows" in str(w.message) for w in caught)
+    else:
+        assert not caught, [str(w.message) for w in caught]
+
+
+def _fori_cell(x):
+    return jax.lax.fori_loop(0, x.shape[1], lambda t, h: jnp.tanh(h @ W + x[:, t]),
+                             jnp.zeros((x.shape[0], 3)))
+
+
+def _scan_cell(x):
+    step = lambda h, t: (jnp.tanh(h @ W + x[:, t]), None)    # noqa: E731
+    return jax.lax.scan(step, jnp.zeros((x.shape[0], 3)), jnp.arange(x.shape[1]))[0]
+
+
+# Idioms JAX cannot trace over a symbolic length (so reshaping is impossible), and the form the
+# verdict names instead, which must then be exact, values and gradients.
+JAX_CANNOT = {
+    "fori_loop's gradient": (_fori_cell, _scan_cell, "jnp.arange(x.shape[1])"),
+    "associative_scan": (lambda x: jax.lax.associative_scan(jnp.add, x, axis=1),
+                         lambda x: jnp.cumsum(x, 1), "jnp.cumsum"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JAX_CANNOT))
+def test_a_loop_jax_cannot_trace_over_a_length_names_the_form_that_works(name):
+    idiom, form, words = JAX_CANNOT[name]
+
+    def loss(g):
+        return lambda x, lengths: jax.value_and_grad(lambda x: jnp.sum(jnp.sin(g(x))))(x)
+
+    flagged = px.bucketed(loss(idiom), in_specs=SPECS, buckets={T: [16, 64]})
+    assert flagged.plan.reshaping_is_impossible and words in flagged.plan.reason
+    lengths = [5, 1, 9]
+    x, rows = ragged_batch(lengths)
+    f = px.bucketed(loss(form), in_specs=SPECS, buckets={T: [16, 64]}, strict=True)
+    value, grad = f(x, np.asarray(lengths, np.int32))
+    assert f.plan.padding_safe
+    want = [loss(form)(jnp.asarray(r[None]), None) for r in rows]
+    np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=1e-5)
+    for b, (r, (_, g)) in enumerate(zip(rows, want)):
+        np.testing.assert_allclose(grad[b, :len(r)], g[0], rtol=1e-5, atol=1e-6, err_msg=f"row {b}")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import NoRule, defrule, eval_closed, fill_tail, filled, is_sym, operand_avals
+from ._core import NoRule, RowVarying, defrule, eval_closed, fill_tail, filled, is_sym, operand_avals
 
 
 def _scanned_moves(eqn):
@@ -190,6 +190,9 @@ def _while(ctx, eqn, invals):
         return eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c])
 
     if not eqn.params["cond_jaxpr"].out_avals[0].shape:
+        probe = pred(list(init))
+        if isinstance(probe, RowVarying):
+            return _per_row_while(ctx, eqn, pred, body, init, probe.rows)
         return list(lax.while_loop(pred, body, list(init)))
     # A batched predicate (``jax.vmap`` of a while whose condition reads the batched values):
     # one predicate per lane, over the carries' leading axes; the loop runs while any lane
@@ -206,6 +209,47 @@ def _while(ctx, eqn, invals):
                            n, old) for n, old in zip(new, c)]
 
     return list(lax.while_loop(lambda c: jnp.any(lanes(c)), step, list(init)))
+
+
+def _per_row_while(ctx, eqn, pred, body, init, rows):
+    """A while loop whose condition differs per row (``t < x.shape[1]`` with lengths ragged
+    along ``rows``): each row loops until its own condition fails, as ``jax.vmap`` of the loop
+    over the rows would at each row's exact length. Every carry is held per row -- one
+    without a rows axis (the step counter) as a `RowVarying`, since it ends at each row's own
+    value -- and a row whose condition is false keeps its carries while the others go on.
+    Rows that are not real (padding a batch to its bucket) never run."""
+    held = [not ctx.row_axes(jnp.shape(x), rows) for x in init]
+    n = ctx.rows_vector_shape(rows)
+
+    def per_row(x):
+        if isinstance(x, RowVarying):
+            return x.value
+        return lax.broadcast_in_dim(x, (*n, *jnp.shape(x)), tuple(range(1, 1 + jnp.ndim(x))))
+
+    def wrap(state):
+        return [RowVarying(x, rows) if h else x for x, h in zip(state, held)]
+
+    def unwrap(values):
+        return [per_row(x) if h else x for x, h in zip(values, held)]
+
+    def live(state):
+        ok = pred(wrap(state))
+        ok = per_row(ok) if isinstance(ok, RowVarying) else lax.broadcast_in_dim(ok, n, ())
+        real = ctx.row_mask(rows)
+        return ok if real is None else lax.bitwise_and(ok, real)
+
+    def step(state):
+        keep = live(state)
+        new = unwrap(body(wrap(state)))
+        out = []
+        for x, old, h in zip(new, state, held):
+            axis = 0 if h else ctx.row_axes(jnp.shape(x), rows)[0]
+            out.append(lax.select(lax.broadcast_in_dim(keep, jnp.shape(x), (axis,)), x, old))
+        return out
+
+    final = lax.while_loop(lambda s: jnp.any(live(s)), step, unwrap(list(init)))
+    ctx.recorder.rewritten.add(id(eqn))
+    return wrap(final)
 
 
 @defrule("cond", structural=True)
