@@ -1,0 +1,94 @@
+"""Flax models through polyexec, as a Flax user writes them: NNX modules (with the typed PRNG
+keys their layers keep in state) and linen modules through ``apply``, padded and packed,
+values and gradients against each example alone; dropout layout-invariant; verdicts at the
+user's line, never inside Flax."""
+
+import os
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import polyexec as px
+
+nnx = pytest.importorskip("flax.nnx")
+
+T, B = px.LengthVar("T", min=1, max=64), px.LengthVar("B", max=8)
+SPECS = (None, px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+LENGTHS = [5, 1, 9, 3]
+
+
+class Tagger(nnx.Module):
+    """nnx.RNN as constructed (it holds a typed key), dropout, a head per token."""
+
+    def __init__(self, rngs):
+        self.rnn = nnx.RNN(nnx.GRUCell(3, 4, rngs=rngs))
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.drop(self.rnn(x)))
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    x = np.full((len(LENGTHS), max(LENGTHS), 3), np.nan, np.float32)   # NaN: padding read shows
+    for b, n in enumerate(LENGTHS):
+        x[b, :n] = rng.normal(size=(n, 3))
+    return x, np.asarray(LENGTHS, np.int32)
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_an_nnx_model_gives_each_example_its_own_values_and_gradients(layout):
+    model = Tagger(nnx.Rngs(0, dropout=1))
+    model.eval()
+    # NNX's own transform: it threads the RNN's key count through the trace.
+    value_and_grad = nnx.value_and_grad(lambda model, x: jnp.sum(jnp.sin(model(x))))
+    f = px.bucketed(lambda model, x, lengths: value_and_grad(model, x), SPECS,
+                    buckets={T: [16, 64]}, layout=layout, strict=True)
+    x, lengths = _batch()
+    value, grad = f(model, x, lengths)
+    assert f.plan.padding_safe and f.plan.can_pack == (layout == "pack")
+    alone = [value_and_grad(model, x[b:b + 1, :n]) for b, n in enumerate(LENGTHS)]
+    np.testing.assert_allclose(value, sum(v for v, _ in alone), rtol=1e-5)
+    want = jax.tree.map(lambda *g: sum(g), *[g for _, g in alone])
+    for have, w in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
+        np.testing.assert_allclose(have, w, rtol=1e-4, atol=1e-6)
+
+
+def test_nnx_dropout_draws_the_same_mask_in_every_bucket_and_names_the_users_line():
+    model = Tagger(nnx.Rngs(0, dropout=1))
+    model.train()
+    x, lengths = _batch()
+    outs = {}
+    for buckets in ([16, 64], [64]):
+        f = px.bucketed(lambda model, x, lengths: model(x), SPECS, buckets={T: buckets})
+        outs[len(buckets)] = np.asarray(f(model, x, lengths))
+        assert f.plan.padding_safe, f.plan.padding_reason
+    # A packed row knows a cell's position, not its sequence's index: packing is refused at
+    # the user's line (the draw itself is made inside Flax), and a packed call runs padded.
+    packed = f.with_layout("pack")
+    with pytest.warns(UserWarning, match="cannot run packed rows"):
+        outs["pack"] = np.asarray(packed(model, x, lengths))
+    assert os.path.basename(__file__) in packed.plan.packing_reason
+    assert "site-packages" not in packed.plan.packing_reason
+    first = outs[2]
+    assert not np.isnan(first[np.arange(first.shape[1]) < lengths[:, None]]).any()
+    for key, out in outs.items():
+        for b, n in enumerate(LENGTHS):
+            np.testing.assert_allclose(out[b, :n], first[b, :n], atol=1e-5, err_msg=str(key))
+    kept = np.mean([np.asarray(model.drop(jnp.ones(1000))) != 0])   # the layer's own keep rate
+    assert 0.4 < kept < 0.6
+
+
+def test_the_readme_flax_blocks_run_as_pasted(capsys):
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    section = readme[readme.index("### Flax models"):]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    session: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), session)
+    assert capsys.readouterr().out.split() == ["True", "True", "True", "True"]
