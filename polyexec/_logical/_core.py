@@ -203,9 +203,61 @@ class Ctx:
                     self.alive if alive is None else alive)
 
     def evaluate(self, eqn, invals) -> list:
-        """One equation's outputs in this context's layout (padded rows here; a packed
-        context overrides it)."""
-        return _eval_padded(self, eqn, invals)
+        """One equation's outputs in this context's layout (`evaluate`, the one interpreter)."""
+        return evaluate(self, eqn, invals)
+
+    # -- the pad layout: what `evaluate` asks of a layout --------------------------------------
+    # A packed context (`_packed._PackedCtx`) answers the same questions for packed rows.
+
+    def held_outputs(self, eqn, invals) -> list | None:
+        """The outputs of an equation that reads a value held in this layout's own form, which
+        no rule of the primitive's sees: here a per-row value (`RowVarying`), run per row."""
+        if any(isinstance(x, RowVarying) for x in invals):
+            return _eval_row_varying(self, eqn, invals)
+        return None
+
+    def held_rule(self, eqn, invals) -> Callable | None:
+        """The rule for an equation reading a value held per sequence or per cell (packed rows
+        only), None when it reads none."""
+        return None
+
+    def refusal(self, eqn, invals) -> str | None:
+        """Why this layout cannot rewrite ``eqn`` whatever its rule, None when it can: it moves
+        the rows of a ragged value, or a length of its outputs can outgrow its bucket. Rows
+        below a window's reach are noted as the plan's floor (`_note_row_floor`)."""
+        moved = moves_ragged_rows(self, eqn)
+        if moved is not None:
+            return moved
+        _note_row_floor(self, eqn, invals)
+        for v in eqn.outvars:
+            for d in getattr(v.aval, "shape", ()):
+                if not self.recorder.monotone(d):
+                    return f"the length {d} can exceed its bucket size"
+        return None
+
+    def rule_for(self, eqn, entry: "_Entry | None") -> Callable | None:
+        return None if entry is None else entry.rule
+
+    def refused(self, eqn, invals, why: str) -> list:
+        """What an equation no rule rewrites gives: flagged (`flag`), it runs as written over
+        the padding."""
+        self.flag(eqn, why)
+        return bind_eqn(eqn, invals)
+
+    def without_rule(self, eqn, invals, error: "NoRule") -> list:
+        """A rule gave up (`NoRule`). A value made from lengths alone, reduced (or flipped...)
+        along them, runs once per row at the row's own lengths, its result held per row
+        (`RowVarying`); anything else is refused with the rule's reason."""
+        if self.from_lengths_shapes:
+            try:
+                return _eval_row_varying(self, eqn, invals,
+                                         rows=self.rows_of_made_from_lengths(invals))
+            except Exception:  # noqa: BLE001 - not per row either: the rule's own verdict
+                pass
+        return self.refused(eqn, invals, str(error))
+
+    def as_output(self, x, aval):
+        return x if isinstance(x, RowVarying) else like_aval(x, aval)
 
     def flag(self, eqn, detail: str):
         """Record an equation no rule makes logical, at the user's line (`where`)."""
@@ -665,7 +717,7 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
                 eqn.ctx.manager:
             outvals = _folded(eqn, invals)
             if outvals is None:
-                outvals = _eval_eqn(ctx, eqn, invals)
+                outvals = ctx.evaluate(eqn, invals)
         for v, x in zip(eqn.outvars, outvals):
             if not isinstance(v, jax.extend.core.DropVar):
                 ctx.note_made_from_lengths(x, invals)
@@ -679,57 +731,41 @@ def eval_closed(ctx: Ctx, closed, args) -> list:
     return eval_jaxpr(ctx, closed, (), args)
 
 
-def _eval_eqn(ctx: Ctx, eqn, invals) -> list:
-    return ctx.evaluate(eqn, invals)
-
-
-def _eval_padded(ctx: Ctx, eqn, invals) -> list:
-    if any(isinstance(x, RowVarying) for x in invals):
-        return _eval_row_varying(ctx, eqn, invals)
-    if not eqn_touches(eqn, ctx.recorder.touches):
+def evaluate(ctx: Ctx, eqn, invals) -> list:
+    """The interpreter's step, for every layout: one equation's outputs. The layout (the
+    context: `Ctx` for padded rows, a packed context for packed ones) answers what differs --
+    values it holds in a form of its own (`Ctx.held_outputs`, `Ctx.held_rule`), what it
+    refuses whatever the rule (`Ctx.refusal`), its rule for a primitive (`Ctx.rule_for`), and
+    what a refused equation gives (`Ctx.refused`, `Ctx.without_rule`)."""
+    early = ctx.held_outputs(eqn, invals)
+    if early is not None:
+        return early
+    held = ctx.held_rule(eqn, invals)
+    if held is None and not eqn_touches(eqn, ctx.recorder.touches):
         return bind_eqn(eqn, invals)
-    moved = moves_ragged_rows(ctx, eqn)
-    if moved is not None:
-        ctx.flag(eqn, moved)
-        return bind_eqn(eqn, invals)
-    _note_row_floor(ctx, eqn, invals)
+    why = ctx.refusal(eqn, invals)
+    if why is not None:
+        return ctx.refused(eqn, invals, why)
     name = eqn.primitive.name
-    for v in eqn.outvars:
-        for d in getattr(v.aval, "shape", ()):
-            if not ctx.recorder.monotone(d):
-                ctx.flag(eqn, f"the length {d} can exceed its bucket size")
-                return bind_eqn(eqn, invals)
     entry = lookup_rule(eqn.primitive)
-    if entry is None or entry.rule is None:
-        ctx.flag(eqn, f"no rule for {name} on a length axis")
-        return bind_eqn(eqn, invals)
-    if entry.rule is ELEMENTWISE:
+    rule = held or ctx.rule_for(eqn, entry)
+    if rule is None:
+        return ctx.refused(eqn, invals, f"no rule for {name} on a length axis")
+    if rule is ELEMENTWISE:
         return bind_eqn(eqn, invals)
     with ctx.applying(eqn, invals):   # the rule's equation, read by `length`
         try:
-            out = entry.rule(ctx, eqn, invals)
+            out = rule(ctx, eqn, invals)
         except NoRule as e:
-            if ctx.from_lengths_shapes:
-                # A value made from lengths alone, reduced (or flipped...) along them: run
-                # it once per row at the row's own lengths, its result held per row
-                # (`RowVarying`).
-                try:
-                    return _eval_row_varying(ctx, eqn, invals,
-                                             rows=ctx.rows_of_made_from_lengths(invals))
-                except Exception:  # noqa: BLE001 - not per row either: the rule's own verdict
-                    pass
-            ctx.flag(eqn, str(e))
-            return bind_eqn(eqn, invals)
+            return ctx.without_rule(eqn, invals, e)
         except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict, not a crash
-            ctx.flag(eqn, f"the {name} rule failed: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}")
-            return bind_eqn(eqn, invals)
+            return ctx.refused(eqn, invals, f"the {name} rule failed: {type(e).__name__}: "
+                                            f"{str(e).splitlines()[0][:200] if str(e) else ''}")
     if out is None:                     # the rule found nothing to change
         return bind_eqn(eqn, invals)
-    if not entry.structural:
+    if held is not None or entry is None or not entry.structural:
         ctx.recorder.rewritten.add(id(eqn))
-    return [x if isinstance(x, RowVarying) else like_aval(x, v.aval)
-            for x, v in zip(out, eqn.outvars)]
+    return [ctx.as_output(x, v.aval) for x, v in zip(out, eqn.outvars)]
 
 
 def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
@@ -880,7 +916,7 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
         row = Ctx(sizes, ctx.recorder, ctx, ctx.eqn,
                    {n: v for n, v in ctx.rows.items() if n not in ragged})
         row.own_sizes = True
-        return tuple(_eval_eqn(row, eqn, list(xs)))
+        return tuple(row.evaluate(eqn, list(xs)))
 
     lengths = [v[0] for v in ragged.values()]
     outs = jax.vmap(one_row, in_axes=(0, *[0 if isinstance(x, RowVarying) else None

@@ -79,7 +79,7 @@ from jax import lax
 from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
 from ._core import (ELEMENTWISE, Ctx, Logical, NoRule, Recorder, RowVarying, Unsupported, bind_eqn,
-                    bind_eqn_with, defrule, eqn_touches, eval_jaxpr, filled, is_sym, like_aval,
+                    bind_eqn_with, defrule, eval_jaxpr, filled, is_sym, like_aval,
                     lookup_rule, moves_ragged_rows, padded_rule, replay, sub_jaxprs, take_rows)
 from ._control import at_step, frozen_scan
 from ._families import CUMULATIVE, REDUCERS, SCATTERS, WINDOWS
@@ -248,7 +248,10 @@ class _PackedCtx(Ctx):
 
     # -- equations ------------------------------------------------------------------------------
 
-    def evaluate(self, eqn, invals) -> list:
+    # -- what `evaluate` asks of a layout (see `Ctx`) ---------------------------------------
+
+    def held_outputs(self, eqn, invals) -> list | None:
+        """A value that cannot be packed makes whatever reads it unpackable, at its line."""
         marker = next((x for x in invals if isinstance(x, NotPacked)), None)
         if marker is not None:
             self.flag(eqn, f"reads {marker.why}")
@@ -256,40 +259,40 @@ class _PackedCtx(Ctx):
         if any(isinstance(x, RowVarying) for x in invals):   # never made here; defensive
             self.flag(eqn, "reads a per-row value")
             return [NotPacked("a per-row value")] * len(eqn.outvars)
-        per_cell = any(isinstance(x, PerCell) for x in invals)
-        per_sequence = any(isinstance(x, PerSequence) for x in invals)
-        if not per_sequence and not per_cell and not eqn_touches(eqn, self.recorder.touches):
-            return bind_eqn(eqn, invals)
+        return None
+
+    def held_rule(self, eqn, invals):
+        if any(isinstance(x, PerCell) for x in invals):
+            return _per_cell
+        if any(isinstance(x, PerSequence) for x in invals):
+            return _evaluate_per_sequence
+        return None
+
+    def refusal(self, eqn, invals) -> str | None:
         for v in eqn.outvars:
             for d in getattr(v.aval, "shape", ()):
                 if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
                                                                self.rows_name):
-                    self.flag(eqn, f"the length {d} can exceed its sequence's room in a packed row")
-                    return [NotPacked(f"the length {d}")] * len(eqn.outvars)
-        moved = moves_ragged_rows(self, eqn)
-        if moved is not None:
-            self.flag(eqn, moved)
-            return [NotPacked(moved)] * len(eqn.outvars)
-        entry = lookup_rule(eqn.primitive)
-        rule = (_per_cell if per_cell else _evaluate_per_sequence if per_sequence
-                else entry.packed if entry is not None and entry.packed is not None
-                else _generic)
-        with self.applying(eqn, invals):
-            try:
-                out = rule(self, eqn, invals)
-            except NoRule as e:
-                self.flag(eqn, str(e))
-                return [NotPacked(str(e))] * len(eqn.outvars)
-            except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict
-                self.flag(eqn, f"the packed {eqn.primitive.name} rule failed: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:200] if str(e) else ''}")
-                return [NotPacked("a failed rule")] * len(eqn.outvars)
-        if out is None:
-            return bind_eqn(eqn, invals)
-        self.recorder.rewritten.add(id(eqn))
-        return [x if isinstance(x, (NotPacked, PerCell)) else
-                PerSequence(like_aval(x.value, v.aval), x.axis) if isinstance(x, PerSequence)
-                else like_aval(x, v.aval) for x, v in zip(out, eqn.outvars)]
+                    return f"the length {d} can exceed its sequence's room in a packed row"
+        return moves_ragged_rows(self, eqn)
+
+    def rule_for(self, eqn, entry):
+        return entry.packed if entry is not None and entry.packed is not None else _generic
+
+    def refused(self, eqn, invals, why: str) -> list:
+        """Flagged: the plan cannot pack (it runs padded), and what reads the outputs says so."""
+        self.flag(eqn, why)
+        return [NotPacked(why)] * len(eqn.outvars)
+
+    def without_rule(self, eqn, invals, error: NoRule) -> list:
+        return self.refused(eqn, invals, str(error))
+
+    def as_output(self, x, aval):
+        if isinstance(x, (NotPacked, PerCell)):
+            return x
+        if isinstance(x, PerSequence):
+            return PerSequence(like_aval(x.value, aval), x.axis)
+        return like_aval(x, aval)
 
     def without_rows(self, eqn, invals) -> list:
         """An elementwise equation of a per-sequence number and positions, without the rows
