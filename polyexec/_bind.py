@@ -333,6 +333,27 @@ def check_row_floors(call: BoundCall, floors: Mapping[str, Any]) -> None:
                             f"slice to min(length, ...) positions)")
 
 
+def check_raised_mins(call: BoundCall, raised: Mapping[str, Any]) -> None:
+    """Refuse an unragged size below a min the plan raised (``raised``: per variable, a
+    `_trace.RaisedMin`), before anything runs. Ragged rows below it run at their own lengths
+    (`check_row_floors` refuses those a window would read past); a size no lengths input
+    divides into rows is the length of every row, and the program was traced, by JAX's
+    rule for the user's line, only for the longer ones."""
+    if not raised:
+        return
+    ragged = {spec.lengths_of for spec, _ in call.signature.poly}
+    for (spec, _), path in zip(call.signature.poly, call.signature.leaf_paths("poly")):
+        for axis, dim in enumerate(spec.dims):
+            need = raised.get(dim) if dim not in ragged else None
+            if need is not None and call.sizes[dim] < need.min:
+                raise SpecError(
+                    f"{path}.shape[{axis}] = {call.sizes[dim]}: expected {dim} >= {need.min} for "
+                    f"this function (declared min={need.declared}): {need.where} needs it (JAX "
+                    f"cannot decide {need.comparison} below it); give the lengths of the rows "
+                    f"(a Spec with lengths_of={dim!r}) to run rows that short, or declare "
+                    f"px.LengthVar({dim!r}, min={need.min}, ...)")
+
+
 def bucket_shape(spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(sizes[d] if isinstance(d, str) else d for d in spec.dims)
 

@@ -320,6 +320,9 @@ class Bucketed:
         if extra:
             var = self.variables[name]
             sizes = tuple(sorted(set(sizes) | {s for s in extra if var.min <= s <= var.max}))
+        raised = plan.raised_mins.get(name) if plan is not None else None
+        if raised is not None:   # the program was traced from there up (JAX's rule needs it)
+            sizes = tuple(s for s in sizes if s >= raised.min) or (self.variables[name].max,)
         return sizes
 
     def bucket_for(self, name: str, size: int, plan: Plan | None = None) -> int:
@@ -533,6 +536,7 @@ class Bucketed:
         executable at that bucket, in order; between two segments the count of the
         data-dependent size is read on the host and the handed values cut to its bucket.
         The layout takes the outputs back (`Placed.unplace`)."""
+        _bind.check_raised_mins(call, plan.raised_mins)
         _bind.check_row_floors(call, plan.row_floors)
         placed = self._place(plan, call, least or {})
         handed: list[Any] = []

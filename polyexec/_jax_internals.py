@@ -37,6 +37,32 @@ InconclusiveDimension = _shape_poly.InconclusiveDimensionOperation
 # read, never replaced. No public API reports an undecided comparison.
 DIM_EQ_CODE = _shape_poly._DimExpr.__eq__.__code__
 DIM_NE_CODE = _shape_poly._DimExpr.__ne__.__code__
+# The code of its ordered comparisons, by operator: a trace at a raised min records those of
+# the user's code that the raise alone decides (_trace._comparisons_recorded).
+DIM_ORDER_CODES = {_shape_poly._DimExpr.__ge__.__code__: ">=",
+                   _shape_poly._DimExpr.__le__.__code__: "<=",
+                   _shape_poly._DimExpr.__gt__.__code__: ">",
+                   _shape_poly._DimExpr.__lt__.__code__: "<"}
+_GEQ_DECISION_CODE = _shape_poly._geq_decision.__code__
+
+
+def undecided_comparison(error: BaseException) -> tuple[Any, Any] | None:
+    """``(e1 - e2, the frame that compared)`` of the ``e1 >= e2`` JAX could not decide when it
+    raised ``error`` (`InconclusiveDimension`; ``T - 1 >= 1`` for ``x[:, 1:]`` at ``T >= 1``),
+    or None. The comparing frame is the first one outside JAX's symbolic-dimension module (its
+    ``__ge__``/``__lt__``... call the decision). Private: the message is the only public record
+    of the comparison, and it holds the expressions as text."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not _GEQ_DECISION_CODE:
+        tb = tb.tb_next
+    if tb is None:
+        return None
+    decision = tb.tb_frame
+    e1, e2 = decision.f_locals.get("e1"), decision.f_locals.get("e2")
+    caller = decision.f_back
+    while caller is not None and caller.f_code.co_filename == _GEQ_DECISION_CODE.co_filename:
+        caller = caller.f_back
+    return e1 - e2, caller
 
 
 def is_constant_dim(d) -> bool:

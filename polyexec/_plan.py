@@ -23,7 +23,7 @@ from . import _serialize
 from ._convention import Convention
 from ._errors import PolyexecError, PolymorphismError, SpecError
 from ._spec import LengthVar
-from ._trace import TraceCounter, evaluate_shape, trace_at, walk, where
+from ._trace import RaisedMin, TraceCounter, evaluate_shape, trace_at, walk, where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,17 @@ class Verdict:
     reshaping: str | None = None
     padding: str | None = None
     split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # A reshaping-impossible plan: the min that lets JAX decide the comparison that failed.
+    raise_min: RaisedMin | None = None
+    # A size-independent plan: the variables traced at a min above the declared one.
+    raised: tuple[RaisedMin, ...] = ()
 
     def text(self, variables: Sequence[LengthVar]) -> str:
         if self.reshaping:
             return f"RESHAPING IMPOSSIBLE — {self.reshaping}"
         var_text = ", ".join(f"{v.name} in [{v.min}, {v.max}]" for v in variables)
+        if self.raised:
+            var_text += f" ({'; '.join(r.describe() for r in self.raised)})"
         padding = ("padding-safe: every operation computes over the real lengths"
                    if self.padding is None else f"NOT PADDING-SAFE — {self.padding}")
         return (f"size-independent, traced once over {var_text or 'no length variables'}; "
@@ -308,6 +314,13 @@ class Plan:
     padding_reason = property(lambda self: self.verdict.padding)
     padding_safe = property(lambda self: self.verdict.padding is None)
     split_sizes = property(lambda self: self.verdict.split_sizes)
+
+    @functools.cached_property   # read on every call (the executor checks the sizes)
+    def raised_mins(self) -> dict[str, RaisedMin]:
+        """Per length variable traced at a min above the declared one (`_trace.RaisedMin`: the
+        user's line whose JAX shape rule needs it): its buckets start there; a call's ragged
+        rows below it run at their own lengths, an unragged size below it is refused."""
+        return {r.var: r for r in self.verdict.raised}
 
     @property
     def packing_reason(self) -> str | None:

@@ -52,8 +52,8 @@ from ._errors import OptionError, PolymorphismError, SpecError
 from ._jax_internals import dce_jaxpr
 from ._plan import CutPoint, Plan, Program, Segment, Verdict
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
-from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, export_flat, trace_symbolic,
-                     size_dependence, where)
+from ._trace import (RAISE_AT_MOST, Failed, RaisedMin, TraceCounter, Traced, concrete_jaxpr,
+                     export_flat, size_dependence, trace_symbolic, where)
 
 
 def _wrap(fn, context: _dynamic.Context):
@@ -196,7 +196,8 @@ def _liveness(closed, names: Sequence[str]):
 
 def _trace_segment(fn, signature: Signature, in_vars: Sequence[LengthVar],
                    cuts: tuple[CutPoint, ...], context: _dynamic.Context,
-                   counter: TraceCounter) -> tuple[Convention, Traced | Failed]:
+                   counter: TraceCounter, raised: Sequence[RaisedMin] = ()
+                   ) -> tuple[Convention, Traced | Failed]:
     """Segment ``len(cuts)``: the function run with the values handed over at ``cuts``
     injected as new inputs (of symbolic size ``K`` along each cut axis)."""
     convention = Convention.of(signature, list(in_vars) + [c.var for c in cuts],
@@ -210,7 +211,7 @@ def _trace_segment(fn, signature: Signature, in_vars: Sequence[LengthVar],
                 c.var.name, jax.tree_util.tree_unflatten(c.treedef, leaves), c.treedef))
 
     return convention, trace_symbolic(_wrap(fn, context), convention, counter,
-                                      inject if cuts else None)
+                                      inject if cuts else None, raised)
 
 
 def _lowered(traced: Traced | Failed) -> Traced | Failed:
@@ -263,7 +264,8 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
                           padding_reason=None, **everything)
         return Plan(name, tuple(in_vars), (segment,), fn=fn, seconds=seconds, verdict=Verdict(
             traced.reason, "reshaping is impossible: each bucket runs the function as retraced "
-                           "at the bucket's sizes", traced.split_sizes))
+                           "at the bucket's sizes", traced.split_sizes,
+            raise_min=traced.raise_min))
     # A plan that may pack exports its padded program when a call first runs padded.
     pad, padding_reason, floors = _timed(seconds, "rewrite", functools.partial(
         logical_export, lazy=pack), traced, convention, masking)
@@ -288,7 +290,66 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
                   pack: bool = False) -> Plan:
     """Trace ``fn`` into its `Plan`: one segment when it defines no data-dependent size, else
     one segment per partition point plus one (one Python trace each). Pure: nothing but
-    ``counter`` is written."""
+    ``counter`` is written.
+
+    A function that JAX's own shape rules cannot trace at a variable's declared min
+    (``logits[:, :-1]`` with ``x[:, 1:]`` at ``T >= 1``: ``'T - 1' >= '1'``) is traced again
+    with that min raised as far as the rule needs (`RaisedMin`, at most `RAISE_AT_MOST`): one
+    more Python trace, once, and a plan whose buckets start there. A call's shorter ragged rows
+    run as rows below a declared min do (the rewrite reads them at their own length; a fixed
+    window refuses the rows it would read past); an unragged size below it is refused by name
+    (`Plan.raised_mins`). Where the raise is larger, or the raised trace fails too, the plan
+    stays reshaping-impossible and its reason says what the min would have to be."""
+    plan_at = functools.partial(_plan_at, fn, signature, input_names=input_names,
+                                out_specs=out_specs, counter=counter, name=name,
+                                partition=partition, masking=masking, check_sizes=check_sizes,
+                                pack=pack)
+    first = plan = plan_at(variables, bucket_sizes=bucket_sizes)
+    raised: dict[str, RaisedMin] = {}
+    while plan.reshaping_is_impossible and plan.verdict.raise_min is not None:
+        need = dataclasses.replace(plan.verdict.raise_min,
+                                   declared=variables[plan.verdict.raise_min.var].min)
+        if need.min - need.declared > RAISE_AT_MOST or (
+                need.var in raised and raised[need.var].min >= need.min):
+            break
+        raised[need.var] = need
+        var = variables[need.var]
+        at = {**variables, need.var: LengthVar(var.name, min=need.min, max=var.max,
+                                               buckets=var.buckets)}
+        plan = plan_at(at, bucket_sizes=bucket_sizes and {
+            n: [s for s in sizes if s >= at[n].min] or [at[n].max]
+            for n, sizes in bucket_sizes.items()}, raised=tuple(raised.values()))
+    if not raised:
+        return _suggest_min(first)
+    if not plan.reshaping_is_impossible:
+        return dataclasses.replace(plan, verdict=dataclasses.replace(
+            plan.verdict, raised=tuple(raised.values())))
+    # Raised, it fails otherwise: the plan at the declared min stands, saying what was tried.
+    tried = ", ".join(f"{r.var} >= {r.min}" for r in raised.values())
+    return dataclasses.replace(first, verdict=dataclasses.replace(
+        first.verdict, raise_min=None,
+        reshaping=f"{first.reason.rstrip('.')}; traced again at {tried}, where JAX decides "
+                  f"that, it fails: {_suggest_min(plan).reason}"))
+
+
+def _suggest_min(plan: Plan) -> Plan:
+    """``plan``, its reason saying which min would let JAX decide the failing comparison,
+    where polyexec does not raise it itself (more than `RAISE_AT_MOST` above the declared)."""
+    need = plan.verdict.raise_min
+    if need is None:
+        return plan
+    return dataclasses.replace(plan, verdict=dataclasses.replace(
+        plan.verdict, reshaping=f"{plan.reason.rstrip('.')}; it holds from {need.var} = "
+                                f"{need.min} up: declare px.LengthVar({need.var!r}, "
+                                f"min={need.min}, ...) (polyexec raises a min by at most {RAISE_AT_MOST} itself)"))
+
+
+def _plan_at(fn, signature: Signature, variables: Mapping[str, LengthVar], *,
+             input_names: Sequence[str], out_specs: Any, counter: TraceCounter, name: str,
+             partition: bool, masking: bool, check_sizes: bool,
+             bucket_sizes: Mapping[str, Sequence[int]] | None, pack: bool,
+             raised: Sequence[RaisedMin] = ()) -> Plan:
+    """`plan_function` at the given variables' bounds (``raised``: those above the declared)."""
     in_vars = [variables[n] for n in input_names]
     mode = "partition" if partition else "bounded"
 
@@ -297,7 +358,7 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
 
     context, seconds = new_context(), {}
     convention, traced = _timed(seconds, "trace", _trace_segment, fn, signature, in_vars, (),
-                                context, counter)
+                                context, counter, raised)
     data_named = [n for s in spec_leaves(out_specs) for n in s.var_names if n not in input_names]
     if context.points:
         # A partitioned plan judges each segment as written, before rewriting it: after a cut,
@@ -331,7 +392,7 @@ def plan_function(fn, signature: Signature, variables: Mapping[str, LengthVar],
         dynamic.append(context.cut.var)
         context = new_context()
         convention, traced = _timed(seconds, "trace", _trace_segment, fn, signature, in_vars,
-                                    tuple(cuts), context, counter)
+                                    tuple(cuts), context, counter, raised)
         traced = _lowered(traced)
         if isinstance(traced, Failed):
             raise PolymorphismError(

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import linecache
+import operator
 import os
 import re
 import sys
@@ -31,7 +32,8 @@ from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_
                        is_jax_internal, is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
-from ._jax_internals import DIM_EQ_CODE, DIM_NE_CODE, InconclusiveDimension, evaluate_dim
+from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, DIM_ORDER_CODES, InconclusiveDimension,
+                             dim_vars, evaluate_dim, undecided_comparison)
 from ._spec import symbolic_dims
 
 # Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
@@ -153,6 +155,9 @@ class Comparison:
     text: str              # e.g. "T == 20"
     name: str | None       # the variable, when one variable is compared with a constant
     constant: int | None
+    # Set when the comparison was decided only because the trace raised a variable's min
+    # (`RaisedMin`): it answers otherwise for the shorter rows the call still admits.
+    raised: "RaisedMin | None" = None
 
 
 def _undecided(diff) -> bool:
@@ -178,32 +183,76 @@ def _comparing_frame(frame):
     return caller
 
 
-def _record_comparison(frame, records: list) -> None:
+def _branching_frame(frame):
+    """The user's frame whose branch a comparison of symbolic dimensions decides (a library's
+    branch counts at the user's call into it), or None for JAX's own comparisons (caches,
+    shape rules), which are not the user's branch."""
     caller = _comparing_frame(frame)
     if caller is None or is_jax_internal(caller.f_code.co_filename):
-        return   # JAX's own comparisons (caches, shape rules) are not the user's branch
+        return None
     while caller is not None and is_library(caller.f_code.co_filename):
         caller = caller.f_back      # equinox's branch on a size, at the user's call into it
-    if caller is None:
-        return
+    return caller
+
+
+def _compared(frame):
+    """``(self, other)`` of a symbolic dimension's comparison method, None when ``other`` is
+    neither an integer nor a dimension of the same scope."""
     self, other = frame.f_locals.get("self"), frame.f_locals.get("other")
     if export.is_symbolic_dim(other):
-        if self.scope is not other.scope:
-            return
-    elif not isinstance(other, (int, np.integer)):
+        return (self, other) if self.scope is other.scope else None
+    return (self, other) if isinstance(other, (int, np.integer)) else None
+
+
+def _line_of(caller) -> str:
+    line = linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()
+    return f"{caller.f_code.co_filename}:{caller.f_lineno}" + (f": `{line}`" if line else "")
+
+
+def _record_comparison(frame, records: list) -> None:
+    caller = _branching_frame(frame)
+    compared = _compared(frame) if caller is not None else None
+    if compared is None:
         return
+    self, other = compared
     diff = self - other
     if not export.is_symbolic_dim(diff) or not _undecided(diff):
         return
-    line = linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()
     single = re.fullmatch(r"[A-Za-z_]\w*", str(self)) and isinstance(other, (int, np.integer))
-    records.append(Comparison(
-        f"{caller.f_code.co_filename}:{caller.f_lineno}" + (f": `{line}`" if line else ""),
-        f"{self} == {other}", str(self) if single else None, int(other) if single else None))
+    records.append(Comparison(_line_of(caller), f"{self} == {other}", str(self) if single else None,
+                              int(other) if single else None))
+
+
+_OPERATORS = {"==": operator.eq, ">=": operator.ge, "<=": operator.le, ">": operator.gt,
+              "<": operator.lt}
+
+
+def _record_raise_decided(frame, op: str, answer: bool, records: list,
+                          raised: Sequence["RaisedMin"]) -> None:
+    """Record a comparison of the user's code that JAX decided (``answer``) only because the
+    trace raised a variable's min: ``if x.shape[1] == 1`` answers False at ``T >= 2``, yet a
+    row of length 1, which the call still admits, would take the other branch."""
+    caller = _branching_frame(frame)
+    compared = _compared(frame) if caller is not None else None
+    if compared is None:
+        return
+    self, other = compared
+    names = dim_vars(self - other)
+    for r in raised:
+        if r.var not in names:
+            continue
+        # Another variable in the comparison: its answer for the short rows is unknown.
+        differs = len(names) > 1 or any(
+            _OPERATORS[op](int(evaluate_dim(self, {r.var: t})),
+                           int(evaluate_dim(other, {r.var: t}))) != answer
+            for t in range(r.declared, r.min))
+        if differs:
+            records.append(Comparison(_line_of(caller), f"{self} {op} {other}", None, None, r))
+            return
 
 
 @contextlib.contextmanager
-def _comparisons_recorded(records: list) -> Iterator[None]:
+def _comparisons_recorded(records: list, raised: Sequence["RaisedMin"] = ()) -> Iterator[None]:
     previous = sys.getprofile()
     if previous is not None and not callable(previous):
         # A C-level profiler (cProfile) cannot be chained from Python: leave it in charge.
@@ -212,8 +261,14 @@ def _comparisons_recorded(records: list) -> Iterator[None]:
         return
 
     def profile(frame, event, arg):
-        if event == "return" and arg is False and frame.f_code is DIM_EQ_CODE:
-            _record_comparison(frame, records)
+        if event == "return" and isinstance(arg, bool):
+            if frame.f_code is DIM_EQ_CODE:
+                if arg is False:
+                    _record_comparison(frame, records)
+                if raised:
+                    _record_raise_decided(frame, "==", arg, records, raised)
+            elif raised and frame.f_code in DIM_ORDER_CODES:
+                _record_raise_decided(frame, DIM_ORDER_CODES[frame.f_code], arg, records, raised)
         if previous is not None:
             previous(frame, event, arg)
 
@@ -227,30 +282,64 @@ def _comparisons_recorded(records: list) -> Iterator[None]:
 # -- the symbolic trace -------------------------------------------------------------------------
 
 
+# The most a variable's min is raised for a shape rule of JAX's (`RaisedMin`): a slice's
+# constant offset (`x[:, 1:]`, `x[:, 2:]`) needs a few positions; a larger size compared with
+# (RoPE's cache of 64) is a bucket boundary, not a short row.
+RAISE_AT_MOST = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RaisedMin:
+    """A length variable traced at a higher min than declared: JAX's own shape rule for the
+    user's line ``where`` cannot decide ``comparison`` at the declared min (``x[:, 1:]`` at
+    ``T >= 1``: ``'T - 1' >= '1'``), and does from ``min`` up. The program then runs at buckets
+    of at least ``min``; a call's ragged rows shorter than that are read as the rewrite reads
+    rows below a declared min (a fixed window refusing the rows it would read past,
+    `_logical.RowFloor`), and an unragged size below ``min`` is refused by name."""
+
+    var: str
+    declared: int
+    min: int
+    where: str
+    comparison: str
+
+    def describe(self) -> str:
+        return (f"{self.var} traced at {self.var} >= {self.min} (declared min={self.declared}): "
+                f"{self.where} needs it (JAX cannot decide {self.comparison} below it)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Failed:
     """Why a function cannot be traced once for all sizes. ``split_sizes``: sizes that must be
     bucket boundaries for the per-bucket fallback to take the branches the exact sizes take
-    (from undecidable ``T == c`` comparisons)."""
+    (from undecidable ``T == c`` comparisons). ``raise_min``: the min that lets JAX decide the
+    comparison that failed, where only a shape rule of JAX's own made it (not a branch of the
+    user's code)."""
 
     reason: str
     split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    raise_min: RaisedMin | None = None
 
 
 def trace_symbolic(fn: Callable, convention: Convention, counter: TraceCounter,
-                   inject: Callable[[list], None] | None = None) -> Traced | Failed:
-    """The one symbolic trace of ``fn`` over its convention's inputs; see `trace_program`."""
+                   inject: Callable[[list], None] | None = None,
+                   raised: Sequence[RaisedMin] = ()) -> Traced | Failed:
+    """The one symbolic trace of ``fn`` over its convention's inputs; see `trace_program`.
+    ``raised``: the variables whose min the convention holds raised above the declared one."""
     cell: list = []
     run = flat_program(fn, convention, None, counter, cell, inject)
     variables = convention.variables
     avals = convention.avals(symbolic_dims(variables))
     # Handed values have no concrete stand-in: a failure there is judged by its message alone.
     concrete = None if convention.count("handed") else {v.name: v.max for v in variables}
-    return trace_program(run, avals, [v.name for v in variables], cell, concrete)
+    return trace_program(run, avals, [v.name for v in variables], cell, concrete,
+                         bounds={v.name: (v.min, v.max) for v in variables}, raised=raised)
 
 
 def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cell: list,
-                  concrete: Mapping[str, int] | None = None) -> Traced | Failed:
+                  concrete: Mapping[str, int] | None = None, *,
+                  bounds: Mapping[str, tuple[int, int]] | None = None,
+                  raised: Sequence[RaisedMin] = ()) -> Traced | Failed:
     """Trace a flat program over symbolic avals (its lowering waits for `Traced.exported`). A
     failure that needs a concrete size, or a size comparison JAX cannot decide, gives `Failed`
     with the user's line -- tracing, or lowering when it comes; any other exception is a bug in
@@ -258,18 +347,31 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
 
     Some failures do not say they are about sizes (NumPy's ``table[:x.shape[0]]`` raises a
     plain TypeError): with ``concrete`` sizes, an error that a trace at those sizes does not
-    raise counts as a polymorphism failure too."""
+    raise counts as a polymorphism failure too.
+
+    ``bounds`` (per variable, its ``(min, max)``): a comparison that only a shape rule of
+    JAX's could not decide gets the min that decides it (`Failed.raise_min`). ``raised``: the
+    mins the trace runs at that are raised above the declared ones; a comparison of the user's
+    code that only the raise decides is a failure, naming the line."""
     jitted = jax.jit(run)
     comparisons: list[Comparison] = []
+    failure = functools.partial(_shape_failure, jitted=jitted, run=run, avals=avals, names=names,
+                                concrete=concrete, bounds=bounds or {})
     try:
-        with _comparisons_recorded(comparisons):
+        with _comparisons_recorded(comparisons, raised):
             jaxpr = jitted.trace(*avals).jaxpr
     except ConcreteSizeRequested as e:
         line = linecache.getline(e.filename, e.lineno).strip()
         return Failed(f"{e.filename}:{e.lineno}: `{line}`: px.max_length({e.name!r}) needs the "
                       f"concrete bucket size")
     except SHAPE_ERRORS as e:
-        return _shape_failure(e, jitted, run, avals, names, concrete)
+        return failure(e)
+    decided = next((c for c in comparisons if c.raised is not None), None)
+    if decided is not None:
+        r = decided.raised
+        return Failed(f"{decided.where}: `{decided.text}` is decided only at {r.var} >= {r.min}, "
+                      f"where polyexec traces because {r.where} needs it, and a row shorter "
+                      f"than {r.min} (declared min={r.declared}) would take the other branch")
     if comparisons:
         first = comparisons[0]
         splits: dict[str, set[int]] = {}
@@ -285,17 +387,21 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
         try:
             return export.export(jitted)(*avals)
         except SHAPE_ERRORS as e:
-            return _shape_failure(e, jitted, run, avals, names, concrete)
+            return failure(e)
 
     return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower)
 
 
-def _shape_failure(error: BaseException, jitted, run: Callable, avals: Sequence[Any],
-                   names: Sequence[str], concrete: Mapping[str, int] | None) -> Failed:
+def _shape_failure(error: BaseException, *, jitted, run: Callable, avals: Sequence[Any],
+                   names: Sequence[str], concrete: Mapping[str, int] | None,
+                   bounds: Mapping[str, tuple[int, int]]) -> Failed:
     """`Failed` for a shape error raised tracing or lowering ``run``; re-raises an ordinary bug
     (one that names no symbolic size and that a trace at ``concrete`` sizes raises too)."""
     if not (about_symbolic_dims(error, names) or _traces_at(run, avals, concrete)):
         raise error
+    raise_min = _min_deciding(error, bounds)
+    if raise_min is not None:
+        return Failed(failure_reason(error), raise_min=raise_min)
     if user_frame(error) is None:
         # Raised while lowering (jax.export cannot lower FFT over a symbolic length): the
         # trace itself succeeded, so the equation the message names gives the line.
@@ -305,6 +411,35 @@ def _shape_failure(error: BaseException, jitted, run: Callable, avals: Sequence[
             return Failed(f"{line}: {eqn.primitive.name}: "
                           f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
     return Failed(failure_reason(error))
+
+
+def _min_deciding(error: BaseException, bounds: Mapping[str, tuple[int, int]]
+                  ) -> RaisedMin | None:
+    """The `RaisedMin` that lets JAX decide the comparison ``error`` reports, when a shape
+    rule of JAX's own made it about one variable and a min (at most 64 above the current one)
+    gives it one answer for every size up to the max (``'T - 1' >= '1'``: ``T >= 2``). None for a comparison in the user's or a library's code: that is a branch,
+    and a raised min would decide it for the shorter rows too."""
+    found = undecided_comparison(error) if isinstance(error, InconclusiveDimension) else None
+    if found is None:
+        return None
+    diff, caller = found
+    if caller is None or not is_jax_internal(caller.f_code.co_filename):
+        return None
+    names = dim_vars(diff)
+    if len(names) != 1 or next(iter(names)) not in bounds:
+        return None
+    (name,) = names
+    lo, hi = bounds[name]
+    holds = lambda t: int(evaluate_dim(diff, {name: t})) >= 0  # noqa: E731
+    for raised in range(lo + 1, min(lo + 64, hi) + 1):
+        # One answer from here up (the sizes near the new min, where a slice's offset changes
+        # it, and the max) is what JAX's bounds then decide.
+        if len({holds(t) for t in [*range(raised, min(raised + 64, hi) + 1), hi]}) == 1:
+            message = str(error).strip().splitlines()[0]
+            comparison = re.search(r"comparison (.*) is inconclusive", message)
+            return RaisedMin(name, lo, raised, describe_frame(user_frame(error)),
+                             comparison[1] if comparison else f"{diff} >= 0")
+    return None
 
 
 def _traces_at(run: Callable, avals: Sequence[Any], sizes: Mapping[str, int] | None) -> bool:

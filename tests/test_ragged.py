@@ -664,3 +664,19 @@ def test_a_loop_jax_cannot_trace_over_a_length_names_the_form_that_works(name):
     np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=1e-5)
     for b, (r, (_, g)) in enumerate(zip(rows, want)):
         np.testing.assert_allclose(grad[b, :len(r)], g[0], rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 3], [5, 1, 3]])
+def test_a_roll_along_the_length_warns_nothing_so_its_verdict_ignores_the_warning_filter(lengths):
+    """``jnp.roll`` along T sizes its pieces by ``mod(-1, T)``, which has no value at a row of
+    length 0: NumPy's divide-by-zero warning leaked from the floor check, and under ``-W
+    error`` it made the plan not padding-safe. Nothing warns now; each row is its own, rolled
+    within its length."""
+    g = lambda r: (r * jnp.roll(r, 1, axis=0)).sum(0)       # noqa: E731
+    x, rows = ragged_batch(lengths)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f, got = run(jax.vmap(g), x, lengths)
+    assert f.plan.padding_safe, f.plan.padding_reason
+    for b, r in enumerate(rows):
+        np.testing.assert_allclose(got[b], g(jnp.asarray(r)), rtol=1e-5, atol=1e-6)

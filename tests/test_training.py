@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import equinox as eqx
 import jax
@@ -761,16 +762,40 @@ def refused(made_steps, loss, **kwargs) -> str:
     return str(info.value)
 
 
-def test_fit_refuses_a_step_retraced_per_bucket_and_says_to_pass_min_length_2(made_steps):
-    """At min_length=1 JAX cannot decide `T - 1 >= 1` for `tokens[:, 1:]`: retraced per bucket,
-    the step ran on the padded batch as written and learned to predict the padding."""
-    message = refused(made_steps, loss_fn, min_length=1)
+def skip_ten_loss(model, tokens, lengths):
+    """The loss over the tokens after the first ten: JAX cannot decide `T - 10 >= 1` below
+    T = 11, further up than polyexec raises a min by itself."""
+    logp = jax.nn.log_softmax(jax.vmap(model)(tokens[:, 10:]), axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 10:, None], axis=-1).mean()
+
+
+def test_fit_refuses_a_step_retraced_per_bucket_and_says_which_min_length_to_pass(made_steps):
+    """Retraced per bucket, a step runs on the padded batch as written (a next-token loss at
+    min_length=1 did, before polyexec traced it at T >= 2, and learned to predict the
+    padding)."""
+    message = refused(made_steps, skip_ten_loss, min_length=1)
     assert message.startswith("fit: loss_fn: expected a train step traced once for every "
                               "length (shape-polymorphic), received one retraced per bucket")
-    assert re.search(r"examples/rnn/model\.py:\d+ in loss_and_count: `nll = .*tokens\[:, 1:, "
-                     r"None\].*`: InconclusiveDimensionOperation: .*'T - 1' >= '1' is "
-                     r"inconclusive; pass min_length=2 ", message), message
+    assert re.search(r"test_training\.py:\d+ in skip_ten_loss: `return .*tokens\[:, 10:, "
+                     r"None\].*`: InconclusiveDimensionOperation: .*'- min\(T, 10\) \+ T' >= "
+                     r"'1' is inconclusive; .*; pass min_length=11 ", message), message
     assert message.endswith("or pass train_on_padding=True to train on it anyway")
+
+
+def test_fit_at_min_length_1_trains_the_next_token_loss_as_at_min_length_2():
+    """`tokens[:, 1:]` at min_length=1 is traced at T >= 2 (JAX's rule needs it) and trains
+    exactly: the same losses as at min_length=2, without a warning."""
+    data = random_sentences(8, 16, seed=0)
+    histories = []
+    for min_length in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            result = training.fit(tiny_model(), loss_fn, data, optimizer=OPT,
+                                  min_length=min_length, buckets=[16], batch_size=4,
+                                  verbose=False, cache=False)
+        histories.append([r["loss"] for r in result.history if r["kind"] == "step"])
+    np.testing.assert_allclose(histories[0], histories[1], rtol=1e-5)
+    assert len(histories[0]) == 2
 
 
 @pytest.mark.parametrize("loss, eval_fn, start", [
@@ -792,8 +817,8 @@ def test_fit_refuses_a_step_that_is_not_padding_safe_naming_the_line(made_steps,
 @pytest.mark.parametrize("loss, min_length, warning", [
     (unsafe_loss, 2, "train_step is not padding-safe, so padding may change its result: "
                      r".*test_training\.py:\d+"),
-    (loss_fn, 1, "train_step is not shape-polymorphic, so it is retraced and compiled per "
-                 r"bucket, .*'T - 1' >= '1'"),
+    (skip_ten_loss, 1, "train_step is not shape-polymorphic, so it is retraced and compiled "
+                       r"per bucket, .*'- min\(T, 10\) \+ T' >= '1'"),
 ])
 def test_train_on_padding_trains_the_refused_step_with_a_warning(loss, min_length, warning):
     with pytest.warns(UserWarning, match=warning):

@@ -873,12 +873,24 @@ def _note_row_floor(ctx: Ctx, eqn, invals) -> None:
         if var is None:
             continue
         lo, _ = dim_bounds(var_dim(var, n.scope))
-        at = lambda d, t: int(evaluate_dim(d, {var: t}))  # noqa: E731
-        short = [t for t in range(int(lo)) if at(size, t) > 0
-                 and max(at(start, t) if start is not None else 0, 0) + at(size, t) > at(n, t)]
+        short = [t for t in range(int(lo)) if _reads_past(var, t, n, start, size)]
         floor = max(short, default=-1) + 1
         if floor > getattr(ctx.recorder.floors.get(var), "length", 0):
             ctx.recorder.floors[var] = RowFloor(var, floor, ctx.where(eqn))
+
+
+def _reads_past(var: str, t: int, n, start, size) -> bool:
+    """Whether the window ``[start, start + size)`` of an axis of length ``n`` reads past the
+    end of a row where ``var`` is ``t``. A size that divides by the length (``jnp.roll``'s
+    ``mod(-1, T)``) has no value at a length it divides by zero (JAX's own sizes are >= 1;
+    NumPy would warn and call it 0): that window has no positions to read past."""
+    with np.errstate(divide="raise", invalid="raise"):
+        try:
+            at = {name: int(evaluate_dim(d, {var: t}))
+                  for name, d in (("n", n), ("start", start), ("size", size)) if d is not None}
+        except (FloatingPointError, ZeroDivisionError):
+            return False
+    return at["size"] > 0 and max(at.get("start", 0), 0) + at["size"] > at["n"]
 
 
 def window_fits_admitted_rows(ctx: Ctx, n, size, start: int) -> bool:

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import re
 import time
 import typing
 import warnings
@@ -121,8 +120,10 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     one that is not padding-safe (``plan.padding_reason``: an operation on a length axis with
     no rule, such as random draws shaped by the length), or one that is reshaping-impossible
     (``plan.reason``: retraced per bucket, it would run on the padded batch as written). At
-    ``min_length=1``, a loss that slices ``tokens[:, 1:]`` is the latter (JAX cannot decide
-    ``T - 1 >= 1``): the error says to pass ``min_length=2``. ``train_on_padding=True`` trains
+    ``min_length=1`` a next-token loss slicing ``tokens[:, 1:]`` trains exactly (traced at
+    ``T >= 2``, which JAX's rule needs, a one-token row adding no prediction); a loss that
+    needs a longer minimum than polyexec raises by itself (``tokens[:, 10:]``: ``T >= 11``)
+    is refused, and the error says which ``min_length`` to pass. ``train_on_padding=True`` trains
     such a step anyway, with the executor's one warning, padding possibly changing the loss
     and its gradients. With ``masking=False`` the loss masks the padding itself, as you said,
     and nothing is refused.
@@ -435,11 +436,10 @@ def _refusal(plan: Any, what: str, min_length: int) -> str | None:
     """Why ``plan`` may not train (the verdict, naming the user's line) and the fix, or None."""
     anyway = "pass train_on_padding=True to train on it anyway"
     if plan.reshaping_is_impossible:
-        # A length bound JAX cannot decide at the smallest length, as `tokens[:, 1:]` gives
-        # at min_length=1 ('T - 1' >= '1'), is decided once T's minimum is high enough.
-        bound = re.search(r"comparison 'T(?: - (\d+))?' >= '(\d+)' is inconclusive",
-                          plan.reason)
-        need = int(bound[1] or 0) + int(bound[2]) if bound else 0
+        # A length bound JAX cannot decide at the smallest length, as `tokens[:, 10:]` gives
+        # at min_length=1 ('- min(T, 10) + T' >= '1'), is decided once T's minimum is high
+        # enough (polyexec raises it by itself only a little: `tokens[:, 1:]` trains).
+        need = getattr(plan.verdict.raise_min, "min", 0)
         fix = (f"pass min_length={need} (JAX cannot decide that comparison for lengths down to "
                f"min_length={min_length}), or {anyway}" if need > min_length else
                f"make that line work for every length, or mask the padding by hand and pass "
