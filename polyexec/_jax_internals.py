@@ -32,6 +32,11 @@ except ImportError:
 # (jax core's, an unrelated class), and jax.export does not name it.
 InconclusiveDimension = _shape_poly.InconclusiveDimensionOperation
 
+# What JAX raises when an operation it evaluates eagerly meets a symbolic size (a slice
+# ``table[:T]`` under ``jax.ensure_compile_time_eval``, as equinox's RoPE cache does): the
+# variable appears in no argument of the eager computation. jax.export does not name it.
+UnexpectedDimVar = _shape_poly.UnexpectedDimVar
+
 # The code of a symbolic dimension's `==` and `!=`, which the tracer's profile hook recognises
 # to record comparisons JAX cannot decide (_trace._comparisons_recorded); JAX's methods are
 # read, never replaced. No public API reports an undecided comparison.

@@ -33,19 +33,20 @@ from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_
 from ._convention import Convention
 from ._errors import PolyexecError
 from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, DIM_ORDER_CODES, InconclusiveDimension,
-                             dim_vars, evaluate_dim, undecided_comparison)
+                             UnexpectedDimVar, dim_vars, evaluate_dim, undecided_comparison)
 from ._spec import symbolic_dims
 
 # Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
 # `int(T)`/`range(T)` (TypeError), `if T > 10` (InconclusiveDimensionOperation), broadcasting
 # against a literal maximum (TypeError/ValueError), indexing with one (IndexError), an op that
-# jax.export cannot lower over a symbolic size (NotImplementedError: FFT).
+# jax.export cannot lower over a symbolic size (NotImplementedError: FFT), an eager op under
+# `jax.ensure_compile_time_eval` given a symbolic size (UnexpectedDimVar: equinox's RoPE cache).
 # jax.export and jax core each define an InconclusiveDimensionOperation (unrelated classes):
 # `int(T)` raises the first, a reshape to a literal size (`x.reshape(-1, 16)`) the second.
 SHAPE_ERRORS = (InconclusiveDimension,
                 jax.errors.InconclusiveDimensionOperation,
                 jax.errors.ConcretizationTypeError, TypeError, ValueError, IndexError,
-                NotImplementedError)
+                NotImplementedError, UnexpectedDimVar)
 
 
 class TraceCounter:
@@ -478,8 +479,20 @@ def _equation_named_in(jitted, avals, message: str) -> tuple[Any, str] | None:
     return search(jaxpr.jaxpr, "<unknown>")
 
 
-# Idioms JAX itself cannot trace over a symbolic length, by a phrase of JAX's message, and the
-# form that traces (each checked exact, values and gradients, in tests/test_ragged.py).
+def failure_reason(error: BaseException) -> str:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    cause = known_cause(error)
+    return (f"{describe_frame(user_frame(error))}: {type(error).__name__}: {message}"
+            + (f" -- {cause}" if cause else ""))
+
+
+# Failures inside JAX or a library whose message says nothing a user can act on: what
+# happened, and the form of the same computation that traces once and runs exact.
+
+_CONV_PADDING = "padding argument to conv_general_dilated should be"
+
+# ... and by a phrase of JAX's own message (each form checked exact, values and gradients, in
+# tests/test_ragged.py).
 _FORMS_THAT_WORK = {
     "differentiation does not work for lax.while_loop or lax.fori_loop": (
         "a fori_loop over a length is a while_loop to JAX (its trip count is symbolic), which "
@@ -493,11 +506,48 @@ _FORMS_THAT_WORK = {
 }
 
 
-def failure_reason(error: BaseException) -> str:
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    reason = f"{describe_frame(user_frame(error))}: {type(error).__name__}: {message}"
-    hint = next((form for phrase, form in _FORMS_THAT_WORK.items() if phrase in str(error)), None)
-    return reason if hint is None else f"{reason} -- {hint}"
+
+def known_cause(error: BaseException) -> str | None:
+    """Why a known idiom cannot be traced over a symbolic length, and the form that can, or
+    None. A layer is recognised by the ``self`` of its call among the raising frames, so its
+    cause is named whichever error the state of its cache makes JAX raise."""
+    if any(_is_equinox_rope(frame.f_locals.get("self")) for frame in _raising_frames(error)):
+        return ("equinox's RotaryPositionalEmbedding reads its cos/sin table at a concrete "
+                "length (a process-wide cache, filled, compared with the length and sliced "
+                "under jax.ensure_compile_time_eval), which JAX cannot do over a symbolic "
+                "length, whatever the cache holds; each bucket is retraced. The form that "
+                "traces once and is exact padded and packed: the angles from the positions, "
+                "`jnp.arange(x.shape[0])[:, None] * freqs` with `freqs = theta ** "
+                "(-jnp.arange(0, d, 2) / d)`, then `x * tile(cos) + rotate_half(x) * "
+                "tile(sin)` as the layer computes")
+    if isinstance(error, ValueError) and str(error).startswith(_CONV_PADDING):
+        # JAX filters its own frames (the transpose and batching rules) out of the traceback.
+        return ("JAX's rule for this convolution (its gradient, or jax.vmap of it) gives "
+                "conv_general_dilated a padding that depends on the length (a stride, SAME "
+                "with a stride, or a VALID window longer than the shortest length), and "
+                "conv_general_dilated takes integer padding only. The form that traces once "
+                "and is exact: the stride-1 convolution with explicit padding, then a strided "
+                "slice, `lax.conv_general_dilated(x, w, (1,), [(lo, hi)])[:, ::s]` (equal to "
+                "stride s with that padding); a VALID convolution of stride 1 traces with the "
+                "length's min at least the window's size - 1")
+    return next((form for phrase, form in _FORMS_THAT_WORK.items() if phrase in str(error)), None)
+
+
+def _raising_frames(error: BaseException) -> Iterator[Any]:
+    """The frames of an error's traceback and of the errors it was raised from."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            yield tb.tb_frame
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+
+
+def _is_equinox_rope(layer) -> bool:
+    kind = type(layer)
+    return kind.__name__ == "RotaryPositionalEmbedding" and kind.__module__.startswith("equinox")
 
 
 def about_symbolic_dims(error: BaseException, names: Sequence[str]) -> bool:

@@ -394,8 +394,9 @@ def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
         # ``x[:, 1:]`` does (the module's frame); a constant or capped one (``min(T, k)``)
         # covers the row's first columns only.
         if not is_sym(window[a]) or is_sym(shape[a] - window[a]):
-            raise NoRule("a window of a packed length of a fixed size (x[:, :k]): one window "
-                          "per packed row, where each sequence needs its own")
+            raise NoRule("a window of a packed length of a fixed size (x[:, :k]), or positions "
+                          "picked by a stride (x[:, ::2]): one set of columns per packed row, "
+                          "where each sequence needs its own")
 
 
 def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
@@ -1334,6 +1335,19 @@ def _slice(ctx: _PackedCtx, eqn, invals):
             raise NoRule("a slice of a packed length that does not keep each sequence's "
                           "start column (a per-sequence start, a stride, a constant size)")
     return None     # column q of the result reads column q + start: the same sequence
+
+
+@defrule("tile", layout="pack")
+def _tile(ctx: _PackedCtx, eqn, invals):
+    """Tiling the feature axes copies each position's own values (RoPE's cos and sin tiled
+    over both halves of the features): per position. Tiling a packed length or the rows
+    would repeat a row's sequences after one another, each needing its own copies."""
+    (x,) = invals
+    reps = eqn.params["reps"]
+    along = set(ctx.row_axes(x.shape)) | set(ctx.packed_axes(x.shape))
+    if any(reps[a] != 1 for a in along):
+        raise NoRule("tile along a packed length or the rows of packed rows")
+    return None
 
 
 @defrule("pad", layout="pack")
