@@ -506,7 +506,6 @@ _FORMS_THAT_WORK = {
 }
 
 
-
 def known_cause(error: BaseException) -> str | None:
     """Why a known idiom cannot be traced over a symbolic length, and the form that can, or
     None. A layer is recognised by the ``self`` of its call among the raising frames, so its
