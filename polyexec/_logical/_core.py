@@ -980,6 +980,7 @@ class _Entry:
     origin: str = "polyexec's own"   # who registered the rule, for the refusal to replace it
     packed: Callable | None = None         # packed rows; None: `_packed`'s generic handling
     per_sequence: Callable | None = None   # packed rows, an input held per sequence
+    per_cell: Callable | None = None       # packed rows, an input held per cell (no rows axis)
     # ``eqn -> [(operand aval, axes)]``: the axes it selects, reorders, pads, joins, accumulates
     # or scans along (`moves_ragged_rows`), as opposed to keeping each entry at its index.
     moves: Callable | None = None
@@ -1020,23 +1021,24 @@ def _register(key, rule, *, structural: bool, origin: str, override: bool) -> No
                                              structural=structural, origin=origin)
 
 
-_SLOTS = ("rule", "packed", "per_sequence")
+_SLOTS = {"pad": "rule", "pack": "packed", "per_sequence": "per_sequence", "per_cell": "per_cell"}
 
 
-def defrule(*names: str, layout: Literal["pad", "pack", "per_sequence"] = "pad",
+def defrule(*names: str, layout: Literal["pad", "pack", "per_sequence", "per_cell"] = "pad",
             structural: bool = False, moves: Callable | None = None,
             moves_rows_why: str | None = None, window: Callable | None = None,
             zeroed_reads: Callable | None = None, acts_on: Callable | None = None):
     """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
     ``batching.primitive_batchers[p] = rule``: ``@defrule("rev")`` over the definition, or
     ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``layout``: the padded rule
-    (``"pad"``, also ragged rows), the packed one (``"pack"``) or the one for an input held
-    per sequence in packed rows (``"per_sequence"``), each in the same entry. ``structural``:
+    (``"pad"``, also ragged rows), the packed one (``"pack"``), or the one for an input held
+    per sequence (``"per_sequence"``) or per cell (``"per_cell"``) in packed rows, each in the
+    same entry. ``structural``:
     the rule only recurses into the equation's programs (scan, cond, calls), so it is not
     counted as a rewrite itself. ``moves``, ``moves_rows_why``, ``window``, ``zeroed_reads``,
     ``acts_on``: the primitive's facts (`_Entry`), stated beside its padded rule. Registering
     a slot twice is a bug, refused at import."""
-    slot = _SLOTS[("pad", "pack", "per_sequence").index(layout)]
+    slot = _SLOTS[layout]
     facts = dict(moves=moves, moves_rows_why=moves_rows_why, window=window,
                  zeroed_reads=zeroed_reads, acts_on=acts_on)
 

@@ -333,32 +333,22 @@ def _fits(recorder: Recorder, d, var: str, rows: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # Rules
 
-# Primitives that act along the axes their parameter names; elsewhere they are per position.
-_AXIS_PARAMS = {"argsort": "dimension"}
-_RECURSING = {"jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call",
-              "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "cond"}
-
-
 def _generic(ctx: _PackedCtx, eqn, invals):
+    """A primitive without a packed rule of its own, by what its entry says of it: elementwise
+    (per cell, after jnp's implicit broadcasts), a call or a branch (its equations meet the
+    packed values), an indexing rule (a window or a scatter: the padded rule, whose bounds read
+    each sequence's own length through `length`), or else refused."""
     name = eqn.primitive.name
     entry = lookup_rule(eqn.primitive)
-    if entry is not None and entry.rule is ELEMENTWISE:
-        return _implicit_broadcasts(ctx, eqn, invals)
-    if name in _RECURSING:
-        return entry.rule(ctx, eqn, invals)
-    if name in _AXIS_PARAMS:
-        axes = eqn.params[_AXIS_PARAMS[name]]
-        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-        if not any(is_sym(x.shape[a]) for x in invals if hasattr(x, "shape") for a in axes
-                   if a < x.ndim):
-            return None
-        raise NoRule(f"{name} along a length axis of a packed row (several sequences share it)")
     if entry is None or entry.rule is None:
         raise NoRule(f"no rule for {name} on a length axis")
+    if entry.rule is ELEMENTWISE:
+        return _implicit_broadcasts(ctx, eqn, invals)
+    if entry.structural:
+        return entry.rule(ctx, eqn, invals)
     if name in SCATTERS and ctx.alive is not None:
         invals = _drop_dead_rows(ctx, eqn, invals)
-    if name in ("gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
-                "scatter-max", "dynamic_slice", "dynamic_update_slice"):
+    if entry.window is not None or name in SCATTERS:
         # Their rules bound indices by lengths read through `length`, which refuses a length
         # that differs per sequence; indexing feature axes passes unchanged. A window that
         # starts at a literal 0 bounds nothing, so it is refused here: ``x[:, :k]`` would read
@@ -1138,18 +1128,21 @@ defrule("scatter-add", "scatter", layout="per_sequence")(_put_any)
 # Per-cell values without rows (`PerCell`)
 
 def _per_cell(ctx: _PackedCtx, eqn, invals):
-    """An equation reading a `PerCell` value (or making one: `_PackedCtx.without_rows`).
-    Elementwise maths stays per cell; broadcasting it onto the rows gives each cell its own
-    entry; a reverse along the packed length is per sequence; ``x[:, index]`` with it reads
-    each sequence's own positions (`_gather_at_positions`, and its transpose)."""
+    """An equation reading a `PerCell` value (or making one: `_PackedCtx.without_rows`):
+    a call runs its equations; a primitive with a per-cell rule (``defrule(...,
+    layout="per_cell")``: a broadcast, a reverse, an index) runs it; elementwise maths stays
+    per cell; anything else is refused."""
     name = eqn.primitive.name
     entry = lookup_rule(eqn.primitive)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
     if entry is not None and getattr(entry.rule, "inline", False):
         return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
-    if entry is not None and entry.rule is ELEMENTWISE and name not in ("broadcast_in_dim",
-                                                                         "iota"):
+    if entry is not None and entry.per_cell is not None:
+        out_values = entry.per_cell(ctx, eqn, invals)
+        if out_values is not None:
+            return out_values
+    if entry is not None and entry.rule is ELEMENTWISE:
         rows = ctx.row_axes(out)
         if not rows:
             cells = [_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)]
@@ -1158,30 +1151,53 @@ def _per_cell(ctx: _PackedCtx, eqn, invals):
         (r,) = rows
         return ctx.evaluate(eqn, [_onto_rows(x, r) if isinstance(x, PerCell) else x
                                   for x in invals])
-    x = invals[0]
-    if name == "broadcast_in_dim" and isinstance(x, PerCell):
-        dims = tuple(eqn.params["broadcast_dimensions"])
-        rows = ctx.row_axes(out)
-        if not rows:
-            return [PerCell(lax.broadcast_in_dim(x.value, (ctx.pos.shape[0], *out),
-                                                 (0, *(d + 1 for d in dims))))]
-        (r,) = rows
-        v = x.value
-        if r in dims:                   # a unit axis onto the rows: the rows are in front
-            v, dims = lax.squeeze(v, (1 + dims.index(r),)), tuple(d for d in dims if d != r)
-        return [spread(v, out, (r, *dims))]
-    if name == "rev" and isinstance(x, PerCell):
-        dims = tuple(eqn.params["dimensions"])
-        packed = [d for d in dims if d in ctx.packed_axes(shapes[0])]
-        if len(packed) != 1 or len(ctx.packed_axes(shapes[0])) != 1:
-            raise NoRule("a reverse of a per-cell value along no, or more than one, length")
-        return [PerCell(_reverse(ctx, x.value, 0, packed[0] + 1,
-                                 tuple(d + 1 for d in dims if d != packed[0])))]
-    if name in ("gather", "scatter-add") and isinstance(invals[1], PerCell) and not any(
-            isinstance(v, PerCell) for k, v in enumerate(invals) if k != 1):
-        return _gather_at_positions(ctx, eqn, invals, shapes, out)
     raise NoRule(f"{name} of a value that differs per sequence and per position (it has no "
                   f"rows axis)")
+
+
+@defrule("broadcast_in_dim", layout="per_cell")
+def _broadcast_cells(ctx: _PackedCtx, eqn, invals):
+    """Broadcasting a per-cell value onto the rows gives each cell its own entry."""
+    x = invals[0]
+    if not isinstance(x, PerCell):
+        return None
+    out = tuple(eqn.outvars[0].aval.shape)
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    rows = ctx.row_axes(out)
+    if not rows:
+        return [PerCell(lax.broadcast_in_dim(x.value, (ctx.pos.shape[0], *out),
+                                             (0, *(d + 1 for d in dims))))]
+    (r,) = rows
+    v = x.value
+    if r in dims:                   # a unit axis onto the rows: the rows are in front
+        v, dims = lax.squeeze(v, (1 + dims.index(r),)), tuple(d for d in dims if d != r)
+    return [spread(v, out, (r, *dims))]
+
+
+@defrule("rev", layout="per_cell")
+def _reverse_cells(ctx: _PackedCtx, eqn, invals):
+    """A reverse of a per-cell value along the packed length is per sequence."""
+    x = invals[0]
+    if not isinstance(x, PerCell):
+        return None
+    shape = tuple(eqn.invars[0].aval.shape)
+    dims = tuple(eqn.params["dimensions"])
+    packed = [d for d in dims if d in ctx.packed_axes(shape)]
+    if len(packed) != 1 or len(ctx.packed_axes(shape)) != 1:
+        raise NoRule("a reverse of a per-cell value along no, or more than one, length")
+    return [PerCell(_reverse(ctx, x.value, 0, packed[0] + 1,
+                             tuple(d + 1 for d in dims if d != packed[0])))]
+
+
+@defrule("gather", "scatter-add", layout="per_cell")
+def _index_cells(ctx: _PackedCtx, eqn, invals):
+    """``x[:, index]`` with a per-cell index reads each sequence's own positions
+    (`_gather_at_positions`, and its transpose)."""
+    if not isinstance(invals[1], PerCell) or any(
+            isinstance(v, PerCell) for k, v in enumerate(invals) if k != 1):
+        return None
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+    return _gather_at_positions(ctx, eqn, invals, shapes, tuple(eqn.outvars[0].aval.shape))
 
 
 def _cells(ctx: _PackedCtx, x, shape, out):
