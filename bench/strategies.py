@@ -922,7 +922,11 @@ class BucketedRun(Run):
         if self._warm is not None:
             rows, t = self._warm.shape_for(rows, t)
             self.upgraded += (rows, t) != own
-        if (rows, t) != (_bucket(self.rows_buckets, len(idx)), _bucket(self.policy.sizes, longest)):
+        # Without the rewrite (polyexec-nomask) px runs a batch's rows as given, adding none:
+        # the filler rows its shape needs are the bench's own, of length 0 (its hand-masked
+        # loss is a mean over tokens, which they do not change).
+        if (not self.f.masking or (rows, t) != (_bucket(self.rows_buckets, len(idx)),
+                                                _bucket(self.policy.sizes, longest))):
             tokens, lengths = padded_batch(data, idx, rows, t)
         else:   # the bucket px picks for the unpadded batch: it pads to it itself
             tokens = data.tokens[idx, :longest]

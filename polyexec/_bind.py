@@ -65,6 +65,12 @@ class Signature:
     paths: tuple[str, ...] = dataclasses.field(compare=False)
     args: tuple[int, ...] = dataclasses.field(compare=False, default=())  # per leaf: argument
 
+    @property
+    def rows_variables(self) -> frozenset[str]:
+        """The variables a ``lengths_of`` input is indexed by (the rows, ``B``)."""
+        return frozenset(d for spec, _ in self.poly if spec.lengths_of
+                         for d in spec.dims if isinstance(d, str))
+
     def leaf_paths(self, kind: str) -> list[str]:
         return [p for p, k in zip(self.paths, self.kinds) if k == kind]
 
@@ -445,15 +451,20 @@ def example_args(in_specs: Sequence[Any], variables: Mapping[str, LengthVar],
     for i, spec in enumerate(in_specs):
         if spec is None:
             full.append(next(given))
-        elif isinstance(spec, Spec):
-            if spec.dtype is None:
+            continue
+        leaves = jax.tree_util.tree_leaves(spec, is_leaf=_is_spec_leaf)
+        if not all(isinstance(s, Spec) for s in leaves):
+            # A None inside a pytree of Specs stands for arrays of the caller's own shapes.
+            raise SpecError(f"{where}: in_specs[{i}] is a pytree holding None (arrays of their "
+                            f"own shapes); expected a full example call")
+        for s in leaves:
+            if s.dtype is None:
                 raise SpecError(f"{where}: in_specs[{i}] = {spec}: expected a dtype (or pass a "
                                 f"full example call), received none")
-            full.append(np.zeros(tuple(variables[d].min if isinstance(d, str) else d
-                                       for d in spec.dims), spec.dtype))
-        else:
-            raise SpecError(f"{where}: in_specs[{i}] is a pytree of Specs; expected a full "
-                            f"example call")
+        # Zeros at each variable's minimum, each leaf of a pytree of Specs its own.
+        full.append(jax.tree_util.tree_map(
+            lambda s: np.zeros(tuple(variables[d].min if isinstance(d, str) else d
+                                     for d in s.dims), s.dtype), spec, is_leaf=_is_spec_leaf))
     return full
 
 

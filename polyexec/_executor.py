@@ -272,6 +272,8 @@ class Bucketed:
         rows run at the full batch's compiled shape this way -- no new compile -- and the
         padded rows of ``B`` are no rows: a mean over the rows counts the real ones only,
         where zero-length filler rows would have been counted (`polyexec.training` does this).
+        With ``masking=False`` the rows a ``lengths_of`` input indexes are never padded: they
+        run at their own number (see `bucketed`).
 
         >>> import jax.numpy as jnp, numpy as np, polyexec as px
         >>> B, T = px.LengthVar("B", max=8), px.LengthVar("T", max=16)
@@ -563,7 +565,13 @@ class Bucketed:
             packed = _layouts.PACK.place(plan, call, self)
             if self.layout == "pack" or packed.cells < self._padded_cells(plan, packed):
                 return packed
-        bucket = {n: max(self.bucket_for(n, s, plan), least.get(n, 0))
+        # Without the rewrite, code that masks itself by the lengths cannot tell a filler row
+        # (length 0) from an example: a mean over the rows would count it. So the rows a
+        # `lengths_of` input indexes run at their own number, never padded (one compile per
+        # number of rows; a hand-masked per-example mean over 3 rows came back as 3/4 of
+        # itself at a bucket of 4).
+        exact = () if self.masking else call.signature.rows_variables
+        bucket = {n: s if n in exact else max(self.bucket_for(n, s, plan), least.get(n, 0))
                   for n, s in call.sizes.items()}
         return _layouts.PAD.place(call, bucket)
 
@@ -734,7 +742,9 @@ def bucketed(fn: Callable | Plan, in_specs: Sequence[Any] | None = None, out_spe
 
     Options: ``strict`` (raise `PolymorphismError` instead of falling back or warning),
     ``masking`` (default True: the logical-length rewrite; False runs the program over the
-    padded sizes as written, for code that masks by itself), ``donate_argnums``,
+    padded sizes as written, for code that masks by itself -- except the rows a ``lengths_of``
+    input indexes (``B``), which run at the call's own number: a filler row of length 0 is
+    one such code would count as an example), ``donate_argnums``,
     ``max_cached`` (executables kept, LRU), ``check_sizes`` (also run the two-size
     independence check: two extra Python traces), ``name``, ``variables``, ``partition``
     (default True: a function with data-dependent sizes, ``px.compact(..., length=K)``, is cut

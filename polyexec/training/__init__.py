@@ -30,22 +30,23 @@ from ._auto import BucketChoice, LayoutChoice, choose_buckets, choose_layout, me
 from ._checkpoint import (CheckpointError, CheckpointWarning, CorruptCheckpointError,
                           checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
                           load_checkpoint, read_meta, save_checkpoint, verify_checkpoint)
-from ._data import Examples, as_examples, pad_batch
+from ._data import BatchForm, Examples, Field, as_examples, pad_batch
 from ._fit import FitResult, StepInfo, StopTraining, evaluate, fit
 from ._options import FitOptions
 from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel, initialize_distributed
 from ._state import TrainState
-from ._steps import eval_step_fn, make_eval_step, make_train_step, train_step_fn
+from ._steps import (LossCall, as_loss_call, eval_step_fn, make_eval_step, make_train_step,
+                     step_keys, train_step_fn)
 
 __all__ = [
     "fit", "FitOptions", "FitResult", "StepInfo", "StopTraining", "evaluate",
     "TrainState", "measure_cost", "choose_buckets", "BucketChoice", "choose_layout",
     "LayoutChoice", "train_step_fn",
-    "eval_step_fn", "make_train_step", "make_eval_step",
+    "eval_step_fn", "make_train_step", "make_eval_step", "step_keys", "LossCall", "as_loss_call",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
     "verify_checkpoint", "checkpoint_dir_lock", "CheckpointError", "CorruptCheckpointError",
     "CheckpointWarning",
     "DataParallel", "data_parallel", "initialize_distributed", "Examples", "as_examples",
-    "pad_batch", "check_output_dir", "check_output_file",
+    "pad_batch", "BatchForm", "Field", "check_output_dir", "check_output_file",
 ]

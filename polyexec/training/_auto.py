@@ -45,6 +45,8 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
                  grid: tuple[int, int] | None = None) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
+    ``tokens`` is the batch the step takes: token ids (B, T), or any pytree of a batch
+    (`fit`'s examples stacked), for which ``grid`` is needed.
 
     ``extra_compiles``: a second step compiled at the same shape whose compile seconds are
     added (each length bucket compiles the eval step as well as the train step).
@@ -66,6 +68,9 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     >>> cost.compile_seconds > 0 and cost.seconds_per_cell > 0, step.stats.compiles
     (True, 1)
     """
+    if grid is None and not hasattr(tokens, "shape"):
+        raise OptionError("measure_cost: grid: expected the (rows, length) a pytree batch runs "
+                          "at, received None")
     rows, length = grid if grid is not None else tokens.shape
     shape = {"B": rows, "T": length}
     steps = [(step, arg)] + ([(extra_compiles, extra_arg)] if extra_compiles is not None else [])
@@ -250,7 +255,8 @@ def choose_buckets(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                    eval_step: Bucketed | None = None, eval_arg: Any = None,
                    validation_lengths: Any = None, known: _buckets.Auto | None = None,
                    min_length: int = 1, parallel: int = 1, pad_id: int = 0,
-                   data_parallel: DataParallel | None = None) -> BucketChoice:
+                   data_parallel: DataParallel | None = None,
+                   batch_of: Callable[[int, int], Any] | None = None) -> BucketChoice:
     """Choose the (length x rows) bucket set with the least predicted time, and set the steps'
     buckets to exactly the shapes its batches use.
 
@@ -263,7 +269,8 @@ def choose_buckets(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     process's) is re-bucketed as it is, without measuring. ``parallel``: the other compiles
     overlap this many ways (see `measure_cost`). ``data_parallel``: the run's devices
     (`data_parallel`): rows are a multiple of the local devices, every process plans its share,
-    and process 0's measurement is used everywhere.
+    and process 0's measurement is used everywhere. ``batch_of``: ``(rows, length) -> the
+    batch`` the measurement runs (a `BatchForm`'s ``zeros``); default token ids of ``pad_id``.
 
     >>> import equinox as eqx, jax, numpy as np, optax
     >>> from polyexec.training import TrainState, choose_buckets, make_train_step
@@ -290,11 +297,13 @@ def choose_buckets(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     if known is not None:
         policy = known
     else:
-        tokens = np.full((rows, top), pad_id, np.int32)
+        batch = (batch_of(rows, top) if batch_of is not None
+                 else np.full((rows, top), pad_id, np.int32))
         full = np.full(rows, top, np.int32)
-        place = dp.global_batch if dp is not None else (lambda x: x)
-        cost = measure_cost(step, arg, place(tokens), place(full), extra_compiles=eval_step,
-                            extra_arg=eval_arg, parallel=parallel)
+        place = ((lambda x: jax.tree_util.tree_map(dp.global_batch, x)) if dp is not None
+                 else (lambda x: x))
+        cost = measure_cost(step, arg, place(batch), place(full), extra_compiles=eval_step,
+                            extra_arg=eval_arg, parallel=parallel, grid=(rows * shards, top))
         cost = agree(cost, shards)
         measured_at = (rows * shards, top)
         policy = _buckets.Auto.fit(np.maximum(lengths, min_length), cost, epochs=epochs,
@@ -383,8 +392,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                   examples: Callable[[np.ndarray], tuple[Any, Any]] | None = None,
                   next_arg: Callable[[Any], Any] | None = None,
                   eval_step: Bucketed | None = None, eval_arg: Any = None,
-                  validation_lengths: Any = None, data_parallel: DataParallel | None = None
-                  ) -> LayoutChoice:
+                  validation_lengths: Any = None, data_parallel: DataParallel | None = None,
+                  batch_of: Callable[[int, int], Any] | None = None) -> LayoutChoice:
     """Pad or pack, by predicted run time; ``step`` is a train step made with
     ``layout="auto"`` (so its one trace holds the packed program too).
 
@@ -407,8 +416,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     Shorter rows compile alone, not beside training steps: on 2 CPU cores a GRU step and an
     XLA compile each keep both busy, and overlapping them took 1-2 s longer than one after
     the other.
-    ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``: as for
-    `choose_buckets`; a packed choice packs the eval step into the same rows
+    ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``, ``batch_of``:
+    as for `choose_buckets`; a packed choice packs the eval step into the same rows
     (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
 
     >>> import equinox as eqx, jax, numpy as np, optax
@@ -438,7 +447,7 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                                 eval_step=(eval_step.with_layout("pad")
                                            if eval_step is not None else None),
                                 eval_arg=eval_arg, validation_lengths=validation_lengths,
-                                data_parallel=data_parallel)
+                                data_parallel=data_parallel, batch_of=batch_of)
         return LayoutChoice("pad", reason, chosen.steps[0], chosen, cost=chosen.cost or cost,
                             measured_at=chosen.measured_at or measured_at,
                             pad=chosen.prediction, pack=pack)
@@ -488,7 +497,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         batch = next((b for plan in plans for b in plan
                       if b.row_length == grid[1] and id(b) not in ran), None)
         if batch is None:
-            tokens, full = np.full(grid, pad_id, np.int32), np.full(grid[0], grid[1], np.int32)
+            tokens = (batch_of(*grid) if batch_of is not None
+                      else np.full(grid, pad_id, np.int32))
+            full = np.full(grid[0], grid[1], np.int32)
         else:
             tokens, full = examples(batch.indices)
         outputs = []

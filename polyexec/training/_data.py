@@ -1,4 +1,11 @@
-"""Examples, the per-epoch batch order, and stacking a batch into arrays on the host."""
+"""Examples, the per-epoch batch order, and stacking a batch into arrays on the host.
+
+An example is a pytree of arrays (``{"tokens": (T,), "label": (), "tags": (T,)}``) or, the
+one-field shorthand, a bare 1-D array of token ids (or ``bytes``). `BatchForm` says what each
+leaf's axes are -- ``T``, the example's length, or fixed sizes -- from Specs the caller
+declares or, by default, from the examples themselves; a batch is the same pytree with a
+leading ``B`` axis, its ``T`` axes padded to the batch's length.
+"""
 
 from __future__ import annotations
 
@@ -7,58 +14,326 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import buckets as _buckets
 
-from .._bind import pad_to
-from .._errors import OptionError
+from .._bind import canonical_dtype, pad_to, spec_per_leaf
+from .._errors import OptionError, SpecError
+from .._spec import LengthVar, Spec
+
+# The one name a field's dims may use: the example's own length (fit has one length variable).
+LENGTH = "T"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One leaf of an example: where it is (``path``, as in ``data[i]['tokens']``), its axes
+    without the batch axis (``"T"`` for the example's length, ints for fixed sizes), the dtype
+    it is stacked at and the value its padding holds."""
+
+    path: str
+    dims: tuple[str | int, ...]
+    dtype: np.dtype
+    pad: Any
+
+    def shape(self, length: int) -> tuple[int, ...]:
+        return tuple(length if d == LENGTH else d for d in self.dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchForm:
+    """What the examples of a dataset are, and what their batches are: ``treedef`` of one
+    example (None for the one-field shorthand, a bare 1-D array of token ids) and one `Field`
+    per leaf, in flattening order.
+
+    >>> import numpy as np
+    >>> from polyexec.training import as_examples
+    >>> data = [{"tokens": np.arange(n), "label": np.int32(n % 2)} for n in (3, 5, 4)]
+    >>> form = as_examples(data, "data").form
+    >>> [(f.path, f.dims) for f in form.fields]
+    [("['label']", ()), ("['tokens']", ('T',))]
+    >>> {k: v.shape for k, v in form.zeros(2, 8).items()}
+    {'label': (2,), 'tokens': (2, 8)}
+    """
+
+    treedef: Any
+    fields: tuple[Field, ...]
+
+    @property
+    def one_field(self) -> bool:
+        """The shorthand: each example a bare 1-D array of token ids, the batch ``(B, T)``."""
+        return self.treedef is None
+
+    @property
+    def can_pack(self) -> bool:
+        """Whether a packed row can hold these batches: every field with at most one ``T``
+        axis (a ``(T, T)`` field pairs positions, which the packed grid lays out per row)."""
+        return all(f.dims.count(LENGTH) <= 1 for f in self.fields)
+
+    def specs(self, B: LengthVar, T: LengthVar) -> Any:
+        """The batch's Specs: each field's with a leading ``B`` and ``T`` as given."""
+        specs = [Spec((B, *(T if d == LENGTH else d for d in f.dims)), f.dtype, pad=f.pad)
+                 for f in self.fields]
+        return specs[0] if self.one_field else jax.tree_util.tree_unflatten(self.treedef, specs)
+
+    def build(self, leaves: Sequence[np.ndarray]) -> Any:
+        return leaves[0] if self.one_field else jax.tree_util.tree_unflatten(self.treedef,
+                                                                             list(leaves))
+
+    def zeros(self, rows: int, length: int) -> Any:
+        """A batch of ``rows`` examples of length ``length``, every element its field's pad
+        (what a measurement or a trace runs on)."""
+        return self.build([np.full((rows, *f.shape(length)), f.pad, f.dtype)
+                           for f in self.fields])
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.path or 'tokens'}: ({' '.join(map(str, ('B', *f.dims)))}) "
+                         f"{f.dtype.name}" for f in self.fields)
 
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Variable-length 1-D integer sequences (token ids) and their lengths."""
+    """Variable-length examples: each one's leaves (in `BatchForm` order), their lengths and
+    their form."""
 
-    tokens: tuple[np.ndarray, ...]
+    leaves: tuple[tuple[np.ndarray, ...], ...]
     lengths: np.ndarray
+    form: BatchForm
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.leaves)
+
+    @property
+    def tokens(self) -> tuple[np.ndarray, ...]:
+        """The one-field shorthand's token arrays."""
+        if not self.form.one_field:
+            raise OptionError("Examples.tokens: expected examples that are 1-D token arrays, "
+                              f"received pytrees ({self.form.describe()})")
+        return tuple(leaves[0] for leaves in self.leaves)
 
     def fingerprint(self) -> str:
         """A short hash of the lengths: a checkpoint only resumes on the same data order."""
         return hashlib.sha256(self.lengths.astype(np.int64).tobytes()).hexdigest()[:16]
 
 
-def as_examples(data: Any, where: str) -> Examples:
-    """Validate a dataset: a sequence of 1-D integer arrays (or ``bytes``), none empty."""
+def _is_token_sequence(example: Any) -> bool:
+    """The one-field shorthand: bytes, a NumPy or JAX array, or a flat list or tuple of numbers
+    (a pytree example is a dict, a tuple of arrays, a namedtuple, a dataclass, ...)."""
+    if isinstance(example, (bytes, bytearray, np.ndarray, jax.Array)):
+        return True
+    return (type(example) in (list, tuple)
+            and all(isinstance(x, (int, float, bool, np.number, np.bool_)) for x in example))
+
+
+def _tokens(example: Any, where: str) -> np.ndarray:
+    if isinstance(example, (bytes, bytearray)):
+        return np.frombuffer(bytes(example), np.uint8).astype(np.int32)
+    arr = np.asarray(example)
+    if arr.ndim != 1:
+        raise OptionError(f"{where}: expected a 1-D sequence of token ids, received shape "
+                          f"{arr.shape} (an example with several fields is a dict or another "
+                          f"pytree of arrays)")
+    if arr.size and arr.dtype.kind not in "iub":
+        raise OptionError(f"{where}: expected integer token ids, received dtype "
+                          f"{arr.dtype.name}")
+    return arr.astype(np.int32, copy=False)
+
+
+def _leaf(leaf: Any, where: str) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        raise OptionError(f"{where}: expected an array of numbers or bools, received a typed "
+                          f"PRNG key (fit hands the loss a key per step: give loss_fn a "
+                          f"parameter named key)")
+    try:
+        arr = np.asarray(leaf)
+    except Exception as e:  # noqa: BLE001 -- ragged lists and the like
+        raise OptionError(f"{where}: expected an array, received {type(leaf).__name__} "
+                          f"({e})") from None
+    if arr.dtype.kind not in "biuf":
+        raise OptionError(f"{where}: expected an array of numbers or bools, received "
+                          f"{type(leaf).__name__} of dtype {arr.dtype}")
+    return arr
+
+
+def as_examples(data: Any, where: str, specs: Any = None, *, also: Any = None,
+                pad_id: int = 0, form: BatchForm | None = None) -> Examples:
+    """Validate a dataset: a sequence of examples, each a 1-D integer array (or ``bytes``) --
+    the one-field shorthand -- or a pytree of arrays of one structure, none of length 0.
+
+    A pytree example's axes are named by ``specs`` (a pytree of ``px.Spec`` without the batch
+    axis, a prefix of the example's structure: ``"T"`` marks the example's length, ints fixed
+    sizes, None a leaf left to the default), else by default: a leaf's first axis is ``T``
+    when its size varies across the examples (those of ``also`` too: the validation set of
+    the same run, whose form must match), every other axis and every leaf that does not vary
+    is fixed, a scalar is one value per example. Every ``T`` of an example has the same size,
+    its length. Padding holds ``pad_id``, or a declared Spec's ``pad``. ``form``: the form
+    the examples must have (the training set's, for its validation set).
+    """
     if isinstance(data, Examples):
         return data
     if isinstance(data, (str, bytes)) or not isinstance(data, (Sequence, np.ndarray)):
-        raise OptionError(f"{where}: expected a sequence of examples (1-D integer arrays or "
-                          f"bytes), received {type(data).__name__}")
+        raise OptionError(f"{where}: expected a sequence of examples (1-D integer arrays, bytes "
+                          f"or pytrees of arrays), received {type(data).__name__}")
     if len(data) == 0:
         raise OptionError(f"{where}: expected at least one example, received an empty "
                           f"{type(data).__name__}")
+    if form is not None and not form.one_field:
+        if _is_token_sequence(data[0]):
+            raise OptionError(f"{where}[0]: expected an example like the training data's "
+                              f"({form.describe()}), received a 1-D sequence")
+        return _conform([_flat(e, form.treedef, f"{where}[{i}]") for i, e in enumerate(data)],
+                        form, where)
+    if _is_token_sequence(data[0]) or form is not None:
+        if specs is not None:
+            raise OptionError(f"fit: specs: expected None for examples that are 1-D token arrays "
+                              f"(the one-field shorthand, batched as (B, T) int32); received "
+                              f"{specs!r} (put each example in a dict to name its fields' axes)")
+        leaves = []
+        for i, example in enumerate(data):
+            if not _is_token_sequence(example):
+                raise OptionError(f"{where}[{i}]: expected a 1-D sequence of token ids like "
+                                  f"{where}[0], received {type(example).__name__}")
+            leaves.append((_tokens(example, f"{where}[{i}]"),))
+        form = BatchForm(None, (Field("", (LENGTH,), np.dtype(np.int32), pad_id),))
+        return _checked(leaves, np.fromiter((x[0].size for x in leaves), np.int64,
+                                            count=len(leaves)), form, where)
+    return _pytree_examples(data, where, specs, also, pad_id)
+
+
+def _flat(example: Any, treedef: Any, where: str) -> list[tuple[str, np.ndarray]]:
+    keyed, tree = jax.tree_util.tree_flatten_with_path(example)
+    if treedef is not None and tree != treedef:
+        raise OptionError(f"{where}: expected an example of the structure of the first, "
+                          f"{treedef}, received {tree}")
+    if not keyed:
+        raise OptionError(f"{where}: expected a pytree of arrays, received "
+                          f"{type(example).__name__} {example!r} with no array in it")
+    return [(jax.tree_util.keystr(path), _leaf(leaf, f"{where}{jax.tree_util.keystr(path)}"))
+            for path, leaf in keyed]
+
+
+def _pytree_examples(data: Sequence[Any], where: str, specs: Any, also: Any,
+                     pad_id: int) -> Examples:
+    treedef = jax.tree_util.tree_structure(data[0])
+    flat = [_flat(example, treedef, f"{where}[{i}]") for i, example in enumerate(data)]
+    # The validation examples take part in the default: a leaf varies if it varies in either.
+    others = []
+    if also is not None and len(also) and not _is_token_sequence(also[0]):
+        others = [[a for _, a in _flat(e, treedef, f"fit: validation[{i}]")]
+                  for i, e in enumerate(also)]
+    paths = [p for p, _ in flat[0]]
+    declared = _declared(specs, data[0], [a for _, a in flat[0]], paths)
+    fields = []
+    for k, path in enumerate(paths):
+        arrays = [leaves[k][1] for leaves in flat]
+        fields.append(declared[k] if declared[k] is not None else
+                      _inferred(path, arrays + [o[k] for o in others], where, pad_id))
+    if not any(LENGTH in f.dims for f in fields):
+        raise OptionError(
+            f"{where}: expected a field whose first axis is the example's length (its size "
+            f"varying across the examples), received none ({', '.join(map(_show, fields))}); "
+            f"name it with specs=, e.g. specs={{'tokens': px.Spec('T')}}")
+    return _conform(flat, BatchForm(treedef, tuple(fields)), where)
+
+
+def _conform(flat: list, form: BatchForm, where: str) -> Examples:
+    """The examples (flattened, with their paths) checked against ``form`` and cast to it."""
+    leaves, lengths = [], []
+    for i, example in enumerate(flat):
+        length, first = None, None
+        for field, (path, arr) in zip(form.fields, example):
+            here = f"{where}[{i}]{path}"
+            if arr.ndim != len(field.dims):
+                raise OptionError(f"{here}: expected rank {len(field.dims)} ({_show(field)}), "
+                                  f"received shape {arr.shape}")
+            for axis, (d, n) in enumerate(zip(field.dims, arr.shape)):
+                if d == LENGTH and length is None:
+                    length, first = n, f"{here}.shape[{axis}]"
+                elif d == LENGTH and n != length:
+                    raise OptionError(f"{here}.shape[{axis}] = {n} disagrees with {first} = "
+                                      f"{length}: both are the example's length T")
+                elif d != LENGTH and n != d:
+                    raise OptionError(f"{here}.shape[{axis}]: expected {d} ({_show(field)}), "
+                                      f"received {n}")
+            if arr.dtype.kind != field.dtype.kind and not (
+                    arr.dtype.kind in "iub" and field.dtype.kind in "iu"):
+                raise OptionError(f"{here}.dtype: expected {field.dtype.name} ({_show(field)}), "
+                                  f"received {arr.dtype.name}")
+        leaves.append(tuple(arr.astype(field.dtype, copy=False)
+                            for field, (_, arr) in zip(form.fields, example)))
+        lengths.append(length)
+    return _checked(leaves, np.asarray(lengths, np.int64), form, where)
+
+
+def _show(field: Field) -> str:
+    return f"{field.path}: ({' '.join(map(str, field.dims))})"
+
+
+def _declared(specs: Any, example: Any, arrays: list[np.ndarray],
+              paths: list[str]) -> list[Field | None]:
+    """The fields ``specs`` declares (None where it leaves a leaf to the default)."""
+    if specs is None:
+        return [None] * len(paths)
+    try:
+        per_leaf = spec_per_leaf(_completed(specs, example), example, "fit: specs")
+    except SpecError as e:
+        raise OptionError(str(e)) from None
     out = []
-    for i, example in enumerate(data):
-        if isinstance(example, (bytes, bytearray)):
-            arr = np.frombuffer(bytes(example), np.uint8).astype(np.int32)
-        else:
-            arr = np.asarray(example)
-            if arr.ndim != 1:
-                raise OptionError(f"{where}[{i}]: expected a 1-D sequence of token ids, received "
-                                  f"shape {arr.shape}")
-            if arr.size and arr.dtype.kind not in "iub":
-                raise OptionError(f"{where}[{i}]: expected integer token ids, received dtype "
-                                  f"{arr.dtype.name}")
-            arr = arr.astype(np.int32, copy=False)
-        if arr.size == 0:
-            raise OptionError(f"{where}[{i}]: expected an example of length >= 1, received "
-                              f"length 0; drop it first")
-        out.append(arr)
-    lengths = np.fromiter((a.size for a in out), np.int64, count=len(out))
-    return Examples(tuple(out), lengths)
+    for path, spec, arr in zip(paths, per_leaf, arrays):
+        if not isinstance(spec, Spec):
+            out.append(None)
+            continue
+        names = [d for d in spec.dims if isinstance(d, str)]
+        if any(n != LENGTH for n in names):
+            raise OptionError(f"fit: specs{path}: expected dims of {LENGTH!r} (the example's "
+                              f"length) and ints, without the batch axis, received {spec}")
+        dtype = canonical_dtype(spec.dtype if spec.dtype is not None else arr.dtype)
+        out.append(Field(path, spec.dims, dtype, spec.pad))
+    return out
+
+
+def _completed(specs: Any, example: Any) -> Any:
+    """``specs`` with the keys of ``example``'s dicts it leaves out set to None (the default):
+    ``{"x": px.Spec("T T")}`` declares one field of a dict example."""
+    if isinstance(specs, dict) and isinstance(example, dict):
+        extra = [k for k in specs if k not in example]
+        if extra:
+            raise OptionError(f"fit: specs: expected keys of the examples ({', '.join(map(repr, example))}), "
+                              f"received {', '.join(map(repr, extra))}")
+        return {k: _completed(specs.get(k), v) for k, v in example.items()}
+    return specs
+
+
+def _inferred(path: str, arrays: list[np.ndarray], where: str, pad_id: int) -> Field:
+    """The default: the first axis is ``T`` when its size varies across the examples."""
+    first = arrays[0]
+    dtype = canonical_dtype(first.dtype)
+    for i, arr in enumerate(arrays):
+        if arr.ndim != first.ndim:
+            raise OptionError(f"{where}[{i}]{path}: expected rank {first.ndim} (as "
+                              f"{where}[0]{path}), received shape {arr.shape}")
+    if first.ndim == 0:
+        return Field(path, (), dtype, pad_id)
+    varies = [len({a.shape[axis] for a in arrays}) > 1 for axis in range(first.ndim)]
+    if any(varies[1:]):
+        axis = varies.index(True, 1)
+        raise OptionError(f"{where}{path}.shape[{axis}]: expected the same size in every example "
+                          f"(only a leaf's first axis is the length by default), received "
+                          f"sizes {sorted({a.shape[axis] for a in arrays})}; declare the axes "
+                          f"with specs=")
+    dims = ((LENGTH,) if varies[0] else (first.shape[0],)) + tuple(first.shape[1:])
+    return Field(path, dims, dtype, pad_id)
+
+
+def _checked(leaves: list, lengths: np.ndarray, form: BatchForm, where: str) -> Examples:
+    empty = np.flatnonzero(lengths == 0)
+    if empty.size:
+        raise OptionError(f"{where}[{int(empty[0])}]: expected an example of length >= 1, "
+                          f"received length 0; drop it first")
+    return Examples(tuple(leaves), lengths, form)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -92,6 +367,9 @@ class Batching:
     device_multiple: int = 1
     num_shards: int = 1          # processes (multi-host): each takes its part of every step
     shard_index: int = 0
+    # Every batch at its own rows, a partial one too (masking=False: a loss that masks the
+    # padding itself cannot tell a filler row from an example, so none is added).
+    exact_rows: bool = False
 
     def rows(self, bucket: int) -> int:
         """The rows of a full batch of length bucket ``bucket`` (this process's share)."""
@@ -112,7 +390,7 @@ class Batching:
             lengths, self.policy, batch_size=self.batch_size, max_tokens=self.max_tokens,
             shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch,
             num_shards=self.num_shards, shard_index=self.shard_index,
-            partial_rows=partial_rows)
+            partial_rows="exact" if self.exact_rows else partial_rows)
 
     def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
         """Every (rows, length bucket) an epoch runs at -- the same every epoch -- and the real
@@ -127,14 +405,13 @@ class Batching:
         """The (rows, length) bucket ``batch`` runs at (this process's share)."""
         return self.batch_rows(batch), batch.bucket_size
 
-    def stack(self, examples: Examples, batch: _buckets.Batch,
-              pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """``batch`` as ``(tokens (rows, length) int32, lengths (rows,) int32)`` (see above)."""
+    def stack(self, examples: Examples, batch: _buckets.Batch) -> tuple[Any, np.ndarray]:
+        """``batch`` as ``(the examples' pytree with a leading rows axis, lengths (rows,)
+        int32)`` (see above; the one-field shorthand's batch is tokens (rows, length) int32)."""
         if self.num_shards > 1:
-            return pad_batch(examples, batch.indices, self.batch_rows(batch), batch.bucket_size,
-                             pad_id)
+            return pad_batch(examples, batch.indices, self.batch_rows(batch), batch.bucket_size)
         length = max(int(examples.lengths[batch.indices].max()), self.min_length)
-        return pad_batch(examples, batch.indices, len(batch.indices), length, pad_id)
+        return pad_batch(examples, batch.indices, len(batch.indices), length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,31 +450,38 @@ class PackedBatching:
         return {(self.rows(n), n): int(np.sum(lengths[at == n]))
                 for n in self.row_lengths if np.any(at == n)}
 
-    def stack(self, examples: Examples, batch: _buckets.PackedBatch,
-              pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    def stack(self, examples: Examples, batch: _buckets.PackedBatch) -> tuple[Any, np.ndarray]:
         length = max(int(examples.lengths[batch.indices].max()), self.min_length)
-        return pad_batch(examples, batch.indices, len(batch.indices), length, pad_id)
+        return pad_batch(examples, batch.indices, len(batch.indices), length)
 
 
 def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,
-              pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens (rows, length) int32, lengths (rows,) int32)``; rows past the examples have
-    length 0. Padded on the host by the executor's own padder, `pad_to`.
+              pad_id: int | None = None) -> tuple[Any, np.ndarray]:
+    """``(batch, lengths (rows,) int32)``: the examples stacked along a leading rows axis,
+    each ``T`` axis padded to ``length`` and the rows past the examples (length 0) filled
+    with each field's pad (``pad_id``, when given, for every field). The one-field shorthand's
+    batch is tokens ``(rows, length)`` int32. Padded on the host by the executor's own padder, `pad_to`.
 
     >>> from polyexec.training import as_examples, pad_batch
-    >>> tokens, lengths = pad_batch(as_examples([b"ab", b"c"], "data"), [1, 0], 3, 4, pad_id=0)
+    >>> tokens, lengths = pad_batch(as_examples([b"ab", b"c"], "data"), [1, 0], 3, 4)
     >>> tokens.tolist(), lengths.tolist()
     ([[99, 0, 0, 0], [97, 98, 0, 0], [0, 0, 0, 0]], [1, 2, 0])
     """
-    seqs = [examples.tokens[int(i)] for i in indices]
-    if len(seqs) > rows:
-        raise OptionError(f"pad_batch: rows: expected at least {len(seqs)} (one per example), "
+    indices = [int(i) for i in indices]
+    if len(indices) > rows:
+        raise OptionError(f"pad_batch: rows: expected at least {len(indices)} (one per example), "
                           f"received {rows}")
-    longest = max((seq.size for seq in seqs), default=0)
+    longest = max((int(examples.lengths[i]) for i in indices), default=0)
     if longest > length:
         raise OptionError(f"pad_batch: length: expected at least {longest} (the longest example "
                           f"of the batch), received {length}")
-    tokens = (np.stack([pad_to(seq, (length,), pad_id, np.int32) for seq in seqs]) if seqs
-              else np.empty((0, length), np.int32))
-    lengths = np.array([seq.size for seq in seqs], np.int32)
-    return pad_to(tokens, (rows, length), pad_id), pad_to(lengths, (rows,), 0)
+    form, stacked = examples.form, []
+    for k, field in enumerate(form.fields):
+        if pad_id is not None:
+            field = dataclasses.replace(field, pad=pad_id)
+        shape = field.shape(length)
+        parts = [pad_to(examples.leaves[i][k], shape, field.pad, field.dtype) for i in indices]
+        block = np.stack(parts) if parts else np.empty((0, *shape), field.dtype)
+        stacked.append(pad_to(block, (rows, *shape), field.pad))
+    lengths = np.array([examples.lengths[i] for i in indices], np.int32)
+    return form.build(stacked), pad_to(lengths, (rows,), 0)

@@ -40,7 +40,7 @@ from ._parallel import DataParallel, data_parallel
 from ._progress import RunDisplay
 from ._records import MetricsLog, Position, epoch_record, step_record, warmup_record
 from ._state import TrainState, copy_arrays, place
-from ._steps import EvalFn, LossFn, make_eval_step, make_train_step
+from ._steps import EvalFn, LossFn, as_loss_call, make_eval_step, make_train_step
 
 
 class StopTraining(Exception):
@@ -101,19 +101,36 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ``warmup=True``, ``warmup_workers``, ``checkpoint_dir``, ``checkpoint_every``,
     ``keep_checkpoints=3``, ``resume=True``, ``max_steps``, ``metrics_file``, ``callbacks``,
     ``progress``, ``verbose=True``, ``console``, ``masking=True``, ``layout="auto"``,
-    ``train_on_padding=False``) are the fields of `FitOptions`, declared and checked there;
-    what they do is below.
+    ``train_on_padding=False``, ``specs=None``) are the fields of `FitOptions`, declared and
+    checked there; what they do is below.
 
-    ``data`` (and ``validation``) is a sequence of variable-length examples: 1-D integer arrays
-    or ``bytes``. Each epoch groups them into batches whose lengths fall in one bucket
+    ``data`` (and ``validation``) is a sequence of variable-length examples, each a pytree of
+    arrays of one structure (``{"tokens": (T,) int, "label": () int, "tags": (T,) int}``) or,
+    the one-field case, a 1-D integer array (or ``bytes``). A leaf's axes are named once, by
+    default from the data: its first axis is the example's length ``T`` when its size varies
+    across the examples, its other axes and the leaves that do not vary are fixed sizes, a
+    scalar is one value per example; ``specs`` declares them with ``px.Spec`` (a pytree of
+    Specs without the batch axis, a dict naming some keys only, ``"T"`` the length: e.g.
+    ``specs={"pair": px.Spec("T T")}``; ``pad``: what padding holds, else ``pad_id``). Each
+    epoch groups the examples into batches whose lengths fall in one bucket
     (`buckets.batch_plan`, shuffled deterministically from ``(seed, epoch)``) of ``B`` rows —
     ``batch_size``, or with ``max_tokens`` the largest power of two with ``B*T <= max_tokens``
-    for the bucket's ``T`` — and runs ``loss_fn(model, tokens (B, T) int32, lengths (B,) int32)
-    -> scalar`` through `make_train_step` (``jax.value_and_grad`` + ``optimizer.update``, state
-    donated). A batch reaches the step stacked to its own longest example (its remainder rows
-    with length 0), and the executor pads it to the bucket, so ``train_step.stats`` count the
-    padding. The loss must mask by ``lengths`` (``px.sequence_mask``); then padding never
-    changes a gradient. ``masking=False`` turns off the executor's logical-length rewrite.
+    for the bucket's ``T`` — and runs ``loss_fn(model, batch) -> scalar`` through
+    `make_train_step` (``jax.value_and_grad`` + ``optimizer.update``, state donated): the batch
+    is the examples' pytree with a leading ``B``, every ``T`` axis padded. ``loss_fn`` asks for
+    more by its parameters' names (`as_loss_call`): ``lengths`` receives the real lengths
+    ``(B,)`` int32, and ``key`` a typed PRNG key of its own each step,
+    ``jax.random.fold_in(step_keys(seed)[0], step)`` (the step counted over the whole run,
+    resumes included: a resumed run draws the keys an uninterrupted one does). The one-field
+    case keeps the shorthand ``loss_fn(model, tokens (B, T) int32, lengths (B,) int32)``: a
+    third positional parameter receives the lengths, whatever its name. A batch reaches the
+    step stacked to its own longest example, and the executor pads it to the bucket, so
+    ``train_step.stats`` count the padding. The executor's logical-length rewrite makes plain,
+    unmasked code exact on the padded batch (each example computed at its own length, a mean
+    over the rows counting the real ones); ``masking=False`` turns it off for a loss that
+    masks by ``lengths`` itself: then no row is added to a batch (a partial batch runs at its
+    own rows, one more compiled shape), and a run over several devices is refused (they would
+    add rows of length 0, which such a loss counts as examples).
 
     Never on padding: a step the rewrite cannot keep padding out of is refused before either
     step compiles, with a `px.PolymorphismError` quoting the plan's verdict (naming your line):
@@ -145,7 +162,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     one compiled shape, and the loss unchanged -- the executor keeps the examples of a row
     apart (`px.bucketed`'s ``layout="pack"``), so they train as if padded. It packs when the
     prediction says packing is faster and both steps can pack (a loss that reads ``lengths``
-    cannot: each row holds several); otherwise it pads, and says why. ``layout="pack"`` packs
+    cannot: each row holds several); otherwise it pads, and says why. A batch field with two
+    length axes (``specs`` ``"T T"``) never packs: ``"auto"`` pads, ``"pack"`` is refused. ``layout="pack"`` packs
     whatever the prediction, ``"pad"`` never packs. ``result.layout`` says which ran.
 
     Compile cache: ``cache=None`` (default) leaves JAX's process-wide compile-cache
@@ -155,9 +173,10 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     on": a cache you configured yourself (``jax.config``, ``JAX_COMPILATION_CACHE_DIR``) stays
     on; ``px.disable_persistent_cache()`` turns it off.
 
-    Validation: after every epoch, ``eval_fn(model, tokens, lengths) -> (summed loss, count)``
-    over ``validation`` (exact mean: totals over counts), or without ``eval_fn`` the mean of
-    ``loss_fn`` weighted by real tokens.
+    Validation: after every epoch, ``eval_fn(model, batch) -> (summed loss, count)`` over
+    ``validation`` (exact mean: totals over counts; the same batch form, and ``lengths`` and
+    ``key`` by name as for ``loss_fn``, the key ``step_keys(seed)[1]`` every time), or without
+    ``eval_fn`` the mean of ``loss_fn`` weighted by real tokens.
 
     Checkpoints (``checkpoint_dir``): at every epoch end and every ``checkpoint_every`` steps,
     the `TrainState` (model, optimiser state, step) and the data order (seed, epoch, batches
@@ -205,6 +224,21 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ...              optimizer=optax.adam(0.05), batch_size=8, buckets=[8, 16, 40], verbose=False)
     Traceback (most recent call last):
     polyexec._errors.PolymorphismError: fit: loss_fn: expected a train step that padding cannot change (padding-safe), received one that is not: <doctest ...>:3: `w = jax.scipy.linalg.solve_triangular(...)`: triangular_solve: no rule for triangular_solve on a length axis...; change that line, ..., or pass train_on_padding=True to train on it anyway
+
+    Any batch: a label per example, no mask, and dropout keyed per step.
+
+    >>> labelled = [{"x": np.full(n, n % 3, np.float32), "label": np.int32(n % 3)}
+    ...             for n in range(2, 26)]
+    >>> def classify(model, batch, key):          # batch["x"]: (B, T); batch["label"]: (B,)
+    ...     x = batch["x"] * jax.random.bernoulli(key, 0.9, batch["x"].shape) / 0.9
+    ...     logits = jax.vmap(model)(jnp.mean(x, 1, keepdims=True))   # over each own length
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    >>> result = training.fit(eqx.nn.Linear(1, 3, key=jax.random.PRNGKey(0)), classify, labelled,
+    ...                       optimizer=optax.adam(0.1), epochs=4, batch_size=8, buckets=[25],
+    ...                       verbose=False)
+    >>> losses = [r["train_loss"] for r in result.epochs()]
+    >>> losses[-1] < losses[0], result.train_step.traces
+    (True, 1)
     """
     options = FitOptions.from_kwargs(options)
     _check_outputs(options)
@@ -348,11 +382,17 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
              eval_fn: EvalFn | None, options: FitOptions) -> _Run:
     """Check the data, choose the devices and build the two bucketed steps; with explicit
     buckets, settle them too."""
-    check_callable(loss_fn, "fit: loss_fn", "a callable (model, tokens, lengths) -> loss")
-    check_callable(eval_fn, "fit: eval_fn", "None or a callable (model, tokens, lengths) -> "
+    check_callable(loss_fn, "fit: loss_fn", "a callable (model, batch) -> loss")
+    check_callable(eval_fn, "fit: eval_fn", "None or a callable (model, batch) -> "
                    "(summed loss, count)", optional=True)
-    train = as_examples(data, "fit: data")
-    val = as_examples(validation, "fit: validation") if validation is not None else None
+    train = as_examples(data, "fit: data", options.specs, also=validation, pad_id=options.pad_id)
+    form = train.form
+    val = (as_examples(validation, "fit: validation", form=form)
+           if validation is not None else None)
+    # How the loss and eval functions are called: what they ask for, by their signatures.
+    loss_call = as_loss_call(loss_fn, "fit: loss_fn", one_field=form.one_field)
+    eval_call = (as_loss_call(eval_fn, "fit: eval_fn", one_field=form.one_field)
+                 if eval_fn is not None else None)
     buckets = options.buckets
     auto = buckets is None or (isinstance(buckets, str) and buckets == "auto")
     policy = None if auto else _resolve_policy(buckets, train, val, options.min_length)
@@ -375,27 +415,42 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
         raise OptionError(f"fit: max_tokens: expected at least {top} (one row of the longest "
                           f"bucket, for the longest example), received {options.max_tokens}")
     _check_optimizer(optimizer)
+    if not options.masking and dp.size > 1:
+        raise OptionError(f"fit: masking=False: expected one device, received {dp.size}: split "
+                          f"over devices, a batch's rows are filled up to a multiple of the "
+                          f"devices (and to equal shares across processes) with rows of length "
+                          f"0, which a loss that masks the padding itself counts as examples; "
+                          f"pass devices=1, or masking=True (the rewrite keeps such rows out)")
     batching = Batching(policy or _buckets.Fixed([top]), options.batch_size, options.max_tokens,
                         options.shuffle, options.seed, min_length=options.min_length,
                         device_multiple=dp.local_devices, num_shards=dp.processes,
-                        shard_index=dp.process_index)
+                        shard_index=dp.process_index, exact_rows=not options.masking)
     # The variables' bounds: the longest length, and the most rows any batch can have (the
     # full rows of the shortest bucket). The sizes within them are settled by `_settle`.
     shortest = options.min_length if policy is None else policy.sizes[0]
     P = dp.processes
     # Packed rows are chosen by cost among the buckets, for one process on one device.
-    packs = options.layout != "pad" and auto and dp.size == 1 and options.masking
+    packs = (options.layout != "pad" and auto and dp.size == 1 and options.masking
+             and form.can_pack)
     if options.layout == "pack" and not packs:
         why = ("buckets='auto' (the row length is chosen by cost)" if not auto else
                "masking=True (the rewrite keeps the sequences of a row apart)"
-               if not options.masking else f"one device (received {dp.size})")
+               if not options.masking else f"one device (received {dp.size})"
+               if dp.size > 1 else
+               f"fields with at most one length axis (received {form.describe()})")
         raise OptionError(f"fit: layout: 'pack' needs {why}; use layout='auto' or 'pad'")
+    seed = options.seed if loss_call.wants_key else None
     step_args = dict(length_buckets=[top],
                      batch_buckets=[batching.rows(top) * P, batching.rows(shortest) * P],
                      min_length=options.min_length, pad_id=options.pad_id, shardings=dp.shardings,
-                     masking=options.masking, layout="auto" if packs else "pad")
-    train_step = make_train_step(loss_fn, optimizer, **step_args)
-    eval_step = make_eval_step(loss_fn, eval_fn, **step_args) if val is not None else None
+                     masking=options.masking, layout="auto" if packs else "pad", form=form)
+    train_step = make_train_step(loss_call, optimizer, seed=seed, **step_args)
+    eval_step = None
+    if val is not None:
+        evaluation = eval_call or loss_call
+        eval_step = make_eval_step(None if eval_call else loss_call, eval_call,
+                                   seed=options.seed if evaluation.wants_key else None,
+                                   **step_args)
     run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
     return run if auto else _with_policy(run, policy)
 
@@ -528,7 +583,7 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
             np.maximum(run.train.lengths, options.min_length)).sizes)
     pads = dict(batch_size=options.batch_size, max_tokens=options.max_tokens,
                 eval_step=run.eval_step, eval_arg=state.model, min_length=options.min_length,
-                pad_id=options.pad_id, data_parallel=run.dp,
+                pad_id=options.pad_id, data_parallel=run.dp, batch_of=run.train.form.zeros,
                 validation_lengths=run.validation.lengths if run.validation is not None else None)
     if isinstance(known, dict) and run.train_step.layout == "pad":
         raise OptionError(f"fit: cannot resume from {restored}: its run trained packed rows, "
@@ -731,8 +786,7 @@ def _train_epoch(run: _Run, state: TrainState, position: Position,
     train_seconds = time.perf_counter() - start
     val_loss = None
     if run.eval_step is not None:
-        val_loss, _ = evaluate(run.eval_step, state.model, run.validation, run.batching, run.dp,
-                               options.pad_id)
+        val_loss, _ = evaluate(run.eval_step, state.model, run.validation, run.batching, run.dp)
     compiles, compile_seconds = run.compiles()
     record = epoch_record(position, val_loss=val_loss, compiles=compiles,
                           compiles_at_start=compiles_at_start, compile_seconds=compile_seconds,
@@ -747,10 +801,10 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
                 log: MetricsLog) -> tuple[TrainState, Position, bool]:
     """One step on ``batch``; returns (state, position, whether to stop)."""
     start = time.perf_counter()
-    tokens, lengths = run.batching.stack(run.train, batch, run.options.pad_id)
+    examples, lengths = run.batching.stack(run.train, batch)
     rows, length = run.batching.shape(batch)
     bucket = (rows * run.dp.processes, length)
-    state, metrics = _at_shape(run.train_step, bucket, state, run.dp.global_batch(tokens),
+    state, metrics = _at_shape(run.train_step, bucket, state, run.dp.global_batch(examples),
                                run.dp.global_batch(lengths))
     loss = float(metrics["loss"])
     seconds = time.perf_counter() - start
@@ -781,14 +835,14 @@ def _at_shape(step: Bucketed, shape: tuple[int, int], *args):
 
 
 def evaluate(eval_step: Bucketed, model: Any, examples: Examples, batching: Batching,
-             dp: DataParallel, pad_id: int = 0) -> tuple[float, int]:
+             dp: DataParallel) -> tuple[float, int]:
     """Mean loss over ``examples`` (exact: summed totals over summed counts) and the count."""
     total, count = 0.0, 0.0
     for batch in batching.epoch(examples.lengths, 0, shuffle=False, partial_rows="full"):
-        tokens, lengths = batching.stack(examples, batch, pad_id)
+        stacked, lengths = batching.stack(examples, batch)
         rows, length = batching.shape(batch)
         t, c = _at_shape(eval_step, (rows * dp.processes, length), model,
-                         dp.global_batch(tokens), dp.global_batch(lengths))
+                         dp.global_batch(stacked), dp.global_batch(lengths))
         total += float(t)
         count += float(c)
     return (total / count if count else float("nan")), int(count)

@@ -61,6 +61,7 @@ class FitOptions:
     masking: bool = True
     layout: str = "auto"
     train_on_padding: bool = False
+    specs: Any = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, *, also: Sequence[str] = ("optimizer", "validation",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,19 +14,92 @@ import optax
 
 from .. import Bucketed, LengthVar, Spec, bucketed
 from .._errors import OptionError
+from ._data import BatchForm
 from ._state import TrainState
 
-# Loss functions see a padded batch: tokens (B, T) and the real lengths (B,).
-LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
-EvalFn = Callable[[Any, jax.Array, jax.Array], "tuple[jax.Array, jax.Array]"]
+# Loss functions see a padded batch: the examples' pytree with a leading B (the one-field
+# shorthand: tokens (B, T) and the real lengths (B,)); see `as_loss_call`.
+LossFn = Callable[..., jax.Array]
+EvalFn = Callable[..., "tuple[jax.Array, jax.Array]"]
+
+
+def step_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """``(train, evaluation)``: the keys `fit` derives a loss's keys from. Train step ``s``
+    (0-based, counted over the whole run, resumes included) gets ``jax.random.fold_in(train,
+    s)``; evaluation always gets ``evaluation``.
+
+    >>> import jax
+    >>> from polyexec.training import step_keys
+    >>> train, _ = step_keys(0)
+    >>> jax.random.key_data(jax.random.fold_in(train, 3)).shape
+    (2,)
+    """
+    train, evaluation = jax.random.split(jax.random.key(seed))
+    return train, evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCall:
+    """How `fit` calls the user's ``loss_fn`` (or ``eval_fn``): ``call(model, batch, lengths,
+    key)`` passes what the function asks for, read once from its signature.
+
+    The batch is the second positional argument. A parameter named ``lengths`` receives the
+    real lengths ``(B,)`` int32, and one named ``key`` a fresh PRNG key (by keyword). The
+    one-field shorthand ``loss_fn(model, tokens, lengths)`` takes the lengths as its third
+    positional argument, whatever it names it."""
+
+    fn: Callable
+    lengths: str | None       # "positional", "keyword" or None
+    wants_key: bool
+
+    def __call__(self, model, batch, lengths, key=None):
+        args = (model, batch) + ((lengths,) if self.lengths == "positional" else ())
+        kwargs = ({"lengths": lengths} if self.lengths == "keyword" else {}) | (
+            {"key": key} if self.wants_key else {})
+        return self.fn(*args, **kwargs)
+
+
+def as_loss_call(fn: Callable, where: str, *, one_field: bool) -> LossCall:
+    """`LossCall` of ``fn``; a required parameter it would not be given is an `OptionError`
+    naming it (before anything traces). A function whose signature cannot be read is called
+    ``(model, tokens, lengths)`` (one field) or ``(model, batch)``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return LossCall(fn, "positional" if one_field else None, False)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    wants_key = "key" in named
+    rest = [p for p in positional[2:] if p.name != "key"]
+    if one_field and (rest or any(p.kind == p.VAR_POSITIONAL for p in params)):
+        lengths = "positional"
+    elif "lengths" in named:
+        lengths = "keyword"
+    else:
+        lengths = None
+    given = {p.name for p in positional[:2]} | ({"key"} if wants_key else set()) | (
+        {"lengths"} if lengths == "keyword" else
+        {rest[0].name} if lengths == "positional" and rest else set())
+    missing = [p.name for p in params if p.default is p.empty and p.name not in given
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        missing = missing or ["(a second positional parameter: the batch)"]
+    if missing:
+        form = "(model, tokens, lengths)" if one_field else "(model, batch)"
+        raise OptionError(f"{where}: expected a callable {form} with optional parameters named "
+                          f"lengths and key, received one that also requires "
+                          f"{', '.join(map(repr, missing))}")
+    return LossCall(fn, lengths, wants_key)
 
 
 def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-                  return_grads: bool = False):
-    """The pure train step ``(state, tokens, lengths) -> (new_state, metrics)``.
+                  return_grads: bool = False, seed: int | None = None):
+    """The pure train step ``(state, batch, lengths) -> (new_state, metrics)``.
 
-    ``jax.value_and_grad`` of ``loss_fn(model, tokens, lengths)`` with respect to the model's
-    floating-point arrays, then ``optimizer.update`` and ``optax.apply_updates``. ``metrics``
+    ``jax.value_and_grad`` of ``loss_fn(model, batch, lengths)`` -- with ``seed``,
+    ``loss_fn(model, batch, lengths, key)``, ``key`` the step's (`step_keys`: from ``seed``
+    and ``state.step``, so a resumed run draws the keys an uninterrupted one does) -- with
+    respect to the model's floating-point arrays, then ``optimizer.update`` and ``optax.apply_updates``. ``metrics``
     holds ``loss`` and ``grad_norm`` (and ``grads`` with ``return_grads``). It knows no sizes:
     `make_train_step` compiles it once per length bucket; ``jax.jit`` of it is the exact-shape
     reference the tests compare against.
@@ -40,11 +115,12 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     (1, ())
     """
 
-    def train_step(state: TrainState, tokens, lengths):
+    def train_step(state: TrainState, batch, lengths):
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
+        keyed = () if seed is None else (jax.random.fold_in(step_keys(seed)[0], state.step),)
 
         def loss_of(p):
-            return loss_fn(eqx.combine(p, static), tokens, lengths)
+            return loss_fn(eqx.combine(p, static), batch, lengths, *keyed)
 
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
@@ -59,21 +135,26 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     return train_step
 
 
-def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None):
-    """The pure eval step ``(model, tokens, lengths) -> (total, count)``.
+def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
+                 seed: int | None = None):
+    """The pure eval step ``(model, batch, lengths) -> (total, count)``.
 
     With ``eval_fn`` (returning a summed loss and the number of terms it sums, e.g. predicted
     tokens) averages across batches are exact. Without it, ``loss_fn``'s mean is weighted by
-    the batch's real tokens, ``sum(lengths)``.
+    the batch's real tokens, ``sum(lengths)``. With ``seed``, the function is called with the
+    evaluation key of `step_keys` last (the same for every batch and epoch).
     """
+    def keyed():     # made inside the trace: a key is no constant of the program
+        return () if seed is None else (step_keys(seed)[1],)
+
     if eval_fn is not None:
-        def eval_step(model, tokens, lengths):
-            total, count = eval_fn(model, tokens, lengths)
+        def eval_step(model, batch, lengths):
+            total, count = eval_fn(model, batch, lengths, *keyed())
             return jnp.asarray(total, jnp.float32), jnp.asarray(count, jnp.float32)
     elif loss_fn is not None:
-        def eval_step(model, tokens, lengths):
+        def eval_step(model, batch, lengths):
             count = jnp.sum(lengths).astype(jnp.float32)
-            return loss_fn(model, tokens, lengths).astype(jnp.float32) * count, count
+            return loss_fn(model, batch, lengths, *keyed()).astype(jnp.float32) * count, count
     else:
         raise OptionError("eval_step_fn: expected loss_fn or eval_fn, received neither")
     return eval_step
@@ -82,8 +163,10 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None):
 def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
                    batch_buckets: Sequence[int], min_length: int, pad_id: int,
                    shardings: tuple | None, masking: bool,
-                   donate_argnums: tuple[int, ...] = (), layout: str = "pad") -> Bucketed:
-    """``step(state or model, tokens (B, T), lengths (B,))`` compiled once per (B, T) bucket.
+                   donate_argnums: tuple[int, ...] = (), layout: str = "pad",
+                   form: BatchForm | None = None) -> Bucketed:
+    """``step(state or model, batch, lengths (B,))`` compiled once per (B, T) bucket; the
+    batch is ``form``'s (`BatchForm.specs`), by default tokens ``(B, T)`` int32.
 
     ``B`` and ``T`` are this step's own LengthVars, carried by its Specs and keyed in
     ``buckets``: the Specs resolve against them, never against a ``"T"`` defined elsewhere in
@@ -95,8 +178,8 @@ def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
     # Packed, B counts sequences: as many as the largest grid holds of the shortest.
     B = LengthVar("B", max=max(batch_buckets) * (1 if layout == "pad" else T.max // min_length))
     batch = None if shardings is None else shardings[1]
-    return bucketed(step, in_specs=(None, Spec((B, T), jnp.int32, pad=pad_id),
-                                    Spec((B,), jnp.int32, lengths_of=T)),
+    specs = form.specs(B, T) if form is not None else Spec((B, T), jnp.int32, pad=pad_id)
+    return bucketed(step, in_specs=(None, specs, Spec((B,), jnp.int32, lengths_of=T)),
                     buckets={T: list(length_buckets), B: list(batch_buckets)},
                     donate_argnums=donate_argnums, name=name, masking=masking, layout=layout,
                     in_shardings=None if shardings is None else (shardings[0], batch, batch))
@@ -107,7 +190,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
                     donate: bool = True,
                     return_grads: bool = False, masking: bool = True,
-                    layout: str = "pad") -> Bucketed:
+                    layout: str = "pad", form: BatchForm | None = None,
+                    seed: int | None = None) -> Bucketed:
     """`train_step_fn` as a `px.bucketed` function, compiled once per (B, T) bucket.
 
     ``state`` is not length-polymorphic (its arrays keep their shapes) and is donated, so XLA
@@ -115,6 +199,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     sharding) for data parallelism: parameters replicated, the batch axis split over a Mesh.
     ``masking=False`` turns off the executor's logical-length rewrite; ``layout`` is
     `px.bucketed`'s (``"auto"`` for `choose_layout`, which pins pad or pack by cost).
+    ``form``: the batch's `BatchForm` (default: tokens ``(B, T)`` int32); ``seed``: the loss
+    takes a key last (`train_step_fn`).
 
     >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
     >>> from polyexec.training import TrainState, make_train_step
@@ -129,19 +215,22 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     >>> int(state.step), step.stats.compiles, step.plan.reshaping_is_impossible
     (1, 1, False)
     """
-    return _bucketed_step(train_step_fn(loss_fn, optimizer, return_grads=return_grads),
+    return _bucketed_step(train_step_fn(loss_fn, optimizer, return_grads=return_grads,
+                                        seed=seed),
                           name="train_step", length_buckets=length_buckets,
                           batch_buckets=batch_buckets, min_length=min_length, pad_id=pad_id,
                           shardings=shardings, masking=masking, layout=layout,
-                          donate_argnums=(0,) if donate else ())
+                          donate_argnums=(0,) if donate else (), form=form)
 
 
 def make_eval_step(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
                    length_buckets: Sequence[int], batch_buckets: Sequence[int],
                    min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
-                   masking: bool = True, layout: str = "pad") -> Bucketed:
-    """`eval_step_fn` as a `px.bucketed` function: ``(model, tokens, lengths) -> (total, count)``."""
-    return _bucketed_step(eval_step_fn(loss_fn, eval_fn), name="eval_step", layout=layout,
-                          length_buckets=length_buckets, batch_buckets=batch_buckets,
-                          min_length=min_length, pad_id=pad_id, shardings=shardings,
-                          masking=masking)
+                   masking: bool = True, layout: str = "pad", form: BatchForm | None = None,
+                   seed: int | None = None) -> Bucketed:
+    """`eval_step_fn` as a `px.bucketed` function: ``(model, batch, lengths) -> (total,
+    count)``."""
+    return _bucketed_step(eval_step_fn(loss_fn, eval_fn, seed=seed), name="eval_step",
+                          layout=layout, length_buckets=length_buckets,
+                          batch_buckets=batch_buckets, min_length=min_length, pad_id=pad_id,
+                          shardings=shardings, masking=masking, form=form)

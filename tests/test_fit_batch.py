@@ -1,0 +1,285 @@
+"""`fit` on any batch (issue 39): examples that are pytrees -- a classifier (a label per
+example) and a tagger (a tag per token) -- train as the same loop written by hand with each
+example run alone at its exact length, padded and packed; a loss that asks for a key gets the
+step's, so a resumed run draws what an uninterrupted one does; and ``masking=False`` adds no
+row that a loss masking itself would count."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import buckets
+import polyexec as px
+from conftest import assert_trees_close
+from polyexec import training
+
+VOCAB, CLASSES, TAGS, SEED = 7, 3, 4, 5
+OPT = optax.adam(3e-2)
+
+
+class Tiny(eqx.Module):
+    """Each position's state reads its prefix (a running sum of embeddings, mixed); a linear
+    head. Cheap to compile, and padding would change both losses below without the rewrite."""
+
+    embed: eqx.nn.Embedding
+    mix: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, out, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(VOCAB, 4, key=k1)
+        self.mix = eqx.nn.Linear(4, 6, key=k2)
+        self.head = eqx.nn.Linear(6, out, key=k3)
+
+    def states(self, tokens):                       # (T,) -> (T, 6)
+        return jnp.tanh(jax.vmap(self.mix)(jnp.cumsum(jax.vmap(self.embed)(tokens), 0)))
+
+
+def classify(model, tokens):                        # one example or a batch: (..., T)
+    pooled = jnp.mean(jnp.vectorize(model.states, signature="(t)->(t,h)")(tokens), -2)
+    return jnp.vectorize(model.head, signature="(h)->(c)")(pooled)
+
+
+def tag(model, tokens):
+    hs = jnp.vectorize(model.states, signature="(t)->(t,h)")(tokens)
+    return jnp.vectorize(model.head, signature="(h)->(c)")(hs)
+
+
+# The losses fit trains, written on the batch: plain code, no mask, no lengths.
+def classifier_loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        classify(model, batch["tokens"]), batch["label"]).mean()
+
+
+def tagger_loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        tag(model, batch["tokens"]), batch["tags"]).mean()
+
+
+# The same, per example at its exact length: (summed loss, terms).
+def classifier_example(model, ex):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        classify(model, ex["tokens"]), ex["label"]), 1
+
+
+def tagger_example(model, ex):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        tag(model, ex["tokens"]), ex["tags"]).sum(), ex["tokens"].shape[0]
+
+
+def dataset(n, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    # Four lengths, ragged in every batch: the reference compiles once per length.
+    for length in rng.choice([1, 4, 7, 12], size=n):
+        tokens = rng.integers(0, VOCAB, size=length).astype(np.int32)
+        out.append({"tokens": tokens, "label": np.int32(tokens.sum() % CLASSES),
+                    "tags": (tokens % TAGS).astype(np.int32)})
+    return out
+
+
+DATA = dataset(14, seed=0)
+LENGTHS = np.array([len(ex["tokens"]) for ex in DATA])
+
+
+def by_hand(model, data, batches, example_loss):
+    """The reference loop: each step's loss is its examples' summed losses over their terms,
+    each example computed alone at its exact length (and its gradient so); adam on the same
+    batches in order."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    alone = jax.jit(jax.value_and_grad(
+        lambda p, ex: example_loss(eqx.combine(p, static), ex), has_aux=True))
+    opt_state, losses = OPT.init(params), []
+    for idx in batches:
+        results = [alone(params, data[i]) for i in idx]
+        count = sum(int(c) for (_, c), _ in results)
+        value = sum(float(v) for (v, _), _ in results) / count
+        grads = jax.tree_util.tree_map(lambda *g: sum(g) / count, *(g for _, g in results))
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(value)
+    return eqx.combine(params, static), losses
+
+
+def batches_of(result, layout):
+    """The batches fit ran, in order: its batch plan rebuilt from the run's choice."""
+    if layout == "pack":
+        rows = result.policy.sizes
+        plan = buckets.packed_batch_plan(np.maximum(LENGTHS, 2), list(rows),
+                                         max_tokens=4 * max(rows), seed=SEED, epoch=0)
+    else:
+        plan = buckets.batch_plan(LENGTHS, result.policy, batch_size=4, seed=SEED, epoch=0)
+    steps = [r for r in result.history if r["kind"] == "step"]
+    # The rebuilt plan is the run's: each step trained exactly its examples' tokens.
+    assert [r["tokens"] for r in steps] == [int(LENGTHS[b.indices].sum()) for b in plan]
+    return [b.indices for b in plan], [r["loss"] for r in steps]
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("fields, loss, example_loss", [
+    (("tokens", "label"), classifier_loss, classifier_example),
+    (("tokens", "tags"), tagger_loss, tagger_example),
+], ids=["classifier", "tagger"])
+def test_fit_trains_a_pytree_batch_as_the_exact_loop_by_hand(layout, fields, loss,
+                                                             example_loss):
+    data = [{k: ex[k] for k in fields} for ex in DATA]
+    model = Tiny(CLASSES if "label" in fields else TAGS, jax.random.PRNGKey(1))
+    options = dict(buckets=[12]) if layout == "pad" else dict(layout="pack")
+    result = training.fit(model, loss, data, optimizer=OPT, batch_size=4, seed=SEED,
+                          verbose=False, cache=False, **options)
+    assert result.layout == layout and result.train_step.traces == 1
+    batches, losses = batches_of(result, layout)
+    want_model, want_losses = by_hand(model, data, batches, example_loss)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_trees_close(eqx.filter(result.model, eqx.is_array),
+                       eqx.filter(want_model, eqx.is_array), rtol=1e-4, atol=1e-5)
+    # ... and it trained: the parameters moved.
+    assert not np.allclose(result.model.head.weight, model.head.weight, atol=1e-3)
+
+
+def test_validation_and_eval_fn_take_the_same_batch_and_the_lengths_by_name():
+    def per_example_eval(model, batch, lengths):       # a mean over the batch's examples
+        losses = optax.softmax_cross_entropy_with_integer_labels(classify(model, batch["tokens"]),
+                                                                 batch["label"])
+        return jnp.sum(losses), jnp.sum(jnp.ones_like(lengths))
+
+    model = Tiny(CLASSES, jax.random.PRNGKey(1))
+    data = [{"tokens": ex["tokens"], "label": ex["label"]} for ex in DATA]
+    result = training.fit(model, classifier_loss, data[:8], validation=data[8:],
+                          eval_fn=per_example_eval, optimizer=OPT, batch_size=4, buckets=[12],
+                          seed=SEED, verbose=False, cache=False)
+    want = np.mean([float(classifier_example(result.model, ex)[0]) for ex in data[8:]])
+    np.testing.assert_allclose(result.val_loss, want, rtol=1e-5)
+
+
+def test_a_loss_asking_for_a_key_gets_the_steps_key_from_the_seed():
+    """Step s gets fold_in(step_keys(seed)[0], s): the losses, with sgd(0) holding the weight,
+    are the weight times each step's uniform draw."""
+    data = [{"x": np.ones(n, np.float32)} for n in (3, 5, 4, 6, 2, 7, 3, 5)]
+
+    def loss(model, batch, key):
+        return jnp.mean(batch["x"]) * model.weight[0, 0] * jax.random.uniform(key)
+
+    model = eqx.nn.Linear(1, 1, use_bias=False, key=jax.random.PRNGKey(0))
+    result = training.fit(model, loss, data, optimizer=optax.sgd(0.0), batch_size=2,
+                          buckets=[8], seed=SEED, verbose=False, cache=False)
+    losses = [r["loss"] for r in result.history if r["kind"] == "step"]
+    train, _ = training.step_keys(SEED)
+    w = float(model.weight[0, 0])
+    np.testing.assert_allclose(
+        losses, [w * float(jax.random.uniform(jax.random.fold_in(train, s)))
+                 for s in range(len(losses))], rtol=1e-6)
+    assert len(set(losses)) == len(losses) == 4
+
+
+def dropout_loss(model, batch, lengths, key):
+    """A tagger with dropout on its states, keyed by the step (and the lengths by name)."""
+    hs = jax.vmap(model.states)(batch["tokens"])
+    keep = jax.random.bernoulli(key, 0.7, hs.shape)
+    logits = jax.vmap(jax.vmap(model.head))(jnp.where(keep, hs / 0.7, 0.0))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tags"]).mean()
+
+
+def test_a_resumed_run_draws_the_keys_of_an_uninterrupted_one(tmp_path):
+    data = [{"tokens": ex["tokens"], "tags": ex["tags"]} for ex in DATA]
+    # One persistent compile cache: the second and third runs load the first's programs.
+    args = dict(optimizer=OPT, epochs=2, batch_size=4, buckets=[12], seed=SEED, verbose=False,
+                cache=str(tmp_path / "xla"))
+    model = Tiny(TAGS, jax.random.PRNGKey(2))
+    try:
+        whole = training.fit(model, dropout_loss, data, **args)
+        part = training.fit(model, dropout_loss, data, checkpoint_dir=tmp_path / "ckpt",
+                            max_steps=3, **args)
+        rest = training.fit(model, dropout_loss, data, checkpoint_dir=tmp_path / "ckpt", **args)
+    finally:
+        px.disable_persistent_cache()   # process-wide JAX config: leave it as other tests expect
+    assert part.stopped_early and int(rest.state.step) == int(whole.state.step) == 8
+    assert_trees_close(rest.model, whole.model, rtol=0, atol=0)
+
+
+# -- masking=False adds no row ------------------------------------------------------------------
+
+def per_example_mean(x, lengths):
+    """Masked by hand: each row's mean over its own length, then the mean over the rows."""
+    mask = jnp.arange(x.shape[1]) < lengths[:, None]
+    return jnp.mean(jnp.sum(jnp.where(mask, x, 0.0), 1) / jnp.maximum(lengths, 1))
+
+
+def test_masking_false_runs_the_rows_at_their_own_number():
+    T, B = px.LengthVar("T", max=16), px.LengthVar("B", max=4)
+    f = px.bucketed(per_example_mean, in_specs=(px.Spec("B T", jnp.float32),
+                                                px.Spec("B", jnp.int32, lengths_of="T")),
+                    buckets={T: [16], B: [4]}, masking=False)
+    x, lengths = np.ones((3, 5), np.float32), np.array([5, 2, 3], np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # masking=False: not padding-safe, as said
+        got = float(f(x, lengths))
+        at_least = float(f.call_at_least({"B": 4}, x, lengths))
+    assert got == at_least == float(per_example_mean(x, lengths)) == 1.0   # was 0.75
+    assert sorted(f.stats.buckets) == [(("B", 3), ("T", 16))]
+
+
+def test_fit_masking_false_trains_a_partial_batch_on_its_own_rows():
+    data = [{"x": np.full(n, 2.0, np.float32)} for n in (3, 7, 2, 8, 5, 6, 2, 4, 8, 3)]
+
+    def loss(model, batch, lengths):
+        return per_example_mean(batch["x"], lengths) * model.weight[0, 0]
+
+    model = eqx.nn.Linear(1, 1, use_bias=False, key=jax.random.PRNGKey(0))
+    result = training.fit(model, loss, data, optimizer=optax.sgd(0.0), batch_size=4, buckets=[8],
+                          masking=False, verbose=False, cache=False)
+    steps = [r for r in result.history if r["kind"] == "step"]
+    assert sorted(r["bucket"][0] for r in steps) == [2, 4, 4]       # 4 + 4 + 2 examples
+    np.testing.assert_allclose([r["loss"] for r in steps], [2 * float(model.weight[0, 0])] * 3,
+                               rtol=1e-6)
+
+
+# -- bad input is named before anything compiles ------------------------------------------------
+
+def _never_traced(model, batch):
+    raise AssertionError("traced: the bad input was not refused first")
+
+
+@pytest.mark.parametrize("data, kwargs, message", [
+    ([{"x": np.ones(3)}, {"x": np.ones(3)}], {},
+     "fit: data: expected a field whose first axis is the example's length"),
+    ([{"x": np.ones(3), "y": np.ones(4)}, {"x": np.ones(5), "y": np.ones(6)}], {},
+     r"fit: data\[0\]\['y'\].shape\[0\] = 4 disagrees with fit: data\[0\]\['x'\].shape\[0\] = 3"),
+    ([{"x": np.ones(3)}, (np.ones(3),)], {}, r"fit: data\[1\]: expected an example of the "
+                                              r"structure of the first"),
+    ([{"x": np.ones(3), "n": np.int32(1)}, {"x": np.ones(5), "n": np.int32(2)}],
+     {"specs": {"x": px.Spec("L")}}, r"fit: specs\['x'\]: expected dims of 'T'"),
+    ([np.arange(3), np.arange(4)], {"specs": px.Spec("T")},
+     "fit: specs: expected None for examples that are 1-D token arrays"),
+])
+def test_bad_examples_and_specs_are_named(data, kwargs, message):
+    with pytest.raises(px.OptionError, match=message):
+        training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), _never_traced, data,
+                     optimizer=OPT, verbose=False, cache=False, **kwargs)
+
+
+def test_a_loss_requiring_an_argument_fit_does_not_give_is_named():
+    def loss(model, batch, rng):
+        return 0.0
+
+    with pytest.raises(px.OptionError, match=r"fit: loss_fn: expected a callable \(model, batch\) "
+                                             r"with optional parameters named lengths and key, "
+                                             r"received one that also requires 'rng'"):
+        training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), loss,
+                     [{"x": np.ones(3)}, {"x": np.ones(4)}], optimizer=OPT, verbose=False)
+
+
+def test_declared_specs_name_the_length_and_pack_refuses_a_pairwise_field():
+    data = [{"x": np.ones((n, n), np.float32), "w": np.ones(3, np.float32)} for n in (2, 3, 4)]
+    form = training.as_examples(data, "data", {"x": px.Spec("T T")}).form
+    assert [(f.path, f.dims) for f in form.fields] == [("['w']", (3,)), ("['x']", ("T", "T"))]
+    assert not form.can_pack
+    with pytest.raises(px.OptionError, match=r"fit: layout: 'pack' needs fields with at most one "
+                                             r"length axis"):
+        training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), _never_traced, data,
+                     specs={"x": px.Spec("T T")}, layout="pack", optimizer=OPT, verbose=False)
