@@ -373,10 +373,11 @@ class LayoutChoice:
         return f"layout pad: {self.reason}\n  {self.buckets.describe()}"
 
 
-def _versus(pack: _buckets.Prediction, pad: _buckets.Prediction) -> str:
-    return (f"predicted {pack.seconds:.1f} s packed ({pack.compiles} compiles, padding "
-            f"efficiency {pack.padding_efficiency:.3f}) against {pad.seconds:.1f} s padded "
-            f"({pad.compiles} compiles, {pad.padding_efficiency:.3f})")
+def _versus(pack: _buckets.Prediction, pad: _buckets.Prediction, epochs: int) -> str:
+    return (f"predicted {pack.seconds:.1f} s packed ({pack.steps // epochs} steps an epoch, "
+            f"{pack.compiles} compiles, padding efficiency {pack.padding_efficiency:.3f}) "
+            f"against {pad.seconds:.1f} s padded ({pad.steps // epochs} steps an epoch, "
+            f"{pad.compiles} compiles, {pad.padding_efficiency:.3f})")
 
 
 def _packing(step: Bucketed, row_lengths: tuple[int, ...], pack_rows: dict) -> Bucketed:
@@ -397,8 +398,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     """Pad or pack, by predicted run time; ``step`` is a train step made with
     ``layout="auto"`` (so its one trace holds the packed program too).
 
-    A plan that can pack is compiled and timed once (one call) at its packed shape --
-    ``batch_size`` rows (or ``max_tokens // L``) of the longest length ``L`` -- and that cost
+    A plan that can pack is compiled and timed once (one call) at its packed shape -- rows
+    of the longest length ``L``, as few as hold about ``batch_size`` examples a step
+    (`_rows_holding`: the padded layout's steps an epoch), or ``max_tokens // L`` (the same
+    cells a step as padded rows) -- and that cost
     prices both layouts for ``epochs`` epochs: packed rows by `buckets.predict_packed` (the
     very plans `buckets.packed_batch_plan` makes), one sequence a row by `buckets.Auto.fit`
     (its best bucket set). The cheaper wins (``layout="pack"`` packs regardless); the
@@ -429,7 +432,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     >>> lengths = np.array([3, 5, 6, 7, 40, 41, 64, 9] * 4)
     >>> choice = choose_layout(step, state, lengths, epochs=3, batch_size=4)
     >>> choice.layout, choice.pack_rows, choice.pack.compiles, step.stats.compiles
-    ('pack', {64: 4}, 0, 1)
+    ('pack', {64: 2}, 0, 1)
+    >>> choice.pack.steps // 3, choice.pad.steps // 3     # optimiser steps an epoch: about 32 / 4
+    (7, 8)
     """
     if layout not in ("auto", "pad", "pack"):
         raise OptionError(f"choose_layout: layout: expected one of 'auto', 'pad', 'pack', "
@@ -474,7 +479,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                             None, row_lengths, pack_rows,
                             eval_step=packed_eval(row_lengths, pack_rows))
     row_length = step.bucket_for("T", int(lengths.max()))
-    rows = batch_size if batch_size is not None else max(1, max_tokens // row_length)
+    rows = (_rows_holding(lengths, row_length, batch_size, seed) if batch_size is not None
+            else max(1, max_tokens // row_length))
     pack_rows = {row_length: rows}
     packer = _packing(step, (row_length,), pack_rows)
     short = _shorter_length(lengths, row_length, min_length)
@@ -523,13 +529,28 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         pack, pack_rows = shorter
         row_lengths = tuple(sorted(pack_rows))
         packer = _packing(step, row_lengths, pack_rows)
-    versus = _versus(pack, pad_policy.prediction)
+    versus = _versus(pack, pad_policy.prediction, epochs)
     if layout == "auto" and pad_policy.prediction.seconds < pack.seconds:
         return padded(versus, pad_policy, pack, cost, (rows, row_length))
     return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
                         packer, None, row_lengths, pack_rows, cost, (rows, row_length),
                         pad_policy.prediction, pack, tuple(first_steps),
                         packed_eval(row_lengths, pack_rows))
+
+
+def _rows_holding(lengths, row_length: int, batch_size: int, seed: int) -> int:
+    """The fewest rows of ``row_length`` a packed step needs so that an epoch takes no more
+    steps than ``batch_size`` examples a step would (``ceil(N / batch_size)``): ``batch_size``
+    keeps its meaning -- about that many examples an optimiser step -- in either layout,
+    where ``batch_size`` rows of the longest length would hold many times more (fewer, larger
+    steps: a worse loss after the same epochs). Counted on epoch 0's very plan."""
+    target = -(-len(lengths) // batch_size)
+    lo, hi = 1, max(1, batch_size)
+    while lo < hi:                  # first-fit steps fall as rows grow (near enough: bisect)
+        mid = (lo + hi) // 2
+        steps = len(_buckets.packed_batch_plan(lengths, [row_length], rows=mid, seed=seed))
+        lo, hi = (lo, mid) if steps <= target else (mid + 1, hi)
+    return lo
 
 
 def _shorter_length(lengths, row_length: int, min_length: int) -> int | None:

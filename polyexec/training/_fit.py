@@ -158,7 +158,9 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
 
     Layout: ``layout="auto"`` (the default) also prices packed rows when ``buckets="auto"``
     and the run is on one device: several examples share each row (`buckets.packed_batch_plan`,
-    first-fit), ``batch_size`` rows of the longest bucket a step (or ``max_tokens // L``),
+    first-fit), rows of the longest bucket ``L``, as few as hold ``batch_size`` examples a
+    step on average (an epoch takes as many optimiser steps as padded; with ``max_tokens``,
+    ``max_tokens // L`` rows: the same cells a step, so more examples than padded rows hold),
     one compiled shape, and the loss unchanged -- the executor keeps the examples of a row
     apart (`px.bucketed`'s ``layout="pack"``), so they train as if padded. It packs when the
     prediction says packing is faster and both steps can pack (a loss that reads ``lengths``
