@@ -108,13 +108,13 @@ def by_hand(model, data, batches, example_loss):
 
 def batches_of(result, layout):
     """The batches fit ran, in order: its batch plan rebuilt from the run's choice."""
-    if layout == "pack":
-        rows = result.policy.sizes
-        plan = buckets.packed_batch_plan(np.maximum(LENGTHS, 2), list(rows),
-                                         max_tokens=4 * max(rows), seed=SEED, epoch=0)
+    steps = [r for r in result.history if r["kind"] == "step"]
+    if layout == "pack":            # the rows a step that hold about batch_size=4 examples
+        row_lengths, rows = result.policy.sizes, steps[0]["bucket"][0]
+        plan = buckets.packed_batch_plan(np.maximum(LENGTHS, 2), list(row_lengths),
+                                         max_tokens=rows * max(row_lengths), seed=SEED, epoch=0)
     else:
         plan = buckets.batch_plan(LENGTHS, result.policy, batch_size=4, seed=SEED, epoch=0)
-    steps = [r for r in result.history if r["kind"] == "step"]
     # The rebuilt plan is the run's: each step trained exactly its examples' tokens.
     assert [r["tokens"] for r in steps] == [int(LENGTHS[b.indices].sum()) for b in plan]
     return [b.indices for b in plan], [r["loss"] for r in steps]
