@@ -4,6 +4,7 @@ real cell's draw depends on the key and its coordinates, never on the bucket, th
 or its neighbours; so the same example gets the same mask, outputs and gradients in any bucket,
 and in packed rows, where a cell draws by its sequence's index in the call and its position."""
 
+import functools
 import warnings
 
 import equinox as eqx
@@ -11,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import polyexec as px
 
@@ -208,6 +211,31 @@ def test_a_packed_cell_draws_from_the_key_folded_with_its_sequence_and_position(
     program = no_draw.plan.segments[0].program("pack")
     assert not program.reads_sequence
     assert len(program.exported.in_avals) == len(no_draw.plan.segments[0].convention.slots) + 2
+
+
+@functools.cache
+def _bits_and_sums(layout):
+    T = px.LengthVar("T", min=1, max=16)
+    B = px.LengthVar("B", max=8)
+    return px.bucketed(lambda key, x, lengths: (jax.random.bits(key, x.shape), jnp.sum(x, 1)),
+                       (None, px.Spec("B T 3", jnp.float32),
+                        px.Spec("B", jnp.int32, lengths_of="T")),
+                       buckets={T: [16], B: [8]}, layout=layout, strict=True)
+
+
+@given(st.lists(st.integers(0, 16), min_size=1, max_size=8), st.integers(0, 2**31 - 1))
+def test_any_packing_draws_the_padded_bits_at_every_real_cell(lengths, seed):
+    """Whatever the lengths (empty sequences, which hold a cell for their sums, included) and
+    so wherever first-fit packs each sequence, its cells draw the pad layout's bits."""
+    lengths = np.asarray(lengths, np.int32)
+    x = np.ones((len(lengths), 16, F), np.float32)
+    key = jax.random.key(seed)
+    (want, want_sums), (got, got_sums) = (_bits_and_sums(layout)(key, x, lengths)
+                                          for layout in ("pad", "pack"))
+    assert _bits_and_sums("pack").plan.can_pack
+    np.testing.assert_array_equal(got_sums, want_sums)
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(np.asarray(got)[b, :n], np.asarray(want)[b, :n])
 
 
 def test_a_saved_dropout_plan_runs_and_draws_what_the_packed_call_draws(tmp_path):
