@@ -11,7 +11,9 @@ the program it runs (`Program` of a `Segment`) and how that program is compiled 
   at columns ``[0, lengths[b])``; the cells beyond exist for no result.
 * ``PACK``: several sequences per physical row of a row-length bucket, laid first-fit, with two
   more program inputs per cell: ``pos`` (the cell's position in its sequence, -1 where no
-  sequence is) and ``seglen`` (its sequence's length). Invariant: a sequence's cells are
+  sequence is) and ``seglen`` (its sequence's length), and a third where the program reads it
+  (`Program.reads_sequence`: a random draw along the rows), ``sequence`` (its sequence's index
+  in the call, -1 where none is). Invariant: a sequence's cells are
   consecutive columns of one row, from position 0; per-sequence inputs (lengths, labels) are
   held at every cell of their sequence and read back at its first.
 
@@ -201,7 +203,8 @@ class _Pack(Layout):
         packed = segment.program("pack").exported
         avals = [jax.ShapeDtypeStruct(evaluate_shape(a.shape, bucket), a.dtype)
                  for a in packed.in_avals]
-        # The convention's inputs come first; the two layout arrays (pos, seglen) follow.
+        # The convention's inputs come first; the layout arrays (pos, seglen[, sequence])
+        # follow.
         return packed.call, avals, len(segment.convention.slots), [segment.out_tree,
                                                                     segment.out_paths]
 
@@ -251,7 +254,10 @@ class _Packed(Placed):
                 self.real += int(grid.lengths.sum()) * rest
                 self.padded += self.cells * rest
         flat = segment.convention.assemble(arrays=self.call.arrays, poly=poly, sizes=self.sizes)
-        return list(flat) + [grid.pos, grid.seglen]
+        layout = [grid.pos, grid.seglen]
+        if segment.program("pack").reads_sequence:
+            layout.append(grid.sequence)
+        return list(flat) + layout
 
     def unplace(self, segment, out_tree, outputs, out_specs):
         """Per-sequence outputs cut back out of their rows (`_Grid.unpack`)."""
@@ -302,6 +308,15 @@ class _Grid:
         length 0 where it has one): where its per-sequence values are."""
         seq, offset = _cells_of(np.maximum(self.lengths, 1) if self.empty_cells else self.lengths)
         return seq, self.packing.row[seq], self.packing.start[seq] + offset
+
+    @functools.cached_property
+    def sequence(self) -> np.ndarray:
+        """Each cell's sequence's index in the call (its row in the pad layout), at the cells
+        of `sequence_cells`; -1 elsewhere."""
+        sequence = np.full((self.rows, self.packing.row_length), -1, np.int32)
+        seq, row, column = self.sequence_cells
+        sequence[row, column] = seq
+        return sequence
 
     @functools.cached_property
     def seglen(self) -> np.ndarray:

@@ -101,13 +101,17 @@ class Program:
     a plan that may pack holds both layouts' programs, and a call that runs packed never needs
     the padded one (exporting it cost 0.4 s of the bench's GRU plan, stop 35).
     ``empty_cells``: the packed program reads a per-sequence value, so a sequence of length 0
-    takes a cell too, where its per-sequence values are held.
+    takes a cell too, where its per-sequence values are held. ``reads_sequence``: the packed
+    program takes each cell's sequence index after ``pos`` and ``seglen`` (a random draw
+    along the rows folds it in).
     """
 
     def __init__(self, exported: Any = None, *, reason: str | None = None,
-                 empty_cells: bool = False, build: Callable[[], Any] | None = None):
+                 empty_cells: bool = False, reads_sequence: bool = False,
+                 build: Callable[[], Any] | None = None):
         self.reason = reason
         self.empty_cells = empty_cells
+        self.reads_sequence = reads_sequence
         self._exported = exported
         self._build = build
         self._lock = threading.Lock()

@@ -139,7 +139,8 @@ def packed_export(traced: Traced, convention: Convention) -> Program:
         logical = _logical.rewrite_packed(traced.jaxpr, convention.sizes_at, rows_at)
         if not logical.unsupported:
             return Program(export_flat(logical.fn, logical.avals),
-                           empty_cells=logical.per_sequence)
+                           empty_cells=logical.per_sequence,
+                           reads_sequence=logical.reads_sequence)
     except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
         return Program(reason=f"the packed rewrite failed ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")

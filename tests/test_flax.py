@@ -59,7 +59,7 @@ def test_an_nnx_model_gives_each_example_its_own_values_and_gradients(layout):
         np.testing.assert_allclose(have, w, rtol=1e-4, atol=1e-6)
 
 
-def test_nnx_dropout_draws_the_same_mask_in_every_bucket_and_names_the_users_line():
+def test_nnx_dropout_draws_the_same_mask_in_every_bucket_and_layout():
     model = Tagger(nnx.Rngs(0, dropout=1))
     model.train()
     x, lengths = _batch()
@@ -68,13 +68,13 @@ def test_nnx_dropout_draws_the_same_mask_in_every_bucket_and_names_the_users_lin
         f = px.bucketed(lambda model, x, lengths: model(x), SPECS, buckets={T: buckets})
         outs[len(buckets)] = np.asarray(f(model, x, lengths))
         assert f.plan.padding_safe, f.plan.padding_reason
-    # A packed row knows a cell's position, not its sequence's index: packing is refused at
-    # the user's line (the draw itself is made inside Flax), and a packed call runs padded.
+    # Packed rows draw each cell by its sequence's index in the call and its position: the
+    # same mask as padded, without a warning.
     packed = f.with_layout("pack")
-    with pytest.warns(UserWarning, match="cannot run packed rows"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         outs["pack"] = np.asarray(packed(model, x, lengths))
-    assert os.path.basename(__file__) in packed.plan.packing_reason
-    assert "site-packages" not in packed.plan.packing_reason
+    assert packed.plan.can_pack, packed.plan.packing_reason
     first = outs[2]
     assert not np.isnan(first[np.arange(first.shape[1]) < lengths[:, None]]).any()
     for key, out in outs.items():
@@ -82,6 +82,23 @@ def test_nnx_dropout_draws_the_same_mask_in_every_bucket_and_names_the_users_lin
             np.testing.assert_allclose(out[b, :n], first[b, :n], atol=1e-5, err_msg=str(key))
     kept = np.mean([np.asarray(model.drop(jnp.ones(1000))) != 0])   # the layer's own keep rate
     assert 0.4 < kept < 0.6
+
+
+def test_a_refused_nnx_draw_in_packed_rows_names_the_users_line():
+    """Dropout shared along ``T`` (``broadcast_dims=(1,)``) draws one ``(B, 1, F)`` mask per
+    sequence, which packed rows have no rule for: the verdict names this file's line (the
+    draw is made inside Flax), and the packed call runs padded with the padded result."""
+    drop = nnx.Dropout(0.5, broadcast_dims=(1,), rngs=nnx.Rngs(dropout=1))
+    x, lengths = _batch()
+    padded = px.bucketed(lambda drop, x, lengths: drop(x), SPECS, buckets={T: [16]})
+    want = np.asarray(padded(drop, x, lengths))
+    packed = padded.with_layout("pack")
+    with pytest.warns(UserWarning, match="cannot run packed rows"):
+        got = np.asarray(packed(drop, x, lengths))
+    assert os.path.basename(__file__) in packed.plan.packing_reason
+    assert "site-packages" not in packed.plan.packing_reason
+    for b, n in enumerate(LENGTHS):
+        np.testing.assert_array_equal(got[b, :n], want[b, :n])
 
 
 def test_the_readme_flax_blocks_run_as_pasted(capsys):

@@ -1,14 +1,19 @@
 """Random draws shaped by a length (dropout: ``jax.random.bernoulli(key, p, x.shape)``,
 ``eqx.nn.Dropout``, ``uniform``/``normal`` of ``x.shape``) are layout-invariant (DESIGN.md): a
 real cell's draw depends on the key and its coordinates, never on the bucket, the padded rows
-or its neighbours; so the same example gets the same mask, outputs and gradients in any bucket.
-Packed rows cannot say which sequence a cell belongs to: there the call runs padded."""
+or its neighbours; so the same example gets the same mask, outputs and gradients in any bucket,
+and in packed rows, where a cell draws by its sequence's index in the call and its position."""
+
+import functools
+import warnings
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import polyexec as px
 
@@ -95,7 +100,7 @@ def ragged(layout, t=(16,)):
                        buckets={T: list(t), B: [4, 8]}, layout=layout)
 
 
-def test_ragged_rows_draw_the_same_padded_or_packed_and_packed_rows_run_padded():
+def test_ragged_rows_draw_the_same_padded_or_packed():
     key = jax.random.key(11)
     pad = ragged("pad")
     want_sums, want_kept = pad(key, TOKENS, LENGTHS)
@@ -106,23 +111,171 @@ def test_ragged_rows_draw_the_same_padded_or_packed_and_packed_rows_run_padded()
     for row, n in enumerate(LENGTHS):
         np.testing.assert_array_equal(got_kept[row, :n], want_kept[row, :n])
         np.testing.assert_allclose(want_sums[row], np.sum(want_kept[row, :n] ** 2), rtol=1e-6)
-    # A packed row holds several sequences and knows none's index in the batch: the packed
-    # rewrite refuses the draw, naming the line; the call runs padded, with the same results.
-    pack = ragged("pack")
-    with pytest.warns(UserWarning, match="cannot run packed rows, so it runs one sequence per "
-                                         "padded row"):
-        packed_sums, _ = pack(key, TOKENS, LENGTHS)
-    assert pack.plan.padding_safe, pack.plan.padding_reason
+    # Packed rows: each cell draws by its sequence's index in the call and its position, so
+    # the same mask, whichever row and column it is packed at.
+    for layout in ("pack", "auto"):
+        packed = ragged(layout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            packed_sums, packed_kept = packed(key, TOKENS, LENGTHS)
+        assert packed.plan.can_pack, packed.plan.packing_reason
+        np.testing.assert_allclose(packed_sums, want_sums, rtol=1e-6)
+        for row, n in enumerate(LENGTHS):
+            np.testing.assert_array_equal(packed_kept[row, :n], want_kept[row, :n])
+
+
+# Eight sequences, the longest 9: packed into fewer rows of 16 than there are sequences, so
+# most sequences start mid-row (their column is not their position) and share a row.
+PACK_LENGTHS = np.array([9, 3, 6, 1, 5, 8, 2, 7], np.int32)
+PACK_X = np.random.default_rng(3).normal(size=(8, 9, F)).astype(np.float32)
+
+
+def _ragged_step(loss, layout, t, **kw):
+    T = px.LengthVar("T", max=64)
+    B = px.LengthVar("B", max=64)
+    return px.bucketed(lambda key, w, x, lengths: jax.value_and_grad(loss, argnums=(0, 2))(
+        w, key, x), in_specs=(None, None, px.Spec("B T 3", jnp.float32),
+                              px.Spec("B", jnp.int32, lengths_of="T")),
+        buckets={T: list(t), B: [2, 4, 8, 16]}, layout=layout, **kw)
+
+
+def attention_dropout(w, key, x):           # x: (B, T, F); weights (B, T, T) dropped
+    h = jnp.tanh(x * w)
+    weights = jax.nn.softmax(jnp.einsum("btf,bsf->bts", h, h), axis=-1)
+    keep = jax.random.bernoulli(key, 0.7, weights.shape)
+    return jnp.sum(jnp.einsum("bts,bsf->btf", jnp.where(keep, weights, 0.0) / 0.7, h) ** 2)
+
+
+def shifted_dropout(w, key, x):             # a draw along ``T - 1`` of a sliced value
+    h = jnp.tanh(x * w)[:, 1:] * x[:, :-1]
+    return jnp.sum(eqx.nn.Dropout(0.5)(h, key=key) ** 2)
+
+
+def two_keys_dropout(w, key, x):            # a batch of two keys, each its own mask
+    h = jnp.tanh(x * w)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, h.shape))(jax.random.split(key))
+    return jnp.sum(jnp.where(keep, h, 0.0) ** 2)
+
+
+# Padded at two buckets for the plain dropouts; the others once padded (the pad layout's own
+# bucket invariance is tested above), to keep the file fast.
+@pytest.mark.parametrize("loss, pad_buckets", [
+    (where_dropout, ([16], [32])), (eqx_dropout, ([16], [32])), (attention_dropout, ([16],)),
+    (shifted_dropout, ([16],)), (two_keys_dropout, ([16],))])
+def test_packed_dropout_outputs_and_gradients_equal_the_padded_ones_in_any_bucket(
+        loss, pad_buckets):
+    key = jax.random.key(7)
+    runs = {}
+    for name, layout, t in ([(f"pad{t[0]}", "pad", t) for t in pad_buckets]
+                            + [("pack", "pack", [16])]):
+        f = _ragged_step(loss, layout, t, strict=True)
+        value, (gw, gx) = f(key, W, PACK_X, PACK_LENGTHS)
+        runs[name] = (float(value), float(gw), np.asarray(gx))
+        assert f.plan.padding_safe, f.plan.padding_reason
+    assert f.plan.can_pack, f.plan.packing_reason
+    ((rows, n_rows), (_, row_length)), = f.stats.buckets.keys()
+    assert rows == "rows(B)" and n_rows < len(PACK_LENGTHS) and row_length == 16
+    want = runs["pad16"]
+    for name, (value, gw, gx) in runs.items():
+        np.testing.assert_allclose(value, want[0], rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(gw, want[1], rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(gx, want[2], rtol=1e-6, atol=1e-6, err_msg=name)
+    # The draw matters: another key, another packed value.
+    other, _ = f(jax.random.key(8), W, PACK_X, PACK_LENGTHS)
+    assert abs(float(other) - want[0]) > 1e-3 * abs(want[0])
+
+
+def test_a_packed_cell_draws_from_the_key_folded_with_its_sequence_and_position():
+    """Cell (r, c) holding position t of the call's row b: ``random_bits(fold_in(fold_in(key,
+    b), t), (F,))``, the pad layout's cell (b, t); a program without a draw along the rows does
+    not take the sequence index at all."""
+    key = jax.random.key(5)
+    T = px.LengthVar("T", max=64)
+    B = px.LengthVar("B", max=64)
+    specs = (None, px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+    f = px.bucketed(lambda key, x, lengths: jax.random.bits(key, x.shape), specs,
+                    buckets={T: [16], B: [2, 4]}, layout="pack", strict=True)
+    got = np.asarray(f(key, PACK_X, PACK_LENGTHS))
+    assert f.plan.segments[0].program("pack").reads_sequence
+
+    def cell(b, t):
+        return jax.random.bits(jax.random.fold_in(jax.random.fold_in(key, b), t), (F,))
+    for b, n in enumerate(PACK_LENGTHS):
+        want = jax.vmap(lambda t: cell(b, t))(jnp.arange(n))
+        np.testing.assert_array_equal(got[b, :n], np.asarray(want))
+    no_draw = px.bucketed(lambda key, x, lengths: x * 2, specs, buckets={T: [16], B: [2, 4]},
+                          layout="pack", strict=True)
+    doubled = np.asarray(no_draw(key, PACK_X, PACK_LENGTHS))
+    for b, n in enumerate(PACK_LENGTHS):
+        np.testing.assert_array_equal(doubled[b, :n], PACK_X[b, :n] * 2)
+    program = no_draw.plan.segments[0].program("pack")
+    assert not program.reads_sequence
+    assert len(program.exported.in_avals) == len(no_draw.plan.segments[0].convention.slots) + 2
+
+
+@functools.cache
+def _bits_and_sums(layout):
+    T = px.LengthVar("T", min=1, max=16)
+    B = px.LengthVar("B", max=8)
+    return px.bucketed(lambda key, x, lengths: (jax.random.bits(key, x.shape), jnp.sum(x, 1)),
+                       (None, px.Spec("B T 3", jnp.float32),
+                        px.Spec("B", jnp.int32, lengths_of="T")),
+                       buckets={T: [16], B: [8]}, layout=layout, strict=True)
+
+
+@given(st.lists(st.integers(0, 16), min_size=1, max_size=8), st.integers(0, 2**31 - 1))
+def test_any_packing_draws_the_padded_bits_at_every_real_cell(lengths, seed):
+    """Whatever the lengths (empty sequences, which hold a cell for their sums, included) and
+    so wherever first-fit packs each sequence, its cells draw the pad layout's bits."""
+    lengths = np.asarray(lengths, np.int32)
+    x = np.ones((len(lengths), 16, F), np.float32)
+    key = jax.random.key(seed)
+    (want, want_sums), (got, got_sums) = (_bits_and_sums(layout)(key, x, lengths)
+                                          for layout in ("pad", "pack"))
+    assert _bits_and_sums("pack").plan.can_pack
+    np.testing.assert_array_equal(got_sums, want_sums)
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(np.asarray(got)[b, :n], np.asarray(want)[b, :n])
+
+
+def test_a_saved_dropout_plan_runs_and_draws_what_the_packed_call_draws(tmp_path):
+    """A plan file holds the padded program (a packed one is not saved): loaded without the
+    Python code, it draws the mask the packed call draws."""
+    key = jax.random.key(9)
+    f = ragged("pack")
+    packed_sums, packed_kept = f(key, TOKENS, LENGTHS)
+    assert f.plan.can_pack, f.plan.packing_reason
+    f.plan.save(tmp_path / "dropout.plan")
+    loaded = px.bucketed(px.Plan.load(tmp_path / "dropout.plan"))
+    sums, kept = loaded(jax.random.key_data(key), TOKENS, LENGTHS)
+    np.testing.assert_allclose(sums, packed_sums, rtol=1e-6)
+    for row, n in enumerate(LENGTHS):
+        np.testing.assert_array_equal(kept[row, :n], packed_kept[row, :n])
+
+
+def test_a_per_sequence_draw_is_refused_in_packed_rows_at_the_users_line():
+    """A draw along the rows alone (``(B, F)``: per sequence) has no packed rule: packing is
+    refused at the line, and the call runs padded, with the same result as padded."""
+    def per_sequence_noise(key, x, lengths):
+        noise = jax.random.normal(key, (x.shape[0], F))
+        return jnp.sum(x, axis=1) * noise
+    T = px.LengthVar("T", max=64)
+    B = px.LengthVar("B", max=64)
+    specs = (None, px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+    key = jax.random.key(1)
+    want = px.bucketed(per_sequence_noise, specs, buckets={T: [16], B: [8]})(
+        key, PACK_X, PACK_LENGTHS)
+    pack = px.bucketed(per_sequence_noise, specs, buckets={T: [16], B: [8]}, layout="pack")
+    with pytest.warns(UserWarning, match="cannot run packed rows"):
+        got = pack(key, PACK_X, PACK_LENGTHS)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
     assert "test_random.py:" in pack.plan.packing_reason
-    assert ("random_bits: a random draw along a packed length: its cells would draw by their "
-            "packed row, not their sequence") in pack.plan.packing_reason
-    np.testing.assert_allclose(packed_sums, want_sums, rtol=1e-6)
-    auto = ragged("auto")
-    auto_sums, _ = auto(key, TOKENS, LENGTHS)              # silently padded
-    np.testing.assert_allclose(auto_sums, want_sums, rtol=1e-6)
+    assert "random_bits: a random draw of shape (B, 3) over packed rows" in \
+        pack.plan.packing_reason
 
 
-def test_the_keep_rate_over_real_cells_is_p():
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_the_keep_rate_over_real_cells_is_p(layout):
     rng = np.random.default_rng(2)
     lengths = rng.integers(1, 64, size=96).astype(np.int32)
     x = np.ones((96, lengths.max()), np.float32)
@@ -131,8 +284,9 @@ def test_the_keep_rate_over_real_cells_is_p():
     f = px.bucketed(lambda key, x, n: jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0),
                     in_specs=(None, px.Spec("B T", jnp.float32),
                               px.Spec("B", jnp.int32, lengths_of="T")),
-                    buckets={T: [64], B: [128]})
+                    buckets={T: [64], B: [128]}, layout=layout, strict=True)
     kept = np.asarray(f(jax.random.key(0), x, lengths))
+    assert f.plan.can_pack == (layout == "pack"), f.plan.packing_reason
     real = np.arange(lengths.max())[None, :] < lengths[:, None]
     cells = int(real.sum())
     assert cells > 2000

@@ -44,7 +44,8 @@ combining family's identity once (reducers, cumulative ops, windows, scatters).
 - `_control`: ``scan``, ``while``, ``cond`` and the call-likes (structural: they recurse).
 - `_random`: ``random_bits`` shaped by a length (dropout): not exact (JAX's draw depends on
   the whole shape) but layout-invariant: a cell draws from the key folded with its indices
-  along the length axes, whatever the bucket; refused along packed rows.
+  along the length axes, whatever the bucket; in packed rows by its sequence's index in the
+  call and its position, the same bits as padded.
 - `_packed` (`rewrite_packed`, ``layout="pack"``) and `_sequences` (its per-sequence values):
   the packed rules of the same primitives, over rows that hold several sequences.
 - `_core`: the evaluation context, the interpreter, the registry, `rewrite`;

@@ -65,6 +65,9 @@ class Logical:
     # and whether it reads a per-sequence value (then every sequence needs a cell).
     avals: tuple[Any, ...] | None = None
     per_sequence: bool = False
+    # The packed program takes each cell's sequence index as a third layout input (a draw
+    # along packed rows folds it in); programs without one take only ``pos`` and ``seglen``.
+    reads_sequence: bool = False
     floors: tuple[RowFloor, ...] = ()       # per ragged variable, the longest floor found
 
 
@@ -451,6 +454,7 @@ class Recorder:
         self.used = used            # packed: the variables some equation or output reads
         self.floors: dict[str, RowFloor] = {}            # see `_note_row_floor`
         self.per_sequence = False   # packed: whether a per-sequence value was read
+        self.reads_sequence = False  # packed: whether a rule read each cell's sequence index
 
     def monotone(self, d) -> bool:
         # Cached per rewrite: dimensions of different symbolic scopes must never be compared.

@@ -3,8 +3,10 @@
 With ``layout="pack"`` the sequences of a call (the rows of its ``(B, T)`` inputs, T ragged
 along B) are laid end to end in rows of one row length (`buckets.balanced_fit`), and
 the one symbolic program runs with ``B`` bound to the number of packed rows and ``T`` to the
-row length. Two extra inputs describe the layout, per cell of the ``(B, T)`` grid: ``pos``,
-the cell's position inside its sequence (-1 in padding), and ``seglen``, its sequence's length.
+row length. Extra inputs describe the layout, per cell of the ``(B, T)`` grid: ``pos``,
+the cell's position inside its sequence (-1 in padding), ``seglen``, its sequence's length,
+and, only in a program that reads it (a random draw along the rows), ``sequence``, its
+sequence's index in the call's batch (-1 in padding).
 
 The frame
 ---------
@@ -49,6 +51,8 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   gradient): per position, over every sequence's cell there; a per-position matrix
   contracted with packed rows (``einsum("ts,bsf->btf", jnp.tri(T), x)``): placed by
   position, then within each sequence;
+- a random draw along the rows and a packed length (dropout): each cell draws by its
+  sequence's index in the call's batch and its position, as the pad layout does (`_random`);
 - ``x.shape`` as a number when it counts over the rows (``nll.size`` is the number of real
   predictions) or is the number of sequences.
 
@@ -111,16 +115,18 @@ class _PackedCtx(Ctx):
     """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B)."""
 
     def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
-                 rows: str, pos, seglen):
+                 rows: str, pos, seglen, sequence):
         super().__init__(sizes, recorder, parent, eqn, {var: (None, rows)}, alive)
         self.var, self.rows_name, self.pos, self.seglen = var, rows, pos, seglen
+        self.sequence = sequence
 
     def child(self, eqn, *, alive=None) -> "_PackedCtx":
         if alive is not None and self.alive is not None:
             alive = lax.bitwise_and(alive, self.alive)
         return _PackedCtx(self.sizes, self.recorder, self, eqn,
                           self.alive if alive is None else alive, var=self.var,
-                          rows=self.rows_name, pos=self.pos, seglen=self.seglen)
+                          rows=self.rows_name, pos=self.pos, seglen=self.seglen,
+                          sequence=self.sequence)
 
     # -- axes -----------------------------------------------------------------------------------
 
@@ -181,6 +187,13 @@ class _PackedCtx(Ctx):
         """``(pos, seglen)`` of the first ``d`` columns (an axis of packed length ``d``)."""
         return (lax.slice_in_dim(self.pos, 0, d, axis=1),
                 lax.slice_in_dim(self.seglen, 0, d, axis=1))
+
+    def sequence_index(self, d):
+        """``(rows, d)`` int32 of the first ``d`` columns: each cell's sequence's index in the
+        call's batch (the row it has in the pad layout), -1 where no sequence is. The program
+        then takes that layout input (`Logical.reads_sequence`)."""
+        self.recorder.reads_sequence = True
+        return lax.slice_in_dim(self.sequence, 0, d, axis=1)
 
     def in_frame(self, d):
         """``(rows, d)`` bool: the cells inside the frame of an axis of packed length ``d``."""
@@ -1677,7 +1690,8 @@ def _core_equal(a, b) -> bool:
 def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     """The packed program of a symbolic flat program whose variable ``T`` is ragged along
     ``B`` (``rows_at``): the same inputs plus ``pos`` and ``seglen`` (int32 ``(B, T)``) last,
-    run with ``B`` = packed rows and ``T`` = row length; ``sizes_at``'s ``B`` is the number of
+    and after them ``sequence`` (the same) where ``reads_sequence``; run with ``B`` = packed
+    rows and ``T`` = row length; ``sizes_at``'s ``B`` is the number of
     sequences and ``T`` the longest sequence's length. Outputs with a ``(B, T-like)`` pair of
     axes come back packed (the caller unpacks them per sequence).
 
@@ -1712,9 +1726,10 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         return r[0] if len(r) == 1 and not packed else None
 
     def packed(*args):
-        *flat, pos, seglen = args
+        *flat, pos, seglen, sequence = args
         sizes = {name: flat[at] for name, at in sizes_at.items()}
-        ctx = _PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen)
+        ctx = _PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen,
+                         sequence=sequence)
         inputs = []
         for v, x in zip(jaxpr.invars, flat):
             shape = getattr(v.aval, "shape", ())
@@ -1744,11 +1759,22 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         if a is not None:
             shape = (*shape[:a + 1], grid[1], *shape[a + 1:])
         avals.append(jax.ShapeDtypeStruct(shape, v.aval.dtype, weak_type=v.aval.weak_type))
-    avals += [jax.ShapeDtypeStruct(tuple(grid), np.int32)] * 2
+    avals += [jax.ShapeDtypeStruct(tuple(grid), np.int32)] * 3
     traced = jax.jit(packed).trace(*avals).jaxpr
-    return Logical(fn=replay(traced), unsupported=tuple(recorder.unsupported.values()),
+    fn = replay(traced)
+    if not recorder.reads_sequence:
+        # No rule read the sequence index: the program does not take it (one int32 array per
+        # cell less to build and send each call); the traced program gets a placeholder.
+        avals.pop()
+        fn = functools.partial(_without_sequence, fn)
+    return Logical(fn=fn, unsupported=tuple(recorder.unsupported.values()),
                    rewritten=len(recorder.rewritten), avals=tuple(avals),
-                   per_sequence=recorder.per_sequence)
+                   per_sequence=recorder.per_sequence, reads_sequence=recorder.reads_sequence)
+
+
+def _without_sequence(fn, *args):
+    """``fn`` of a packed program that never reads its last input, the sequence index."""
+    return fn(*args, jnp.zeros(jnp.shape(args[-1]), np.int32))
 
 
 def _read_anywhere(jaxpr) -> set:

@@ -9,10 +9,11 @@ shape, never on the bucket, on how many padding rows or columns surround it, or 
 neighbours. Padding cells draw something too; no result reads them (the rewrite's masks keep
 the padding out, as for any value).
 
-Packed rows hold several sequences per row, and their program knows each cell's position in its
-sequence but not the sequence's index in the call's batch: a draw there would follow the packed
-row, not the sequence, so the packed rule refuses (``layout="pack"`` and ``"auto"`` then run the
-pad layout, where the draw is layout-invariant).
+Packed rows hold several sequences per row. There a cell's coordinates are its sequence's index
+in the call's batch (a layout input, read only by a program that draws) and its position in
+that sequence, so cell ``(r, c)`` holding position ``t`` of the call's row ``b`` draws exactly
+what cell ``(b, t)`` draws padded: the same example gets the same mask in every bucket and
+layout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,49 @@ from jax import lax
 
 from .._jax_internals import dim_vars
 from ._core import NoRule, bind_eqn_with, defrule, is_sym, padded_rule
+from ._sequences import spread
+
+
+def _threefry_only(key) -> None:
+    impl = str(jax.random.key_impl(key))
+    if impl != "threefry2x32":
+        # An RBG key's draws over a batch of keys depend on the batch's shape (XLA's
+        # RngBitGenerator), so a per-cell key would still draw by the bucket.
+        raise NoRule(f"a random draw along a length with a {impl!r} key: its bits depend on "
+                     f"the bucket's shape; use a threefry key (jax.random.key(seed), the "
+                     f"default) for dropout that padding cannot change")
+
+
+def _draw_per_cell(eqn, key, index):
+    """``random_bits`` of ``eqn``'s shape where every cell along its length axes draws from
+    ``key`` folded with that cell's ``index`` arrays (one per length axis, in the shape's
+    order, each of the length axes' shape), and JAX draws the constant-size axes within it.
+    A batch of keys (a key array of shape ``K``) draws per key, as JAX's own batching of the
+    primitive does."""
+    shape = tuple(eqn.params["shape"])
+    lengths = [a for a, d in enumerate(shape) if is_sym(d)]
+    rest = tuple(d for d in shape if not is_sym(d))
+
+    def one_cell(k, *at):
+        for i in at:
+            k = jax.random.fold_in(k, i)
+        return bind_eqn_with(eqn, [k], shape=rest)[0]
+
+    # Each index array has the length axes' shape; vmapped once per axis.
+    draw = one_cell
+    for _ in lengths:
+        draw = jax.vmap(draw, in_axes=(None, *[0] * len(lengths)))
+    for _ in range(key.ndim):       # a key array: per key, in front
+        draw = jax.vmap(draw, in_axes=(0, *[None] * len(lengths)))
+    bits = draw(key, *[lax.convert_element_type(i, np.uint32) for i in index])  # K+grid+rest
+    # Put each length axis back at its place in ``shape``.
+    nk = key.ndim
+    order = [None] * len(shape)
+    for j, a in enumerate(lengths):
+        order[a] = nk + j
+    rest_axes = iter(range(nk + len(lengths), nk + len(shape)))
+    order = [o if o is not None else next(rest_axes) for o in order]
+    return [lax.transpose(bits, (*range(nk), *order))]
 
 
 @defrule("random_bits")
@@ -33,55 +77,55 @@ def _random_bits(ctx, eqn, invals):
     is ``random_bits(fold_in(fold_in(key, b), t), shape=(F,))``: it depends on the key, ``b``,
     ``t`` and ``F`` only. The index along a length axis is layout-invariant: the logical
     positions of every axis hold the exact-size layout (the rewrite's invariant), padding only
-    comes after them, and a ragged row's position ``t`` is its own. A batch of keys (a key
-    array of shape ``K``) draws per key, as JAX's own batching of the primitive does. Threefry
-    keys only (the default): an RBG key's batched draw depends on the batch's shape."""
+    comes after them, and a ragged row's position ``t`` is its own. A batch of keys draws per
+    key. Threefry keys only (the default): an RBG key's batched draw depends on the batch's
+    shape."""
     (key,) = invals
     shape = tuple(eqn.params["shape"])
-    lengths = [a for a, d in enumerate(shape) if is_sym(d)]
-    if not lengths:
+    grid = tuple(d for d in shape if is_sym(d))
+    if not grid:
         return None                 # per key: each key's draw is its own already
-    impl = str(jax.random.key_impl(key))
-    if impl != "threefry2x32":
-        # An RBG key's draws over a batch of keys depend on the batch's shape (XLA's
-        # RngBitGenerator), so a per-cell key would still draw by the bucket.
-        raise NoRule(f"a random draw along a length with a {impl!r} key: its bits depend on "
-                     f"the bucket's shape; use a threefry key (jax.random.key(seed), the "
-                     f"default) for dropout that padding cannot change")
-    rest = tuple(d for d in shape if not is_sym(d))
-
-    def one_cell(k, *index):
-        for i in index:
-            k = jax.random.fold_in(k, i)
-        return bind_eqn_with(eqn, [k], shape=rest)[0]
-
-    # One index array per length axis, each of the lengths' shape; vmapped once per axis.
-    grid = tuple(shape[a] for a in lengths)
-    index = [lax.broadcasted_iota(np.uint32, grid, j) for j in range(len(grid))]
-    draw = one_cell
-    for _ in grid:
-        draw = jax.vmap(draw, in_axes=(None, *[0] * len(grid)))
-    for _ in range(key.ndim):       # a key array: per key, in front
-        draw = jax.vmap(draw, in_axes=(0, *[None] * len(grid)))
-    bits = draw(key, *index)        # K + grid + rest
-    # Put each length axis back at its place in ``shape``.
-    nk = key.ndim
-    order = [None] * len(shape)
-    for j, a in enumerate(lengths):
-        order[a] = nk + j
-    rest_axes = iter(range(nk + len(grid), nk + len(shape)))
-    order = [o if o is not None else next(rest_axes) for o in order]
-    return [lax.transpose(bits, (*range(nk), *order))]
+    _threefry_only(key)
+    return _draw_per_cell(eqn, key, [lax.broadcasted_iota(np.int32, grid, j)
+                                     for j in range(len(grid))])
 
 
 @defrule("random_bits", layout="pack")
 def _random_bits_packed(ctx, eqn, invals):
-    """A draw along a packed length or the packed rows is refused: its cells would draw by
-    their packed row and column, and the packed program has no sequence index to fold in.
-    One along other lengths only (a per-position ``(T, F)`` noise shared by every sequence
-    has no rows axis: position ``t`` draws the same in either layout) is the padded rule."""
+    """A draw along the packed rows and a packed length draws what the pad layout draws at
+    each real cell: along the rows axis the cell's sequence's index in the call's batch, along
+    a packed length (``T``, ``T - 1``; two of them for attention's ``(B, H, T, T)``) its
+    position in that sequence, so cell ``(r, c)`` holding position ``t`` of the call's row
+    ``b`` is ``random_bits(fold_in(fold_in(key, b), t), (F,))``. A pair of cells of two
+    sequences, or a cell outside every sequence, draws something no result reads (the frame
+    keeps it out). One along other lengths only (a per-position ``(T, F)`` noise shared by
+    every sequence has no rows axis: position ``t`` draws the same in either layout) is the
+    padded rule. A draw along the rows alone (a per-sequence ``(B, F)``) is refused."""
+    (key,) = invals
     shape = tuple(eqn.params["shape"])
-    if any(ctx.rows_name in dim_vars(d) for d in shape if is_sym(d)):
-        raise NoRule("a random draw along a packed length: its cells would draw by their "
-                     "packed row, not their sequence")
-    return padded_rule(eqn)(ctx, eqn, invals)
+    rows = ctx.row_axes(shape)
+    if not rows:
+        return padded_rule(eqn)(ctx, eqn, invals)
+    packed = ctx.packed_axes(shape)
+    counts = [a for a, d in enumerate(shape)
+              if is_sym(d) and ctx.rows_name in dim_vars(d) and a not in rows]
+    if len(rows) != 1 or not packed or counts:
+        raise NoRule(f"a random draw of shape {shape} over packed rows: only one rows axis "
+                     f"with one or two packed lengths draws by its sequence and position")
+    _threefry_only(key)
+    (r,), p = rows, packed[0]
+    lengths = [a for a, d in enumerate(shape) if is_sym(d)]
+    grid = tuple(shape[a] for a in lengths)
+
+    def per_cell(value, axis):      # a (rows, d) array of the cells along the packed ``axis``
+        return spread(value, grid, (lengths.index(r), lengths.index(axis)))
+
+    index = []
+    for j, a in enumerate(lengths):
+        if a == r:
+            index.append(per_cell(ctx.sequence_index(shape[p]), p))
+        elif a in packed:
+            index.append(per_cell(ctx.cells(shape[a])[0], a))
+        else:                       # another length variable: padded, as in the pad layout
+            index.append(lax.broadcasted_iota(np.int32, grid, j))
+    return _draw_per_cell(eqn, key, index)
