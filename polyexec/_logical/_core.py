@@ -749,7 +749,8 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
                 eqn.ctx.manager:
             outvals = _folded(eqn, invals)
             if outvals is None and id(eqn) in unread:     # its values reach no result
-                outvals = [filled(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars]
+                outvals = [like_aval(filled(v.aval.shape, 0, v.aval.dtype), v.aval)
+                           for v in eqn.outvars]
             if outvals is None:
                 outvals = ctx.evaluate(eqn, invals)
         for v, x in zip(eqn.outvars, outvals):
