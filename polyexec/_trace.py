@@ -33,7 +33,8 @@ from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_
 from ._convention import Convention
 from ._errors import PolyexecError
 from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, DIM_ORDER_CODES, InconclusiveDimension,
-                             UnexpectedDimVar, dim_vars, evaluate_dim, undecided_comparison)
+                             UnexpectedDimVar, dim_bounds, dim_vars, evaluate_dim,
+                             undecided_comparison)
 from ._spec import symbolic_dims
 
 # Errors JAX raises when a symbolic dimension meets code that needs a concrete one:
@@ -420,7 +421,10 @@ def _min_deciding(error: BaseException, bounds: Mapping[str, tuple[int, int]]
     rule of JAX's own made it about one variable and a min (at most 64 above the current one)
     gives it one answer for every size up to the max (``'T - 1' >= '1'``: ``T >= 2``). None for a comparison in the user's or a library's code: that is a branch,
     and a raised min would decide it for the shorter rows too."""
-    found = undecided_comparison(error) if isinstance(error, InconclusiveDimension) else None
+    # JAX may re-raise the comparison as its own message (jnp.pad's reflect and symmetric
+    # modes: a ValueError raised from it): the comparison is the cause's.
+    cause = next((e for e in _raised_from(error) if isinstance(e, InconclusiveDimension)), None)
+    found = undecided_comparison(cause) if cause is not None else None
     if found is None:
         return None
     diff, caller = found
@@ -436,11 +440,27 @@ def _min_deciding(error: BaseException, bounds: Mapping[str, tuple[int, int]]
         # One answer from here up (the sizes near the new min, where a slice's offset changes
         # it, and the max) is what JAX's bounds then decide.
         if len({holds(t) for t in [*range(raised, min(raised + 64, hi) + 1), hi]}) == 1:
-            message = str(error).strip().splitlines()[0]
+            if not _decided_from(diff, name, raised):
+                return None     # true from there, but JAX cannot show it (``mod(1, T) > 0``)
+            message = str(cause).strip().splitlines()[0]
             comparison = re.search(r"comparison (.*) is inconclusive", message)
             return RaisedMin(name, lo, raised, describe_frame(user_frame(error)),
                              comparison[1] if comparison else f"{diff} >= 0")
     return None
+
+
+def _decided_from(diff, name: str, least: int) -> bool:
+    """Whether JAX's own bounds decide ``diff >= 0`` once ``name >= least``: they bound
+    ``T - 2`` from a min, never ``mod(1, T)`` (jnp.pad's wrap), where a raised min would only
+    fail again. Read in a scope of its own holding that constraint."""
+    try:
+        (d,) = export.symbolic_shape(str(diff), constraints=(f"{name} >= {least}",))
+    except Exception:  # noqa: BLE001 - not expressible as a constraint: let the trace tell
+        return True
+    if not export.is_symbolic_dim(d):
+        return True
+    lo, hi = dim_bounds(d)
+    return lo >= 0 or hi < 0
 
 
 def _traces_at(run: Callable, avals: Sequence[Any], sizes: Mapping[str, int] | None) -> bool:
@@ -529,19 +549,67 @@ def known_cause(error: BaseException) -> str | None:
                 "slice, `lax.conv_general_dilated(x, w, (1,), [(lo, hi)])[:, ::s]` (equal to "
                 "stride s with that padding); a VALID convolution of stride 1 traces with the "
                 "length's min at least the window's size - 1")
+    for frame in _raising_frames(error):
+        form = _numpy_form(frame)
+        if form is not None:
+            return form
     return next((form for phrase, form in _FORMS_THAT_WORK.items() if phrase in str(error)), None)
+
+
+# Padding of each mode of jnp.convolve/correlate for a kernel of k taps (JAX's own, `_conv`):
+# as numbers for a known k, else as the expressions.
+_CONV_MODE_PADDING = {"full": lambda k: (k - 1, k - 1), "same": lambda k: (k // 2, k - k // 2 - 1),
+                      "valid": lambda k: (0, 0)}
+_CONV_MODE_TEXT = {"full": ("k - 1", "k - 1"), "same": ("k // 2", "k - k // 2 - 1"),
+                   "valid": ("0", "0")}
+
+
+def _numpy_form(frame) -> str | None:
+    """The cause and the form that works for a jnp function that JAX cannot trace over a
+    symbolic length, recognised by its frame among the raising ones (by the function's name
+    and its arguments, as JAX names them), or None."""
+    name, local = frame.f_code.co_name, frame.f_locals
+    if name == "_conv" and local.get("op") in ("convolve", "correlate") \
+            and local.get("mode") in _CONV_MODE_PADDING:
+        op, mode = local["op"], local["mode"]
+        taps = (getattr(local.get("y"), "shape", None) or (None,))[0]
+        known = isinstance(taps, int)
+        k = str(taps) if known else "k"
+        lo, hi = _CONV_MODE_PADDING[mode](taps) if known else _CONV_MODE_TEXT[mode]
+        kernel = "v[::-1]" if op == "convolve" else "jnp.conj(v)"
+        return (f"jnp.{op} compares the lengths of its operands (which one is longer), which "
+                f"JAX cannot do over a symbolic length; the form that traces once and is exact, "
+                f"values and gradients (mode={mode!r}, a kernel v of {k} taps): "
+                f"`lax.conv_general_dilated(a[None, None], {kernel}[None, None], (1,), "
+                f"[({lo}, {hi})])[0, 0]` (jax.vmap it over the rows, or give a (B, 1, T) batch)"
+                + (f"; its gradient is a convolution padded by min(T, {k} - 1), which JAX sees "
+                   f"as {k} - 1 only where the length's min is at least that: declare "
+                   f"px.LengthVar('T', min={taps - 1 if known else 'k - 1'}, ...)"
+                   if mode in ("full", "valid") else ""))
+    if name == "_pad_wrap":
+        return ("jnp.pad's 'wrap' mode divides its widths by the length (divmod(width, T)), "
+                "which JAX cannot do over a symbolic length; the form that traces once and is "
+                "exact, each row wrapped at its own end (widths lo, hi up to the length): "
+                "`jnp.concatenate([x[:, -lo:], x, x[:, :hi]], axis=1)` along axis 1")
+    return None
+
+
+def _raised_from(error: BaseException) -> Iterator[BaseException]:
+    """An error, then the errors it was raised from (or while handling), innermost last."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def _raising_frames(error: BaseException) -> Iterator[Any]:
     """The frames of an error's traceback and of the errors it was raised from."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        tb = error.__traceback__
+    for raised in _raised_from(error):
+        tb = raised.__traceback__
         while tb is not None:
             yield tb.tb_frame
             tb = tb.tb_next
-        error = error.__cause__ or error.__context__
 
 
 def _is_equinox_rope(layer) -> bool:

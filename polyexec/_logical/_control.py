@@ -91,7 +91,8 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
         if len(axes) > 1:
             raise NoRule(f"a carry of shape {tuple(x.shape)} has several {rows} axes")
         if not axes and not _invariant_or_per_row(body.jaxpr, p["num_consts"] + j, j, ctx, rows):
-            raise NoRule(f"carry {j} has no {rows} axis yet changes at every step without "
+            raise NoRule(f"carry {j} of shape {tuple(x.shape)} has no {rows} axis yet "
+                          f"changes at every step without "
                           f"reading the rows (a step counter?): with per-row lengths its "
                           f"final value is ambiguous")
         carry_axes.append(axes[0] if axes else None)

@@ -699,6 +699,37 @@ def _folded(eqn, invals) -> list | None:
     return [np.asarray(fold(np.asarray(invals[0]), eqn.params), eqn.outvars[0].aval.dtype)]
 
 
+def is_empty(aval) -> bool:
+    """Whether an array of this aval has no elements whatever the sizes (a constant 0 axis)."""
+    return any(not is_sym(d) and int(d) == 0 for d in getattr(aval, "shape", ()))
+
+
+def _only_reach_empty(jaxpr) -> set[int]:
+    """The ids of the equations whose every result only reaches arrays with no elements
+    (`is_empty`): JAX's edge padding slices one row of each axis it leaves unpadded, repeats
+    it 0 times and joins the empty result back; what such a value holds reaches no result, so
+    it moves no row and needs no rule. An equation with effects, or with a result nothing
+    reads (dead code keeps its own verdict), is never one."""
+    readers: dict[Any, list] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jax.extend.core.Var):
+                readers.setdefault(v, []).append(eqn)
+    outputs = {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+    found: set[int] = set()
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or not all(
+                is_empty(v.aval) or (v not in outputs and readers.get(v)
+                                     and all(id(r) in found for r in readers[v]))
+                for v in eqn.outvars):
+            continue
+        if all(hasattr(v.aval, "dtype") and not jax.dtypes.issubdtype(v.aval.dtype,
+                                                                     jax.dtypes.extended)
+               for v in eqn.outvars):
+            found.add(id(eqn))
+    return found
+
+
 def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
     env: dict[Any, Any] = {}
 
@@ -710,6 +741,7 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
         return env[v]
 
     reads = _zeroed_reads(jaxpr)
+    unread = _only_reach_empty(jaxpr)
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
@@ -720,6 +752,9 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
                 eqn.ctx.manager:
             outvals = _folded(eqn, invals)
+            if outvals is None and id(eqn) in unread:     # its values reach no result
+                outvals = [like_aval(filled(v.aval.shape, 0, v.aval.dtype), v.aval)
+                           for v in eqn.outvars]
             if outvals is None:
                 outvals = ctx.evaluate(eqn, invals)
         for v, x in zip(eqn.outvars, outvals):

@@ -1564,8 +1564,10 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
         if len(axes) > 1:
             raise NoRule(f"a carry of shape {shape} has several rows axes")
         if not axes and not _accumulates(body.jaxpr, nc + j, j, ctx):
-            raise NoRule(f"carry {j} has no rows axis and is not a sum over the rows (a step "
-                          f"counter?): over packed rows its steps are not any sequence's")
+            raise NoRule(f"carry {j} of shape {shape} has no rows axis and changes by "
+                          f"more than a sum over the rows (a step counter, a value the rows "
+                          f"update in turn): over packed rows its steps are not any "
+                          f"sequence's")
         carry_axes.append(axes[0] if axes else None)
     in_frame = ctx.in_frame(length)                       # (rows, columns)
     pos, seglen = ctx.cells(length)
@@ -1648,9 +1650,27 @@ def _accumulates(jaxpr, invar: int, outvar: int, ctx: _PackedCtx) -> bool:
             return any(a in ctx.row_axes(e.invars[0].aval.shape) for a in lc)
         if name == "scatter-add":     # an embedding's gradient: rows added into the table
             return bool(ctx.row_axes(e.invars[2].aval.shape))
+        called = _called(e)
+        if called is not None:
+            # Inside a call (``jax.checkpoint`` of the step: the backward scan adds the
+            # weight gradient the recomputing call returns): follow the call's own output.
+            made = {v: inner for inner in called.eqns for v in inner.outvars}
+            other = called.outvars[e.outvars.index(other)]
+            continue
         if name not in _PASS_THROUGH:
             return False
         other = e.invars[0]
+
+
+def _called(eqn):
+    """The program of a call-like equation (``jit``, ``remat2``, ``closed_call``...: one
+    sub-program whose outputs are the equation's), None for any other."""
+    entry = lookup_rule(eqn.primitive)
+    programs = list(sub_jaxprs(eqn.params))
+    if (entry is None or not getattr(entry.rule, "inline", False) or len(programs) != 1
+            or len(programs[0].outvars) != len(eqn.outvars)):
+        return None
+    return programs[0]
 
 
 def _is_carry(v, inv, made) -> bool:

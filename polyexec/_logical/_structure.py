@@ -23,7 +23,7 @@ from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape
 from ._core import (NoRule, acts_along_params, bind_eqn, bind_eqn_with, defrule, fill_tail, filled,
-                    iota_along, is_sym, lowest_value, operand_avals, place_window, same_dim,
+                    iota_along, is_empty, is_sym, lowest_value, operand_avals, place_window, same_dim,
                     take_clamped, take_rows)
 
 
@@ -152,7 +152,14 @@ def _slice(ctx, eqn, invals):
 
 def _joined_moves(eqn):
     axis = eqn.params["dimension" if eqn.primitive.name == "concatenate" else "axis"]
-    return [(aval, (axis,)) for aval in operand_avals(eqn)]
+    avals = [aval for aval in operand_avals(eqn) if not is_empty(aval)]
+    if eqn.primitive.name == "concatenate":
+        parts = len(avals)
+    else:
+        parts = sum(1 for size in eqn.params["sizes"] if is_sym(size) or int(size))
+    if parts <= 1:
+        return []   # joined with (split into) empty pieces only (JAX's edge padding): in place
+    return [(aval, (axis,)) for aval in avals]
 
 
 @defrule("split", moves=_joined_moves, acts_on=acts_along_params)
@@ -164,7 +171,7 @@ def _split(ctx, eqn, invals):
         return None
     pieces = bind_eqn(eqn, invals)
     for k, (off, size) in enumerate(zip(offsets, sizes)):
-        if is_sym(off):
+        if is_sym(off) and (is_sym(size) or int(size)):     # an empty piece has no values
             start = ctx.length(off, x.shape)
             if jnp.ndim(start):     # ragged: each row's piece from its own offset
                 shape = [1] * x.ndim
@@ -178,6 +185,9 @@ def _split(ctx, eqn, invals):
 @defrule("concatenate", moves=_joined_moves, acts_on=acts_along_params)
 def _concatenate(ctx, eqn, invals):
     axis = eqn.params["dimension"]
+    pieces = [x for x, v in zip(invals, eqn.invars) if not is_empty(v.aval)]
+    if len(pieces) == 1:
+        return pieces       # the empty pieces add nothing: no offset to move it by
     sizes = [x.shape[axis] for x in invals]
     if not any(is_sym(s) for s in sizes[:-1]):
         return None             # every operand starts at a constant offset
