@@ -24,10 +24,21 @@ across a length axis is zeroed once, where it is made, and all its readers take 
 (its tail is "don't care" to the others): a masked copy beside the unmasked one cost XLA a
 second buffer for every weight gradient's operand.
 
+The interpreter and the layouts
+-------------------------------
+One interpreter (`_core.eval_jaxpr`, one step `_core.evaluate` per equation) runs every
+layout. Each variable's value has one annotation beside it (`_core.Known`: the axes already
+zeroed, whether it is made from lengths alone); a value held in a layout's own form -- per row
+(`RowVarying`), per sequence or per cell of packed rows -- is a wrapper the rules see. The step
+asks the layout, which is the evaluation context (`_core.Ctx` for padded and ragged rows,
+`_packed._PackedCtx` for packed ones), what differs: how it evaluates a held value, what it
+refuses whatever the rule, its rule for a primitive, and what a refused equation gives.
+
 Rules, by family (each registered next to its definition, like JAX's batching rules)
 -------------------------------------------------------------------------------------
 One registry (`_core`: one `_Entry` per primitive) holds each primitive's rule in every layout
--- padded (and ragged) rows, packed rows, a value held per sequence in packed rows -- and its
+-- padded (and ragged) rows, packed rows, a value held per sequence or per cell in packed
+rows -- and its
 facts, stated beside its padded rule with ``defrule``: what it moves (flagged on ragged rows),
 the window it reads (the shortest row it fits), the length axes it reads with zeroed tails,
 what it acts on (per-sequence values run per column through the rest). The interpreter asks

@@ -181,13 +181,9 @@ class Ctx:
         self.own_sizes = False  # True for a per-row context (see _eval_row_varying)
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
-        # id(value) -> (value, axes): values of this trace known to be 0 beyond the logical
-        # lengths of those axes (see `fill_tail`); only this context's own, since a child's
-        # masks also drop its ended rows.
-        self._zeroed: dict[int, tuple[Any, frozenset]] = {}
-        # id(value) -> value: values made from lengths alone (see `note_made_from_lengths`),
-        # one registry for the whole trace: a call's program reads its caller's values.
-        self._from_lengths: dict[int, Any] = parent._from_lengths if parent is not None else {}
+        # The values the current equation reads, and those its rule zeroed (`fill_tail`), each
+        # with its annotation (`Known`): set by `eval_jaxpr` around every equation.
+        self.reading: list[tuple[Any, Known]] = []
 
     @contextlib.contextmanager
     def applying(self, eqn, invals):
@@ -348,33 +344,48 @@ class Ctx:
         var = next(n for n, (_, r) in self.rows.items() if r == rows)
         return self.rows[var][0].shape
 
-    def note_made_from_lengths(self, x, invals) -> None:
-        """Remember ``x`` when it is made from lengths alone -- ``jnp.arange(row.shape[0])``,
+    def known(self, x, *, inherited: bool = False) -> "Known":
+        """The annotation of ``x`` when the current equation reads it or its rule made it (found
+        by identity: the value itself), else `PLAIN`. ``inherited``: also as a value of an
+        enclosing program's current equation (a call's operands are its caller's values), whose
+        ``from_lengths`` holds here too; a zeroed tail is only this context's own, since a
+        child's masks also drop its ended rows."""
+        ctx = self
+        while ctx is not None:
+            for y, k in reversed(ctx.reading):
+                if y is x:
+                    return k if ctx is self else Known(from_lengths=k.from_lengths)
+            ctx = ctx.parent if inherited else None
+        return PLAIN
+
+    def from_lengths_of(self, x, reading) -> bool:
+        """Whether ``x`` is made from lengths alone -- ``jnp.arange(row.shape[0])``,
         ``jnp.ones(n)``, a table cut to ``[:n, :n]``, and what elementwise code makes of them:
         a ragged length, no rows axis, and no input holding the rows' data. Every row sees
         the same values, but a sum over its tail is each row's own (see `length`). A value
         without rows that came from the rows' data (a sum over them, a gradient of a shared
-        table) is not one: its tail beyond a row's end holds the other rows' positions."""
+        table) is not one: its tail beyond a row's end holds the other rows' positions.
+        ``reading``: the equation's inputs with their annotations."""
         shape = getattr(x, "shape", None)
         if shape is None or isinstance(x, RowVarying):
-            return
+            return False
         try:
             rows = {r for r in map(self.rows_of, shape) if r is not None}
             if not rows or any(self.row_axes(shape, r) for r in rows):
-                return
-            for y in invals:
-                if self._from_lengths.get(id(y)) is y:
+                return False
+            for y, k in reading:
+                if k.from_lengths:
                     continue
                 if isinstance(y, RowVarying) or any(
                         self.rows_of(d) is not None or str(d) in rows
                         for d in getattr(y, "shape", ())):
-                    return
+                    return False
         except NoRule:
-            return
-        self._from_lengths[id(x)] = x
+            return False
+        return True
 
     def made_from_lengths(self, x) -> bool:
-        return self._from_lengths.get(id(x)) is x
+        return self.known(x, inherited=True).from_lengths
 
     def shapes_made_from_lengths(self, invals) -> frozenset:
         return frozenset(tuple(x.shape) for x in invals if self.made_from_lengths(x))
@@ -392,7 +403,7 @@ class Ctx:
         value of ``shape``: a length ragged along rows that the value has an axis for is that
         row's length (a vector shaped to broadcast along that axis); a value without one is
         real up to the longest row, which is right for a value that came from the rows' data
-        (``shared``). A value made from lengths alone (`note_made_from_lengths`) is the same in
+        (``shared``). A value made from lengths alone (`from_lengths_of`) is the same in
         every row, but what a rule makes of its tail -- a sum, a max, a flip -- differs per row
         and has no axis to hold each row's: `NoRule` for the shape of an input of the current
         equation made so, unless ``shared=True`` (the rule zeroes a rows operand per row); the
@@ -429,6 +440,27 @@ class Ctx:
     def physical(self, d):
         """The bucket size of a dimension as a value (``dim_as_value``, not rewritten)."""
         return self._cached("_physical", d, dim_as_value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """What the interpreter knows of one plain value beyond its aval: its annotation, one per
+    variable of the program being evaluated, held beside the value (`eval_jaxpr`) as JAX's
+    batching holds a tracer's batch dimension.
+
+    - ``zeroed``: the length axes beyond whose logical end the value holds 0 (`fill_tail`), so
+      a reader that needs that tail zeroed (a contraction, a sum) finds it done.
+    - ``from_lengths``: made from lengths alone (`Ctx.from_lengths_of`): the same in every row,
+      but what a rule makes of its tail is each row's own (`Ctx.length`).
+
+    A value held in another form (`RowVarying`, packed rows' per-sequence and per-cell values)
+    is its own annotation: a wrapper the rules see."""
+
+    zeroed: frozenset = frozenset()
+    from_lengths: bool = False
+
+
+PLAIN = Known()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,17 +545,17 @@ def fill_tail(ctx: Ctx, x, axes, fill, shared=None):
         shared = not ctx.made_from_lengths(x)
     zero = isinstance(fill, (bool, int, float, np.generic)) and fill == 0
     axes = frozenset(axes)
-    if zero:
-        known = ctx._zeroed.get(id(x))
-        if known is not None and known[0] is x and axes <= known[1]:
-            return x
-    mask = logical_mask(ctx, x.shape, axes, shared)
-    if mask is None:
+    if zero and axes <= ctx.known(x).zeroed:
         return x
-    out = lax.select(mask, x, filled(x.shape, fill, x.dtype))
-    if zero:
-        ctx._zeroed[id(out)] = (out, axes)
+    out = _masked(ctx, x, axes, fill, shared)
+    if zero and out is not x:
+        ctx.reading.append((out, Known(zeroed=axes)))
     return out
+
+
+def _masked(ctx: Ctx, x, axes, fill, shared):
+    mask = logical_mask(ctx, x.shape, axes, shared)
+    return x if mask is None else lax.select(mask, x, filled(x.shape, fill, x.dtype))
 
 
 def _zeroed_reads(jaxpr) -> dict:
@@ -543,14 +575,20 @@ def _zeroed_reads(jaxpr) -> dict:
     return reads
 
 
-def _zero_read_tails(ctx: Ctx, reads, v, x):
+def _zero_read_tails(ctx: Ctx, reads, v, x, known: Known) -> tuple[Any, Known]:
+    """``x`` (the value of ``v``, annotated ``known``) zeroed beyond its lengths along the axes
+    its readers need zeroed (`_zeroed_reads`), with its annotation."""
     axes = reads.get(v)
     if axes is None or not hasattr(x, "shape") or isinstance(x, RowVarying):
-        return x
+        return x, known
+    axes = frozenset(axes)
+    if axes <= known.zeroed:
+        return x, known
     try:
-        return fill_tail(ctx, x, axes, 0)
+        out = _masked(ctx, x, axes, 0, not known.from_lengths)
     except NoRule:
-        return x        # the reader's own rule says why
+        return x, known        # the reader's own rule says why
+    return (x, known) if out is x else (out, Known(zeroed=axes))
 
 
 def take_clamped(ctx: Ctx, x, idx, axis):
@@ -742,26 +780,44 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
 
     reads = _zeroed_reads(jaxpr)
     unread = _only_reach_empty(jaxpr)
+    known: dict[Any, Known] = {}      # each variable's annotation, beside its value
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
-        env[v] = _zero_read_tails(ctx, reads, v, x)
+        # A caller's value passed in (a call's operands) keeps what its program knew of it.
+        env[v], known[v] = _zero_read_tails(ctx, reads, v, x,
+                                            Known(from_lengths=ctx.made_from_lengths(x)))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
+        scope = [(x, known.get(v, PLAIN) if isinstance(v, jax.extend.core.Var) else PLAIN)
+                 for v, x in zip(eqn.invars, invals)]
+        outer, ctx.reading = ctx.reading, scope
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-                eqn.ctx.manager:
-            outvals = _folded(eqn, invals)
-            if outvals is None and id(eqn) in unread:     # its values reach no result
-                outvals = [like_aval(filled(v.aval.shape, 0, v.aval.dtype), v.aval)
-                           for v in eqn.outvars]
-            if outvals is None:
-                outvals = ctx.evaluate(eqn, invals)
+        try:
+            with source_info_util.user_context(eqn.source_info.traceback,
+                                               name_stack=name_stack), eqn.ctx.manager:
+                outvals = _folded(eqn, invals)
+                if outvals is None and id(eqn) in unread:     # its values reach no result
+                    outvals = [like_aval(filled(v.aval.shape, 0, v.aval.dtype), v.aval)
+                               for v in eqn.outvars]
+                if outvals is None:
+                    outvals = ctx.evaluate(eqn, invals)
+        finally:
+            ctx.reading = outer
         for v, x in zip(eqn.outvars, outvals):
             if not isinstance(v, jax.extend.core.DropVar):
-                ctx.note_made_from_lengths(x, invals)
-                env[v] = _zero_read_tails(ctx, reads, v, x)
-    return [read(v) for v in jaxpr.outvars]
+                # An input passed through, or a value the rule zeroed or a sub-program made,
+                # keeps its annotation; anything else may be made from lengths alone.
+                k = next((k for y, k in reversed(scope) if y is x), PLAIN)
+                k = Known(k.zeroed, k.from_lengths or ctx.from_lengths_of(x, scope[:len(invals)]))
+                env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k)
+    outs = [read(v) for v in jaxpr.outvars]
+    if ctx.parent is not None:
+        # What this program made from lengths alone stays so for its caller (a call's results).
+        ctx.parent.reading.extend(
+            (x, Known(from_lengths=True)) for v, x in zip(jaxpr.outvars, outs)
+            if isinstance(v, jax.extend.core.Var) and known.get(v, PLAIN).from_lengths)
+    return outs
 
 
 def eval_closed(ctx: Ctx, closed, args) -> list:
