@@ -196,7 +196,9 @@ def test_choose_layout_packs_when_packing_is_cheaper(fixed_cost):
     fixed_cost["cost"] = buckets.CostModel(compile_seconds=1.0, seconds_per_cell=1e-3)
     step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
                            layout="auto")
-    choice = choose_layout(step, _state(), LENGTHS, epochs=2, batch_size=4)
+    # max_tokens=256: 4 rows of 64 a step (batch_size=4 would take the rows holding about 4
+    # examples a step: 2; tests/test_training.py checks that rule).
+    choice = choose_layout(step, _state(), LENGTHS, epochs=2, max_tokens=256)
     assert choice.layout == "pack" and choice.row_lengths == (64,) and choice.pack_rows == {64: 4}
     assert choice.pack.seconds < choice.pad.seconds
     assert choice.pack.compiles == 0                 # the measured program is the one that runs
@@ -227,7 +229,7 @@ def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fix
         for _ in range(2):
             step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[16, 64],
                                    batch_buckets=[4], layout="auto")
-            choice = choose_layout(step, _state(), LENGTHS, epochs=2, batch_size=4, seed=3,
+            choice = choose_layout(step, _state(), LENGTHS, epochs=2, max_tokens=256, seed=3,
                                    examples=examples, next_arg=lambda output: output[0])
             ((batch, output),) = choice.first_steps
             np.testing.assert_array_equal(batch.indices, first.indices)
@@ -276,7 +278,7 @@ def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkey
     examples = _priced(monkeypatch, per_cell, compile_seconds=0.01)
     step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
                            layout="auto")
-    choice = choose_layout(step, _state(), lengths, epochs=3, batch_size=4, examples=examples,
+    choice = choose_layout(step, _state(), lengths, epochs=3, max_tokens=256, examples=examples,
                            next_arg=lambda output: output[0])
     # Both timed calls ran the two-length plan's first batch of their row length, the short
     # one on the long one's output: both kept, in that order, as the run's first steps.
@@ -305,7 +307,7 @@ def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkey
     per_cell[16] = 1e-3
     step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[64], batch_buckets=[4],
                            layout="auto")
-    again = choose_layout(step, _state(), lengths, epochs=3, batch_size=4)
+    again = choose_layout(step, _state(), lengths, epochs=3, max_tokens=256)
     assert step.stats.compiles == 2 and set(again.pack.shapes) == {(4, 64)}
 
 
