@@ -441,6 +441,13 @@ class Ctx:
         """The bucket size of a dimension as a value (``dim_as_value``, not rewritten)."""
         return self._cached("_physical", d, dim_as_value)
 
+    def all_real(self, d) -> bool:
+        """Whether every position along an axis of length ``d`` is real in this layout, so
+        that `logical_mask` needs no ``iota < length`` along it. Never in the pad layout,
+        whose rows axis holds padding rows and length axes a tail; the packed layout says
+        which of its axes (`_packed._PackedCtx.all_real`)."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class Known:
@@ -528,6 +535,8 @@ def logical_mask(ctx: Ctx, shape, axes, shared=None):
                 if rows is None or str(shape[a]) != rows:
                     continue       # only a rows axis read across drops other axes' tails
             checked.add(b)
+            if ctx.all_real(shape[b]):
+                continue
             m = iota_along(shape, b) < ctx.length(shape[b], shape, shared)
             mask = m if mask is None else lax.bitwise_and(mask, m)
         if (ctx.alive is not None and is_sym(shape[a])

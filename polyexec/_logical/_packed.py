@@ -256,6 +256,13 @@ class _PackedCtx(Ctx):
     def row_mask(self, rows: str):
         return self.alive
 
+    def all_real(self, d) -> bool:
+        """The rows axis: `length` counts every physical row, so ``iota < B`` is true
+        everywhere; which cells are real the frame says, and inside a packed scan ``alive``.
+        Kept, that always-true mask cost the packed GRU's backward loop five loop-invariant
+        masks carried through it and an ``and`` in each of its twelve per-step selects."""
+        return is_sym(d) and str(d) == self.rows_name
+
     def per_row(self, d, *, as_value: bool = False):
         raise NoRule(f"the length {d} is per row, and a packed row holds several sequences")
 
@@ -1585,8 +1592,7 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
     keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
     carry, ys, steps = frozen_scan(
         ctx, eqn, consts, starting, xs, carry_axes, stop,
-        alive_at=lambda at: at_step(in_frame, at, 1),
-        restart_at=lambda at: at_step(first, at, 1), freeze=False,
+        alive_at=_step_mask(in_frame), restart_at=_step_mask(first), freeze=False,
         consts_at=at(consts), init_at=at(init), keep=keep)
     final = []
     for c, c0, shape, a, kept in zip(carry, init, init_shapes, carry_axes, steps):
@@ -1598,6 +1604,15 @@ def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
             final.append(_final_carry(ctx, kept, held(ctx, c0, shape), length,
                                       p["reverse"]))
     return [*final, *ys]
+
+
+def _step_mask(mask):
+    """A ``(rows, columns)`` bool mask as a function of the step ``at`` (a column): stored
+    as ``(columns, rows)``, each step reads one contiguous row of it, where a column of the
+    ``(rows, columns)`` array is a strided read -- one kernel less in the packed GRU's
+    forward loop."""
+    by_step = mask.T
+    return lambda at: at_step(by_step, at)
 
 
 def _final_carry(ctx: _PackedCtx, steps, initial: PerSequence, length, reverse: bool):
