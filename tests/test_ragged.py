@@ -37,6 +37,16 @@ def run(g, x, lengths, **options):
     return f, f(x, np.asarray(lengths, np.int32))
 
 
+def assert_packed_or_run_padded_naming_the_line(f, layout, caught):
+    """Packed, a plan that cannot pack runs padded with one warning naming this file's line;
+    anything else runs without a warning."""
+    if layout == "pack" and not f.plan.can_pack:
+        assert "test_ragged.py" in f.plan.packing_reason
+        assert any("cannot run packed rows" in str(w.message) for w in caught)
+    else:
+        assert not caught, [str(w.message) for w in caught]
+
+
 def _scan_final(r):
     return jax.lax.scan(lambda h, xt: (jnp.tanh(h @ W + xt), h), jnp.zeros(3), r)[0]
 
@@ -291,11 +301,7 @@ def test_a_value_made_from_the_row_length_alone_is_each_rows_own(name, layout):
             have = np.asarray(have)[b][tuple(slice(0, n) for n in np.shape(want))]
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=f"row {b}")
     assert f.plan.padding_safe
-    if layout == "pack" and not f.plan.can_pack:      # run padded, the line named
-        assert "test_ragged.py" in f.plan.packing_reason
-        assert any("cannot run packed rows" in str(w.message) for w in caught)
-    else:
-        assert not caught, [str(w.message) for w in caught]
+    assert_packed_or_run_padded_naming_the_line(f, layout, caught)
 
 
 def test_lengths_beyond_a_rows_size_are_refused_before_compiling():
@@ -554,11 +560,7 @@ def test_a_rows_last_token_by_its_length_is_each_rows_own(name, layout):
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     if layout == "pack":
         assert f.plan.can_pack == ("take_along_axis" in name), f.plan.packing_reason
-    if layout == "pack" and not f.plan.can_pack:      # run padded, the line named
-        assert "test_ragged.py" in f.plan.packing_reason
-        assert any("cannot run packed rows" in str(w.message) for w in caught)
-    else:
-        assert not caught, [str(w.message) for w in caught]
+    assert_packed_or_run_padded_naming_the_line(f, layout, caught)
 
 
 @pytest.mark.parametrize("layout", ["pad", "pack"])
@@ -711,11 +713,7 @@ def test_whole_batch_idioms_read_each_rows_own_end(name, layout):
             want = np.asarray(want)[0]
             have = np.asarray(have)[b][tuple(slice(0, n) for n in want.shape)]
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
-    if layout == "pack" and not f.plan.can_pack:      # run padded, the line named
-        assert "test_ragged.py" in f.plan.packing_reason
-        assert any("cannot run packed rows" in str(w.message) for w in caught)
-    else:
-        assert not caught, [str(w.message) for w in caught]
+    assert_packed_or_run_padded_naming_the_line(f, layout, caught)
 
 
 def test_a_row_shorter_than_a_reflection_is_refused_naming_the_line():
