@@ -191,7 +191,8 @@ def _while(ctx, eqn, invals):
         return eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c])
 
     if not eqn.params["cond_jaxpr"].out_avals[0].shape:
-        probe = pred(list(init))
+        # Only ragged rows give a per-row condition; the probe traces it once more, outside.
+        probe = pred(list(init)) if ctx.rows else None
         if isinstance(probe, RowVarying):
             return _per_row_while(ctx, eqn, pred, body, init, probe.rows)
         return list(lax.while_loop(pred, body, list(init)))
