@@ -96,20 +96,73 @@ def flat_program(fn: Callable, convention: Convention, bucket: Mapping[str, int]
         args = convention.signature.unflatten(parts.arrays, parts.poly)
         with binding(parts.sizes, bucket):
             out = fn(*args)
-        keyed, out_tree = jax.tree_util.tree_flatten_with_path(out)
-        leaves = []
-        for keypath, leaf in keyed:
-            if isinstance(leaf, (int, float, complex, np.generic)) or export.is_symbolic_dim(leaf):
-                leaf = jnp.asarray(leaf)    # as jax.jit returns them (``x.shape[0]``: a value)
-            elif not isinstance(leaf, (jax.Array, np.ndarray)) and not hasattr(leaf, "aval"):
-                raise PolyexecError(f"output out{jax.tree_util.keystr(keypath)}: expected an "
-                                    f"array or a number, received {type(leaf).__name__}")
-            leaves.append(leaf)
+        arrays, out_tree = _static_outputs_apart(out)
+        keyed = jax.tree_util.tree_flatten_with_path(arrays)[0]
+        leaves = [jnp.asarray(leaf) if _is_number(leaf) else leaf for _, leaf in keyed]
         out_cell[:] = [out_tree, tuple(jax.tree_util.keystr(k) for k, _ in keyed)]
         return tuple(leaves)
 
     run.__name__ = getattr(fn, "__name__", "fn")
     return run
+
+
+def _is_number(leaf) -> bool:
+    """A Python or NumPy number, or ``x.shape[0]``: an output value, as jax.jit returns it."""
+    return isinstance(leaf, (int, float, complex, np.generic)) or export.is_symbolic_dim(leaf)
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray)) or hasattr(leaf, "aval")
+
+
+class _StaticOutputs:
+    """An output whose leaves are not all arrays or numbers (a model holding its activation
+    function, returned by a train step): the arrays are the program's outputs, and the other
+    leaves are static -- returned as the trace made them, the same at every bucket (equinox's
+    filter semantics, as for the arguments). Its treedef (`_static_outputs_apart`) puts them
+    back when the outputs are unflattened."""
+
+    def __init__(self, arrays, static):
+        self.arrays, self.static = arrays, static
+
+
+class _Identity:
+    """Aux data compared by identity: static leaves need not be hashable."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(
+    _StaticOutputs, lambda w: ((w.arrays,), _Identity(w.static)),
+    lambda aux, children: jax.tree_util.tree_map(
+        lambda a, s: s if a is None else a, children[0], aux.value, is_leaf=lambda x: x is None))
+
+
+def _static_outputs_apart(out) -> tuple[Any, Any]:
+    """``(arrays, out_tree)``: the output's arrays and numbers (None elsewhere), and the
+    treedef whose unflatten gives the user's output back from them. A static leaf is a
+    function or a string; anything else could hide a traced value, and is refused by path."""
+    keyed = jax.tree_util.tree_flatten_with_path(out)[0]
+    for keypath, leaf in keyed:
+        if not (_is_array(leaf) or _is_number(leaf) or callable(leaf)
+                or isinstance(leaf, (str, bytes))):
+            raise PolyexecError(f"output out{jax.tree_util.keystr(keypath)}: expected an array, "
+                                f"a number, or a static function or string, received "
+                                f"{type(leaf).__name__}")
+    if all(_is_array(x) or _is_number(x) for _, x in keyed):
+        return out, jax.tree_util.tree_structure(out)
+    arrays = jax.tree_util.tree_map(lambda x: x if _is_array(x) or _is_number(x) else None, out)
+    static = jax.tree_util.tree_map(lambda x: None if _is_array(x) or _is_number(x) else x, out)
+    return arrays, jax.tree_util.tree_structure(_StaticOutputs(arrays, static))
+
+
+def array_outputs(out_tree):
+    """The structure of an output's arrays alone (static leaves as None): what ``out_specs``
+    describe."""
+    if out_tree.node_data() is not None and out_tree.node_data()[0] is _StaticOutputs:
+        return out_tree.children()[0]
+    return out_tree
 
 
 # -- reading a jaxpr --------------------------------------------------------------------------
