@@ -61,7 +61,7 @@ def save(path, *, name: str, exported: Any, variables: Sequence[LengthVar],
         "format": FORMAT, "name": name, "jax": jax.__version__,
         "variables": [{"name": v.name, "min": v.min, "max": v.max} for v in variables],
         "inputs": inputs, "outputs": list(out_paths), "padding_reason": padding_reason,
-        "row_floors": [{"var": f.var, "length": f.length, "where": f.where} for f in row_floors],
+        "row_floors": [dataclasses.asdict(f) for f in row_floors],
         "raised_mins": [dataclasses.asdict(r) for r in raised_mins],
         "program": {"offset": 0, "length": len(program)}, "constants": stored,
         "sha256": hashlib.sha256(payload).hexdigest(),
@@ -129,8 +129,7 @@ def load(path) -> dict[str, Any]:
                       input_paths=tuple(paths), input_specs=tuple(specs),
                       out_paths=tuple(header["outputs"]),
                       padding_reason=header.get("padding_reason"),
-                      row_floors=tuple(RowFloor(f["var"], int(f["length"]), f["where"])
-                                       for f in header.get("row_floors", ())),
+                      row_floors=tuple(RowFloor(**f) for f in header.get("row_floors", ())),
                       raised_mins=tuple(RaisedMin(**r) for r in header.get("raised_mins", ())),
                       constants=tuple(constants) or None)
     except (KeyError, TypeError, ValueError, PolyexecError) as e:

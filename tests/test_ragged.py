@@ -386,21 +386,29 @@ def test_a_row_shorter_than_a_fixed_window_is_refused_naming_the_line(layout, tm
 
 
 @pytest.mark.parametrize("layout", ["pad", "pack"])
-def test_a_rows_length_minus_one_is_minus_one_for_an_empty_row(layout):
-    """``r.shape[0] - 1`` as a number is what plain JAX computes, -1 for an empty row (as the
-    length of an axis it is 0 positions): an unbiased covariance of an empty row is -0, not
-    NaN, and its count is -1."""
+def test_a_rows_length_minus_one_as_a_value_refuses_an_empty_row(layout):
+    """``T - 1`` as a number is ambiguous for a row of 0, below T's min: as arithmetic
+    (``r.shape[0] - 1``, an unbiased covariance's divisor) plain JAX gives -1, as the length of
+    an axis (``jnp.mean(r[1:])`` divides by it) 0 positions -- the same expression in the
+    program. So an empty row is refused before compiling, naming the line; from 1 up both
+    readings agree, and the results are exact."""
     def g(r):
         c = r - r.mean(0)
         return jnp.einsum("tf,tg->fg", c, c) / (r.shape[0] - 1), jnp.float32(r.shape[0] - 1)
 
-    lengths = [0, 2, 5, 1]
+    lengths = [2, 5, 1]
     x, rows = ragged_batch(lengths)
-    _, (cov, count) = run(jax.vmap(g), x, lengths, layout=layout)
+    f, (cov, count) = run(jax.vmap(g), x, lengths, layout=layout)
     for b, r in enumerate(rows):
         want_cov, want_count = g(jnp.asarray(r))
         np.testing.assert_allclose(cov[b], want_cov, rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
         assert count[b] == want_count
+    x, _ = ragged_batch([0, 2])
+    with px.forbid_compiles(), pytest.raises(px.SpecError) as info:
+        f(x, np.array([0, 2], np.int32))
+    message = str(info.value)
+    assert message.startswith("args[1][0] = 0: lengths of 'T' must be >= 1"), message
+    assert "test_ragged.py" in message and "uses the length T - 1 as a value" in message
 
 
 ROWS_MOVED = {

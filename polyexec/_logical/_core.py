@@ -52,6 +52,12 @@ class RowFloor:
     var: str            # the ragged length variable
     length: int         # rows of ``var`` shorter than this read past their end
     where: str          # the user's line: "file:line: `source`"
+    why: str = ""       # what the line does to a shorter row ("": reads a fixed-size window)
+
+    def explain(self) -> str:
+        return self.why or (f"reads a fixed-size window of every row up to position "
+                            f"{self.length}, past the end of a shorter row (drop or pad shorter "
+                            f"rows, or slice to min(length, ...) positions)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1043,9 +1049,31 @@ def _note_row_floor(ctx: Ctx, eqn, invals) -> None:
             continue
         lo, _ = dim_bounds(var_dim(var, n.scope))
         short = [t for t in range(int(lo)) if _reads_past(var, t, n, start, size)]
-        floor = max(short, default=-1) + 1
-        if floor > getattr(ctx.recorder.floors.get(var), "length", 0):
-            ctx.recorder.floors[var] = RowFloor(var, floor, ctx.where(eqn))
+        _raise_floor(ctx, RowFloor(var, max(short, default=-1) + 1, ctx.where(eqn)))
+
+
+def _raise_floor(ctx: Ctx, floor: RowFloor) -> None:
+    if floor.length > getattr(ctx.recorder.floors.get(floor.var), "length", 0):
+        ctx.recorder.floors[floor.var] = floor
+
+
+def note_value_floor(ctx: Ctx, eqn, d) -> None:
+    """Record (`RowFloor`) the shortest row whose length ``d`` (``x.shape[0]`` of per-row code,
+    used as a value) means one thing: below the declared min, ``d`` can be negative (``T - 1``
+    at a row of 0), and then the jaxpr cannot tell the length of an axis (``r[1:]`` has no
+    positions there: ``jnp.mean`` of that row alone divides by 0) from arithmetic on one
+    (``r.shape[0] - 1`` is -1). Rows that short are refused rather than given either."""
+    var = _ragged_variable(ctx, d)
+    if var is None:
+        return
+    lo, _ = dim_bounds(var_dim(var, d.scope))
+    negative = [t for t in range(int(lo)) if int(evaluate_dim(d, {var: t})) < 0]
+    if negative:
+        floor = max(negative) + 1
+        _raise_floor(ctx, RowFloor(var, floor, ctx.where(eqn), why=(
+            f"uses the length {d} as a value, which is negative for a row shorter than "
+            f"{floor}: whether that is an axis with no positions or arithmetic on one is not "
+            f"in the program (drop the shorter rows)")))
 
 
 def _reads_past(var: str, t: int, n, start, size) -> bool:
