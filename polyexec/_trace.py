@@ -573,9 +573,11 @@ _FORMS_THAT_WORK = {
         "`lax.scan(lambda h, t: (body(t, h), None), h0, jnp.arange(x.shape[1]))[0]`, which "
         "polyexec runs over each row's real length"),
     "associative scan over axis of non-constant size": (
-        "JAX's associative_scan needs a constant length; for a sum, product, max or min use "
-        "jnp.cumsum, jnp.cumprod, lax.cummax or lax.cummin, and lax.scan for any other "
-        "combination: each runs over each row's real length"),
+        "JAX's associative_scan needs a constant length, and so do the gradients of "
+        "jnp.cumprod, lax.cummax, lax.cummin and lax.cumlogsumexp, which JAX computes with it; "
+        "jnp.cumsum (values and gradients), those four without gradients, and lax.scan over "
+        "the positions for any combination with gradients each run over each row's real "
+        "length"),
 }
 
 

@@ -647,12 +647,21 @@ def _scan_cell(x):
     return jax.lax.scan(step, jnp.zeros((x.shape[0], 3)), jnp.arange(x.shape[1]))[0]
 
 
+def _scan_cummax(x):
+    step = lambda m, t: (jnp.maximum(m, x[:, t]),) * 2       # noqa: E731
+    start = jnp.full((x.shape[0], *x.shape[2:]), -jnp.inf, x.dtype)
+    return jnp.moveaxis(jax.lax.scan(step, start, jnp.arange(x.shape[1]))[1], 0, 1)
+
+
 # Idioms JAX cannot trace over a symbolic length (so reshaping is impossible), and the form the
 # verdict names instead, which must then be exact, values and gradients.
 JAX_CANNOT = {
     "fori_loop's gradient": (_fori_cell, _scan_cell, "jnp.arange(x.shape[1])"),
     "associative_scan": (lambda x: jax.lax.associative_scan(jnp.add, x, axis=1),
                          lambda x: jnp.cumsum(x, 1), "jnp.cumsum"),
+    # JAX differentiates cummax (cummin, cumprod, cumlogsumexp) with an associative scan.
+    "cummax's gradient": (lambda x: jax.lax.cummax(x, 1), _scan_cummax,
+                          "the gradients of jnp.cumprod, lax.cummax"),
 }
 
 
