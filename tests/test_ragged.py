@@ -85,6 +85,7 @@ PER_ROW = {
     "multi-head attention": _multi_head,
     "pad": lambda r: jnp.pad(r, ((1, 2), (0, 0)), constant_values=5.0),
     "concatenate": lambda r: jnp.concatenate([r, 2 * r]),
+    "repeat": lambda r: jnp.repeat(r, 2, axis=0),      # (B, T, 2, 3) -> (B, 2*T, 3)
     "conv": lambda r: jax.lax.conv_general_dilated(r[None], np.full((3, 3, 3), 0.1, np.float32),
                                                    (1,), "SAME",
                                                    dimension_numbers=("NWC", "WIO", "NWC"))[0],

@@ -304,11 +304,17 @@ def _ragged_merge(ctx, x, src, dst):
 
 def _prefix_preserving(src, dst) -> bool:
     """Only unit axes added or removed ((B, T-1, 1) <-> (B, T-1)), or one length axis on each
-    side preceded by the same number of constant rows ((T, 4) <-> (4*T,)): either way each
-    position keeps its logical block a prefix."""
+    side preceded by the same number of constant rows ((T, 4) <-> (4*T,)), after the leading
+    axes both keep ((B, T, 2, F) -> (B, 2*T, F): ``jnp.repeat`` along T): either way each
+    position keeps its logical block a prefix (a ragged row's own)."""
     if definitely_equal_shape([d for d in src if not _is_unit(d)],
                               [d for d in dst if not _is_unit(d)]):
         return True
+    kept = 0
+    while (kept < min(len(src), len(dst)) and is_sym(src[kept])
+           and same_dim(src[kept], dst[kept])):
+        kept += 1       # row-major: a leading axis both sides keep keeps every index on it
+    src, dst = src[kept:], dst[kept:]
     s = [a for a, d in enumerate(src) if is_sym(d)]
     d = [a for a, e in enumerate(dst) if is_sym(e)]
     if len(s) != 1 or len(d) != 1:
