@@ -32,6 +32,7 @@ from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_
                        is_jax_internal, is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
+from ._logical import RowFloor
 from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, DIM_ORDER_CODES, InconclusiveDimension,
                              UnexpectedDimVar, dim_bounds, dim_vars, evaluate_dim,
                              undecided_comparison)
@@ -73,6 +74,8 @@ class Traced:
     out_paths: tuple[str, ...]
     avals: tuple[Any, ...]       # the symbolic input avals: their scope is the program's
     lower: Callable[[], Any] = dataclasses.field(repr=False)
+    # Ragged rows the trace's branches rule out (`_logical.RowFloor`, `_record_branch_floor`).
+    floors: tuple[Any, ...] = ()
 
     @functools.cached_property
     def exported(self) -> Any:
@@ -306,8 +309,49 @@ def _record_raise_decided(frame, op: str, answer: bool, records: list,
             return
 
 
+def _is_jnp(filename: str) -> bool:
+    """``jax.numpy``'s own code: a size comparison there is the function's meaning
+    (``jnp.linspace``'s ``num > 1``), where lax's and core's are shape rules and caches."""
+    return f"{os.sep}jax{os.sep}_src{os.sep}numpy{os.sep}" in os.path.abspath(filename)
+
+
+def _record_branch_floor(frame, op: str, answer: bool, floors: list,
+                         below: Mapping[str, int]) -> None:
+    """A ragged row below its variable's declared min (``below``: var -> min) is admitted
+    (the min is often there for JAX alone), but the trace assumed the min: a branch of the
+    user's code, a library's or jnp's that the min decided (``if n > 1``; ``jnp.linspace``'s
+    ``num > 1`` at T >= 2) would go the other way for such a row, its result silently another.
+    Record the shortest row that takes the traced branch (`_logical.RowFloor`)."""
+    caller = _comparing_frame(frame)
+    if caller is None or (is_jax_internal(caller.f_code.co_filename)
+                          and not _is_jnp(caller.f_code.co_filename)):
+        return
+    compared = _compared(frame)
+    if compared is None:
+        return
+    self, other = compared
+    names = dim_vars(self - other)
+    if len(names) != 1 or next(iter(names)) not in below:
+        return
+    (var,) = names
+    other_way = [t for t in range(below[var])
+                 if _OPERATORS[op](int(evaluate_dim(self, {var: t})),
+                                   int(evaluate_dim(other, {var: t}))) != answer]
+    if not other_way:
+        return
+    while caller is not None and is_library(caller.f_code.co_filename):
+        caller = caller.f_back      # the user's call into jnp or the library
+    floor = max(other_way) + 1
+    floors.append(RowFloor(var, floor, _line_of(caller) if caller is not None else "<unknown>",
+                           why=(f"branches on `{self} {op} {other}`, which the declared min of "
+                                f"{var} decides ({answer}); a row shorter than {floor} would "
+                                f"take the other branch (drop or pad shorter rows)")))
+
+
 @contextlib.contextmanager
-def _comparisons_recorded(records: list, raised: Sequence["RaisedMin"] = ()) -> Iterator[None]:
+def _comparisons_recorded(records: list, raised: Sequence["RaisedMin"] = (),
+                          floors: list | None = None,
+                          below: Mapping[str, int] | None = None) -> Iterator[None]:
     previous = sys.getprofile()
     if previous is not None and not callable(previous):
         # A C-level profiler (cProfile) cannot be chained from Python: leave it in charge.
@@ -322,8 +366,15 @@ def _comparisons_recorded(records: list, raised: Sequence["RaisedMin"] = ()) -> 
                     _record_comparison(frame, records)
                 if raised:
                     _record_raise_decided(frame, "==", arg, records, raised)
-            elif raised and frame.f_code in DIM_ORDER_CODES:
-                _record_raise_decided(frame, DIM_ORDER_CODES[frame.f_code], arg, records, raised)
+                if below:
+                    _record_branch_floor(frame, "==", arg, floors, below)
+            elif frame.f_code in DIM_ORDER_CODES:
+                if raised:
+                    _record_raise_decided(frame, DIM_ORDER_CODES[frame.f_code], arg, records,
+                                          raised)
+                if below:
+                    _record_branch_floor(frame, DIM_ORDER_CODES[frame.f_code], arg, floors,
+                                         below)
         if previous is not None:
             previous(frame, event, arg)
 
@@ -387,14 +438,18 @@ def trace_symbolic(fn: Callable, convention: Convention, counter: TraceCounter,
     avals = convention.avals(symbolic_dims(variables))
     # Handed values have no concrete stand-in: a failure there is judged by its message alone.
     concrete = None if convention.count("handed") else {v.name: v.max for v in variables}
+    # Ragged rows may be shorter than their variable's min (`_record_branch_floor`).
+    below = {v.name: v.min for v in variables if v.name in convention.rows_at and v.min > 0}
     return trace_program(run, avals, [v.name for v in variables], cell, concrete,
-                         bounds={v.name: (v.min, v.max) for v in variables}, raised=raised)
+                         bounds={v.name: (v.min, v.max) for v in variables}, raised=raised,
+                         below=below)
 
 
 def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cell: list,
                   concrete: Mapping[str, int] | None = None, *,
                   bounds: Mapping[str, tuple[int, int]] | None = None,
-                  raised: Sequence[RaisedMin] = ()) -> Traced | Failed:
+                  raised: Sequence[RaisedMin] = (),
+                  below: Mapping[str, int] | None = None) -> Traced | Failed:
     """Trace a flat program over symbolic avals (its lowering waits for `Traced.exported`). A
     failure that needs a concrete size, or a size comparison JAX cannot decide, gives `Failed`
     with the user's line -- tracing, or lowering when it comes; any other exception is a bug in
@@ -410,10 +465,11 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
     code that only the raise decides is a failure, naming the line."""
     jitted = jax.jit(run)
     comparisons: list[Comparison] = []
+    floors: list = []
     failure = functools.partial(_shape_failure, jitted=jitted, run=run, avals=avals, names=names,
                                 concrete=concrete, bounds=bounds or {})
     try:
-        with _comparisons_recorded(comparisons, raised):
+        with _comparisons_recorded(comparisons, raised, floors, below):
             jaxpr = jitted.trace(*avals).jaxpr
     except ConcreteSizeRequested as e:
         line = linecache.getline(e.filename, e.lineno).strip()
@@ -444,7 +500,7 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
         except SHAPE_ERRORS as e:
             return failure(e)
 
-    return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower)
+    return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower, tuple(floors))
 
 
 def _shape_failure(error: BaseException, *, jitted, run: Callable, avals: Sequence[Any],

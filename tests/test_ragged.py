@@ -242,7 +242,8 @@ def test_hand_written_masks_stay_correct():
 
 @pytest.mark.parametrize("g, words", [
     (jax.vmap(lambda r: jnp.tile(r, (2, 1))), "tile reads the length T"),
-    (lambda x: x.reshape(x.shape[0], -1).sum(1), "a reshape of"),
+    # Each row's real cells interleaved with its padding (B, 3, T) -> (B, 3*T): no prefix.
+    (lambda x: jnp.swapaxes(x, 1, 2).reshape(x.shape[0], -1).sum(1), "a reshape of"),
 ])
 def test_what_has_no_per_row_rule_is_flagged_naming_the_line(g, words):
     x, _ = ragged_batch([5, 1, 9, 3])
@@ -386,6 +387,37 @@ def test_a_row_shorter_than_a_fixed_window_is_refused_naming_the_line(layout, tm
         loaded(x, np.array([5, 1, 2], np.int32))
 
 
+def _linspace_positions(r):
+    return r * jnp.linspace(0, 1, r.shape[0])[:, None]      # jnp branches on num > 1
+
+
+def _branch_on_length(r):
+    return r.sum(0) if r.shape[0] > 2 else -r.sum(0)        # T's min of 3 decides it
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("g, floor", [(_linspace_positions, 2), (_branch_on_length, 3)],
+                         ids=["jnp.linspace", "the user's if"])
+def test_a_branch_the_declared_min_decides_refuses_the_rows_it_rules_out(g, floor, layout):
+    """A row below T's declared min is admitted, but the trace took the branches the min
+    decides: ``jnp.linspace``'s ``num > 1``, the user's own ``if``. A row that would take the
+    other branch is refused before compiling, naming the line (``linspace(0, 1, T)`` gave a
+    row of 1 ``[1]`` where alone it is ``[0]``); the rows that take it are exact."""
+    f = with_min_3(lambda x, lengths: jax.vmap(g)(x), layout)
+    x, rows = ragged_batch([5, floor])
+    got = f(x, np.array([5, floor], np.int32))
+    for b, r in enumerate(rows):
+        want = np.asarray(g(jnp.asarray(r)))
+        np.testing.assert_allclose(np.asarray(got)[b][tuple(slice(0, n) for n in want.shape)],
+                                   want, rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
+    x, _ = ragged_batch([5, floor - 1])
+    with px.forbid_compiles(), pytest.raises(px.SpecError) as info:
+        f(x, np.array([5, floor - 1], np.int32))
+    message = str(info.value)
+    assert message.startswith(f"args[1][1] = {floor - 1}: lengths of 'T' must be >= {floor}")
+    assert "test_ragged.py" in message and "the other branch" in message, message
+
+
 @pytest.mark.parametrize("layout", ["pad", "pack"])
 def test_a_rows_length_minus_one_as_a_value_refuses_an_empty_row(layout):
     """``T - 1`` as a number is ambiguous for a row of 0, below T's min: as arithmetic
@@ -409,7 +441,7 @@ def test_a_rows_length_minus_one_as_a_value_refuses_an_empty_row(layout):
         f(x, np.array([0, 2], np.int32))
     message = str(info.value)
     assert message.startswith("args[1][0] = 0: lengths of 'T' must be >= 1"), message
-    assert "test_ragged.py" in message and "uses the length T - 1 as a value" in message
+    assert "test_ragged.py" in message and "uses the length T - 1 as a number" in message
 
 
 ROWS_MOVED = {

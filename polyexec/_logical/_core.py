@@ -524,6 +524,9 @@ class RowVarying:
 
     value: Any
     rows: str
+    # Made from a length that is negative for rows below the declared min (`value_floor`):
+    # the rows that short are refused once it becomes a float.
+    below: RowFloor | None = None
 
 
 class Recorder:
@@ -1057,23 +1060,26 @@ def _raise_floor(ctx: Ctx, floor: RowFloor) -> None:
         ctx.recorder.floors[floor.var] = floor
 
 
-def note_value_floor(ctx: Ctx, eqn, d) -> None:
-    """Record (`RowFloor`) the shortest row whose length ``d`` (``x.shape[0]`` of per-row code,
-    used as a value) means one thing: below the declared min, ``d`` can be negative (``T - 1``
-    at a row of 0), and then the jaxpr cannot tell the length of an axis (``r[1:]`` has no
-    positions there: ``jnp.mean`` of that row alone divides by 0) from arithmetic on one
-    (``r.shape[0] - 1`` is -1). Rows that short are refused rather than given either."""
+def value_floor(ctx: Ctx, eqn, d) -> RowFloor | None:
+    """The shortest row whose length ``d`` (``x.shape[0]`` of per-row code, as a value) means
+    one thing as a number, None when every admitted row does: below the declared min, ``d``
+    can be negative (``T - 1`` at a row of 0), and then the jaxpr cannot tell the length of an
+    axis (``r[1:]`` has no positions there: ``jnp.mean`` of that row alone divides by 0) from
+    arithmetic on one (``r.shape[0] - 1`` is -1). Recorded only where the value becomes a
+    float (`_eval_row_varying`): as an index (``r[::-1]`` reads ``T - 1 - iota``) an empty row
+    reads nothing either way."""
     var = _ragged_variable(ctx, d)
     if var is None:
-        return
+        return None
     lo, _ = dim_bounds(var_dim(var, d.scope))
     negative = [t for t in range(int(lo)) if int(evaluate_dim(d, {var: t})) < 0]
-    if negative:
-        floor = max(negative) + 1
-        _raise_floor(ctx, RowFloor(var, floor, ctx.where(eqn), why=(
-            f"uses the length {d} as a value, which is negative for a row shorter than "
-            f"{floor}: whether that is an axis with no positions or arithmetic on one is not "
-            f"in the program (drop the shorter rows)")))
+    if not negative:
+        return None
+    floor = max(negative) + 1
+    return RowFloor(var, floor, ctx.where(eqn), why=(
+        f"uses the length {d} as a number, which is negative for a row shorter than {floor}: "
+        f"whether that is an axis with no positions or arithmetic on one is not in the program "
+        f"(drop the shorter rows)"))
 
 
 def _reads_past(var: str, t: int, n, start, size) -> bool:
@@ -1127,6 +1133,10 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
         row.own_sizes = True
         return tuple(row.evaluate(eqn, list(xs)))
 
+    below = next((x.below for x in invals if isinstance(x, RowVarying) and x.below), None)
+    if below is not None and eqn.primitive.name == "convert_element_type" and jnp.issubdtype(
+            eqn.params["new_dtype"], jnp.inexact):
+        _raise_floor(ctx, below)
     lengths = [v[0] for v in ragged.values()]
     outs = jax.vmap(one_row, in_axes=(0, *[0 if isinstance(x, RowVarying) else None
                                           for x in invals]))(
@@ -1135,7 +1145,7 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     for out, v in zip(outs, eqn.outvars):
         axes = ctx.row_axes(getattr(v.aval, "shape", ()), rows)
         if not axes:
-            results.append(RowVarying(out, rows))
+            results.append(RowVarying(out, rows, below))
             continue
         if len(axes) > 1:
             raise NoRule(f"a per-row value meets a value with several {rows} axes")
