@@ -606,6 +606,18 @@ def test_positions_mix_and_index_each_sequence_alone(form, lengths):
     _packs_like_each_sequence_alone(form, {**MIXING, **PER_CELL, **SHIFTS}[form], lengths)
 
 
+def _linspace_positions(x):
+    return x * jnp.linspace(0, 1, x.shape[1])[:, None]
+
+
+# Sequences of at least 2: JAX traces linspace's ``num > 1`` branch at T's min of 2.
+@pytest.mark.parametrize("lengths", [[5, 2, 3], [8, 2, 6, 2, 3], [32, 7], [2] * 8])
+def test_linspace_along_t_reads_each_sequences_own_length(lengths):
+    """``jnp.linspace(0, 1, T)`` joins ``T - 1`` points ``i / (T - 1)`` (per cell: each
+    sequence's own T) and its stop value: joined per sequence, from its own first position."""
+    _packs_like_each_sequence_alone("linspace", _linspace_positions, lengths)
+
+
 def _accumulate_over_time(init):
     def fn(x, lengths):
         def step(total, xt):                                # xt: (B, 3), one time step
