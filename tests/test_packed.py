@@ -606,6 +606,37 @@ def test_positions_mix_and_index_each_sequence_alone(form, lengths):
     _packs_like_each_sequence_alone(form, {**MIXING, **PER_CELL, **SHIFTS}[form], lengths)
 
 
+def _linspace_positions(x):
+    return x * jnp.linspace(0, 1, x.shape[1])[:, None]
+
+
+# Sequences of at least 2: JAX traces linspace's ``num > 1`` branch at T's min of 2.
+@pytest.mark.parametrize("lengths", [[5, 2, 3], [8, 2, 6, 2, 3], [32, 7], [2] * 8])
+def test_linspace_along_t_reads_each_sequences_own_length(lengths):
+    """``jnp.linspace(0, 1, T)`` joins ``T - 1`` points ``i / (T - 1)`` (per cell: each
+    sequence's own T) and its stop value: joined per sequence, from its own first position."""
+    _packs_like_each_sequence_alone("linspace", _linspace_positions, lengths)
+
+
+def _medians(r):
+    return jnp.median(r[:, 0]), jnp.percentile(r[:, 1], 30), jnp.median(r, axis=0)
+
+
+def test_a_median_along_t_is_each_sequences_own():
+    """``jnp.median`` (a sort, then the middle positions of each sequence's own length, a
+    ``(B, 1)`` value broadcast along T) packs: each sequence's against it alone, the padding
+    NaN. (Its gradient scatters by a stride and runs padded.)"""
+    lengths = np.array([5, 1, 9, 3, 4, 2, 8], np.int32)
+    x, _, _ = batch(lengths, seed=3)
+    f = px.bucketed(lambda x, n: jax.vmap(_medians)(x), SPECS[1:], buckets=BUCKETS,
+                    layout="pack", strict=True)
+    got = f(x, lengths)
+    assert f.plan.can_pack
+    for b, n in enumerate(lengths):
+        for i, (have, want) in enumerate(zip(got, _medians(jnp.asarray(x[b, :n])))):
+            close(np.asarray(have)[b], want, f"output {i}, sequence {b} (length {n})")
+
+
 def _accumulate_over_time(init):
     def fn(x, lengths):
         def step(total, xt):                                # xt: (B, 3), one time step

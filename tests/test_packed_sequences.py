@@ -140,8 +140,17 @@ def centred(p, x, lengths, labels):
     return jnp.sum(y ** 2), jnp.sum(y, axis=1)
 
 
+def another_sequences_first_token(p, x, lengths, labels):
+    # ``jnp.arange(B)`` counts the sequences (not the packed rows), and ``hs[rows, k]`` reads
+    # the sequence each row names wherever it is packed: the next one's first state here.
+    _, hs = rnn(p, x, zeros(x))
+    b = jnp.arange(x.shape[0])
+    picked = hs[(b + 1) % x.shape[0], 0] + b[:, None]
+    return jnp.mean((picked @ p["head"]) ** 2), picked
+
+
 CASES = [final_carry, reverse_from_learned_state, mean_pooled, last_token, first_token,
-         ends_per_example, attention_pooled,
+         ends_per_example, attention_pooled, another_sequences_first_token,
          max_pooled_and_argmax, encoder_decoder, context_in_every_step, hand_masked, centred]
 
 
@@ -192,7 +201,8 @@ def test_per_sequence_values_packed_equal_padded(case):
     @example(lengths=[32], seed=1)                      # one sequence fills the row
     @example(lengths=[2, 0, 3, 0], seed=5)               # empty sequences: a cell each
     def check(lengths, seed):
-        if case in (last_token, first_token, ends_per_example):  # an empty sequence: no token
+        if case in (last_token, first_token, ends_per_example,  # an empty sequence: no token
+                    another_sequences_first_token):
             lengths = [max(k, 1) for k in lengths]
         x, n, labels = batch(lengths, seed)
         got, want = packed(PARAMS, x, n, labels), padded(PARAMS, x, n, labels)

@@ -581,9 +581,9 @@ def _last_token_call(g, layout):
 def test_a_rows_last_token_by_its_length_is_each_rows_own(name, layout):
     """``h[jnp.arange(B), lengths - 1]``, ``take_along_axis(h, lengths - 1, 1)``: each row's
     entry, and its gradient into that row's own position (rows of 1 and of differing lengths;
-    the padding is NaN). Packed, ``take_along_axis`` (batched over the rows) reads each
-    sequence's own cell; an index into the rows (``jnp.arange(B)``) cannot address a sequence
-    of a packed row: run padded, the line named."""
+    the padding is NaN). Packed, each sequence reads its own cell: ``take_along_axis``
+    batched over the rows, and ``jnp.arange(B)`` counts the sequences, so an index into the
+    rows names a sequence wherever it is packed."""
     g, alone = LAST_TOKEN[name]
     lengths = [5, 1, 9, 3, 1]
     x, rows = ragged_batch(lengths)
@@ -599,8 +599,7 @@ def test_a_rows_last_token_by_its_length_is_each_rows_own(name, layout):
         np.testing.assert_allclose(out[b], want, rtol=1e-6, err_msg=f"row {b}")
         np.testing.assert_allclose(grad[b, :len(r)], want_grad, rtol=1e-6, err_msg=f"row {b}")
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
-    if layout == "pack":
-        assert f.plan.can_pack == ("take_along_axis" in name), f.plan.packing_reason
+    assert f.plan.can_pack == (layout == "pack"), f.plan.packing_reason
     assert_packed_or_run_padded_naming_the_line(f, layout, caught)
 
 
@@ -622,7 +621,7 @@ def test_the_last_token_of_an_empty_row(layout):
             warnings.simplefilter("ignore")
             (_, grad), out = f(x, np.asarray(lengths, np.int32))
         packed = layout == "pack" and f.plan.can_pack
-        assert packed == (layout == "pack" and "take_along_axis" in name), name
+        assert packed == (layout == "pack"), name
         empty = 7.0 if clamped and not packed else np.nan
         np.testing.assert_array_equal(out[1], np.full(3, empty, np.float32), err_msg=name)
         for b in (0, 2):
@@ -665,6 +664,9 @@ def test_a_loop_over_the_length_runs_each_row_to_its_own_end(loop, layout):
         np.testing.assert_allclose(h[b], want_h[0], rtol=1e-5, err_msg=f"row {b}")
     if layout == "pack":
         assert not f.plan.can_pack and "test_ragged.py" in f.plan.packing_reason
+        # Why, in plain words, and the form that packs.
+        assert "would need different trip counts" in f.plan.packing_reason
+        assert "lax.scan(step, h, jnp.swapaxes(x, 0, 1))" in f.plan.packing_reason
         assert any("cannot run packed rows" in str(w.message) for w in caught)
     else:
         assert not caught, [str(w.message) for w in caught]

@@ -157,11 +157,22 @@ def two_keys_dropout(w, key, x):            # a batch of two keys, each its own 
     return jnp.sum(jnp.where(keep, h, 0.0) ** 2)
 
 
+def sequence_noise(w, key, x):              # a (B, F) draw: one per sequence, no length axis
+    noise = jax.random.normal(key, (x.shape[0], F))
+    return jnp.sum(jnp.tanh(jnp.mean(x, axis=1) * w) * noise)
+
+
+def shared_along_t_dropout(w, key, x):      # a (B, 1, F) mask: per sequence, shared along T
+    keep = jax.random.bernoulli(key, 0.5, (x.shape[0], 1, F))
+    return jnp.sum(jnp.where(keep, jnp.tanh(x * w), 0.0) ** 2)
+
+
 # Padded at two buckets for the plain dropouts; the others once padded (the pad layout's own
 # bucket invariance is tested above), to keep the file fast.
 @pytest.mark.parametrize("loss, pad_buckets", [
     (where_dropout, ([16], [32])), (eqx_dropout, ([16], [32])), (attention_dropout, ([16],)),
-    (shifted_dropout, ([16],)), (two_keys_dropout, ([16],))])
+    (shifted_dropout, ([16],)), (two_keys_dropout, ([16],)), (sequence_noise, ([16], [32])),
+    (shared_along_t_dropout, ([16],))])
 def test_packed_dropout_outputs_and_gradients_equal_the_padded_ones_in_any_bucket(
         loss, pad_buckets):
     key = jax.random.key(7)
@@ -253,25 +264,35 @@ def test_a_saved_dropout_plan_runs_and_draws_what_the_packed_call_draws(tmp_path
         np.testing.assert_array_equal(kept[row, :n], packed_kept[row, :n])
 
 
-def test_a_per_sequence_draw_is_refused_in_packed_rows_at_the_users_line():
-    """A draw along the rows alone (``(B, F)``: per sequence) has no packed rule: packing is
-    refused at the line, and the call runs padded, with the same result as padded."""
-    def per_sequence_noise(key, x, lengths):
-        noise = jax.random.normal(key, (x.shape[0], F))
-        return jnp.sum(x, axis=1) * noise
+def per_sequence_noise(key, x, lengths):     # a (B, F) draw: one per sequence, no length axis
+    noise = jax.random.normal(key, (x.shape[0], F))
+    return jnp.sum(x, axis=1) * noise, noise
+
+
+def test_a_per_sequence_draw_packs_as_each_rows_padded_draw():
+    """A draw along the rows alone (``(B, F)``: per sequence) draws by the sequence's index in
+    the call: row b's ``normal(fold_in(key, b), (F,))`` in any bucket, padded or packed
+    wherever first-fit puts it (the padding is NaN: nothing reads it)."""
     T = px.LengthVar("T", max=64)
     B = px.LengthVar("B", max=64)
     specs = (None, px.Spec("B T 3", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
+    x = np.where(np.arange(PACK_X.shape[1])[None, :, None] < PACK_LENGTHS[:, None, None],
+                 PACK_X, np.nan).astype(np.float32)
     key = jax.random.key(1)
-    want = px.bucketed(per_sequence_noise, specs, buckets={T: [16], B: [8]})(
-        key, PACK_X, PACK_LENGTHS)
-    pack = px.bucketed(per_sequence_noise, specs, buckets={T: [16], B: [8]}, layout="pack")
-    with pytest.warns(UserWarning, match="cannot run packed rows"):
-        got = pack(key, PACK_X, PACK_LENGTHS)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert "test_random.py:" in pack.plan.packing_reason
-    assert "random_bits: a random draw of shape (B, 3) over packed rows" in \
-        pack.plan.packing_reason
+    runs = {}
+    for layout, t in (("pad", [16]), ("pad", [32]), ("pack", [16])):
+        f = px.bucketed(per_sequence_noise, specs, buckets={T: t, B: [8]}, layout=layout,
+                        strict=True)
+        runs[layout, t[0]] = f(key, x, PACK_LENGTHS)
+    assert f.plan.can_pack, f.plan.packing_reason
+    want_sums, want_noise = runs["pad", 16]
+    np.testing.assert_allclose(want_noise, [jax.random.normal(jax.random.fold_in(key, b), (F,))
+                                            for b in range(len(PACK_LENGTHS))], rtol=1e-6)
+    for sums, noise in runs.values():
+        np.testing.assert_array_equal(noise, want_noise)
+        np.testing.assert_allclose(sums, want_sums, rtol=1e-6)
+    np.testing.assert_allclose(want_sums, [x[b, :n].sum(0) * want_noise[b]
+                                           for b, n in enumerate(PACK_LENGTHS)], rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["pad", "pack"])

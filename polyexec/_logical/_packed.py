@@ -53,11 +53,16 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   position, then within each sequence;
 - a random draw along the rows and a packed length (dropout): each cell draws by its
   sequence's index in the call's batch and its position, as the pad layout does (`_random`);
+  one along the rows alone (a ``(B, F)`` noise) by its sequence's index, per sequence;
+- ``jnp.arange(B)``: each cell's sequence's index in the call (not its packed row's), and
+  ``h[rows, positions]`` (``h[jnp.arange(B), lengths - 1]``) reads the sequence each row
+  names, wherever it is packed;
 - ``x.shape`` as a number when it counts over the rows (``nll.size`` is the number of real
   predictions) or is the number of sequences.
 
 A per-sequence value (a scan's final carry that is read, a reduction or a contraction along
 T alone, ``x[:, k]``, ``take_along_axis(x, (lengths - 1)[:, None, None], 1)``,
+``h[jnp.arange(B), lengths - 1]``,
 ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
 labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
 there). A per-sequence number meeting positions without the rows axis (``jnp.arange(T) /
@@ -89,7 +94,8 @@ from ._control import at_step, frozen_scan
 from ._families import REDUCERS, SCATTERS
 from ._indexing import gather_fill
 from ._structure import keeps_length_axes
-from ._sequences import PerSequence, at_column, by_cell, held, spread, to_cells
+from ._sequences import (PerSequence, at_column, by_cell, grid_shape, held, spread,
+                         to_cells)
 from ._sequences import evaluate as _evaluate_per_sequence
 
 
@@ -302,10 +308,19 @@ class _PackedCtx(Ctx):
 
     def refusal(self, eqn, invals) -> str | None:
         for v in eqn.outvars:
-            for d in getattr(v.aval, "shape", ()):
+            shape = getattr(v.aval, "shape", ())
+            for d in shape:
                 if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
                                                                self.rows_name):
                     return f"the length {d} can exceed its sequence's room in a packed row"
+                # A per-position value without rows has no frame to keep.
+                if self.row_axes(shape) and not _keeps_start_columns(
+                        self.recorder, d, self.var, self.rows_name):
+                    return (f"the length {d} is shorter than its sequence by more than a "
+                            f"constant (a stride: x[:, ::2], a strided convolution): the "
+                            f"part of a sequence that starts mid-row would lie past the end "
+                            f"of the shorter packed row, so its outputs cannot start at its "
+                            f"own column")
         return moves_ragged_rows(self, eqn)
 
     def rule_for(self, eqn, entry):
@@ -358,6 +373,30 @@ def _fits(recorder: Recorder, d, var: str, rows: str) -> bool:
             lo, hi = dim_bounds(var_dim(var, d.scope))
             ok = np.isfinite(hi) and hi - lo <= 1 << 14 and all(
                 int(evaluate_dim(d, {var: n})) <= n for n in range(max(int(lo), 0), int(hi) + 1))
+        recorder._monotone[key] = bool(ok)
+    return recorder._monotone[key]
+
+
+def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
+    """Whether a packed length ``e`` leaves room for every sequence's part at the sequence's
+    own start column (the frame): a sequence of ``n`` cells starting at column ``c`` of a row
+    of ``L >= c + n`` columns needs ``c + e(n) <= e(L)`` when it has any position, that is
+    ``e(m) - m`` never decreasing where ``e(m) > 0``. ``T - 1`` and ``max(T - 2, 0)`` keep
+    it; ``ceil(T / 2)`` (a stride) and ``min(T, k)`` do not."""
+    names = dim_vars(d)
+    if var not in names or rows in names:
+        return True
+    key = ("keeps start columns", d)
+    if key not in recorder._monotone:
+        ok = names == {var}
+        if ok:
+            lo, hi = dim_bounds(var_dim(var, d.scope))
+            ok = bool(np.isfinite(hi) and hi - lo <= 1 << 14)
+            if ok:
+                lengths = range(max(int(lo), 0), int(hi) + 1)
+                slack = [int(evaluate_dim(d, {var: n})) - n for n in lengths
+                         if int(evaluate_dim(d, {var: n})) > 0]
+                ok = all(a <= b for a, b in zip(slack, slack[1:]))
         recorder._monotone[key] = bool(ok)
     return recorder._monotone[key]
 
@@ -1105,17 +1144,128 @@ def _put(ctx: _PackedCtx, eqn, invals):
     return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
 
 
+def _sequence_and_position(ctx: _PackedCtx, eqn, shape, index, index_map, window, batching,
+                           index_shape):
+    """Where ``h[jnp.arange(B), lengths - 1]`` (``h[rows, positions]``) reads, or its
+    transpose writes: an equation whose index, one pair per sequence (a per-sequence value of
+    shape ``(B, 2)``), picks a row of the logical batch -- a sequence -- and a position of
+    the packed axis, and every entry of the other axes. As in the pad layout, the row is
+    clamped into the real sequences and the position into that sequence's own part of the
+    axis (the gather's fill, or a dropped update, outside them in FILL_OR_DROP mode, and in a
+    sequence of length 0, which has no cell). ``(r, p, row, column, inside)``: the operand's
+    rows and packed axes, and per grid cell (its sequence's pair) the packed row and column
+    read, and whether they hold that position; None for any other indexing."""
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if (len(rows) != 1 or len(packed) != 1 or any(tuple(b) for b in batching)
+            or not isinstance(index, PerSequence) or index.axis != 0
+            or len(index_shape) != 2 or set(index_map) != {rows[0], packed[0]}):
+        return None
+    (r,), (p,) = rows, packed
+    if any(window[a] != 1 if a in (r, p) else not _core_equal(window[a], shape[a])
+           for a in range(len(shape))):
+        return None
+    sequence = index.value[..., list(index_map).index(r)].astype(np.int32)   # (rows, columns)
+    position = index.value[..., list(index_map).index(p)].astype(np.int32)
+    count = jnp.asarray(ctx.sizes[ctx.rows_name], np.int32)    # the sequences of the call
+    inside = (sequence >= 0) & (sequence < count)
+    sequence = jnp.clip(sequence, 0, count - 1)
+    row, start, length = (jnp.take(t, sequence, mode="clip") for t in _sequence_table(ctx))
+    n = ctx._at(shape[p], length)
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        inside = inside & (position >= 0) & (position < n)
+    else:
+        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    return r, p, row, start + position, inside
+
+
+def _sequence_table(ctx: _PackedCtx):
+    """Per sequence of the call (by its index; as many entries as cells, which hold every
+    sequence): the packed row it is in, the column it starts at and its length, read at its
+    first cell (a sequence of length 0 holds one, with ``pos`` 0)."""
+    sequence = ctx.sequence_index(ctx.pos.shape[1])
+    first = (ctx.pos == 0) & (sequence >= 0)
+    size = sequence.size
+    at = jnp.where(first, sequence, size).reshape(-1)       # past the end: dropped
+    row = lax.broadcasted_iota(np.int32, sequence.shape, 0)
+    column = lax.broadcasted_iota(np.int32, sequence.shape, 1)
+    return tuple(jnp.zeros(size, np.int32).at[at].set(v.reshape(-1), mode="drop")
+                 for v in (row, column, ctx.seglen))
+
+
+def _pick_sequences(ctx: _PackedCtx, eqn, invals):
+    """``h[jnp.arange(B), lengths - 1]`` of a packed value: each sequence's entry of the row
+    and position its index names (`_sequence_and_position`), a per-sequence value."""
+    x, index = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _sequence_and_position(
+        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
+        (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
+    if found is None or set(dn.collapsed_slice_dims) != {found[0], found[1]}:
+        return None
+    r, p, row, column, inside = found
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    picked = xs[row, jnp.clip(column, 0, xs.shape[1] - 1)]     # (rows, columns, *rest)
+    fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
+    picked = jnp.where(jnp.expand_dims(inside, tuple(range(2, xs.ndim))), picked, fill)
+    out = eqn.outvars[0].aval.shape
+    (r_out,) = [d for d in range(len(out)) if d not in dn.offset_dims]
+    return [by_cell(picked, r_out)]
+
+
+def _put_sequences(ctx: _PackedCtx, eqn, invals):
+    """The transpose of `_pick_sequences`: each sequence's update, once (from its first
+    cell), added into (or set at) the row and position its index names; nothing where that
+    is outside the sequence it names."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+            or dn.operand_batching_dims or not isinstance(index, PerSequence)
+            or len(dn.update_window_dims) + len(dn.inserted_window_dims) != len(shape)):
+        return None
+    update_shape = eqn.invars[2].aval.shape
+    window = [1 if a in dn.inserted_window_dims else None for a in range(len(shape))]
+    sizes = iter(update_shape[d] for d in dn.update_window_dims)
+    window = [w if w is not None else next(sizes) for w in window]
+    found = _sequence_and_position(
+        ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
+        (dn.operand_batching_dims, dn.scatter_indices_batching_dims), eqn.invars[1].aval.shape)
+    if found is None or set(dn.inserted_window_dims) != {found[0], found[1]}:
+        return None
+    r, p, row, column, inside = found
+    (r_upd,) = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
+    if isinstance(updates, PerSequence) and updates.axis != r_upd:
+        return None
+    u = jnp.moveaxis(held(ctx, updates, update_shape).value, (r_upd, r_upd + 1), (0, 1))
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    # Every cell holds its sequence's update: written from the first cell only, and nowhere
+    # (a row past the end, dropped) where the named position is outside its sequence.
+    write = inside & (ctx.pos == 0)
+    row = jnp.where(write, row, xs.shape[0])
+    if eqn.primitive.name == "scatter":
+        written = xs.at[row, column].set(u, mode="drop")
+    else:
+        written = xs.at[row, column].add(u, mode="drop")
+    return [jnp.moveaxis(written, (0, 1), (r, p))]
+
+
 def _pick_any(ctx: _PackedCtx, eqn, invals):
-    """One position of each sequence: ``x[:, k]`` (`_pick`) or batched over the rows with a
-    per-sequence index (`_pick_own`); None for any other gather."""
-    picked = _pick(ctx, eqn, invals)
-    return picked if picked is not None else _pick_own(ctx, eqn, invals)
+    """One position of each sequence: ``x[:, k]`` (`_pick`), batched over the rows with a
+    per-sequence index (`_pick_own`), or a row and a position named per sequence
+    (`_pick_sequences`); None for any other gather."""
+    for pick in (_pick, _pick_own, _pick_sequences):
+        picked = pick(ctx, eqn, invals)
+        if picked is not None:
+            return picked
+    return None
 
 
 def _put_any(ctx: _PackedCtx, eqn, invals):
     """The transposes of `_pick_any`."""
-    put = _put(ctx, eqn, invals)
-    return put if put is not None else _put_own(ctx, eqn, invals)
+    for put in (_put, _put_own, _put_sequences):
+        done = put(ctx, eqn, invals)
+        if done is not None:
+            return done
+    return None
 
 
 @defrule("gather", layout="pack")
@@ -1224,6 +1374,11 @@ def _cells(ctx: _PackedCtx, x, shape, out):
         return spread(v, (rows, *out), (0, 1 + packed[0]))
     if shape == ():
         return x
+    if (not ctx.row_axes(shape) and len(shape) == len(out)
+            and all(not is_sym(d) and d == 1 for d in shape)):
+        # jnp's broadcast of a unit axis (linspace's start, ``(1,)``, times ``T - 1``
+        # positions): the same at every cell.
+        return jnp.broadcast_to(jnp.reshape(x, (1, *shape)), (rows, *out))
     if ctx.row_axes(shape) or not _core_equal_shapes(shape, out):
         raise NoRule(f"a per-cell value meets a value of shape {shape}")
     return _by_position(ctx, x, tuple(range(1, len(out) + 1)), (rows, *out), 0,
@@ -1330,10 +1485,20 @@ def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
 def iota_along(ctx: _PackedCtx, eqn, invals):
     shape, dim = eqn.params["shape"], eqn.params["dimension"]
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if len(rows) == 1 and dim == rows[0]:
+        # ``jnp.arange(B)`` counts the sequences: each cell's sequence's index in the call
+        # (its row in the pad layout). The packed row's own index would be another number.
+        if len(packed) > 1:
+            raise NoRule("iota along the rows of a value with two packed lengths")
+        if not packed:
+            index = ctx.sequence_index(ctx.pos.shape[1]).astype(eqn.params["dtype"])
+            return [PerSequence(spread(index, grid_shape(ctx, shape, dim), (dim, dim + 1)),
+                                dim)]
+        (p,) = packed
+        index = ctx.sequence_index(shape[p]).astype(eqn.params["dtype"])
+        return [spread(index, shape, (dim, p))]
     if len(rows) != 1 or not packed:
         return None
-    if dim == rows[0]:
-        raise NoRule("iota along the rows of packed rows (which sequence is which?)")
     if dim not in packed:
         return None
     pos, _ = ctx.cells(shape[dim])
@@ -1424,6 +1589,12 @@ def _concatenate(ctx: _PackedCtx, eqn, invals):
         if any(is_sym(s[a]) for s in shapes):
             raise NoRule("concatenate along the rows of packed rows")
         return None     # along another axis: per position (a per-sequence value: per column)
+    return [_joined_per_sequence(ctx, invals, shapes, out, a)]
+
+
+def _joined_per_sequence(ctx: _PackedCtx, invals, shapes, out, a: int):
+    """The pieces ``invals`` (logical ``shapes``) joined along the packed axis ``a`` of
+    ``out`` (`_concatenate`)."""
     rows = ctx.row_axes(out)
     if len(rows) != 1 or len(ctx.packed_axes(out)) != 1:
         raise NoRule("concatenate along a packed length of a value without one rows axis")
@@ -1453,10 +1624,29 @@ def _concatenate(ctx: _PackedCtx, eqn, invals):
         mask = _along(pos >= offset, len(out), r, a)
         result = piece if result is None else jnp.where(mask, piece, result)
         offset = offset + (ctx._at(shape[a], seglen) if is_sym(shape[a]) else shape[a])
-    return [result]
+    return result
 
 
 defrule("concatenate", layout="per_sequence")(_concatenate)
+
+
+@defrule("concatenate", layout="per_cell")
+def _concatenate_cells(ctx: _PackedCtx, eqn, invals):
+    """Per-cell pieces joined along a packed length without rows (``jnp.linspace(0, 1, T)``
+    joins its ``T - 1`` per-cell points and its stop value): each sequence's pieces from its
+    own first position, as `_concatenate` joins packed rows -- the per-cell values are
+    packed rows with the rows in front (`_cells` places the others)."""
+    a = eqn.params["dimension"]
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    out = tuple(eqn.outvars[0].aval.shape)
+    if ctx.row_axes(out) or a not in ctx.packed_axes(out) or any(
+            isinstance(x, PerSequence) for x in invals):
+        raise NoRule("concatenate of a per-cell value along no packed length, or with rows")
+    rows = var_dim(ctx.rows_name, out[a].scope)
+    pieces = [_cells(ctx, x, s, s) for x, s in zip(invals, shapes)]
+    pieces = [jnp.broadcast_to(v, (ctx.pos.shape[0], *s)) for v, s in zip(pieces, shapes)]
+    return [PerCell(_joined_per_sequence(ctx, pieces, [(rows, *s) for s in shapes],
+                                         (rows, *out), a + 1))]
 
 
 @defrule("split", layout="pack")
@@ -1514,7 +1704,13 @@ defrule("split", layout="per_sequence")(_split)
 
 @defrule("while", layout="pack")
 def _while(ctx: _PackedCtx, eqn, invals):
-    raise NoRule("a while loop over packed rows (a per-sequence trip count)")
+    raise NoRule("a while_loop or fori_loop over packed rows: its trip count (a loop over "
+                  "x.shape[1]) or its carry differs per sequence, and the sequences sharing a "
+                  "packed row would need different trip counts in one loop; a scan over the "
+                  "length, lax.scan(step, h, jnp.swapaxes(x, 0, 1)), packs")
+
+
+defrule("while", layout="per_sequence")(_while)
 
 
 @defrule("scan", layout="pack")

@@ -24,7 +24,7 @@ from jax import lax
 
 from .._jax_internals import dim_vars
 from ._core import NoRule, bind_eqn_with, defrule, is_sym, padded_rule
-from ._sequences import spread
+from ._sequences import PerSequence, grid_shape, spread
 
 
 def _threefry_only(key) -> None:
@@ -37,34 +37,37 @@ def _threefry_only(key) -> None:
                      f"default) for dropout that padding cannot change")
 
 
-def _draw_per_cell(eqn, key, index):
+def _draw_per_cell(eqn, key, index, grid_axes=None):
     """``random_bits`` of ``eqn``'s shape where every cell along its length axes draws from
-    ``key`` folded with that cell's ``index`` arrays (one per length axis, in the shape's
-    order, each of the length axes' shape), and JAX draws the constant-size axes within it.
-    A batch of keys (a key array of shape ``K``) draws per key, as JAX's own batching of the
-    primitive does."""
+    ``key`` folded with that cell's ``index`` arrays (in order, each of the grid's shape), and
+    JAX draws the constant-size axes within it. The grid's axes go to ``grid_axes`` of the
+    result, the constant-size ones to the rest in order (default: the shape's length axes,
+    each where it is). A batch of keys (a key array of shape ``K``) draws per key, as JAX's
+    own batching of the primitive does."""
     shape = tuple(eqn.params["shape"])
-    lengths = [a for a, d in enumerate(shape) if is_sym(d)]
     rest = tuple(d for d in shape if not is_sym(d))
+    if grid_axes is None:
+        grid_axes = [a for a, d in enumerate(shape) if is_sym(d)]
+    n_index = len(index)
 
     def one_cell(k, *at):
         for i in at:
             k = jax.random.fold_in(k, i)
         return bind_eqn_with(eqn, [k], shape=rest)[0]
 
-    # Each index array has the length axes' shape; vmapped once per axis.
+    # Each index array has the grid's shape; vmapped once per grid axis.
     draw = one_cell
-    for _ in lengths:
-        draw = jax.vmap(draw, in_axes=(None, *[0] * len(lengths)))
+    for _ in grid_axes:
+        draw = jax.vmap(draw, in_axes=(None, *[0] * n_index))
     for _ in range(key.ndim):       # a key array: per key, in front
-        draw = jax.vmap(draw, in_axes=(0, *[None] * len(lengths)))
+        draw = jax.vmap(draw, in_axes=(0, *[None] * n_index))
     bits = draw(key, *[lax.convert_element_type(i, np.uint32) for i in index])  # K+grid+rest
-    # Put each length axis back at its place in ``shape``.
-    nk = key.ndim
-    order = [None] * len(shape)
-    for j, a in enumerate(lengths):
+    # Put each grid axis at its place in the result.
+    nk, rank = key.ndim, len(grid_axes) + len(rest)
+    order = [None] * rank
+    for j, a in enumerate(grid_axes):
         order[a] = nk + j
-    rest_axes = iter(range(nk + len(lengths), nk + len(shape)))
+    rest_axes = iter(range(nk + len(grid_axes), nk + rank))
     order = [o if o is not None else next(rest_axes) for o in order]
     return [lax.transpose(bits, (*range(nk), *order))]
 
@@ -100,7 +103,9 @@ def _random_bits_packed(ctx, eqn, invals):
     sequences, or a cell outside every sequence, draws something no result reads (the frame
     keeps it out). One along other lengths only (a per-position ``(T, F)`` noise shared by
     every sequence has no rows axis: position ``t`` draws the same in either layout) is the
-    padded rule. A draw along the rows alone (a per-sequence ``(B, F)``) is refused."""
+    padded rule. A draw along the rows alone (a per-sequence ``(B, F)`` noise) is per
+    sequence: each sequence draws by its index, what its row draws padded, held at every cell
+    of it (`PerSequence`)."""
     (key,) = invals
     shape = tuple(eqn.params["shape"])
     rows = ctx.row_axes(shape)
@@ -109,6 +114,8 @@ def _random_bits_packed(ctx, eqn, invals):
     packed = ctx.packed_axes(shape)
     counts = [a for a, d in enumerate(shape)
               if is_sym(d) and ctx.rows_name in dim_vars(d) and a not in rows]
+    if len(rows) == 1 and not packed and not counts:
+        return _draw_per_sequence(ctx, eqn, key, rows[0])
     if len(rows) != 1 or not packed or counts:
         raise NoRule(f"a random draw of shape {shape} over packed rows: only one rows axis "
                      f"with one or two packed lengths draws by its sequence and position")
@@ -129,3 +136,23 @@ def _random_bits_packed(ctx, eqn, invals):
         else:                       # another length variable: padded, as in the pad layout
             index.append(lax.broadcasted_iota(np.int32, grid, j))
     return _draw_per_cell(eqn, key, index)
+
+
+def _draw_per_sequence(ctx, eqn, key, r: int):
+    """``random_bits`` of a shape with the rows axis ``r`` and no packed length, as a
+    `PerSequence` (the columns after the rows): cell ``(r, c)`` draws what the pad layout's
+    row ``b`` draws, ``b`` the index of the sequence there, folding in each other length
+    axis's index as the pad layout does. A cell outside every sequence draws something no
+    result reads."""
+    _threefry_only(key)
+    shape = tuple(eqn.params["shape"])
+    lengths = [a for a, d in enumerate(shape) if is_sym(d)]
+    held_shape = grid_shape(ctx, shape, r)
+    held_lengths = [a + (a > r) for a in lengths]
+    grid = tuple(held_shape[a] for a in sorted([*held_lengths, r + 1]))
+    grid_axes = sorted([*held_lengths, r + 1])
+    rows_at = grid_axes.index(r)
+    sequence = spread(ctx.sequence_index(ctx.pos.shape[1]), grid, (rows_at, rows_at + 1))
+    index = [sequence if a == r else lax.broadcasted_iota(np.int32, grid, grid_axes.index(a + (a > r)))
+             for a in lengths]
+    return [PerSequence(_draw_per_cell(eqn, key, index, grid_axes)[0], r)]

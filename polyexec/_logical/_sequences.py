@@ -277,6 +277,13 @@ def _broadcast(ctx, eqn, invals):
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
     if not isinstance(x, PerSequence) or not (packed or (rows and x.axis is None)):
         return None
+    if len(packed) == 1 and packed[0] in dims and x.axis is not None:
+        k = dims.index(packed[0])
+        if not is_sym(eqn.invars[0].aval.shape[k]) and eqn.invars[0].aval.shape[k] == 1:
+            # A unit axis stretched along the length (a ``(B, 1, F)`` mask onto ``(B, T, F)``,
+            # dropout shared along T): as if it were not there.
+            x = PerSequence(lax.squeeze(x.value, (k + (k > x.axis),)), x.axis - (k < x.axis))
+            dims = dims[:k] + dims[k + 1:]
     if len(rows) != 1 or len(packed) > 1 or (packed and packed[0] in dims):
         raise NoRule(f"a per-sequence value broadcast to shape {shape}")
     (r,) = rows
@@ -292,7 +299,7 @@ def _broadcast(ctx, eqn, invals):
     return [spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
 
 
-@defrule("cond", "while", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
+@defrule("cond", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
          "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
          "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k",
          layout="per_sequence")
