@@ -323,8 +323,10 @@ def _record_branch_floor(frame, op: str, answer: bool, floors: list,
     ``num > 1`` at T >= 2) would go the other way for such a row, its result silently another.
     Record the shortest row that takes the traced branch (`_logical.RowFloor`)."""
     caller = _comparing_frame(frame)
-    if caller is None or (is_jax_internal(caller.f_code.co_filename)
-                          and not _is_jnp(caller.f_code.co_filename)):
+    if caller is None:
+        return
+    jnp_code = _is_jnp(caller.f_code.co_filename)
+    if is_jax_internal(caller.f_code.co_filename) and not jnp_code:
         return
     compared = _compared(frame)
     if compared is None:
@@ -334,7 +336,9 @@ def _record_branch_floor(frame, op: str, answer: bool, floors: list,
     if len(names) != 1 or next(iter(names)) not in below:
         return
     (var,) = names
-    other_way = [t for t in range(below[var])
+    # jnp's ``size == 0`` guards (``jnp.roll``, ``take_along_axis``) keep an empty array off
+    # an error path; an empty row has no cell either way, and its results are the rewrite's.
+    other_way = [t for t in range(1 if jnp_code else 0, below[var])
                  if _OPERATORS[op](int(evaluate_dim(self, {var: t})),
                                    int(evaluate_dim(other, {var: t}))) != answer]
     if not other_way:
