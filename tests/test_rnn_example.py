@@ -115,12 +115,12 @@ def test_cli_reports_fits_refusal_in_one_line_and_trains_with_train_on_padding(m
 
     from examples.rnn import model
 
-    def unsafe_loss(m, tokens, lengths):
-        T = tokens.shape[1]
+    def unsafe_loss(m, batch):
+        T = batch["tokens"].shape[1]
         w = jax.scipy.linalg.solve_triangular(2 * jnp.eye(T), jnp.ones(T), lower=True)
-        return model.loss_fn(m, tokens, lengths) * jnp.mean(w)
+        return model.lm_loss(m, batch) * jnp.mean(w)
 
-    monkeypatch.setattr(train, "loss_fn", unsafe_loss)
+    monkeypatch.setattr(train, "lm_loss", unsafe_loss)
     argv = ["--limit", "24", "--epochs", "1", "--hidden", "4", "--embed", "4", "--cap", "32",
             "--buckets", "fixed:32", "--samples", "0", "--no-cache", "--no-progress"]
     with pytest.raises(SystemExit) as exit_:
@@ -251,3 +251,30 @@ def test_cli_batch_size_above_the_data_is_clamped_with_a_note(tmp_path, capsys):
         in text
     rows = {r["bucket"][0] for r in out["history"] if r["kind"] == "step"}
     assert rows == {22}
+
+
+def test_the_example_trains_in_fits_batch_form_exactly_as_in_the_shorthand():
+    """`lm_loss(model, batch)` on ``{"tokens": ...}`` examples (the example's form) and
+    `loss_fn(model, tokens, lengths)` on bytes (the shorthand) are the same training run, bit
+    for bit."""
+    import optax
+
+    from examples.rnn.model import lm_loss, lm_loss_and_count, loss_and_count, loss_fn
+    from polyexec import training
+
+    corpus = corpus_data.load(cap=48, limit=80)
+    runs = []
+    for loss, count, train_set, val_set, specs in (
+            (loss_fn, loss_and_count, corpus.train, corpus.validation, None),
+            (lm_loss, lm_loss_and_count, corpus_data.examples(corpus.train),
+             corpus_data.examples(corpus.validation), corpus_data.SPECS)):
+        runs.append(training.fit(
+            CharLM(embed=8, hidden=16, key=jax.random.PRNGKey(0)), loss, train_set,
+            validation=val_set, eval_fn=count, specs=specs, optimizer=optax.adam(1e-2),
+            epochs=1, batch_size=16, buckets=[24, 48], cache=False, verbose=False))
+    shorthand, batch_form = runs
+    assert batch_form.train_step.traces == 1 and batch_form.val_loss == shorthand.val_loss
+    for a, b in zip(jax.tree_util.tree_leaves(shorthand.model),
+                    jax.tree_util.tree_leaves(batch_form.model)):
+        np.testing.assert_array_equal(a, b)
+

@@ -8,7 +8,8 @@ Prints the corpus and what the length cap did, the bucket table, the polymorphis
 the loss, training progress with per-epoch padding efficiency / compiles / tokens per second,
 the validation loss in nats per byte (= per character: the corpus is ASCII) and sampled
 sentences. The model is written once against length variables (``model.py``); polyexec
-compiles its train step once per length bucket.
+compiles its train step once per length bucket. The examples are ``{"tokens": (T,)}`` and the
+loss ``lm_loss(model, batch)``, `fit`'s form.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from polyexec import training
 
 from . import data as corpus_data
 from .generate import generate
-from .model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, masked_loss_fn
+from .model import CharLM, lm_loss, lm_loss_and_count, masked_lm_loss, masked_lm_loss_and_count
 
 # Defaults, measured on 2 idle CPU cores (see README): packed rows of 256 and 1,024 (the
 # layout chosen by cost) train at ~26k tokens/s, so three epochs of the ~400k training bytes
@@ -221,13 +222,18 @@ def run(args: argparse.Namespace) -> dict:
     masking = not args.no_masking
     # The loss has no mask: the logical rewrite makes every row its own length. Without the
     # rewrite the padding would count, so --no-masking trains the same loss masked by hand.
-    loss, eval_loss = (loss_fn, loss_and_count) if masking else (masked_loss_fn,
-                                                                 masked_loss_and_count)
+    loss, eval_loss = (lm_loss, lm_loss_and_count) if masking else (masked_lm_loss,
+                                                                   masked_lm_loss_and_count)
     longest = max(train_lengths.max(), max(map(len, corpus.validation)))
     T = px.LengthVar("T", min=2, max=int(longest if policy == "auto" else max(policy.largest, longest)))
     B = px.LengthVar("B", max=args.batch_size or buckets.batch_size_for(2, max_tokens))
-    plan = px.trace(loss, model, px.Spec((B, T), jnp.int32),
-                    px.Spec((B,), jnp.int32, lengths_of=T), masking=masking)
+    # Traced as fit calls it: the batch {"tokens": (B, T)} and the lengths that make T ragged
+    # along B, handed on to the loss only if it asks for them (`training.as_loss_call`).
+    # px.trace takes each Spec'd input as an argument of its own, so the batch is built inside.
+    call = training.as_loss_call(loss, "loss", one_field=False)
+    plan = px.trace(lambda model, tokens, lengths: call(model, {"tokens": tokens}, lengths),
+                    model, px.Spec((B, T), jnp.int32), px.Spec((B,), jnp.int32, lengths_of=T),
+                    masking=masking)
     console.print(f"polymorphism: plan.reshaping_is_impossible = {plan.reshaping_is_impossible}"
                   + (f"; reason: {plan.reason}" if plan.reshaping_is_impossible else
                      f" — {loss.__name__} traced once over symbolic B, T in [2, {T.max}] "
@@ -238,8 +244,10 @@ def run(args: argparse.Namespace) -> dict:
         px.disable_persistent_cache()   # asked for on the command line: off, whoever turned it on
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
     result = training.fit(
-        model, loss, corpus.train, optimizer=optimizer, epochs=args.epochs,
-        validation=corpus.validation, eval_fn=eval_loss, batch_size=args.batch_size,
+        model, loss, corpus_data.examples(corpus.train), specs=corpus_data.SPECS,
+        optimizer=optimizer, epochs=args.epochs,
+        validation=corpus_data.examples(corpus.validation), eval_fn=eval_loss,
+        batch_size=args.batch_size,
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
         cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
         layout=args.layout if masking else "pad", train_on_padding=args.train_on_padding,
