@@ -278,3 +278,30 @@ def test_the_example_trains_in_fits_batch_form_exactly_as_in_the_shorthand():
                     jax.tree_util.tree_leaves(batch_form.model)):
         np.testing.assert_array_equal(a, b)
 
+
+def test_cli_reports_the_wall_time_to_each_validation_loss_and_to_a_target(capsys):
+    out = train.main(["--limit", "60", "--epochs", "2", "--hidden", "4", "--embed", "4",
+                      "--cap", "32", "--buckets", "fixed:32", "--samples", "0", "--no-cache",
+                      "--no-progress", "--target-loss", "100"])
+    text = " ".join(capsys.readouterr().out.split())     # rich wraps long lines
+    epochs = [r for r in out["history"] if r["kind"] == "epoch"]
+    assert len(epochs) == 2 and 0 < epochs[0]["elapsed"] < epochs[1]["elapsed"]
+    times = re.search(r"validation loss by wall time: ([\d.]+) at ([\d.]+) s, ([\d.]+) at "
+                      r"([\d.]+) s \| 100\.0000 first reached at ([\d.]+) s", text)
+    assert times, text
+    loss1, at1, loss2, at2, reached = map(float, times.groups())
+    assert (loss1, loss2) == tuple(round(r["val_loss"], 4) for r in epochs)
+    wall = float(re.search(r"\| wall ([\d.]+) s", text).group(1))
+    # Each time counts from the command's start, fit's own setup included (printed to 0.1 s);
+    # the first epoch already reaches a loss of 100 nats.
+    assert round(epochs[0]["elapsed"], 1) <= at1 <= at2 <= wall and reached == at1
+
+
+def test_time_to_loss_leaves_out_epochs_restored_from_a_checkpoint():
+    history = [{"kind": "epoch", "epoch": 0, "val_loss": 2.5, "elapsed": 40.0},   # restored
+               {"kind": "step", "epoch": 1},
+               {"kind": "epoch", "epoch": 1, "val_loss": 2.0, "elapsed": 30.0}]
+    assert train.time_to_loss(history, 2.0, 1.0) == (
+        "validation loss by wall time: 2.0000 at 32.0 s | 1.0000 not reached in the 1 "
+        "epoch(s) run here")
+    assert train.time_to_loss(history, 2.0, None) == "validation loss by wall time: 2.0000 at 32.0 s"

@@ -6,10 +6,11 @@
 
 Prints the corpus and what the length cap did, the bucket table, the polymorphism verdict of
 the loss, training progress with per-epoch padding efficiency / compiles / tokens per second,
-the validation loss in nats per byte (= per character: the corpus is ASCII) and sampled
-sentences. The model is written once against length variables (``model.py``); polyexec
-compiles its train step once per length bucket. The examples are ``{"tokens": (T,)}`` and the
-loss ``lm_loss(model, batch)``, `fit`'s form.
+the validation loss in nats per byte (= per character: the corpus is ASCII), each epoch's
+validation loss with the wall time at which it was known (the time to a loss; ``--target-loss``
+names one to report) and sampled sentences. The model is written once against length
+variables (``model.py``); polyexec compiles its train step once per length bucket. The
+examples are ``{"tokens": (T,)}`` and the loss ``lm_loss(model, batch)``, `fit`'s form.
 """
 
 from __future__ import annotations
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "padding-safe, or retraced per bucket), which is refused otherwise: "
                         "padding may then change the loss (fit(train_on_padding=True))")
     p.add_argument("--seed", type=_int_flag(0), default=DEFAULTS["seed"])
+    p.add_argument("--target-loss", type=_positive_float, metavar="NATS",
+                   help="also report the wall time at which validation first reached this loss "
+                        "(nats/char; e.g. another run's final one)")
     p.add_argument("--metrics", help="append metrics as JSON lines to this file")
     p.add_argument("--samples", type=_int_flag(0), default=len(PROMPTS),
                    help="sentences to sample at the end")
@@ -196,6 +200,29 @@ def check_outputs(args: argparse.Namespace) -> None:
         training.check_output_file(args.metrics, "--metrics")
 
 
+def time_to_loss(history: list[dict], before_fit: float, target: float | None) -> str:
+    """Each epoch's validation loss with the wall time, since the command started, at which
+    it was known, and (with ``target``) when validation first reached ``target``: packing
+    changes the optimiser steps an epoch, so tokens/s alone can mislead. Epochs restored from
+    a checkpoint ran in another process and are left out.
+
+    >>> history = [{"kind": "step", "epoch": 1},
+    ...            {"kind": "epoch", "epoch": 1, "val_loss": 2.0, "elapsed": 30.0},
+    ...            {"kind": "epoch", "epoch": 2, "val_loss": 1.5, "elapsed": 50.0}]
+    >>> time_to_loss(history, 5.0, 1.8)
+    'validation loss by wall time: 2.0000 at 35.0 s, 1.5000 at 55.0 s | 1.8000 first reached at 55.0 s'
+    """
+    first_here = min((r["epoch"] for r in history if r["kind"] == "step"), default=math.inf)
+    known = [(r["val_loss"], before_fit + r["elapsed"]) for r in history
+             if r["kind"] == "epoch" and r["epoch"] >= first_here and r.get("val_loss") is not None]
+    text = "validation loss by wall time: " + ", ".join(f"{v:.4f} at {t:.1f} s" for v, t in known)
+    if target is None:
+        return text
+    reached = next((t for v, t in known if v <= target), None)
+    return text + (f" | {target:.4f} first reached at {reached:.1f} s" if reached is not None else
+                   f" | {target:.4f} not reached in the {len(known)} epoch(s) run here")
+
+
 def run(args: argparse.Namespace) -> dict:
     # One voice: in a multi-process run only process 0 reports (errors still reach stderr).
     console = Console(highlight=False, quiet=jax.process_index() != 0)
@@ -243,6 +270,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.no_cache:
         px.disable_persistent_cache()   # asked for on the command line: off, whoever turned it on
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
+    fit_called = time.perf_counter()
     result = training.fit(
         model, loss, corpus_data.examples(corpus.train), specs=corpus_data.SPECS,
         optimizer=optimizer, epochs=args.epochs,
@@ -269,6 +297,7 @@ def run(args: argparse.Namespace) -> dict:
     if val is not None:
         console.print(f"validation loss: {val:.4f} nats/char ({val / math.log(2):.4f} bits/char) "
                       f"after {len(epochs)} epoch(s)")
+        console.print(time_to_loss(result.history, fit_called - started, args.target_loss))
     train_stats, eval_stats = result.train_step.stats, result.eval_step.stats
     console.print("train step buckets (calls, compiles, and real tokens / padded cells as the "
                   "executor padded them):")
