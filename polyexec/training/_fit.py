@@ -201,7 +201,9 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     Metrics: the returned `FitResult` has ``history``, a list of dicts (``kind`` "warmup",
     "step", "epoch"), also appended as JSON lines to ``metrics_file``. Each epoch record has
     train/validation loss, tokens/s, padding efficiency (real tokens / cells of the buckets the
-    steps ran at: the train step's ``stats`` over the epoch), compiles and compile seconds.
+    steps ran at: the train step's ``stats`` over the epoch), compiles and compile seconds,
+    and ``elapsed``: the seconds from the call of `fit` (in the process that ran the epoch)
+    to the end of its validation -- the time to that validation loss.
 
     >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
     >>> from polyexec import training
@@ -317,6 +319,9 @@ class _Run:
     train_shapes: dict = dataclasses.field(default_factory=dict)
     eval_shapes: dict = dataclasses.field(default_factory=dict)
     prediction: Any = None              # buckets="auto": `buckets.Prediction` of the choice
+    # When `fit` was called: an epoch record's ``elapsed`` counts from here, so the time to a
+    # validation loss includes choosing buckets, measuring and compiling, as a user waits it.
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
     @property
     def main(self) -> bool:
@@ -792,7 +797,8 @@ def _train_epoch(run: _Run, state: TrainState, position: Position,
     compiles, compile_seconds = run.compiles()
     record = epoch_record(position, val_loss=val_loss, compiles=compiles,
                           compiles_at_start=compiles_at_start, compile_seconds=compile_seconds,
-                          seconds=time.perf_counter() - start, train_seconds=train_seconds)
+                          seconds=time.perf_counter() - start, train_seconds=train_seconds,
+                          elapsed=time.perf_counter() - run.started)
     log.add(record)
     run.display.epoch_summary(record)
     position = position.next_epoch()
