@@ -577,9 +577,15 @@ class Bucketed:
 
     def packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
         """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:
-        ``pack_rows[row_length]`` when it holds them, else B's bucket."""
+        ``pack_rows[row_length]`` when it holds them, else B's bucket -- rounded up to a
+        multiple of the devices the rows are split over (`_layouts.row_shards`): each device
+        then holds whole rows, so each sequence lies on one device, and the added rows are
+        empty (no cell of theirs is real)."""
         rows = self.pack_rows.get(row_length, 0)
-        return rows if rows >= max(needed, 1) else self.bucket_for(rows_var, max(needed, 1), plan)
+        if rows < max(needed, 1):
+            rows = self.bucket_for(rows_var, max(needed, 1), plan)
+        shards = _layouts.row_shards(plan.segments[0], self.in_shardings)
+        return -(-rows // shards) * shards
 
     def _padded_cells(self, plan: Plan, packed) -> int | float:
         """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
@@ -651,8 +657,10 @@ class Bucketed:
     def _compile(self, plan: Plan, segment: Segment, layout: _layouts.Layout,
                  bucket: Mapping[str, int]) -> _Compiled:
         program, avals, n, cell = layout.program(plan, segment, bucket, self._counters.traces)
-        # The convention's inputs carry the call's shardings; a layout's own inputs follow.
-        avals = segment.convention.with_shardings(avals[:n], self.in_shardings) + avals[n:]
+        # The convention's inputs carry the call's shardings; a layout's own inputs (a packed
+        # grid's per-cell positions) follow, split over the devices as the rows they describe.
+        avals = (segment.convention.with_shardings(avals[:n], self.in_shardings)
+                 + layout.with_shardings(segment, avals[n:], self.in_shardings))
         donate = (segment.convention.donated(self.donate_argnums) if segment.can_donate
                   else ())
         try:

@@ -157,8 +157,9 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     the first step (``warmup``) on parallel threads, those carrying the most tokens first.
 
     Layout: ``layout="auto"`` (the default) also prices packed rows when ``buckets="auto"``
-    and the run is on one device: several examples share each row (`buckets.packed_batch_plan`,
-    first-fit), rows of the longest bucket ``L``, as few as hold ``batch_size`` examples a
+    and the run is one process (on any number of its devices: the rows of a step, a multiple
+    of the devices, are split over them, whole rows each): several examples share each row
+    (`buckets.packed_batch_plan`, first-fit), rows of the longest bucket ``L``, as few as hold ``batch_size`` examples a
     step on average (an epoch takes as many optimiser steps as padded; with ``max_tokens``,
     ``max_tokens // L`` rows: the same cells a step, so more examples than padded rows hold),
     one compiled shape, and the loss unchanged -- the executor keeps the examples of a row
@@ -431,14 +432,15 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     # full rows of the shortest bucket). The sizes within them are settled by `_settle`.
     shortest = options.min_length if policy is None else policy.sizes[0]
     P = dp.processes
-    # Packed rows are chosen by cost among the buckets, for one process on one device.
-    packs = (options.layout != "pad" and auto and dp.size == 1 and options.masking
+    # Packed rows are chosen by cost among the buckets, for one process (its rows split over
+    # its devices, whole rows each).
+    packs = (options.layout != "pad" and auto and P == 1 and options.masking
              and form.can_pack)
     if options.layout == "pack" and not packs:
         why = ("buckets='auto' (the row length is chosen by cost)" if not auto else
                "masking=True (the rewrite keeps the sequences of a row apart)"
-               if not options.masking else f"one device (received {dp.size})"
-               if dp.size > 1 else
+               if not options.masking else f"one process (received {P}: each process would "
+               f"pack its own share, which fit does not do yet)" if P > 1 else
                f"fields with at most one length axis (received {form.describe()})")
         raise OptionError(f"fit: layout: 'pack' needs {why}; use layout='auto' or 'pad'")
     seed = options.seed if loss_call.wants_key else None
@@ -589,8 +591,9 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
                 validation_lengths=run.validation.lengths if run.validation is not None else None)
     if isinstance(known, dict) and run.train_step.layout == "pad":
         raise OptionError(f"fit: cannot resume from {restored}: its run trained packed rows, "
-                          f"which this one cannot (packing needs one device and masking=True; "
-                          f"this run has {run.dp.size} device(s), masking={options.masking})")
+                          f"which this one cannot (packing needs one process and masking=True; "
+                          f"this run has {run.dp.processes} process(es), "
+                          f"masking={options.masking})")
     if run.train_step.layout != "pad":
         as_known = known if isinstance(known, dict) else (
             {"layout": "pad", "policy": known} if known is not None else None)
