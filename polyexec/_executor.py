@@ -91,6 +91,23 @@ class _Compiled:
     out_tree: Any            # per bucket: the slow path's program may differ in structure
     out_paths: tuple[str, ...]
 
+    @functools.cached_property
+    def spanning(self) -> tuple[tuple[int, Any], ...]:
+        """(position, sharding) of the inputs split over other processes' devices too."""
+        return tuple((i, s) for i, s in enumerate(self.executable.input_shardings[0])
+                     if s is not None and not s.is_fully_addressable)
+
+    def __call__(self, inputs: Sequence[Any]):
+        """Run on ``inputs``; a host array whose sharding spans other processes' devices is
+        made a global array from the slices this process's devices hold (a packed grid is
+        built on every process, and each contributes its own rows)."""
+        inputs = list(inputs)
+        for i, sharding in self.spanning:
+            if isinstance(inputs[i], (np.ndarray, np.generic)):
+                host = np.asarray(inputs[i])
+                inputs[i] = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+        return self.executable(*inputs)
+
 
 class _Executables:
     """Compiled programs by (segment, bucket): each compiled once -- threads asking at the same
@@ -544,7 +561,7 @@ class Bucketed:
         handed: list[Any] = []
         for segment in plan.segments:
             compiled = self._executable(plan, segment, placed.layout, placed.bucket)
-            outputs = compiled.executable(*placed.inputs(segment, handed))
+            outputs = compiled(placed.inputs(segment, handed))
             self._counters.add(placed.layout.stats_key(segment, placed.bucket), calls=1,
                                real_elements=placed.real, padded_elements=placed.padded)
             if segment.cut is None:
@@ -574,6 +591,32 @@ class Bucketed:
         bucket = {n: s if n in exact else max(self.bucket_for(n, s, plan), least.get(n, 0))
                   for n, s in call.sizes.items()}
         return _layouts.PAD.place(call, bucket)
+
+    def packing_of(self, lengths: Any, *args) -> tuple[np.ndarray, int]:
+        """``(row of each sequence, rows)`` of the packed grid a call with these ``lengths``
+        (of its ``lengths_of`` input) runs in; ``args``, the arguments without a Spec. Known
+        from the lengths alone: across processes, each one loads the sequences of its own rows
+        only (`polyexec.training`), and the executor assembles the grid from every process's
+        rows.
+
+        >>> import jax.numpy as jnp, numpy as np, polyexec as px
+        >>> T, B = px.LengthVar("T", max=8), px.LengthVar("B", max=8)
+        >>> f = px.bucketed(lambda x, n: jnp.sum(x), layout="pack", buckets={T: [8]},
+        ...                 in_specs=(px.Spec("B T", jnp.float32),
+        ...                           px.Spec("B", jnp.int32, lengths_of=T)))
+        >>> row, rows = f.packing_of([5, 3, 6, 2])
+        >>> row.tolist(), rows
+        ([1, 1, 0, 0], 2)
+        """
+        plan = self.plan_for(*args)
+        if self.layout != "pack" or not plan.can_pack:
+            raise OptionError(f"{self.name}.packing_of: expected a function that runs packed "
+                              f"rows (layout='pack' and a plan that can pack), received "
+                              f"layout={self.layout!r}"
+                              + ("" if plan.can_pack else f" ({plan.packing_reason})"))
+        lengths = np.asarray(lengths, np.int64).reshape(-1)
+        packing, rows = _layouts.PACK.packing(plan, lengths, self)
+        return np.asarray(packing.row), rows
 
     def packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
         """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:

@@ -236,15 +236,23 @@ class _Pack(Layout):
         ((var, (at, rows_var)),) = segment.convention.rows_at.items()
         poly_at = at - segment.convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
-        empty_cells = segment.program("pack").empty_cells
+        packing, n_rows = self.packing(plan, lengths, sizer)
+        grid = _Grid(lengths, packing, n_rows, var, rows_var,
+                     empty_cells=segment.program("pack").empty_cells)
+        return _Packed(self, call, grid, sizer.bucket_for, plan)
+
+    def packing(self, plan: Plan, lengths: np.ndarray, sizer) -> tuple[Any, int]:
+        """``(buckets.Packing, rows)``: where sequences of ``lengths`` go in the grid `place`
+        builds, from their lengths alone (`polyexec.training` reads which rows each process
+        holds from it before loading the examples)."""
+        segment = plan.segments[0]
+        ((var, (_, rows_var)),) = segment.convention.rows_at.items()
         # A sequence of length 0 takes a cell where the program holds per-sequence values.
-        cells = np.maximum(lengths, 1) if empty_cells else lengths
+        cells = np.maximum(lengths, 1) if segment.program("pack").empty_cells else lengths
         row_length = sizer.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
         first = _buckets.first_fit(cells, row_length)
         n_rows = sizer.packed_rows(plan, rows_var, row_length, first.rows)
-        packing = _buckets.balanced_fit(cells, row_length, n_rows, first=first)
-        grid = _Grid(lengths, packing, n_rows, var, rows_var, empty_cells=empty_cells)
-        return _Packed(self, call, grid, sizer.bucket_for, plan)
+        return _buckets.balanced_fit(cells, row_length, n_rows, first=first), n_rows
 
 
 PACK = _Pack("pack")

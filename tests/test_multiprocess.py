@@ -81,6 +81,34 @@ def test_two_processes_train_like_one_and_resume_to_the_same_result(tmp_path):
     assert len(os.listdir(tmp_path / "ck")) >= 1
 
 
+def _step_losses(path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, open(path)) if r["kind"] == "step"]
+
+
+def test_two_processes_train_packed_rows_like_one(tmp_path):
+    """``--layout pack``: every process plans the same global packed steps and loads only the
+    examples packed into its half of the rows (--max-tokens is per process, as --batch-size
+    is): the grid is the one a single process with twice the budget runs, 16 rows of 48."""
+    packed = [*TINY[:TINY.index("--buckets")], *TINY[TINY.index("--buckets") + 2:],
+              "--layout", "pack", "--epochs", "1", "--no-cache"]
+    first, quiet = _two_processes([*packed, "--max-tokens", "384",
+                                   "--metrics", str(tmp_path / "two.jsonl")], tmp_path, "pack")
+    single = subprocess.run([sys.executable, "-m", "examples.rnn.train", *packed,
+                             "--max-tokens", "768", "--metrics", str(tmp_path / "one.jsonl")],
+                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "layout pack (16 rows of 48)" in first and "devices: 2 (cpu" in first, first
+    assert "layout pack (16 rows of 48)" in single.stdout, single.stdout
+    assert "validation loss" not in quiet, quiet
+    two, one = _step_losses(tmp_path / "two.jsonl"), _step_losses(tmp_path / "one.jsonl")
+    assert len(two) == len(one) > 4, (two, one)
+    assert two == pytest.approx(one, rel=1e-5)
+    assert one[-1] < one[0] - 0.1, "the steps must change the loss for this to test"
+    val_two, val_one = _val_losses(tmp_path / "two.jsonl"), _val_losses(tmp_path / "one.jsonl")
+    assert len(val_two) == 1 and val_two == pytest.approx(val_one, rel=1e-5)
+
+
 def test_a_dead_process_ends_the_other_with_a_message(tmp_path):
     port = _free_port()
     args = [*TINY, "--epochs", "50", "--batch-size", "8", "--no-cache", "--heartbeat-timeout",
