@@ -408,6 +408,24 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
     (compiled,) = [c.result().executable for c in g._shared.executables._futures.values()]
     out["shards"] = [list(s.shard_shape(a.shape)) for s, a in
                      zip(compiled.input_shardings[0], compiled.in_avals[0]) if a.shape]
+
+    # layout="auto" on 2 devices prices both layouts at rows the devices split evenly: one
+    # row of 64 holds about batch_size=2 of these examples a step, so 2 rows (a cost fixed
+    # here, so that the choice does not depend on this machine's speed).
+    import buckets, equinox as eqx
+    from polyexec.training import _auto
+    measured = _auto.measure_cost
+    _auto.measure_cost = lambda *a, **k: (measured(*a, **k), buckets.CostModel(1.0, 1e-3))[1]
+    sgd = optax.sgd(0.1)
+    step = training.make_train_step(
+        lambda m, t, n: jnp.mean(t.astype(jnp.float32) * m.weight[0, 0]), sgd,
+        length_buckets=[64], batch_buckets=[4], layout="auto", shardings=dp.shardings)
+    state = place(training.TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)),
+                                             sgd), dp.replicated)
+    choice = training.choose_layout(step, state, np.array([3, 5, 6, 7, 40, 41, 64, 9, 2, 12] * 8),
+                                    epochs=2, batch_size=2, data_parallel=dp)
+    out["auto"] = {"layout": choice.layout, "reason": choice.reason,
+                   "pack_rows": choice.pack_rows, "pad_rows": [r for r, _ in choice.pad.shapes]}
     print("RESULT" + json.dumps(out))
 """)
 
@@ -449,6 +467,13 @@ def test_packed_fit_on_two_devices_matches_one_device(four_devices):
     assert one["losses"][-1] < one["losses"][0]
     for a, b in zip(two["params"], one["params"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_on_two_devices_prices_both_layouts_at_rows_the_devices_split(four_devices):
+    auto = four_devices["auto"]
+    assert auto["layout"] == "pack" and auto["pack_rows"] == {"64": 2}     # 1 on one device
+    assert "packed" in auto["reason"] and "padded" in auto["reason"], auto["reason"]
+    assert auto["pad_rows"] and all(r % 2 == 0 for r in auto["pad_rows"]), auto["pad_rows"]
 
 
 def test_packed_rows_split_over_two_devices_whole_rows_each(four_devices):
