@@ -442,8 +442,15 @@ class PackedBatching:
     policy = property(lambda self: _buckets.Fixed(self.row_lengths))
     length_buckets = property(lambda self: tuple(self.row_lengths))
 
+    @property
+    def pack_rows(self) -> dict[int, int]:
+        """The rows of a whole step (every process's) per row length: the train step's
+        ``pack_rows``, and what a checkpoint keeps of the choice."""
+        return {n: max(1, self.max_tokens // n) for n in self.row_lengths}
+
     def rows(self, row_length: int) -> int:
-        return max(1, self.max_tokens // row_length) // self.num_shards
+        """This process's share of a step's rows."""
+        return self.pack_rows[row_length] // self.num_shards
 
     def epoch(self, lengths: np.ndarray, epoch: int, *, shuffle: bool | None = None,
               partial_rows: Any = None) -> list:

@@ -366,8 +366,8 @@ class _Run:
         P = self.dp.processes
         rows = {t: sorted({r * P for r, u in self.train_shapes if u == t}) for t in self.used}
         if self.layout == "pack":
-            shape = ("packed rows: " + ", ".join(f"{self.batching.rows(n) * P} rows of {n}"
-                                                 for n in self.batching.row_lengths)
+            shape = ("packed rows: " + ", ".join(f"{r} rows of {n}" for n, r in
+                                                 self.batching.pack_rows.items())
                      + ", several examples a row"
                      + (", whole rows on each device" if self.dp.size > 1 else ""))
         else:
@@ -731,8 +731,9 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
     meta = position.meta(log.history, run.fingerprint)
     if run.auto and run.layout == "pack":
         meta["auto_layout"] = {"layout": "pack", "row_lengths": list(run.batching.row_lengths),
-                               "pack_rows": {str(n): run.batching.rows(n)
-                                             for n in run.batching.row_lengths},
+                               # A whole step's rows, every process's.
+                               "pack_rows": {str(n): r
+                                             for n, r in run.batching.pack_rows.items()},
                                "epochs": run.options.epochs}
     elif run.auto:
         meta["auto_buckets"] = {"sizes": list(run.batching.policy.sizes),
