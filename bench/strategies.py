@@ -150,7 +150,7 @@ class Strategy:
     # the --model choices it runs (filter-mlp is a benchmark of its own: no strategy runs it)
     models: ClassVar[tuple[str, ...]] = ("gru", "lstm", "attention")
     # The model's loss as plain jax.jit runs it on a padded batch: masked by hand. Only the
-    # executor's logical rewrite lets the unmasked loss (`examples.rnn.model.loss_fn`) run.
+    # executor's logical rewrite lets the unmasked loss (`examples.rnn.model.lm_loss`) run.
     hand_masked: ClassVar[bool] = True
 
     @property
@@ -512,7 +512,7 @@ class PolyexecPack(Strategy):
         lengths = self.row_lengths(cfg)
         T = px.LengthVar("T", min=MIN_T, max=max(lengths))
         B = px.LengthVar("B", max=max(self.budget(cfg) // MIN_T, 1))
-        f = px.bucketed(step.fn, in_specs=(None, px.Spec((B, T), jnp.int32),
+        f = px.bucketed(step.fn, in_specs=(None, step.batch_spec(B, T),
                                            px.Spec((B,), jnp.int32, lengths_of=T)),
                         buckets={T: lengths}, name=self.name, layout="pack",
                         pack_rows={n: max(1, self.budget(cfg) // n) for n in lengths})
@@ -520,11 +520,11 @@ class PolyexecPack(Strategy):
 
 
 def bucketed_update(step: Step, f, state, tokens, lengths):
-    """``(loss, new state)`` of one batch through the bucketed step ``f``. A bucketed step
-    returns a module's Python scalars (an equinox Dropout's p) as arrays, as jax.jit does; fed
-    back, they would be traced (and Dropout branches on p): the state keeps its own non-array
-    leaves."""
-    return step_result(step, f(state, tokens, lengths), state)
+    """``(loss, new state)`` of one batch of ``tokens`` through the bucketed step ``f``. A
+    bucketed step returns a module's Python scalars (an equinox Dropout's p) as arrays, as
+    jax.jit does; fed back, they would be traced (and Dropout branches on p): the state keeps
+    its own non-array leaves."""
+    return step_result(step, f(state, step.batch(tokens), lengths), state)
 
 
 def step_result(step: Step, output, state):
@@ -539,6 +539,12 @@ def batch_arrays(data: Data, indices: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """A polyexec step's ``(tokens, lengths)`` for these examples, padded to their longest."""
     longest = max(int(data.lengths[indices].max()), MIN_T)
     return data.tokens[indices, :longest], data.lengths[indices].astype(np.int32)
+
+
+def step_arguments(step: Step, data: Data, indices: np.ndarray) -> tuple[Any, np.ndarray]:
+    """``step``'s ``(batch, lengths)`` for these examples (`batch_arrays`, in its form)."""
+    tokens, lengths = batch_arrays(data, indices)
+    return step.batch(tokens), lengths
 
 
 class PackedBucketedRun(Run):
@@ -723,7 +729,9 @@ def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str):
     choice = choose_layout(f, step.state, data.padded_lengths, epochs=cfg.epochs,
                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, layout=layout,
                            seed=cfg.seed, min_length=MIN_T, parallel=overlap, known=known,
-                           examples=lambda indices: batch_arrays(data, indices),
+                           examples=lambda indices: step_arguments(step, data, indices),
+                           batch_of=lambda rows, length: step.batch(
+                               np.zeros((rows, length), np.int32)),
                            next_arg=lambda output: step_result(step, output, step.state)[1])
     if saved is None:
         saved = {"layout": choice.layout, "reason": choice.reason,
@@ -780,7 +788,8 @@ class ExactJit:
     def _call(self, params, tokens, lengths):
         self.traces += 1                 # Python runs only when jit traces
         loss, state = self.step.loss_and_state(
-            self.step.fn(eqx.combine(params, self._static), tokens, lengths), params)
+            self.step.fn(eqx.combine(params, self._static), self.step.batch(tokens), lengths),
+            params)
         # Arrays only, filtered here: jit would return a module's Python scalars (an equinox
         # Dropout's p) as arrays, and the next call's arguments would not match the compiled.
         return loss, eqx.filter(state, eqx.is_array)
@@ -865,7 +874,7 @@ def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy, layout: s
     T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
     # Packed, B counts sequences: as many as the largest grid holds of the shortest.
     B = px.LengthVar("B", max=max(rows) * (1 if layout == "pad" else T.max // MIN_T))
-    return px.bucketed(step.fn, in_specs=(None, px.Spec((B, T), jnp.int32),
+    return px.bucketed(step.fn, in_specs=(None, step.batch_spec(B, T),
                                           px.Spec((B,), jnp.int32, lengths_of=T)),
                        buckets={T: list(policy.sizes), B: rows}, name=strategy.name,
                        masking=getattr(strategy, "masking", True), layout=layout)

@@ -25,8 +25,8 @@ import numpy as np
 import optax
 
 import polyexec as px
-from examples.rnn.model import CharLM, loss_fn, masked_loss_fn
-from polyexec.training import TrainState, train_step_fn
+from examples.rnn.model import CharLM, lm_loss, masked_loss_fn
+from polyexec.training import TrainState, as_loss_call, train_step_fn
 
 Model = Literal["gru", "lstm", "attention", "filter-mlp"]
 Mode = Literal["train", "infer"]
@@ -42,7 +42,7 @@ DISTS: tuple[str, ...] = typing.get_args(Dist)
 WARMUPS: tuple[str, ...] = typing.get_args(Warmup)
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
 
-# The padded time axis is never below 2: ``loss_fn`` predicts byte t+1 from byte t, so it slices
+# The padded time axis is never below 2: ``lm_loss`` predicts byte t+1 from byte t, so it slices
 # ``tokens[:, :-1]`` and needs T >= 2 (a 1-byte example is padded to 2 and contributes no
 # prediction). Real-token counts always use the true lengths.
 MIN_T = 2
@@ -320,16 +320,29 @@ def build_model(cfg: Config):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """The benchmarked step ``fn(state, tokens, lengths)``.
+    """The benchmarked step ``fn(state, batch, lengths)``.
 
     Train: `polyexec.training.train_step_fn` -- the very step `polyexec.training.fit` runs
     (value_and_grad + an optax Adam update) -- over a `TrainState`, returning ``(new state,
-    metrics)``. Infer: ``state`` is the model and ``fn`` the loss.
+    metrics)``. Infer: ``state`` is the model and ``fn`` the loss. ``batch`` is `fit`'s form,
+    ``{"tokens": (B, T)}``, for the model as written (``fields``), else the bare tokens the
+    hand-masked loss takes, as plain ``jax.jit`` runs it; `batch` and `batch_spec` give
+    either from the tokens.
     """
 
     fn: Any
     state: Any
     updates_state: bool
+    fields: bool = False
+
+    def batch(self, tokens: Any) -> Any:
+        """The step's batch argument holding ``tokens (B, T)``."""
+        return {"tokens": tokens} if self.fields else tokens
+
+    def batch_spec(self, B: px.LengthVar, T: px.LengthVar) -> Any:
+        """The batch argument's Specs for `px.bucketed`."""
+        spec = px.Spec((B, T), jnp.int32)
+        return {"tokens": spec} if self.fields else spec
 
     def loss_and_state(self, out: Any, state: Any) -> tuple[Any, Any]:
         """The loss and the state after a call that returned ``out`` and was given ``state``."""
@@ -360,7 +373,9 @@ def build_step(cfg: Config, state_file: str | None = None, *, masked: bool = Tru
         state = initial_state()
         if state_file is not None:
             eqx.tree_serialise_leaves(state_file, state)
-    loss = masked_loss_fn if masked else loss_fn
+    # The model as written takes fit's batch and no lengths: called as fit calls it (the
+    # lengths still reach the program, making T ragged along B).
+    loss = masked_loss_fn if masked else as_loss_call(lm_loss, "lm_loss", one_field=False)
     if cfg.mode == "infer":
-        return Step(loss, state, updates_state=False)
-    return Step(train_step_fn(loss, optimizer), state, updates_state=True)
+        return Step(loss, state, updates_state=False, fields=not masked)
+    return Step(train_step_fn(loss, optimizer), state, updates_state=True, fields=not masked)

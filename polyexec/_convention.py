@@ -180,8 +180,16 @@ class Convention:
 
     def donated(self, argnums: Sequence[int]) -> tuple[int, ...]:
         """Positions of the non-Spec arrays of the donated arguments (Spec'd inputs are padded
-        host copies, never the caller's buffers)."""
-        return tuple(i for i, s in enumerate(self.slots) if s.kind == "array" and s.arg in argnums)
+        host copies, never the caller's buffers), typed PRNG keys excepted.
+
+        A key enters the program as its uint32 data and leaves it as a key (``key<fry>[]``):
+        XLA aliases a donated input only to an output of the same shape and dtype, so a key's
+        data never finds one, and donating it made JAX warn "Some donated buffers were not
+        usable: uint32[2]" on every compile of a train step whose model holds a key (an NNX
+        ``nnx.Dropout`` or ``nnx.RNN``). It is a few bytes: kept, not donated."""
+        keys = iter(self.signature.array_keys if self.signature is not None else ())
+        return tuple(i for i, s in enumerate(self.slots)
+                     if s.kind == "array" and next(keys, None) is None and s.arg in argnums)
 
 
 def _size_slots(variables: Sequence[LengthVar]) -> tuple[Slot, ...]:

@@ -91,6 +91,23 @@ class _Compiled:
     out_tree: Any            # per bucket: the slow path's program may differ in structure
     out_paths: tuple[str, ...]
 
+    @functools.cached_property
+    def spanning(self) -> tuple[tuple[int, Any], ...]:
+        """(position, sharding) of the inputs split over other processes' devices too."""
+        return tuple((i, s) for i, s in enumerate(self.executable.input_shardings[0])
+                     if s is not None and not s.is_fully_addressable)
+
+    def __call__(self, inputs: Sequence[Any]):
+        """Run on ``inputs``; a host array whose sharding spans other processes' devices is
+        made a global array from the slices this process's devices hold (a packed grid is
+        built on every process, and each contributes its own rows)."""
+        inputs = list(inputs)
+        for i, sharding in self.spanning:
+            if isinstance(inputs[i], (np.ndarray, np.generic)):
+                host = np.asarray(inputs[i])
+                inputs[i] = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+        return self.executable(*inputs)
+
 
 class _Executables:
     """Compiled programs by (segment, bucket): each compiled once -- threads asking at the same
@@ -544,7 +561,7 @@ class Bucketed:
         handed: list[Any] = []
         for segment in plan.segments:
             compiled = self._executable(plan, segment, placed.layout, placed.bucket)
-            outputs = compiled.executable(*placed.inputs(segment, handed))
+            outputs = compiled(placed.inputs(segment, handed))
             self._counters.add(placed.layout.stats_key(segment, placed.bucket), calls=1,
                                real_elements=placed.real, padded_elements=placed.padded)
             if segment.cut is None:
@@ -575,11 +592,43 @@ class Bucketed:
                   for n, s in call.sizes.items()}
         return _layouts.PAD.place(call, bucket)
 
+    def packing_of(self, lengths: Any, *args) -> tuple[np.ndarray, int]:
+        """``(row of each sequence, rows)`` of the packed grid a call with these ``lengths``
+        (of its ``lengths_of`` input) runs in; ``args``, the arguments without a Spec. Known
+        from the lengths alone: across processes, each one loads the sequences of its own rows
+        only (`polyexec.training`), and the executor assembles the grid from every process's
+        rows.
+
+        >>> import jax.numpy as jnp, numpy as np, polyexec as px
+        >>> T, B = px.LengthVar("T", max=8), px.LengthVar("B", max=8)
+        >>> f = px.bucketed(lambda x, n: jnp.sum(x), layout="pack", buckets={T: [8]},
+        ...                 in_specs=(px.Spec("B T", jnp.float32),
+        ...                           px.Spec("B", jnp.int32, lengths_of=T)))
+        >>> row, rows = f.packing_of([5, 3, 6, 2])
+        >>> row.tolist(), rows
+        ([1, 1, 0, 0], 2)
+        """
+        plan = self.plan_for(*args)
+        if self.layout != "pack" or not plan.can_pack:
+            raise OptionError(f"{self.name}.packing_of: expected a function that runs packed "
+                              f"rows (layout='pack' and a plan that can pack), received "
+                              f"layout={self.layout!r}"
+                              + ("" if plan.can_pack else f" ({plan.packing_reason})"))
+        lengths = np.asarray(lengths, np.int64).reshape(-1)
+        packing, rows = _layouts.PACK.packing(plan, lengths, self)
+        return np.asarray(packing.row), rows
+
     def packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
         """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:
-        ``pack_rows[row_length]`` when it holds them, else B's bucket."""
+        ``pack_rows[row_length]`` when it holds them, else B's bucket -- rounded up to a
+        multiple of the devices the rows are split over (`_layouts.row_shards`): each device
+        then holds whole rows, so each sequence lies on one device, and the added rows are
+        empty (no cell of theirs is real)."""
         rows = self.pack_rows.get(row_length, 0)
-        return rows if rows >= max(needed, 1) else self.bucket_for(rows_var, max(needed, 1), plan)
+        if rows < max(needed, 1):
+            rows = self.bucket_for(rows_var, max(needed, 1), plan)
+        shards = _layouts.row_shards(plan.segments[0], self.in_shardings)
+        return -(-rows // shards) * shards
 
     def _padded_cells(self, plan: Plan, packed) -> int | float:
         """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
@@ -651,8 +700,10 @@ class Bucketed:
     def _compile(self, plan: Plan, segment: Segment, layout: _layouts.Layout,
                  bucket: Mapping[str, int]) -> _Compiled:
         program, avals, n, cell = layout.program(plan, segment, bucket, self._counters.traces)
-        # The convention's inputs carry the call's shardings; a layout's own inputs follow.
-        avals = segment.convention.with_shardings(avals[:n], self.in_shardings) + avals[n:]
+        # The convention's inputs carry the call's shardings; a layout's own inputs (a packed
+        # grid's per-cell positions) follow, split over the devices as the rows they describe.
+        avals = (segment.convention.with_shardings(avals[:n], self.in_shardings)
+                 + layout.with_shardings(segment, avals[n:], self.in_shardings))
         donate = (segment.convention.donated(self.donate_argnums) if segment.can_donate
                   else ())
         try:

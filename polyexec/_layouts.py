@@ -15,7 +15,9 @@ the program it runs (`Program` of a `Segment`) and how that program is compiled 
   (`Program.reads_sequence`: a random draw along the rows), ``sequence`` (its sequence's index
   in the call, -1 where none is). Invariant: a sequence's cells are
   consecutive columns of one row, from position 0; per-sequence inputs (lengths, labels) are
-  held at every cell of their sequence and read back at its first.
+  held at every cell of their sequence and read back at its first. Split over devices (a
+  sharded ``lengths_of`` argument), the rows are a multiple of the devices and every per-cell
+  input is split with its rows: each device holds whole rows, so each sequence lies on one.
 
 Both move data on the host, like padding always has: a device gather would compile one small
 program per call shape.
@@ -73,6 +75,12 @@ class Layout:
         inputs, which take the call's shardings) and a cell holding ``(out_tree, out_paths)``
         once traced."""
         raise NotImplementedError
+
+    def with_shardings(self, segment: Segment, avals: Sequence[jax.ShapeDtypeStruct],
+                       in_shardings: Sequence[Any] | None) -> list[jax.ShapeDtypeStruct]:
+        """The layout's own program inputs (after the convention's) with their shardings:
+        the pad layout has none."""
+        return list(avals)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,6 +216,15 @@ class _Pack(Layout):
         return packed.call, avals, len(segment.convention.slots), [segment.out_tree,
                                                                     segment.out_paths]
 
+    def with_shardings(self, segment, avals, in_shardings):
+        """``pos``, ``seglen`` (and ``sequence``) are ``(rows, row length)`` grids: split over
+        the devices like the rows (the sharding of the argument holding the rows' lengths,
+        whose one axis is the rows), so a device's cells and their positions are together."""
+        rows = _rows_sharding(segment, in_shardings)
+        if rows is None:
+            return list(avals)
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows) for a in avals]
+
     def place(self, plan: Plan, call: _bind.BoundCall, sizer) -> "_Packed":
         """Where ``call``'s sequences go: rows of the smallest row length (a bucket of T) that
         holds the longest, as many as first-fit needs bucketed by B's buckets or the run's
@@ -219,18 +236,47 @@ class _Pack(Layout):
         ((var, (at, rows_var)),) = segment.convention.rows_at.items()
         poly_at = at - segment.convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
-        empty_cells = segment.program("pack").empty_cells
+        packing, n_rows = self.packing(plan, lengths, sizer)
+        grid = _Grid(lengths, packing, n_rows, var, rows_var,
+                     empty_cells=segment.program("pack").empty_cells)
+        return _Packed(self, call, grid, sizer.bucket_for, plan)
+
+    def packing(self, plan: Plan, lengths: np.ndarray, sizer) -> tuple[Any, int]:
+        """``(buckets.Packing, rows)``: where sequences of ``lengths`` go in the grid `place`
+        builds, from their lengths alone (`polyexec.training` reads which rows each process
+        holds from it before loading the examples)."""
+        segment = plan.segments[0]
+        ((var, (_, rows_var)),) = segment.convention.rows_at.items()
         # A sequence of length 0 takes a cell where the program holds per-sequence values.
-        cells = np.maximum(lengths, 1) if empty_cells else lengths
+        cells = np.maximum(lengths, 1) if segment.program("pack").empty_cells else lengths
         row_length = sizer.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
         first = _buckets.first_fit(cells, row_length)
         n_rows = sizer.packed_rows(plan, rows_var, row_length, first.rows)
-        packing = _buckets.balanced_fit(cells, row_length, n_rows, first=first)
-        grid = _Grid(lengths, packing, n_rows, var, rows_var, empty_cells=empty_cells)
-        return _Packed(self, call, grid, sizer.bucket_for, plan)
+        return _buckets.balanced_fit(cells, row_length, n_rows, first=first), n_rows
 
 
 PACK = _Pack("pack")
+
+
+def _rows_sharding(segment: Segment, in_shardings: Sequence[Any] | None) -> Any:
+    """The sharding of the argument that holds the packed rows' lengths (a ``lengths_of``
+    input of dims ``"B"``), or None (unsharded)."""
+    rows_at = segment.convention.rows_at
+    if in_shardings is None or len(rows_at) != 1:
+        return None
+    ((at, _),) = rows_at.values()
+    arg = segment.convention.slots[at].arg
+    return in_shardings[arg] if arg is not None and arg < len(in_shardings) else None
+
+
+def row_shards(segment: Segment, in_shardings: Sequence[Any] | None) -> int:
+    """Into how many parts the rows of a packed grid are split (the devices along the rows
+    axis of its sharding; 1 unsharded or replicated): its rows must be a multiple of it."""
+    sharding = _rows_sharding(segment, in_shardings)
+    if sharding is None:
+        return 1
+    devices = len(sharding.device_set)
+    return devices // sharding.shard_shape((devices,))[0]
 
 
 class _Packed(Placed):

@@ -322,6 +322,41 @@ def test_packed_batching_keeps_the_tokens_a_step_at_every_row_length():
                                         (4, 64): int(lengths[lengths > 16].sum())}
 
 
+def test_packed_shares_across_processes_are_disjoint_and_hold_every_example_once():
+    """Two processes plan the same global packed steps; each loads only the examples packed
+    into its half of the grid's rows (every length known to both), so the shares are disjoint
+    and hold each example of an epoch once, at the one grid a single process would run."""
+    from polyexec.training import as_examples
+    from polyexec.training._data import PackedBatching
+    rng = np.random.default_rng(3)
+    examples = as_examples([rng.integers(1, 9, n) for n in rng.integers(1, 40, 60)], "data")
+    step = make_train_step(_loss, optax.sgd(0.1), length_buckets=[40], batch_buckets=[4],
+                           layout="pack").with_layout("pack", {40: 4})
+    state = _state()
+    shares = [PackedBatching((40,), 4 * 40, True, 0, num_shards=2, shard_index=i)
+              for i in (0, 1)]
+    for epoch in (0, 1):
+        plans = [b.epoch(examples.lengths, epoch) for b in shares]
+        assert [b.indices.tolist() for b in plans[0]] == [b.indices.tolist() for b in plans[1]]
+        loaded = []
+        for batch in plans[0]:
+            row, rows = step.packing_of(examples.lengths[batch.indices], state)
+            assert rows == 4 and all(b.shape(batch) == (2, 40) for b in shares)
+            mine = []
+            for i, share in enumerate(shares):
+                tokens, lengths = share.stack(examples, batch,
+                                              rows_of=lambda n: step.packing_of(n, state))
+                assert lengths.tolist() == examples.lengths[batch.indices].tolist()
+                read = (tokens != 0).any(axis=1)            # tokens are 1..8: read, else pad
+                assert read.tolist() == (row // 2 == i).tolist()
+                mine.append(set(batch.indices[read].tolist()))
+            assert not mine[0] & mine[1]
+            loaded += sorted(mine[0] | mine[1])
+        assert sorted(loaded) == list(range(len(examples)))
+    with pytest.raises(px.OptionError, match="rows_of: expected the step's packing_of"):
+        shares[0].stack(examples, plans[0][0])
+
+
 def test_choose_layout_pads_when_padding_is_cheaper(fixed_cost):
     # Compiles free, cells dear, and every example as long as the row: packing saves no
     # cell, while the padded plan's partial batch runs at its own rows.

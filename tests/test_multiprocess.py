@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,54 @@ def test_two_processes_train_like_one_and_resume_to_the_same_result(tmp_path):
     assert two == pytest.approx(one, abs=2e-3)
     assert abs(one[1] - one[0]) > 1e-2, "the second epoch must change the loss for this to test"
     assert len(os.listdir(tmp_path / "ck")) >= 1
+
+
+def _step_losses(path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, open(path)) if r["kind"] == "step"]
+
+
+def test_two_processes_train_packed_rows_like_one_and_resume_mid_epoch(tmp_path):
+    """``--layout pack``: every process plans the same global packed steps and loads only the
+    examples packed into its half of the rows (--max-tokens is per process, as --batch-size
+    is): the grid is the one a single process with twice the budget runs, 16 rows of 48.
+    Killed once its step-3 checkpoint is written and resumed from it, the two-process run
+    ends where one uninterrupted process does."""
+    packed = [*TINY[:TINY.index("--buckets")], *TINY[TINY.index("--buckets") + 2:],
+              "--layout", "pack", "--epochs", "1", "--no-cache"]
+    two = [*packed, "--max-tokens", "384", "--checkpoint-dir", str(tmp_path / "ck"),
+           "--checkpoint-every", "3", "--metrics", str(tmp_path / "two.jsonl")]
+    (tmp_path / "ck").mkdir()
+    port = _free_port()
+    procs = [_launch([*two, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                      "--process-id", str(i)], tmp_path, f"killed{i}") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 240
+        while not any(n.startswith("step-") for n in os.listdir(tmp_path / "ck")):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                (tmp_path / "killed0.err").read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    first, quiet = _two_processes(two, tmp_path, "resumed")
+    single = subprocess.run([sys.executable, "-m", "examples.rnn.train", *packed,
+                             "--max-tokens", "768", "--metrics", str(tmp_path / "one.jsonl")],
+                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    # Resumed mid-epoch, at the checkpoint's global rows (every process's, not one's share).
+    first = " ".join(first.split())            # the console wraps long lines
+    assert re.search(r"\.ckpt: step \d, epoch 1, batch [1-6]\b", first), first
+    assert "the checkpoint's packed rows, {'48': 16}" in first, first
+    assert "layout pack (16 rows of 48)" in single.stdout, single.stdout
+    assert "validation loss" not in quiet, quiet
+    two, one = _step_losses(tmp_path / "two.jsonl"), _step_losses(tmp_path / "one.jsonl")
+    assert len(two) == len(one) > 4, (two, one)
+    assert two == pytest.approx(one, rel=1e-5)
+    assert one[-1] < one[0] - 0.1, "the steps must change the loss for this to test"
+    val_two, val_one = _val_losses(tmp_path / "two.jsonl"), _val_losses(tmp_path / "one.jsonl")
+    assert len(val_two) == 1 and val_two == pytest.approx(val_one, rel=1e-5)
 
 
 def test_a_dead_process_ends_the_other_with_a_message(tmp_path):

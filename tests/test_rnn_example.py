@@ -115,12 +115,12 @@ def test_cli_reports_fits_refusal_in_one_line_and_trains_with_train_on_padding(m
 
     from examples.rnn import model
 
-    def unsafe_loss(m, tokens, lengths):
-        T = tokens.shape[1]
+    def unsafe_loss(m, batch):
+        T = batch["tokens"].shape[1]
         w = jax.scipy.linalg.solve_triangular(2 * jnp.eye(T), jnp.ones(T), lower=True)
-        return model.loss_fn(m, tokens, lengths) * jnp.mean(w)
+        return model.lm_loss(m, batch) * jnp.mean(w)
 
-    monkeypatch.setattr(train, "loss_fn", unsafe_loss)
+    monkeypatch.setattr(train, "lm_loss", unsafe_loss)
     argv = ["--limit", "24", "--epochs", "1", "--hidden", "4", "--embed", "4", "--cap", "32",
             "--buckets", "fixed:32", "--samples", "0", "--no-cache", "--no-progress"]
     with pytest.raises(SystemExit) as exit_:
@@ -251,3 +251,57 @@ def test_cli_batch_size_above_the_data_is_clamped_with_a_note(tmp_path, capsys):
         in text
     rows = {r["bucket"][0] for r in out["history"] if r["kind"] == "step"}
     assert rows == {22}
+
+
+def test_the_example_trains_in_fits_batch_form_exactly_as_in_the_shorthand():
+    """`lm_loss(model, batch)` on ``{"tokens": ...}`` examples (the example's form) and
+    `loss_fn(model, tokens, lengths)` on bytes (the shorthand) are the same training run, bit
+    for bit."""
+    import optax
+
+    from examples.rnn.model import lm_loss, lm_loss_and_count, loss_and_count, loss_fn
+    from polyexec import training
+
+    corpus = corpus_data.load(cap=48, limit=80)
+    runs = []
+    for loss, count, train_set, val_set, specs in (
+            (loss_fn, loss_and_count, corpus.train, corpus.validation, None),
+            (lm_loss, lm_loss_and_count, corpus_data.examples(corpus.train),
+             corpus_data.examples(corpus.validation), corpus_data.SPECS)):
+        runs.append(training.fit(
+            CharLM(embed=8, hidden=16, key=jax.random.PRNGKey(0)), loss, train_set,
+            validation=val_set, eval_fn=count, specs=specs, optimizer=optax.adam(1e-2),
+            epochs=1, batch_size=16, buckets=[24, 48], cache=False, verbose=False))
+    shorthand, batch_form = runs
+    assert batch_form.train_step.traces == 1 and batch_form.val_loss == shorthand.val_loss
+    for a, b in zip(jax.tree_util.tree_leaves(shorthand.model),
+                    jax.tree_util.tree_leaves(batch_form.model)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cli_reports_the_wall_time_to_each_validation_loss_and_to_a_target(capsys):
+    out = train.main(["--limit", "60", "--epochs", "2", "--hidden", "4", "--embed", "4",
+                      "--cap", "32", "--buckets", "fixed:32", "--samples", "0", "--no-cache",
+                      "--no-progress", "--target-loss", "100"])
+    text = " ".join(capsys.readouterr().out.split())     # rich wraps long lines
+    epochs = [r for r in out["history"] if r["kind"] == "epoch"]
+    assert len(epochs) == 2 and 0 < epochs[0]["elapsed"] < epochs[1]["elapsed"]
+    times = re.search(r"validation loss by wall time: ([\d.]+) at ([\d.]+) s, ([\d.]+) at "
+                      r"([\d.]+) s \| 100\.0000 first reached at ([\d.]+) s", text)
+    assert times, text
+    loss1, at1, loss2, at2, reached = map(float, times.groups())
+    assert (loss1, loss2) == tuple(round(r["val_loss"], 4) for r in epochs)
+    wall = float(re.search(r"\| wall ([\d.]+) s", text).group(1))
+    # Each time counts from the command's start, fit's own setup included (printed to 0.1 s);
+    # the first epoch already reaches a loss of 100 nats.
+    assert round(epochs[0]["elapsed"], 1) <= at1 <= at2 <= wall and reached == at1
+
+
+def test_time_to_loss_leaves_out_epochs_restored_from_a_checkpoint():
+    history = [{"kind": "epoch", "epoch": 0, "val_loss": 2.5, "elapsed": 40.0},   # restored
+               {"kind": "step", "epoch": 1},
+               {"kind": "epoch", "epoch": 1, "val_loss": 2.0, "elapsed": 30.0}]
+    assert train.time_to_loss(history, 2.0, 1.0) == (
+        "validation loss by wall time: 2.0000 at 32.0 s | 1.0000 not reached in the 1 "
+        "epoch(s) run here")
+    assert train.time_to_loss(history, 2.0, None) == "validation loss by wall time: 2.0000 at 32.0 s"

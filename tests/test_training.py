@@ -365,18 +365,85 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
                          batch_size=6, buckets=[8, 16, 32], devices=n, cache=False, verbose=False)
         out[f"fit{n}"] = [e["val_loss"] for e in r.epochs()]
         out[f"rows{n}"] = list(r.batch_buckets)
+
+    # Packed rows over 2 devices: 4 rows of 29 a step (max_tokens), 2 whole rows a device.
+    import jax.numpy as jnp
+    import polyexec as px
+    for n in (1, 2):
+        r = training.fit(model(), loss_fn, data, validation=data[:8], optimizer=opt, epochs=2,
+                         max_tokens=4 * 29, layout="pack", devices=n, cache=False,
+                         verbose=False)
+        steps = [s for s in r.history if s["kind"] == "step"]
+        out[f"pack{n}"] = {
+            "layout": r.layout, "losses": [s["loss"] for s in steps],
+            "buckets": sorted({tuple(s["bucket"]) for s in steps}),
+            "val": [e["val_loss"] for e in r.epochs()],
+            "params": [np.asarray(x).ravel().tolist()
+                       for x in jax.tree_util.tree_leaves(r.model) if hasattr(x, "shape")]}
+
+    # One call of the executor: 5 sequences (16 + 9 cells) in 2 rows of 16, then one sequence,
+    # whose grid is still 2 rows -- one per device, the second empty. Value and gradient equal
+    # the exact per-sequence computation.
+    T, B = px.LengthVar("T", max=16), px.LengthVar("B", max=64)
+    def f(w, x, n):
+        return jnp.mean(jnp.sum(jnp.cumsum(jnp.tanh(x * w), 1) ** 2, 1))
+    def exact(w, x, n):
+        return jnp.mean(jnp.stack([jnp.sum(jnp.cumsum(jnp.tanh(x[i, :k] * w)) ** 2)
+                                   for i, k in enumerate(n)]))
+    x = rng.normal(size=(5, 9)).astype(np.float32)
+    lengths = [9, 3, 4, 2, 7]
+    dp = training.data_parallel(2)
+    g = px.bucketed(jax.value_and_grad(f), layout="pack", buckets={T: [16], B: [1, 2, 4, 8]},
+                    in_specs=(None, px.Spec("B T", jnp.float32),
+                              px.Spec("B", jnp.int32, lengths_of=T)),
+                    in_shardings=(dp.replicated, dp.batch, dp.batch))
+    out["calls"] = []
+    for k in (5, 1):
+        got = g(np.float32(0.7), x[:k], np.array(lengths[:k], np.int32))
+        want = jax.value_and_grad(exact)(np.float32(0.7), x[:k], lengths[:k])
+        out["calls"].append([[float(v) for v in got], [float(v) for v in want]])
+    out["grids"] = sorted(str(key) for key in g.stats.buckets)
+    # Each input of the compiled grid -- the rows, their lengths, the per-cell positions --
+    # as one device holds it: half the rows, every column.
+    (compiled,) = [c.result().executable for c in g._shared.executables._futures.values()]
+    out["shards"] = [list(s.shard_shape(a.shape)) for s, a in
+                     zip(compiled.input_shardings[0], compiled.in_avals[0]) if a.shape]
+
+    # layout="auto" on 2 devices prices both layouts at rows the devices split evenly: one
+    # row of 64 holds about batch_size=2 of these examples a step, so 2 rows (a cost fixed
+    # here, so that the choice does not depend on this machine's speed).
+    import buckets, equinox as eqx
+    from polyexec.training import _auto
+    measured = _auto.measure_cost
+    _auto.measure_cost = lambda *a, **k: (measured(*a, **k), buckets.CostModel(1.0, 1e-3))[1]
+    sgd = optax.sgd(0.1)
+    step = training.make_train_step(
+        lambda m, t, n: jnp.mean(t.astype(jnp.float32) * m.weight[0, 0]), sgd,
+        length_buckets=[64], batch_buckets=[4], layout="auto", shardings=dp.shardings)
+    state = place(training.TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)),
+                                             sgd), dp.replicated)
+    choice = training.choose_layout(step, state, np.array([3, 5, 6, 7, 40, 41, 64, 9, 2, 12] * 8),
+                                    epochs=2, batch_size=2, data_parallel=dp)
+    out["auto"] = {"layout": choice.layout, "reason": choice.reason,
+                   "pack_rows": choice.pack_rows, "pad_rows": [r for r, _ in choice.pad.shapes]}
     print("RESULT" + json.dumps(out))
 """)
 
 
-def test_data_parallel_on_four_cpu_devices_matches_one_device():
+@pytest.fixture(scope="module")
+def four_devices():
+    """`DATA_PARALLEL_SCRIPT`'s results, run once in a process with 4 forced CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    out = json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT"):])
+
+
+def test_data_parallel_on_four_cpu_devices_matches_one_device(four_devices):
+    out = four_devices
     one, four = out["1"], out["4"]
     assert four["param_devices"] == 4 and one["param_devices"] == 1
     np.testing.assert_allclose(four["losses"], one["losses"], rtol=1e-5)
@@ -385,6 +452,40 @@ def test_data_parallel_on_four_cpu_devices_matches_one_device():
     # fit: batch rows rounded up to a multiple of the 4 devices; same validation losses.
     assert out["rows1"] == [6] and out["rows4"] == [8]
     np.testing.assert_allclose(out["fit4"], out["fit1"], rtol=1e-4)
+
+
+def test_packed_fit_on_two_devices_matches_one_device(four_devices):
+    """layout="pack" on 2 devices: the same packed steps as on one (4 rows of 29, the same
+    global batches), each device 2 whole rows; step losses, validation losses and final
+    parameters equal within float reassociation."""
+    one, two = four_devices["pack1"], four_devices["pack2"]
+    assert one["layout"] == two["layout"] == "pack"
+    assert one["buckets"] == two["buckets"] == [[4, 29]]
+    assert len(two["losses"]) == len(one["losses"]) > 2
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    np.testing.assert_allclose(two["val"], one["val"], rtol=1e-5)
+    assert one["losses"][-1] < one["losses"][0]
+    for a, b in zip(two["params"], one["params"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_on_two_devices_prices_both_layouts_at_rows_the_devices_split(four_devices):
+    auto = four_devices["auto"]
+    assert auto["layout"] == "pack" and auto["pack_rows"] == {"64": 2}     # 1 on one device
+    assert "packed" in auto["reason"] and "padded" in auto["reason"], auto["reason"]
+    assert auto["pad_rows"] and all(r % 2 == 0 for r in auto["pad_rows"]), auto["pad_rows"]
+
+
+def test_packed_rows_split_over_two_devices_whole_rows_each(four_devices):
+    """The executor rounds a packed grid's rows up to a multiple of the devices (one sequence:
+    2 rows, one of them empty) and splits every per-cell input with its rows; the results
+    equal the exact per-sequence computation."""
+    for got, want in four_devices["calls"]:
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert four_devices["grids"] == ["(('rows(B)', 2), ('row_length(T)', 16))"]
+    # The rows (2, 16), their lengths (2, 16), pos and seglen (2, 16): one row a device.
+    shards = four_devices["shards"]
+    assert shards and all(s == [1, 16] for s in shards), shards
 
 
 # -- buckets="auto": the bucket set chosen by predicted cost -------------------------------------

@@ -29,6 +29,21 @@ class Corpus:
                 f"({train_bytes:,} bytes), {len(self.validation):,} validation; {cap}")
 
 
+# `fit`'s examples are ``{"tokens": (T,)}``; the Spec names T, so that a split whose sentences
+# happen to share one length (a --limit run) is still read as sequences, and stacks the byte
+# ids as int32.
+SPECS = {"tokens": px.Spec("T", np.int32)}
+
+
+def examples(sentences: list[bytes]) -> list[dict[str, np.ndarray]]:
+    """`fit`'s examples of ``sentences``: one field, ``tokens``, each sentence's byte ids.
+
+    >>> [e["tokens"].tolist() for e in examples([b"Hi", b"!"])]
+    [[72, 105], [33]]
+    """
+    return [{"tokens": np.frombuffer(s, np.uint8)} for s in sentences]
+
+
 def load(*, cap: int | None = 1024, limit: int | None = None, val_fraction: float = 0.1,
          split_seed: int = 0) -> Corpus:
     """Sentences capped at ``cap`` bytes (truncated, so nothing is dropped), optionally the

@@ -6,9 +6,11 @@
 
 Prints the corpus and what the length cap did, the bucket table, the polymorphism verdict of
 the loss, training progress with per-epoch padding efficiency / compiles / tokens per second,
-the validation loss in nats per byte (= per character: the corpus is ASCII) and sampled
-sentences. The model is written once against length variables (``model.py``); polyexec
-compiles its train step once per length bucket.
+the validation loss in nats per byte (= per character: the corpus is ASCII), each epoch's
+validation loss with the wall time at which it was known (the time to a loss; ``--target-loss``
+names one to report) and sampled sentences. The model is written once against length
+variables (``model.py``); polyexec compiles its train step once per length bucket. The
+examples are ``{"tokens": (T,)}`` and the loss ``lm_loss(model, batch)``, `fit`'s form.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from polyexec import training
 
 from . import data as corpus_data
 from .generate import generate
-from .model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, masked_loss_fn
+from .model import CharLM, lm_loss, lm_loss_and_count, masked_lm_loss, masked_lm_loss_and_count
 
 # Defaults, measured on 2 idle CPU cores (see README): packed rows of 256 and 1,024 (the
 # layout chosen by cost) train at ~26k tokens/s, so three epochs of the ~400k training bytes
@@ -144,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "padding-safe, or retraced per bucket), which is refused otherwise: "
                         "padding may then change the loss (fit(train_on_padding=True))")
     p.add_argument("--seed", type=_int_flag(0), default=DEFAULTS["seed"])
+    p.add_argument("--target-loss", type=_positive_float, metavar="NATS",
+                   help="also report the wall time at which validation first reached this loss "
+                        "(nats/char; e.g. another run's final one)")
     p.add_argument("--metrics", help="append metrics as JSON lines to this file")
     p.add_argument("--samples", type=_int_flag(0), default=len(PROMPTS),
                    help="sentences to sample at the end")
@@ -195,6 +200,29 @@ def check_outputs(args: argparse.Namespace) -> None:
         training.check_output_file(args.metrics, "--metrics")
 
 
+def time_to_loss(history: list[dict], before_fit: float, target: float | None) -> str:
+    """Each epoch's validation loss with the wall time, since the command started, at which
+    it was known, and (with ``target``) when validation first reached ``target``: packing
+    changes the optimiser steps an epoch, so tokens/s alone can mislead. Epochs restored from
+    a checkpoint ran in another process and are left out.
+
+    >>> history = [{"kind": "step", "epoch": 1},
+    ...            {"kind": "epoch", "epoch": 1, "val_loss": 2.0, "elapsed": 30.0},
+    ...            {"kind": "epoch", "epoch": 2, "val_loss": 1.5, "elapsed": 50.0}]
+    >>> time_to_loss(history, 5.0, 1.8)
+    'validation loss by wall time: 2.0000 at 35.0 s, 1.5000 at 55.0 s | 1.8000 first reached at 55.0 s'
+    """
+    first_here = min((r["epoch"] for r in history if r["kind"] == "step"), default=math.inf)
+    known = [(r["val_loss"], before_fit + r["elapsed"]) for r in history
+             if r["kind"] == "epoch" and r["epoch"] >= first_here and r.get("val_loss") is not None]
+    text = "validation loss by wall time: " + ", ".join(f"{v:.4f} at {t:.1f} s" for v, t in known)
+    if target is None:
+        return text
+    reached = next((t for v, t in known if v <= target), None)
+    return text + (f" | {target:.4f} first reached at {reached:.1f} s" if reached is not None else
+                   f" | {target:.4f} not reached in the {len(known)} epoch(s) run here")
+
+
 def run(args: argparse.Namespace) -> dict:
     # One voice: in a multi-process run only process 0 reports (errors still reach stderr).
     console = Console(highlight=False, quiet=jax.process_index() != 0)
@@ -221,13 +249,18 @@ def run(args: argparse.Namespace) -> dict:
     masking = not args.no_masking
     # The loss has no mask: the logical rewrite makes every row its own length. Without the
     # rewrite the padding would count, so --no-masking trains the same loss masked by hand.
-    loss, eval_loss = (loss_fn, loss_and_count) if masking else (masked_loss_fn,
-                                                                 masked_loss_and_count)
+    loss, eval_loss = (lm_loss, lm_loss_and_count) if masking else (masked_lm_loss,
+                                                                   masked_lm_loss_and_count)
     longest = max(train_lengths.max(), max(map(len, corpus.validation)))
     T = px.LengthVar("T", min=2, max=int(longest if policy == "auto" else max(policy.largest, longest)))
     B = px.LengthVar("B", max=args.batch_size or buckets.batch_size_for(2, max_tokens))
-    plan = px.trace(loss, model, px.Spec((B, T), jnp.int32),
-                    px.Spec((B,), jnp.int32, lengths_of=T), masking=masking)
+    # Traced as fit calls it: the batch {"tokens": (B, T)} and the lengths that make T ragged
+    # along B, handed on to the loss only if it asks for them (`training.as_loss_call`).
+    # px.trace takes each Spec'd input as an argument of its own, so the batch is built inside.
+    call = training.as_loss_call(loss, "loss", one_field=False)
+    plan = px.trace(lambda model, tokens, lengths: call(model, {"tokens": tokens}, lengths),
+                    model, px.Spec((B, T), jnp.int32), px.Spec((B,), jnp.int32, lengths_of=T),
+                    masking=masking)
     console.print(f"polymorphism: plan.reshaping_is_impossible = {plan.reshaping_is_impossible}"
                   + (f"; reason: {plan.reason}" if plan.reshaping_is_impossible else
                      f" — {loss.__name__} traced once over symbolic B, T in [2, {T.max}] "
@@ -237,9 +270,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.no_cache:
         px.disable_persistent_cache()   # asked for on the command line: off, whoever turned it on
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
+    fit_called = time.perf_counter()
     result = training.fit(
-        model, loss, corpus.train, optimizer=optimizer, epochs=args.epochs,
-        validation=corpus.validation, eval_fn=eval_loss, batch_size=args.batch_size,
+        model, loss, corpus_data.examples(corpus.train), specs=corpus_data.SPECS,
+        optimizer=optimizer, epochs=args.epochs,
+        validation=corpus_data.examples(corpus.validation), eval_fn=eval_loss,
+        batch_size=args.batch_size,
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
         cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
         layout=args.layout if masking else "pad", train_on_padding=args.train_on_padding,
@@ -261,6 +297,7 @@ def run(args: argparse.Namespace) -> dict:
     if val is not None:
         console.print(f"validation loss: {val:.4f} nats/char ({val / math.log(2):.4f} bits/char) "
                       f"after {len(epochs)} epoch(s)")
+        console.print(time_to_loss(result.history, fit_called - started, args.target_loss))
     train_stats, eval_stats = result.train_step.stats, result.eval_step.stats
     console.print("train step buckets (calls, compiles, and real tokens / padded cells as the "
                   "executor padded them):")

@@ -10,19 +10,18 @@ Data parallel over local devices (and hosts) with ``jax.sharding``.
 
 >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
 >>> from polyexec import training
->>> def loss(model, tokens, lengths):            # (B, T) tokens, (B,) real lengths
-...     x = tokens.astype(jnp.float32)[..., None] / 10
-...     err = (jax.vmap(jax.vmap(model))(x)[..., 0] - 1.0) ** 2
-...     mask = jnp.arange(tokens.shape[1]) < lengths[:, None]   # padding never counts
-...     return jnp.sum(jnp.where(mask, err, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
->>> data = [np.arange(n) % 5 for n in range(2, 30)]
+>>> def loss(model, batch):                      # batch["x"]: (B, T), padded to a bucket
+...     x = batch["x"].astype(jnp.float32)[..., None] / 10
+...     return jnp.mean((jax.vmap(jax.vmap(model))(x)[..., 0] - 1.0) ** 2)  # real cells only
+>>> data = [{"x": np.arange(n) % 5} for n in range(2, 30)]
 >>> result = training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), loss, data,
 ...                       optimizer=optax.adam(1e-2), epochs=2, batch_size=4, buckets=3,
 ...                       verbose=False)
 >>> result.train_step.traces, result.train_step.stats.compiles
 (1, 3)
 
-See `fit` for checkpoints, data parallelism (including multi-host with
+Examples that are bare 1-D token arrays may use the shorthand ``loss(model, tokens,
+lengths)``. See `fit` for checkpoints, data parallelism (including multi-host with
 ``jax.distributed.initialize()``), metrics files and the persistent compile cache.
 """
 

@@ -29,7 +29,7 @@ import buckets as _buckets
 from .. import Bucketed
 from .._cache import count_compiles
 from .._errors import OptionError
-from ._data import Batching
+from ._data import Batching, round_up
 from ._parallel import DataParallel
 from ._state import copy_arrays
 
@@ -420,7 +420,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     XLA compile each keep both busy, and overlapping them took 1-2 s longer than one after
     the other.
     ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``, ``batch_of``:
-    as for `choose_buckets`; a packed choice packs the eval step into the same rows
+    as for `choose_buckets`; packed rows are the global grid's (``batch_size`` and
+    ``max_tokens`` per process, as padded), a multiple of all the run's devices, which split
+    them whole (short rows that would not split evenly are not tried), and process 0's
+    timings decide on every process; a packed choice packs the eval step into the same rows
     (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
 
     >>> import equinox as eqx, jax, numpy as np, optax
@@ -479,8 +482,14 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                             None, row_lengths, pack_rows,
                             eval_step=packed_eval(row_lengths, pack_rows))
     row_length = step.bucket_for("T", int(lengths.max()))
-    rows = (_rows_holding(lengths, row_length, batch_size, seed) if batch_size is not None
-            else max(1, max_tokens // row_length))
+    # Packed rows are global: every process plans the same steps, each of one grid whose rows
+    # are split over every device of the run, whole rows each (a multiple of them), and
+    # ``batch_size`` / ``max_tokens`` are per process, as padded.
+    dp = data_parallel
+    shards, devices, local = (dp.processes, dp.size, dp.local_devices) if dp else (1, 1, 1)
+    rows = round_up(_rows_holding(lengths, row_length, batch_size * shards, seed)
+                    if batch_size is not None else max(1, max_tokens * shards // row_length),
+                    devices)
     pack_rows = {row_length: rows}
     packer = _packing(step, (row_length,), pack_rows)
     short = _shorter_length(lengths, row_length, min_length)
@@ -509,8 +518,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         else:
             tokens, full = examples(batch.indices)
         outputs = []
-        cost = measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
-                            on_output=outputs.append, grid=grid)
+        # Every process runs its rows of the same grid; process 0's timing decides for all.
+        cost = agree(measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
+                                  on_output=outputs.append, grid=grid), shards)
         if batch is not None:
             first_steps.append((batch, outputs[0]))
             on = next_arg(outputs[0])
@@ -521,10 +531,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                                    seed=seed, compiled=[(rows, row_length)])
     # The padded steps would compile every shape, the longest included (not yet compiled).
     pad_policy = _buckets.Auto.fit(lengths, cost, epochs=epochs, batch_size=batch_size,
-                                   max_tokens=max_tokens)
+                                   max_tokens=max_tokens, num_shards=shards, row_multiple=local)
     row_lengths = (row_length,)
     shorter = (_shorter_rows(step, lengths, short, row_length, rows, cost, pack, epochs, seed,
-                             parallel, timed) if short is not None else None)
+                             parallel, timed, devices) if short is not None else None)
     if shorter is not None:
         pack, pack_rows = shorter
         row_lengths = tuple(sorted(pack_rows))
@@ -563,7 +573,7 @@ def _shorter_length(lengths, row_length: int, min_length: int) -> int | None:
 
 
 def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, seed, parallel,
-                  timed):
+                  timed, multiple=1):
     """Packed rows of two lengths, ``short`` (`_shorter_length`) beside ``row_length`` at the
     same tokens a step: ``(prediction, pack_rows)`` when that is predicted faster than
     ``single`` (the one row length's prediction), else None. ``timed`` is `choose_layout`'s
@@ -578,6 +588,10 @@ def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, 
     the plan's padding eats what shorter pairs save)."""
     budget = rows * row_length
     short_rows = max(1, budget // short)
+    if short_rows % multiple:
+        # The short rows, at the long rows' tokens a step, would not split evenly over the
+        # devices (a row length that ``short`` does not divide).
+        return None
     shapes = [(rows, row_length), (short_rows, short)]
     cheaper = dataclasses.replace(cost, seconds_per_cell=cost.seconds_per_cell * 0.75)
     best = _buckets.predict_packed(lengths, [short, row_length],

@@ -421,19 +421,36 @@ class PackedBatching:
     them -- ``max_tokens // length`` rows a step (`buckets.packed_batch_plan`, deterministic in
     (seed, epoch)). A step reaches the train step as its examples stacked to their own longest;
     the executor packs them into the rows (several a row), so ``stats`` count the cells of the
-    rows. One process, one device."""
+    rows, and splits the rows over the devices, whole rows each.
+
+    Across processes (``num_shards``) the plan is global -- every process plans the same
+    steps, ``max_tokens`` the cells of a whole step -- and so is the grid: process ``i``
+    holds rows ``[i * R / P, (i + 1) * R / P)`` of its ``R`` rows. Each process stacks every
+    example's length but loads only the examples packed into its own rows (``rows_of``, the
+    step's `Bucketed.packing_of`): the shares are disjoint and together hold each example of
+    a step once, and the grid is the one a single process would run. ``rows`` and `shape`
+    give this process's share of the rows, as `Batching`'s do."""
 
     row_lengths: tuple[int, ...]
     max_tokens: int
     shuffle: bool
     seed: int
     min_length: int = 2
+    num_shards: int = 1
+    shard_index: int = 0
 
     policy = property(lambda self: _buckets.Fixed(self.row_lengths))
     length_buckets = property(lambda self: tuple(self.row_lengths))
 
+    @property
+    def pack_rows(self) -> dict[int, int]:
+        """The rows of a whole step (every process's) per row length: the train step's
+        ``pack_rows``, and what a checkpoint keeps of the choice."""
+        return {n: max(1, self.max_tokens // n) for n in self.row_lengths}
+
     def rows(self, row_length: int) -> int:
-        return max(1, self.max_tokens // row_length)
+        """This process's share of a step's rows."""
+        return self.pack_rows[row_length] // self.num_shards
 
     def epoch(self, lengths: np.ndarray, epoch: int, *, shuffle: bool | None = None,
               partial_rows: Any = None) -> list:
@@ -442,7 +459,7 @@ class PackedBatching:
             shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch)
 
     def shape(self, batch: _buckets.PackedBatch) -> tuple[int, int]:
-        return batch.rows, batch.row_length
+        return batch.rows // self.num_shards, batch.row_length
 
     def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
         """Every (rows, row length) an epoch runs at, and the real tokens each one carries."""
@@ -450,17 +467,31 @@ class PackedBatching:
         return {(self.rows(n), n): int(np.sum(lengths[at == n]))
                 for n in self.row_lengths if np.any(at == n)}
 
-    def stack(self, examples: Examples, batch: _buckets.PackedBatch) -> tuple[Any, np.ndarray]:
+    def stack(self, examples: Examples, batch: _buckets.PackedBatch,
+              rows_of: Any = None) -> tuple[Any, np.ndarray]:
+        """The step's examples stacked (every one's length; across processes, the data of
+        this process's rows only: ``rows_of(lengths) -> (row of each, rows)``)."""
         length = max(int(examples.lengths[batch.indices].max()), self.min_length)
-        return pad_batch(examples, batch.indices, len(batch.indices), length)
+        load = None
+        if self.num_shards > 1:
+            if rows_of is None:
+                raise OptionError("PackedBatching.stack: rows_of: expected the step's "
+                                  "packing_of across processes, received None")
+            row, rows = rows_of(examples.lengths[batch.indices])
+            share = rows // self.num_shards
+            load = np.asarray(row) // share == self.shard_index
+        return pad_batch(examples, batch.indices, len(batch.indices), length, load=load)
 
 
 def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,
-              pad_id: int | None = None) -> tuple[Any, np.ndarray]:
+              pad_id: int | None = None, load: Sequence[bool] | None = None
+              ) -> tuple[Any, np.ndarray]:
     """``(batch, lengths (rows,) int32)``: the examples stacked along a leading rows axis,
     each ``T`` axis padded to ``length`` and the rows past the examples (length 0) filled
     with each field's pad (``pad_id``, when given, for every field). The one-field shorthand's
     batch is tokens ``(rows, length)`` int32. Padded on the host by the executor's own padder, `pad_to`.
+    ``load``: per example, whether to read it; an example not read keeps its length and its
+    row holds the pad (another process holds it: `PackedBatching`).
 
     >>> from polyexec.training import as_examples, pad_batch
     >>> tokens, lengths = pad_batch(as_examples([b"ab", b"c"], "data"), [1, 0], 3, 4)
@@ -480,7 +511,9 @@ def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,
         if pad_id is not None:
             field = dataclasses.replace(field, pad=pad_id)
         shape = field.shape(length)
-        parts = [pad_to(examples.leaves[i][k], shape, field.pad, field.dtype) for i in indices]
+        parts = [pad_to(examples.leaves[i][k], shape, field.pad, field.dtype)
+                 if load is None or load[j] else np.full(shape, field.pad, field.dtype)
+                 for j, i in enumerate(indices)]
         block = np.stack(parts) if parts else np.empty((0, *shape), field.dtype)
         stacked.append(pad_to(block, (rows, *shape), field.pad))
     lengths = np.array([examples.lengths[i] for i in indices], np.int32)

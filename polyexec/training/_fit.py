@@ -157,8 +157,9 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     the first step (``warmup``) on parallel threads, those carrying the most tokens first.
 
     Layout: ``layout="auto"`` (the default) also prices packed rows when ``buckets="auto"``
-    and the run is on one device: several examples share each row (`buckets.packed_batch_plan`,
-    first-fit), rows of the longest bucket ``L``, as few as hold ``batch_size`` examples a
+    and the run is one process (on any number of its devices: the rows of a step, a multiple
+    of the devices, are split over them, whole rows each): several examples share each row
+    (`buckets.packed_batch_plan`, first-fit), rows of the longest bucket ``L``, as few as hold ``batch_size`` examples a
     step on average (an epoch takes as many optimiser steps as padded; with ``max_tokens``,
     ``max_tokens // L`` rows: the same cells a step, so more examples than padded rows hold),
     one compiled shape, and the loss unchanged -- the executor keeps the examples of a row
@@ -197,11 +198,17 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     share of every global batch (``batch_plan(num_shards=process_count, shard_index=...)``),
     padded to the bucket on the host, and assembles the global batch with
     ``jax.make_array_from_process_local_data``; process 0 writes checkpoints, metrics and output.
+    Packed, a step is one grid whose rows (a multiple of every device of the run) are split
+    over the devices, whole rows each: every process plans the same global steps
+    (`PackedBatching`; ``batch_size`` and ``max_tokens`` per process) and loads only the
+    examples packed into its own rows, and the grid is the one a single process would run.
 
     Metrics: the returned `FitResult` has ``history``, a list of dicts (``kind`` "warmup",
     "step", "epoch"), also appended as JSON lines to ``metrics_file``. Each epoch record has
     train/validation loss, tokens/s, padding efficiency (real tokens / cells of the buckets the
-    steps ran at: the train step's ``stats`` over the epoch), compiles and compile seconds.
+    steps ran at: the train step's ``stats`` over the epoch), compiles and compile seconds,
+    and ``elapsed``: the seconds from the call of `fit` (in the process that ran the epoch)
+    to the end of its validation -- the time to that validation loss.
 
     >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
     >>> from polyexec import training
@@ -317,6 +324,9 @@ class _Run:
     train_shapes: dict = dataclasses.field(default_factory=dict)
     eval_shapes: dict = dataclasses.field(default_factory=dict)
     prediction: Any = None              # buckets="auto": `buckets.Prediction` of the choice
+    # When `fit` was called: an epoch record's ``elapsed`` counts from here, so the time to a
+    # validation loss includes choosing buckets, measuring and compiling, as a user waits it.
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
     @property
     def main(self) -> bool:
@@ -361,9 +371,10 @@ class _Run:
         P = self.dp.processes
         rows = {t: sorted({r * P for r, u in self.train_shapes if u == t}) for t in self.used}
         if self.layout == "pack":
-            shape = ("packed rows: " + ", ".join(f"{self.batching.rows(n)} rows of {n}"
-                                                 for n in self.batching.row_lengths)
-                     + ", several examples a row")
+            shape = ("packed rows: " + ", ".join(f"{r} rows of {n}" for n, r in
+                                                 self.batching.pack_rows.items())
+                     + ", several examples a row"
+                     + (", whole rows on each device" if self.dp.size > 1 else ""))
         else:
             shape = (f"length buckets {list(self.used)} | rows per bucket "
                      + ", ".join(f"T={t}: B={'/'.join(map(str, r)) or self.batching.rows(t) * P}"
@@ -431,14 +442,13 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     # full rows of the shortest bucket). The sizes within them are settled by `_settle`.
     shortest = options.min_length if policy is None else policy.sizes[0]
     P = dp.processes
-    # Packed rows are chosen by cost among the buckets, for one process on one device.
-    packs = (options.layout != "pad" and auto and dp.size == 1 and options.masking
-             and form.can_pack)
+    # Packed rows are chosen by cost among the buckets (their rows split over every device of
+    # the run, whole rows each).
+    packs = options.layout != "pad" and auto and options.masking and form.can_pack
     if options.layout == "pack" and not packs:
         why = ("buckets='auto' (the row length is chosen by cost)" if not auto else
                "masking=True (the rewrite keeps the sequences of a row apart)"
-               if not options.masking else f"one device (received {dp.size})"
-               if dp.size > 1 else
+               if not options.masking else
                f"fields with at most one length axis (received {form.describe()})")
         raise OptionError(f"fit: layout: 'pack' needs {why}; use layout='auto' or 'pad'")
     seed = options.seed if loss_call.wants_key else None
@@ -589,8 +599,9 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
                 validation_lengths=run.validation.lengths if run.validation is not None else None)
     if isinstance(known, dict) and run.train_step.layout == "pad":
         raise OptionError(f"fit: cannot resume from {restored}: its run trained packed rows, "
-                          f"which this one cannot (packing needs one device and masking=True; "
-                          f"this run has {run.dp.size} device(s), masking={options.masking})")
+                          f"which this one cannot (packing needs masking=True, buckets='auto' "
+                          f"and fields with at most one length axis; this run has "
+                          f"masking={options.masking}, layout={options.layout!r})")
     if run.train_step.layout != "pad":
         as_known = known if isinstance(known, dict) else (
             {"layout": "pad", "policy": known} if known is not None else None)
@@ -610,7 +621,8 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
         if known is None:
             run.display.print(f"layout (auto, for {remaining} epoch(s)): {choice.describe()}")
         batching = PackedBatching(choice.row_lengths, choice.max_tokens, options.shuffle,
-                                  options.seed, options.min_length)
+                                  options.seed, options.min_length,
+                                  num_shards=run.dp.processes, shard_index=run.dp.process_index)
         val = run.validation
         return dataclasses.replace(
             run, prediction=choice.prediction, batching=batching, train_step=choice.step,
@@ -724,8 +736,9 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
     meta = position.meta(log.history, run.fingerprint)
     if run.auto and run.layout == "pack":
         meta["auto_layout"] = {"layout": "pack", "row_lengths": list(run.batching.row_lengths),
-                               "pack_rows": {str(n): run.batching.rows(n)
-                                             for n in run.batching.row_lengths},
+                               # A whole step's rows, every process's.
+                               "pack_rows": {str(n): r
+                                             for n, r in run.batching.pack_rows.items()},
                                "epochs": run.options.epochs}
     elif run.auto:
         meta["auto_buckets"] = {"sizes": list(run.batching.policy.sizes),
@@ -792,7 +805,8 @@ def _train_epoch(run: _Run, state: TrainState, position: Position,
     compiles, compile_seconds = run.compiles()
     record = epoch_record(position, val_loss=val_loss, compiles=compiles,
                           compiles_at_start=compiles_at_start, compile_seconds=compile_seconds,
-                          seconds=time.perf_counter() - start, train_seconds=train_seconds)
+                          seconds=time.perf_counter() - start, train_seconds=train_seconds,
+                          elapsed=time.perf_counter() - run.started)
     log.add(record)
     run.display.epoch_summary(record)
     position = position.next_epoch()
@@ -803,16 +817,16 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
                 log: MetricsLog) -> tuple[TrainState, Position, bool]:
     """One step on ``batch``; returns (state, position, whether to stop)."""
     start = time.perf_counter()
-    examples, lengths = run.batching.stack(run.train, batch)
+    examples, lengths = _stacked(run.batching, run.dp, run.train_step, state, run.train, batch)
     rows, length = run.batching.shape(batch)
     bucket = (rows * run.dp.processes, length)
-    state, metrics = _at_shape(run.train_step, bucket, state, run.dp.global_batch(examples),
-                               run.dp.global_batch(lengths))
+    state, metrics = _at_shape(run.train_step, bucket, state,
+                               *_global(run.batching, run.dp, examples, lengths))
     loss = float(metrics["loss"])
     seconds = time.perf_counter() - start
     # The executor pads the batch to `bucket` (see Batching); across processes the other
-    # shares' real tokens are estimated by this one's.
-    tokens_real = int(lengths.sum()) * run.dp.processes
+    # shares' real tokens are estimated by this one's (a packed step holds every length).
+    tokens_real = int(lengths.sum()) * (1 if run.layout == "pack" else run.dp.processes)
     position = position.after_step(loss=loss, tokens=tokens_real, padded=bucket[0] * bucket[1],
                                    seconds=seconds)
     compiles, _ = run.compiles()
@@ -830,21 +844,41 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     return state, position, max_steps is not None and position.step >= max_steps
 
 
+def _stacked(batching: Batching | PackedBatching, dp: DataParallel, step: Bucketed, arg: Any,
+             examples: Examples, batch: Any) -> tuple[Any, np.ndarray]:
+    """``batch`` stacked on the host: this process's share of a padded step; a packed step's
+    every length with the data of this process's rows (the rows ``step`` packs them into)."""
+    if isinstance(batching, PackedBatching) and dp.processes > 1:
+        return batching.stack(examples, batch,
+                              rows_of=lambda lengths: step.packing_of(lengths, arg))
+    return batching.stack(examples, batch)
+
+
+def _global(batching: Batching | PackedBatching, dp: DataParallel, examples: Any,
+            lengths: np.ndarray) -> tuple[Any, Any]:
+    """The step's batch arguments: across processes a padded share becomes its global batch
+    here; a packed step's host arrays (every process's are the whole step) are made global
+    by the executor, from the rows each process holds, once packed."""
+    if isinstance(batching, PackedBatching):
+        return examples, lengths
+    return dp.global_batch(examples), dp.global_batch(lengths)
+
+
 def _at_shape(step: Bucketed, shape: tuple[int, int], *args):
     """``step(*args)`` at the (rows, length) bucket ``shape`` that warmup compiled, however
     few real rows ``args`` hold (`Batching.stack`); a packed step chooses its own rows."""
     return step.call_at_least({"B": shape[0], "T": shape[1]}, *args)
 
 
-def evaluate(eval_step: Bucketed, model: Any, examples: Examples, batching: Batching,
-             dp: DataParallel) -> tuple[float, int]:
+def evaluate(eval_step: Bucketed, model: Any, examples: Examples,
+             batching: Batching | PackedBatching, dp: DataParallel) -> tuple[float, int]:
     """Mean loss over ``examples`` (exact: summed totals over summed counts) and the count."""
     total, count = 0.0, 0.0
     for batch in batching.epoch(examples.lengths, 0, shuffle=False, partial_rows="full"):
-        stacked, lengths = batching.stack(examples, batch)
+        stacked, lengths = _stacked(batching, dp, eval_step, model, examples, batch)
         rows, length = batching.shape(batch)
         t, c = _at_shape(eval_step, (rows * dp.processes, length), model,
-                         dp.global_batch(stacked), dp.global_batch(lengths))
+                         *_global(batching, dp, stacked, lengths))
         total += float(t)
         count += float(c)
     return (total / count if count else float("nan")), int(count)

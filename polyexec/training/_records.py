@@ -77,7 +77,7 @@ def step_record(position: Position, *, loss: float, grad_norm: float, tokens: in
 
 def epoch_record(position: Position, *, val_loss: float | None, compiles: int,
                  compiles_at_start: int, compile_seconds: float, seconds: float,
-                 train_seconds: float) -> dict:
+                 train_seconds: float, elapsed: float) -> dict:
     totals = position.totals
     return {"kind": "epoch", "epoch": position.epoch, "step": position.step,
             "steps": totals.steps, "train_loss": totals.loss_sum / max(totals.tokens, 1),
@@ -85,7 +85,7 @@ def epoch_record(position: Position, *, val_loss: float | None, compiles: int,
             "padding_efficiency": totals.tokens / max(totals.padded, 1),
             "compiles": compiles, "compiles_epoch": compiles - compiles_at_start,
             "compile_seconds": compile_seconds, "seconds": seconds,
-            "train_seconds": train_seconds}
+            "train_seconds": train_seconds, "elapsed": elapsed}
 
 
 class MetricsLog:
