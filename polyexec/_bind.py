@@ -333,10 +333,8 @@ def check_row_floors(call: BoundCall, floors: Mapping[str, Any]) -> None:
         if bad.size:
             idx = tuple(int(i) for i in bad[0])
             raise SpecError(f"{path}{list(idx)} = {values[idx]}: lengths of {floor.var!r} must be "
-                            f">= {floor.length} for this function: {floor.where} reads a "
-                            f"fixed-size window of every row up to position {floor.length}, "
-                            f"past the end of a shorter row (drop or pad shorter rows, or "
-                            f"slice to min(length, ...) positions)")
+                            f">= {floor.length} for this function: {floor.where} "
+                            f"{floor.explain()}")
 
 
 def check_raised_mins(call: BoundCall, raised: Mapping[str, Any]) -> None:

@@ -40,7 +40,7 @@ from . import _bind
 from ._jax_internals import dim_vars, evaluate_dim
 from ._plan import Plan, Segment
 from ._spec import Spec
-from ._trace import evaluate_shape
+from ._trace import array_outputs, evaluate_shape
 
 
 class Placed:
@@ -135,7 +135,7 @@ class _Padded(Placed):
         specs = [None] * len(leaves)
         if out_specs is not None:
             specs = _bind.spec_per_leaf(out_specs, jax.tree_util.tree_unflatten(
-                out_tree, list(range(len(leaves)))), "out_specs")
+                array_outputs(out_tree), list(range(len(leaves)))), "out_specs")
             leaves = [leaf if spec is _bind.FIXED else _bind.unpad(leaf, spec, sizes)
                       for leaf, spec in zip(leaves, specs)]
         elif segment.exported is not None:

@@ -445,11 +445,16 @@ class Plan:
             raise PolyexecError(f"cannot save plan {self.name}: saving a plan with data-dependent "
                                 f"sizes ({len(self.segments)} segment(s), {self.mode}) is not "
                                 f"supported; save a function without length= instead")
+        # A variable traced at a raised min is stored as declared, its raise beside it: the
+        # loaded plan then refuses a size below the raise as the live one does, naming why.
+        declared = tuple(LengthVar(v.name, min=self.raised_mins[v.name].declared, max=v.max)
+                         if v.name in self.raised_mins else v for v in self.variables)
         _serialize.save(path, name=self.name, exported=self.exported,
-                        variables=self.variables, input_paths=self.input_paths,
+                        variables=declared, input_paths=self.input_paths,
                         input_specs=self.input_specs, out_paths=self.out_paths,
                         constants=self.constants or (), padding_reason=self.padding_reason,
-                        row_floors=tuple(self.row_floors.values()))
+                        row_floors=tuple(self.row_floors.values()),
+                        raised_mins=self.verdict.raised)
 
     @staticmethod
     def load(path) -> "Plan":
@@ -474,5 +479,6 @@ class Plan:
                           live_variables=fields["variables"],
                           live_inputs=(True,) * len(convention.slots))
         return Plan(name=fields["name"], variables=fields["variables"], segments=(segment,),
-                    verdict=Verdict(padding=fields["padding_reason"]),
+                    verdict=Verdict(padding=fields["padding_reason"],
+                                    raised=fields["raised_mins"]),
                     constants=fields["constants"])

@@ -8,6 +8,7 @@ bytes and fields, not plans: `Plan.save`/`Plan.load` call it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ from jax import export
 from ._errors import PolyexecError
 from ._logical import RowFloor
 from ._spec import LengthVar, Spec
+from ._trace import RaisedMin
 
 MAGIC = b"POLYEXEC-PLAN\x00"
 FORMAT = 1
@@ -34,7 +36,7 @@ def _jsonable(value: Any) -> Any:
 def save(path, *, name: str, exported: Any, variables: Sequence[LengthVar],
          input_paths: Sequence[str], input_specs: Sequence[Any], out_paths: Sequence[str],
          constants: Sequence[Any], padding_reason: str | None,
-         row_floors: Sequence[Any] = ()) -> None:
+         row_floors: Sequence[Any] = (), raised_mins: Sequence[Any] = ()) -> None:
     program = bytes(exported.serialize())
     sections = [program]
     stored = []
@@ -59,7 +61,8 @@ def save(path, *, name: str, exported: Any, variables: Sequence[LengthVar],
         "format": FORMAT, "name": name, "jax": jax.__version__,
         "variables": [{"name": v.name, "min": v.min, "max": v.max} for v in variables],
         "inputs": inputs, "outputs": list(out_paths), "padding_reason": padding_reason,
-        "row_floors": [{"var": f.var, "length": f.length, "where": f.where} for f in row_floors],
+        "row_floors": [dataclasses.asdict(f) for f in row_floors],
+        "raised_mins": [dataclasses.asdict(r) for r in raised_mins],
         "program": {"offset": 0, "length": len(program)}, "constants": stored,
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
@@ -126,8 +129,8 @@ def load(path) -> dict[str, Any]:
                       input_paths=tuple(paths), input_specs=tuple(specs),
                       out_paths=tuple(header["outputs"]),
                       padding_reason=header.get("padding_reason"),
-                      row_floors=tuple(RowFloor(f["var"], int(f["length"]), f["where"])
-                                       for f in header.get("row_floors", ())),
+                      row_floors=tuple(RowFloor(**f) for f in header.get("row_floors", ())),
+                      raised_mins=tuple(RaisedMin(**r) for r in header.get("raised_mins", ())),
                       constants=tuple(constants) or None)
     except (KeyError, TypeError, ValueError, PolyexecError) as e:
         raise _corrupt(path, f"inconsistent header ({type(e).__name__}: {e})") from None

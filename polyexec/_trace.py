@@ -32,6 +32,7 @@ from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_
                        is_jax_internal, is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
+from ._logical import RowFloor
 from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, DIM_ORDER_CODES, InconclusiveDimension,
                              UnexpectedDimVar, dim_bounds, dim_vars, evaluate_dim,
                              undecided_comparison)
@@ -73,6 +74,8 @@ class Traced:
     out_paths: tuple[str, ...]
     avals: tuple[Any, ...]       # the symbolic input avals: their scope is the program's
     lower: Callable[[], Any] = dataclasses.field(repr=False)
+    # Ragged rows the trace's branches rule out (`_logical.RowFloor`, `_record_branch_floor`).
+    floors: tuple[Any, ...] = ()
 
     @functools.cached_property
     def exported(self) -> Any:
@@ -96,20 +99,73 @@ def flat_program(fn: Callable, convention: Convention, bucket: Mapping[str, int]
         args = convention.signature.unflatten(parts.arrays, parts.poly)
         with binding(parts.sizes, bucket):
             out = fn(*args)
-        keyed, out_tree = jax.tree_util.tree_flatten_with_path(out)
-        leaves = []
-        for keypath, leaf in keyed:
-            if isinstance(leaf, (int, float, complex, np.generic)) or export.is_symbolic_dim(leaf):
-                leaf = jnp.asarray(leaf)    # as jax.jit returns them (``x.shape[0]``: a value)
-            elif not isinstance(leaf, (jax.Array, np.ndarray)) and not hasattr(leaf, "aval"):
-                raise PolyexecError(f"output out{jax.tree_util.keystr(keypath)}: expected an "
-                                    f"array or a number, received {type(leaf).__name__}")
-            leaves.append(leaf)
+        arrays, out_tree = _static_outputs_apart(out)
+        keyed = jax.tree_util.tree_flatten_with_path(arrays)[0]
+        leaves = [jnp.asarray(leaf) if _is_number(leaf) else leaf for _, leaf in keyed]
         out_cell[:] = [out_tree, tuple(jax.tree_util.keystr(k) for k, _ in keyed)]
         return tuple(leaves)
 
     run.__name__ = getattr(fn, "__name__", "fn")
     return run
+
+
+def _is_number(leaf) -> bool:
+    """A Python or NumPy number, or ``x.shape[0]``: an output value, as jax.jit returns it."""
+    return isinstance(leaf, (int, float, complex, np.generic)) or export.is_symbolic_dim(leaf)
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray)) or hasattr(leaf, "aval")
+
+
+class _StaticOutputs:
+    """An output whose leaves are not all arrays or numbers (a model holding its activation
+    function, returned by a train step): the arrays are the program's outputs, and the other
+    leaves are static -- returned as the trace made them, the same at every bucket (equinox's
+    filter semantics, as for the arguments). Its treedef (`_static_outputs_apart`) puts them
+    back when the outputs are unflattened."""
+
+    def __init__(self, arrays, static):
+        self.arrays, self.static = arrays, static
+
+
+class _Identity:
+    """Aux data compared by identity: static leaves need not be hashable."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(
+    _StaticOutputs, lambda w: ((w.arrays,), _Identity(w.static)),
+    lambda aux, children: jax.tree_util.tree_map(
+        lambda a, s: s if a is None else a, children[0], aux.value, is_leaf=lambda x: x is None))
+
+
+def _static_outputs_apart(out) -> tuple[Any, Any]:
+    """``(arrays, out_tree)``: the output's arrays and numbers (None elsewhere), and the
+    treedef whose unflatten gives the user's output back from them. A static leaf is a
+    function or a string; anything else could hide a traced value, and is refused by path."""
+    keyed = jax.tree_util.tree_flatten_with_path(out)[0]
+    for keypath, leaf in keyed:
+        if not (_is_array(leaf) or _is_number(leaf) or callable(leaf)
+                or isinstance(leaf, (str, bytes))):
+            raise PolyexecError(f"output out{jax.tree_util.keystr(keypath)}: expected an array, "
+                                f"a number, or a static function or string, received "
+                                f"{type(leaf).__name__}")
+    if all(_is_array(x) or _is_number(x) for _, x in keyed):
+        return out, jax.tree_util.tree_structure(out)
+    arrays = jax.tree_util.tree_map(lambda x: x if _is_array(x) or _is_number(x) else None, out)
+    static = jax.tree_util.tree_map(lambda x: None if _is_array(x) or _is_number(x) else x, out)
+    return arrays, jax.tree_util.tree_structure(_StaticOutputs(arrays, static))
+
+
+def array_outputs(out_tree):
+    """The structure of an output's arrays alone (static leaves as None): what ``out_specs``
+    describe."""
+    if out_tree.node_data() is not None and out_tree.node_data()[0] is _StaticOutputs:
+        return out_tree.children()[0]
+    return out_tree
 
 
 # -- reading a jaxpr --------------------------------------------------------------------------
@@ -253,8 +309,53 @@ def _record_raise_decided(frame, op: str, answer: bool, records: list,
             return
 
 
+def _is_jnp(filename: str) -> bool:
+    """``jax.numpy``'s own code: a size comparison there is the function's meaning
+    (``jnp.linspace``'s ``num > 1``), where lax's and core's are shape rules and caches."""
+    return f"{os.sep}jax{os.sep}_src{os.sep}numpy{os.sep}" in os.path.abspath(filename)
+
+
+def _record_branch_floor(frame, op: str, answer: bool, floors: list,
+                         below: Mapping[str, int]) -> None:
+    """A ragged row below its variable's declared min (``below``: var -> min) is admitted
+    (the min is often there for JAX alone), but the trace assumed the min: a branch of the
+    user's code, a library's or jnp's that the min decided (``if n > 1``; ``jnp.linspace``'s
+    ``num > 1`` at T >= 2) would go the other way for such a row, its result silently another.
+    Record the shortest row that takes the traced branch (`_logical.RowFloor`)."""
+    caller = _comparing_frame(frame)
+    if caller is None:
+        return
+    jnp_code = _is_jnp(caller.f_code.co_filename)
+    if is_jax_internal(caller.f_code.co_filename) and not jnp_code:
+        return
+    compared = _compared(frame)
+    if compared is None:
+        return
+    self, other = compared
+    names = dim_vars(self - other)
+    if len(names) != 1 or next(iter(names)) not in below:
+        return
+    (var,) = names
+    # jnp's ``size == 0`` guards (``jnp.roll``, ``take_along_axis``) keep an empty array off
+    # an error path; an empty row has no cell either way, and its results are the rewrite's.
+    other_way = [t for t in range(1 if jnp_code else 0, below[var])
+                 if _OPERATORS[op](int(evaluate_dim(self, {var: t})),
+                                   int(evaluate_dim(other, {var: t}))) != answer]
+    if not other_way:
+        return
+    while caller is not None and is_library(caller.f_code.co_filename):
+        caller = caller.f_back      # the user's call into jnp or the library
+    floor = max(other_way) + 1
+    floors.append(RowFloor(var, floor, _line_of(caller) if caller is not None else "<unknown>",
+                           why=(f"branches on `{self} {op} {other}`, which the declared min of "
+                                f"{var} decides ({answer}); a row shorter than {floor} would "
+                                f"take the other branch (drop or pad shorter rows)")))
+
+
 @contextlib.contextmanager
-def _comparisons_recorded(records: list, raised: Sequence["RaisedMin"] = ()) -> Iterator[None]:
+def _comparisons_recorded(records: list, raised: Sequence["RaisedMin"] = (),
+                          floors: list | None = None,
+                          below: Mapping[str, int] | None = None) -> Iterator[None]:
     previous = sys.getprofile()
     if previous is not None and not callable(previous):
         # A C-level profiler (cProfile) cannot be chained from Python: leave it in charge.
@@ -269,8 +370,15 @@ def _comparisons_recorded(records: list, raised: Sequence["RaisedMin"] = ()) -> 
                     _record_comparison(frame, records)
                 if raised:
                     _record_raise_decided(frame, "==", arg, records, raised)
-            elif raised and frame.f_code in DIM_ORDER_CODES:
-                _record_raise_decided(frame, DIM_ORDER_CODES[frame.f_code], arg, records, raised)
+                if below:
+                    _record_branch_floor(frame, "==", arg, floors, below)
+            elif frame.f_code in DIM_ORDER_CODES:
+                if raised:
+                    _record_raise_decided(frame, DIM_ORDER_CODES[frame.f_code], arg, records,
+                                          raised)
+                if below:
+                    _record_branch_floor(frame, DIM_ORDER_CODES[frame.f_code], arg, floors,
+                                         below)
         if previous is not None:
             previous(frame, event, arg)
 
@@ -334,14 +442,18 @@ def trace_symbolic(fn: Callable, convention: Convention, counter: TraceCounter,
     avals = convention.avals(symbolic_dims(variables))
     # Handed values have no concrete stand-in: a failure there is judged by its message alone.
     concrete = None if convention.count("handed") else {v.name: v.max for v in variables}
+    # Ragged rows may be shorter than their variable's min (`_record_branch_floor`).
+    below = {v.name: v.min for v in variables if v.name in convention.rows_at and v.min > 0}
     return trace_program(run, avals, [v.name for v in variables], cell, concrete,
-                         bounds={v.name: (v.min, v.max) for v in variables}, raised=raised)
+                         bounds={v.name: (v.min, v.max) for v in variables}, raised=raised,
+                         below=below)
 
 
 def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cell: list,
                   concrete: Mapping[str, int] | None = None, *,
                   bounds: Mapping[str, tuple[int, int]] | None = None,
-                  raised: Sequence[RaisedMin] = ()) -> Traced | Failed:
+                  raised: Sequence[RaisedMin] = (),
+                  below: Mapping[str, int] | None = None) -> Traced | Failed:
     """Trace a flat program over symbolic avals (its lowering waits for `Traced.exported`). A
     failure that needs a concrete size, or a size comparison JAX cannot decide, gives `Failed`
     with the user's line -- tracing, or lowering when it comes; any other exception is a bug in
@@ -357,10 +469,11 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
     code that only the raise decides is a failure, naming the line."""
     jitted = jax.jit(run)
     comparisons: list[Comparison] = []
+    floors: list = []
     failure = functools.partial(_shape_failure, jitted=jitted, run=run, avals=avals, names=names,
                                 concrete=concrete, bounds=bounds or {})
     try:
-        with _comparisons_recorded(comparisons, raised):
+        with _comparisons_recorded(comparisons, raised, floors, below):
             jaxpr = jitted.trace(*avals).jaxpr
     except ConcreteSizeRequested as e:
         line = linecache.getline(e.filename, e.lineno).strip()
@@ -391,7 +504,7 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
         except SHAPE_ERRORS as e:
             return failure(e)
 
-    return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower)
+    return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower, tuple(floors))
 
 
 def _shape_failure(error: BaseException, *, jitted, run: Callable, avals: Sequence[Any],
@@ -520,9 +633,11 @@ _FORMS_THAT_WORK = {
         "`lax.scan(lambda h, t: (body(t, h), None), h0, jnp.arange(x.shape[1]))[0]`, which "
         "polyexec runs over each row's real length"),
     "associative scan over axis of non-constant size": (
-        "JAX's associative_scan needs a constant length; for a sum, product, max or min use "
-        "jnp.cumsum, jnp.cumprod, lax.cummax or lax.cummin, and lax.scan for any other "
-        "combination: each runs over each row's real length"),
+        "JAX's associative_scan needs a constant length, and so do the gradients of "
+        "jnp.cumprod, lax.cummax, lax.cummin and lax.cumlogsumexp, which JAX computes with it; "
+        "jnp.cumsum (values and gradients), those four without gradients, and lax.scan over "
+        "the positions for any combination with gradients each run over each row's real "
+        "length"),
 }
 
 

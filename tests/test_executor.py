@@ -246,6 +246,30 @@ def test_equinox_module_arrays_are_traced_and_static_fields_key_the_plan():
     assert len(traced) == 2 and f.traces == 2 and f.stats.compiles == 2
 
 
+def test_static_output_leaves_come_back_as_traced_and_other_objects_are_named():
+    """An output leaf that is a function (``eqx.nn.MLP`` holds its activation as a leaf, and a
+    train step returns the model) is static, as an argument's is: returned as the trace made
+    it, beside the exact arrays. An object that could hide a traced value is refused by path."""
+    T = px.LengthVar("T", max=16)
+    mlp = eqx.nn.MLP(1, 1, 4, 1, key=jax.random.PRNGKey(0))
+
+    def scale(model, x):
+        params, static = eqx.partition(model, eqx.is_array)
+        return eqx.combine(jax.tree_util.tree_map(lambda w: w * jnp.sum(x), params), static), x
+
+    f = px.bucketed(scale, in_specs=(None, px.Spec("T", jnp.float32)),
+                    out_specs=(None, px.Spec("T")), buckets={T: [16]})
+    x = np.linspace(-1, 1, 9, dtype=np.float32) + 0.5
+    model, same = f(mlp, x)
+    assert model.activation is mlp.activation and same.shape == (9,)
+    np.testing.assert_allclose(model.layers[0].weight, mlp.layers[0].weight * x.sum(), rtol=1e-6)
+    g = px.bucketed(lambda x: (x, object()), in_specs=(px.Spec("T", jnp.float32),),
+                    buckets={T: [16]})
+    with pytest.raises(px.PolyexecError, match=r"output out\[1\]: expected an array, a number, "
+                                               r"or a static function or string, received object"):
+        g(x)
+
+
 def test_plan_of_a_bucketed_function():
     T = px.LengthVar("T", min=2, max=64)
 

@@ -142,6 +142,43 @@ def test_fit_trains_a_pytree_batch_as_the_exact_loop_by_hand(layout, fields, los
     assert not np.allclose(result.model.head.weight, model.head.weight, atol=1e-3)
 
 
+class WithMLP(eqx.Module):
+    """`Tiny` with an ``eqx.nn.MLP`` head, whose activation is a function leaf of the model."""
+
+    tiny: Tiny
+    head: eqx.nn.MLP
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.tiny, self.head = Tiny(1, k1), eqx.nn.MLP(6, TAGS, 8, 1, key=k2)
+
+
+def mlp_tagger_loss(model, batch):
+    logits = jax.vmap(jax.vmap(model.head))(jax.vmap(model.tiny.states)(batch["tokens"]))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tags"]).mean()
+
+
+def mlp_tagger_example(model, ex):
+    logits = jax.vmap(model.head)(model.tiny.states(ex["tokens"]))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ex["tags"]).sum(), \
+        ex["tokens"].shape[0]
+
+
+def test_fit_trains_a_model_holding_functions_as_the_exact_loop_by_hand():
+    """``eqx.nn.MLP`` keeps its activation as a leaf: the model fit returns keeps it, and the
+    run is the hand-written exact loop's (it failed before on that leaf as an output)."""
+    data = [{k: ex[k] for k in ("tokens", "tags")} for ex in DATA]
+    model = WithMLP(jax.random.PRNGKey(2))
+    result = training.fit(model, mlp_tagger_loss, data, optimizer=OPT, batch_size=4, seed=SEED,
+                          verbose=False, cache=False, buckets=[12])
+    assert result.model.head.activation is model.head.activation
+    batches, losses = batches_of(result, "pad")
+    want_model, want_losses = by_hand(model, data, batches, mlp_tagger_example)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_trees_close(eqx.filter(result.model, eqx.is_array),
+                       eqx.filter(want_model, eqx.is_array), rtol=1e-4, atol=1e-5)
+
+
 def test_validation_and_eval_fn_take_the_same_batch_and_the_lengths_by_name():
     def per_example_eval(model, batch, lengths):       # a mean over the batch's examples
         losses = optax.softmax_cross_entropy_with_integer_labels(classify(model, batch["tokens"]),

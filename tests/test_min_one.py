@@ -95,7 +95,7 @@ def test_the_next_token_loss_at_min_1_is_each_rows_own_in_both_layouts(name, lay
     assert f.traces == 2
 
 
-def test_an_unragged_size_below_the_raised_min_is_refused_naming_the_line():
+def test_an_unragged_size_below_the_raised_min_is_refused_naming_the_line(tmp_path):
     """Without lengths every row is as long as the array: at T = 1 that is below what the
     program was traced for, so the call is refused before compiling, saying what to do; from
     T = 2 up it is exact."""
@@ -112,6 +112,14 @@ def test_an_unragged_size_below_the_raised_min_is_refused_naming_the_line():
                               "(declared min=1): "), message
     assert "test_min_one.py" in message and "'T - 1' >= '1'" in message
     assert "lengths_of='T'" in message and "px.LengthVar('T', min=2, ...)" in message
+    # A saved plan keeps the raised min: loaded, it refuses the same call the same way.
+    path = tmp_path / "loss.plan"
+    f.plan.save(path)
+    loaded, weights = px.bucketed(px.Plan.load(path)), jax.tree_util.tree_leaves(PARAMS)
+    np.testing.assert_allclose(loaded(*weights, x), loss(PARAMS, x), rtol=2e-6)
+    with pytest.raises(px.SpecError) as info:
+        loaded(*weights, x[:, :1])
+    assert message.split(": ", 1)[1] == str(info.value).split(": ", 1)[1]
 
 
 def test_a_branch_that_the_raised_min_alone_decides_stays_reshaping_impossible():

@@ -85,6 +85,7 @@ PER_ROW = {
     "multi-head attention": _multi_head,
     "pad": lambda r: jnp.pad(r, ((1, 2), (0, 0)), constant_values=5.0),
     "concatenate": lambda r: jnp.concatenate([r, 2 * r]),
+    "repeat": lambda r: jnp.repeat(r, 2, axis=0),      # (B, T, 2, 3) -> (B, 2*T, 3)
     "conv": lambda r: jax.lax.conv_general_dilated(r[None], np.full((3, 3, 3), 0.1, np.float32),
                                                    (1,), "SAME",
                                                    dimension_numbers=("NWC", "WIO", "NWC"))[0],
@@ -241,7 +242,8 @@ def test_hand_written_masks_stay_correct():
 
 @pytest.mark.parametrize("g, words", [
     (jax.vmap(lambda r: jnp.tile(r, (2, 1))), "tile reads the length T"),
-    (lambda x: x.reshape(x.shape[0], -1).sum(1), "a reshape of"),
+    # Each row's real cells interleaved with its padding (B, 3, T) -> (B, 3*T): no prefix.
+    (lambda x: jnp.swapaxes(x, 1, 2).reshape(x.shape[0], -1).sum(1), "a reshape of"),
 ])
 def test_what_has_no_per_row_rule_is_flagged_naming_the_line(g, words):
     x, _ = ragged_batch([5, 1, 9, 3])
@@ -385,22 +387,61 @@ def test_a_row_shorter_than_a_fixed_window_is_refused_naming_the_line(layout, tm
         loaded(x, np.array([5, 1, 2], np.int32))
 
 
+def _linspace_positions(r):
+    return r * jnp.linspace(0, 1, r.shape[0])[:, None]      # jnp branches on num > 1
+
+
+def _branch_on_length(r):
+    return r.sum(0) if r.shape[0] > 2 else -r.sum(0)        # T's min of 3 decides it
+
+
 @pytest.mark.parametrize("layout", ["pad", "pack"])
-def test_a_rows_length_minus_one_is_minus_one_for_an_empty_row(layout):
-    """``r.shape[0] - 1`` as a number is what plain JAX computes, -1 for an empty row (as the
-    length of an axis it is 0 positions): an unbiased covariance of an empty row is -0, not
-    NaN, and its count is -1."""
+@pytest.mark.parametrize("g, floor", [(_linspace_positions, 2), (_branch_on_length, 3)],
+                         ids=["jnp.linspace", "the user's if"])
+def test_a_branch_the_declared_min_decides_refuses_the_rows_it_rules_out(g, floor, layout):
+    """A row below T's declared min is admitted, but the trace took the branches the min
+    decides: ``jnp.linspace``'s ``num > 1``, the user's own ``if``. A row that would take the
+    other branch is refused before compiling, naming the line (``linspace(0, 1, T)`` gave a
+    row of 1 ``[1]`` where alone it is ``[0]``); the rows that take it are exact."""
+    f = with_min_3(lambda x, lengths: jax.vmap(g)(x), layout)
+    x, rows = ragged_batch([5, floor])
+    got = f(x, np.array([5, floor], np.int32))
+    for b, r in enumerate(rows):
+        want = np.asarray(g(jnp.asarray(r)))
+        np.testing.assert_allclose(np.asarray(got)[b][tuple(slice(0, n) for n in want.shape)],
+                                   want, rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
+    x, _ = ragged_batch([5, floor - 1])
+    with px.forbid_compiles(), pytest.raises(px.SpecError) as info:
+        f(x, np.array([5, floor - 1], np.int32))
+    message = str(info.value)
+    assert message.startswith(f"args[1][1] = {floor - 1}: lengths of 'T' must be >= {floor}")
+    assert "test_ragged.py" in message and "the other branch" in message, message
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_a_rows_length_minus_one_as_a_value_refuses_an_empty_row(layout):
+    """``T - 1`` as a number is ambiguous for a row of 0, below T's min: as arithmetic
+    (``r.shape[0] - 1``, an unbiased covariance's divisor) plain JAX gives -1, as the length of
+    an axis (``jnp.mean(r[1:])`` divides by it) 0 positions -- the same expression in the
+    program. So an empty row is refused before compiling, naming the line; from 1 up both
+    readings agree, and the results are exact."""
     def g(r):
         c = r - r.mean(0)
         return jnp.einsum("tf,tg->fg", c, c) / (r.shape[0] - 1), jnp.float32(r.shape[0] - 1)
 
-    lengths = [0, 2, 5, 1]
+    lengths = [2, 5, 1]
     x, rows = ragged_batch(lengths)
-    _, (cov, count) = run(jax.vmap(g), x, lengths, layout=layout)
+    f, (cov, count) = run(jax.vmap(g), x, lengths, layout=layout)
     for b, r in enumerate(rows):
         want_cov, want_count = g(jnp.asarray(r))
         np.testing.assert_allclose(cov[b], want_cov, rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
         assert count[b] == want_count
+    x, _ = ragged_batch([0, 2])
+    with px.forbid_compiles(), pytest.raises(px.SpecError) as info:
+        f(x, np.array([0, 2], np.int32))
+    message = str(info.value)
+    assert message.startswith("args[1][0] = 0: lengths of 'T' must be >= 1"), message
+    assert "test_ragged.py" in message and "uses the length T - 1 as a number" in message
 
 
 ROWS_MOVED = {
@@ -641,12 +682,21 @@ def _scan_cell(x):
     return jax.lax.scan(step, jnp.zeros((x.shape[0], 3)), jnp.arange(x.shape[1]))[0]
 
 
+def _scan_cummax(x):
+    step = lambda m, t: (jnp.maximum(m, x[:, t]),) * 2       # noqa: E731
+    start = jnp.full((x.shape[0], *x.shape[2:]), -jnp.inf, x.dtype)
+    return jnp.moveaxis(jax.lax.scan(step, start, jnp.arange(x.shape[1]))[1], 0, 1)
+
+
 # Idioms JAX cannot trace over a symbolic length (so reshaping is impossible), and the form the
 # verdict names instead, which must then be exact, values and gradients.
 JAX_CANNOT = {
     "fori_loop's gradient": (_fori_cell, _scan_cell, "jnp.arange(x.shape[1])"),
     "associative_scan": (lambda x: jax.lax.associative_scan(jnp.add, x, axis=1),
                          lambda x: jnp.cumsum(x, 1), "jnp.cumsum"),
+    # JAX differentiates cummax (cummin, cumprod, cumlogsumexp) with an associative scan.
+    "cummax's gradient": (lambda x: jax.lax.cummax(x, 1), _scan_cummax,
+                          "the gradients of jnp.cumprod, lax.cummax"),
 }
 
 

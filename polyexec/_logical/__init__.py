@@ -45,8 +45,15 @@ what it acts on (per-sequence values run per column through the rest). The inter
 the entry; no module switches on primitive names for these. `_families` states each
 combining family's identity once (reducers, cumulative ops, windows, scatters).
 
+A family's rule is written once for both layouts (``defrule(..., layout=PAD_AND_PACK)``), as
+JAX's ``defreducer`` writes one batching rule for every batch dimension: the rule says which
+operands, identities and axes; the layout does what differs (`Ctx.reduce`, `Ctx.accumulate`,
+`Ctx.window`, `Ctx.reverse`): padded rows put the identity in each row's tail, packed rows
+combine, or reverse, within each sequence. The other primitives still have a padded and a
+packed rule each in the same entry.
+
 - `_pointwise`: elementwise and layout primitives pass through; ``dim_as_value``.
-- `_reductions`: reductions (tail -> identity) and cumulative ones.
+- `_reductions`: reductions and cumulative ones (the layout combines with the identity).
 - `_structure`: ``rev``, ``tile``, ``sort``, ``top_k``, ``reshape``, ``slice``, ``split``,
   ``concatenate``, ``pad``.
 - `_indexing`: ``dynamic_slice``, ``dynamic_update_slice``, ``gather``, ``scatter*``.

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from jax import lax
 
-from ._core import (NoRule, bind_eqn_with, defrule, fill_tail, has_sym, highest_value, iota_along,
-                    is_sym, lowest_value, place_window, take_clamped)
+from ._core import (PAD_AND_PACK, NoRule, bind_eqn_with, defrule, fill_tail, has_sym,
+                    highest_value, iota_along, is_sym, lowest_value, place_window, take_clamped,
+                    windowed)
 from ._families import WINDOWS
 
 
@@ -97,46 +98,19 @@ def _conv(ctx, eqn, invals):
     return bind_eqn_with(eqn, [lhs, rhs], padding=tuple(padding), lhs_dilation=tuple(lhs_dilation))
 
 
-def _windowed(ctx, operands, fills, p, dilation_key):
-    """Shared by the windowed reductions: every operand's tail becomes its fill (the padding
-    value), and a length-dependent low padding is built explicitly. Returns the operands and
-    the new padding/dilation, or None when nothing reads across a length axis."""
-    if any(is_sym(w) for w in p["window_dimensions"]):
-        raise NoRule("a window whose size is a length")
-    padding = list(p["padding"])
-    dilation = list(p[dilation_key]) if dilation_key else [1] * len(padding)
-    changed = False
-    for a, (lo, hi) in enumerate(padding):
-        n = operands[0].shape[a]
-        if not is_sym(lo):
-            if is_sym(n):
-                operands = [fill_tail(ctx, x, (a,), f) for x, f in zip(operands, fills)]
-                changed = True
-        else:
-            size = (n - 1) * dilation[a] + 1 + lo + hi
-            operands = [place_window(ctx, x, a, lo, dilation[a] - 1, size, f)
-                        for x, f in zip(operands, fills)]
-            padding[a], dilation[a] = (0, 0), 1
-            changed = True
-    return (operands, tuple(padding), tuple(dilation)) if changed else None
-
-
-@defrule(*WINDOWS)
+@defrule(*WINDOWS, layout=PAD_AND_PACK)
 def _reduce_window_fixed(ctx, eqn, invals):
+    """One rule for every layout: the layout reads the window past its lengths' edges
+    (`Ctx.window`)."""
     (x,) = invals
-    fill = WINDOWS[eqn.primitive.name].identity(x.dtype)
-    done = _windowed(ctx, [x], [fill], eqn.params, "base_dilation")
-    if done is None:
-        return None
-    (x,), padding, base_dilation = done
-    return bind_eqn_with(eqn, [x], padding=padding, base_dilation=base_dilation)
+    return ctx.window(eqn, x, WINDOWS[eqn.primitive.name])
 
 
 @defrule("reduce_window")
 def _reduce_window(ctx, eqn, invals):
     n = len(invals) // 2
     operands, inits = invals[:n], invals[n:]
-    done = _windowed(ctx, operands, inits, eqn.params, "base_dilation")
+    done = windowed(ctx, operands, inits, eqn.params, "base_dilation")
     if done is None:
         return None
     operands, padding, base_dilation = done
@@ -158,7 +132,7 @@ def _select_and_gather_add(ctx, eqn, invals):
     # tail loses every selection; the tangents' tail is zero anyway.
     tangents, operand = invals
     fills = [0, _select_fill(eqn, operand.dtype)]
-    done = _windowed(ctx, [tangents, operand], fills, eqn.params, "base_dilation")
+    done = windowed(ctx, [tangents, operand], fills, eqn.params, "base_dilation")
     if done is None:
         return None
     (tangents, operand), padding, base_dilation = done
@@ -176,7 +150,7 @@ def _select_and_scatter_add(ctx, eqn, invals):
         source = fill_tail(ctx, source, range(source.ndim), 0)
         changed = True
     fill = _select_fill(eqn, operand.dtype)
-    done = _windowed(ctx, [operand], [fill], eqn.params, None)
+    done = windowed(ctx, [operand], [fill], eqn.params, None)
     if done is None:
         return bind_eqn_with(eqn, [source, operand]) if changed else None
     (padded,), padding, _ = done

@@ -52,6 +52,12 @@ class RowFloor:
     var: str            # the ragged length variable
     length: int         # rows of ``var`` shorter than this read past their end
     where: str          # the user's line: "file:line: `source`"
+    why: str = ""       # what the line does to a shorter row ("": reads a fixed-size window)
+
+    def explain(self) -> str:
+        return self.why or (f"reads a fixed-size window of every row up to position "
+                            f"{self.length}, past the end of a shorter row (drop or pad shorter "
+                            f"rows, or slice to min(length, ...) positions)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,6 +454,46 @@ class Ctx:
         which of its axes (`_packed._PackedCtx.all_real`)."""
         return False
 
+    # -- the families' operations --------------------------------------------------------------
+    # A family (`_families`: reductions, cumulative ops, windows) has one rule for every layout,
+    # which asks its layout to combine along a length, as JAX's batching rules ask a value's
+    # batch dimension. The pad layout: a length's tail holds padding, so it becomes the
+    # combiner's identity. A packed context combines within each sequence instead.
+
+    def reduce(self, eqn, invals, fills, axes):
+        """``eqn``, reducing ``invals``' first ``len(fills)`` operands (a ``reduce``'s init
+        values follow them) over ``axes``, one of them a length: each operand's tails along
+        ``axes`` become its identity in ``fills``."""
+        n = len(fills)
+        return bind_eqn_with(eqn, [*(fill_tail(self, x, axes, f)
+                                     for x, f in zip(invals[:n], fills)), *invals[n:]])
+
+    def accumulate(self, eqn, x, axis: int, monoid, reverse: bool):
+        """A cumulative ``eqn`` of ``x`` along the length ``axis``: a forward one reads a
+        logical prefix and runs as written; a reverse one starts from the logical end, its tail
+        the identity."""
+        if not reverse:
+            return None
+        return bind_eqn_with(eqn, [fill_tail(self, x, (axis,), monoid.identity(x.dtype))])
+
+    def reverse(self, x, axis: int):
+        """``x`` reversed along the length ``axis`` within its real length, its tail left
+        where it is (ragged: each row within its own)."""
+        n = x.shape[axis]
+        length = self.length(n, x.shape)
+        if jnp.ndim(length):
+            return take_rows(self, x, length - 1 - iota_along(x.shape, axis), axis)
+        return take_clamped(self, x, length - 1 - iota_along((n,), 0), axis)
+
+    def window(self, eqn, x, monoid):
+        """A window ``eqn`` (``reduce_window_sum``, ...) of ``x``: it reads the identity past a
+        length's logical end, and from a length-dependent low padding (`windowed`)."""
+        done = windowed(self, [x], [monoid.identity(x.dtype)], eqn.params, "base_dilation")
+        if done is None:
+            return None
+        (x,), padding, base_dilation = done
+        return bind_eqn_with(eqn, [x], padding=padding, base_dilation=base_dilation)
+
 
 @dataclasses.dataclass(frozen=True)
 class Known:
@@ -478,6 +524,9 @@ class RowVarying:
 
     value: Any
     rows: str
+    # Made from a length that is negative for rows below the declared min (`value_floor`):
+    # the rows that short are refused once it becomes a float.
+    below: RowFloor | None = None
 
 
 class Recorder:
@@ -641,6 +690,31 @@ def place_window(ctx: Ctx, x, axis, lo, interior, size, fill):
     taken = take_clamped(ctx, x, src, axis)
     return lax.select(_broadcast_along(valid, taken.shape, axis), taken,
                       filled(taken.shape, fill, x.dtype))
+
+
+def windowed(ctx: Ctx, operands, fills, p, dilation_key):
+    """A windowed read's operands (a window, a convolution, the max-pooling derivatives) whose
+    tails become their fills (the padding value), with a length-dependent low padding built
+    explicitly. Returns the operands and the new padding/dilation, or None when nothing reads
+    across a length axis."""
+    if any(is_sym(w) for w in p["window_dimensions"]):
+        raise NoRule("a window whose size is a length")
+    padding = list(p["padding"])
+    dilation = list(p[dilation_key]) if dilation_key else [1] * len(padding)
+    changed = False
+    for a, (lo, hi) in enumerate(padding):
+        n = operands[0].shape[a]
+        if not is_sym(lo):
+            if is_sym(n):
+                operands = [fill_tail(ctx, x, (a,), f) for x, f in zip(operands, fills)]
+                changed = True
+        else:
+            size = (n - 1) * dilation[a] + 1 + lo + hi
+            operands = [place_window(ctx, x, a, lo, dilation[a] - 1, size, f)
+                        for x, f in zip(operands, fills)]
+            padding[a], dilation[a] = (0, 0), 1
+            changed = True
+    return (operands, tuple(padding), tuple(dilation)) if changed else None
 
 
 def lowest_value(dtype):
@@ -978,9 +1052,34 @@ def _note_row_floor(ctx: Ctx, eqn, invals) -> None:
             continue
         lo, _ = dim_bounds(var_dim(var, n.scope))
         short = [t for t in range(int(lo)) if _reads_past(var, t, n, start, size)]
-        floor = max(short, default=-1) + 1
-        if floor > getattr(ctx.recorder.floors.get(var), "length", 0):
-            ctx.recorder.floors[var] = RowFloor(var, floor, ctx.where(eqn))
+        _raise_floor(ctx, RowFloor(var, max(short, default=-1) + 1, ctx.where(eqn)))
+
+
+def _raise_floor(ctx: Ctx, floor: RowFloor) -> None:
+    if floor.length > getattr(ctx.recorder.floors.get(floor.var), "length", 0):
+        ctx.recorder.floors[floor.var] = floor
+
+
+def value_floor(ctx: Ctx, eqn, d) -> RowFloor | None:
+    """The shortest row whose length ``d`` (``x.shape[0]`` of per-row code, as a value) means
+    one thing as a number, None when every admitted row does: below the declared min, ``d``
+    can be negative (``T - 1`` at a row of 0), and then the jaxpr cannot tell the length of an
+    axis (``r[1:]`` has no positions there: ``jnp.mean`` of that row alone divides by 0) from
+    arithmetic on one (``r.shape[0] - 1`` is -1). Recorded only where the value becomes a
+    float (`_eval_row_varying`): as an index (``r[::-1]`` reads ``T - 1 - iota``) an empty row
+    reads nothing either way."""
+    var = _ragged_variable(ctx, d)
+    if var is None:
+        return None
+    lo, _ = dim_bounds(var_dim(var, d.scope))
+    negative = [t for t in range(int(lo)) if int(evaluate_dim(d, {var: t})) < 0]
+    if not negative:
+        return None
+    floor = max(negative) + 1
+    return RowFloor(var, floor, ctx.where(eqn), why=(
+        f"uses the length {d} as a number, which is negative for a row shorter than {floor}: "
+        f"whether that is an axis with no positions or arithmetic on one is not in the program "
+        f"(drop the shorter rows)"))
 
 
 def _reads_past(var: str, t: int, n, start, size) -> bool:
@@ -1034,6 +1133,10 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
         row.own_sizes = True
         return tuple(row.evaluate(eqn, list(xs)))
 
+    below = next((x.below for x in invals if isinstance(x, RowVarying) and x.below), None)
+    if below is not None and eqn.primitive.name == "convert_element_type" and jnp.issubdtype(
+            eqn.params["new_dtype"], jnp.inexact):
+        _raise_floor(ctx, below)
     lengths = [v[0] for v in ragged.values()]
     outs = jax.vmap(one_row, in_axes=(0, *[0 if isinstance(x, RowVarying) else None
                                           for x in invals]))(
@@ -1042,7 +1145,7 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     for out, v in zip(outs, eqn.outvars):
         axes = ctx.row_axes(getattr(v.aval, "shape", ()), rows)
         if not axes:
-            results.append(RowVarying(out, rows))
+            results.append(RowVarying(out, rows, below))
             continue
         if len(axes) > 1:
             raise NoRule(f"a per-row value meets a value with several {rows} axes")
@@ -1128,21 +1231,26 @@ def _register(key, rule, *, structural: bool, origin: str, override: bool) -> No
 _SLOTS = {"pad": "rule", "pack": "packed", "per_sequence": "per_sequence", "per_cell": "per_cell"}
 
 
-def defrule(*names: str, layout: Literal["pad", "pack", "per_sequence", "per_cell"] = "pad",
-            structural: bool = False, moves: Callable | None = None,
-            moves_rows_why: str | None = None, window: Callable | None = None,
-            zeroed_reads: Callable | None = None, acts_on: Callable | None = None):
+Layout = Literal["pad", "pack", "per_sequence", "per_cell"]
+PAD_AND_PACK: tuple[Layout, ...] = ("pad", "pack")    # a rule that asks its layout (`Ctx.reduce`)
+
+
+def defrule(*names: str, layout: Layout | tuple[Layout, ...] = "pad", structural: bool = False,
+            moves: Callable | None = None, moves_rows_why: str | None = None,
+            window: Callable | None = None, zeroed_reads: Callable | None = None,
+            acts_on: Callable | None = None):
     """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
     ``batching.primitive_batchers[p] = rule``: ``@defrule("rev")`` over the definition, or
     ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``layout``: the padded rule
     (``"pad"``, also ragged rows), the packed one (``"pack"``), or the one for an input held
     per sequence (``"per_sequence"``) or per cell (``"per_cell"``) in packed rows, each in the
-    same entry. ``structural``:
+    same entry; a tuple of them for a rule written once for those layouts, which asks its
+    layout what differs (a family's: `Ctx.reduce`). ``structural``:
     the rule only recurses into the equation's programs (scan, cond, calls), so it is not
     counted as a rewrite itself. ``moves``, ``moves_rows_why``, ``window``, ``zeroed_reads``,
     ``acts_on``: the primitive's facts (`_Entry`), stated beside its padded rule. Registering
     a slot twice is a bug, refused at import."""
-    slot = _SLOTS[layout]
+    layouts = (layout,) if isinstance(layout, str) else layout
     facts = dict(moves=moves, moves_rows_why=moves_rows_why, window=window,
                  zeroed_reads=zeroed_reads, acts_on=acts_on)
 
@@ -1150,12 +1258,15 @@ def defrule(*names: str, layout: Literal["pad", "pack", "per_sequence", "per_cel
         for name in names:
             with _REGISTRY_LOCK:
                 entry = _REGISTRY.get(name) or _Entry()
-                if getattr(entry, slot) is not None:
-                    raise OptionError(f"defrule: {name!r} already has a {layout} rule")
-                _REGISTRY[name] = dataclasses.replace(
-                    entry, **{slot: rule}, **({"structural": structural, **{
-                        k: v for k, v in facts.items() if v is not None}}
-                        if slot == "rule" else {}))
+                for one in layouts:
+                    slot = _SLOTS[one]
+                    if getattr(entry, slot) is not None:
+                        raise OptionError(f"defrule: {name!r} already has a {one} rule")
+                    entry = dataclasses.replace(
+                        entry, **{slot: rule}, **({"structural": structural, **{
+                            k: v for k, v in facts.items() if v is not None}}
+                            if slot == "rule" else {}))
+                _REGISTRY[name] = entry
         return rule
     return register
 

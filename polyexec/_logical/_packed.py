@@ -91,7 +91,7 @@ from ._core import (ELEMENTWISE, Ctx, Logical, NoRule, Recorder, RowVarying, Uns
                     bind_eqn_with, defrule, eval_jaxpr, filled, is_sym, like_aval,
                     lookup_rule, moves_ragged_rows, padded_rule, replay, sub_jaxprs, take_rows)
 from ._control import at_step, frozen_scan
-from ._families import CUMULATIVE, REDUCERS, SCATTERS, WINDOWS
+from ._families import REDUCERS, SCATTERS
 from ._indexing import gather_fill
 from ._structure import keeps_length_axes
 from ._sequences import (PerSequence, at_column, by_cell, grid_shape, held, spread,
@@ -272,7 +272,19 @@ class _PackedCtx(Ctx):
     def per_row(self, d, *, as_value: bool = False):
         raise NoRule(f"the length {d} is per row, and a packed row holds several sequences")
 
-    # -- equations ------------------------------------------------------------------------------
+    # -- the families' operations (see `Ctx.reduce`): within each sequence ---------------------
+
+    def reduce(self, eqn, invals, fills, axes):
+        return _reduction(self, eqn, invals, fills, axes)
+
+    def accumulate(self, eqn, x, axis: int, monoid, reverse: bool):
+        return _cumulative(self, eqn, x, axis, monoid, reverse)
+
+    def reverse(self, x, axis: int):
+        return _reversed_sequences(self, x, axis)
+
+    def window(self, eqn, x, monoid):
+        return _window(self, eqn, x, monoid)
 
     # -- what `evaluate` asks of a layout (see `Ctx`) ---------------------------------------
 
@@ -489,41 +501,32 @@ def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
     return bind_eqn(eqn, new) if changed else None
 
 
-@defrule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-         "reduce_xor", "argmax", "argmin", "reduce", layout="pack")
-def _reduction(ctx: _PackedCtx, eqn, invals):
-    x = invals[0]
-    axes = set(eqn.params["axes"] if "axes" in eqn.params else eqn.params["dimensions"])
-    lengths = {a for a in range(x.ndim) if is_sym(x.shape[a])}
-    if not axes & lengths:
-        return None
+def _reduction(ctx: _PackedCtx, eqn, invals, fills, axes):
+    """`_PackedCtx.reduce`: over every real cell, within each sequence, or per position."""
+    x, axes = invals[0], set(axes)
     rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
     arg = eqn.primitive.name in ("argmax", "argmin")
-    rule = padded_rule(eqn)
+    padded = functools.partial(Ctx.reduce, ctx, eqn, invals, fills, tuple(axes))
     if not rows:                       # per position: real up to the longest sequence
-        return rule(ctx, eqn, invals)
+        return padded()
     if len(packed) == 2:               # pairs of cells (attention's scores): within a sequence
         if rows <= axes and not axes & packed and _SEGMENT.get(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         if arg or not (axes & packed == packed if rows <= axes else len(axes & packed) == 1):
             return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
-        if eqn.primitive.name == "reduce":      # operands, then their init values
-            n = len(invals) // 2
-            fills = invals[n:]
-        else:
-            n, fills = 1, [REDUCERS[eqn.primitive.name].identity(x.dtype)]
+        n = len(fills)
         return bind_eqn(eqn, [*(ctx.frame_only(v, f) for v, f in zip(invals[:n], fills)),
                            *invals[n:]])
     if packed:
         if rows | packed <= axes and not arg:
-            return rule(ctx, eqn, invals)       # over every real cell
+            return padded()                     # over every real cell
         if packed <= axes and not rows & axes and eqn.primitive.name != "reduce":
             return [_along_sequences(ctx, eqn, x, *rows, *packed)]
         if rows <= axes and not packed & axes and _SEGMENT.get(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
     if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
-        return rule(ctx, eqn, invals)
+        return padded()
     return ctx.per_sequence(eqn, f"{eqn.primitive.name} over the rows")
 
 
@@ -802,16 +805,14 @@ def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fil
                       filled(shifted.shape, fill, x.dtype))
 
 
-@defrule(*WINDOWS, layout="pack")
-def _window(ctx: _PackedCtx, eqn, invals):
-    """A window along a packed length with stride 1 (a moving sum, average, max or min): each
-    window reads its own sequence and the combiner's identity past its edges, as the
-    exact-size window reads its init value there. The window becomes one tap per offset,
-    combined. A stride would start each sequence's outputs at another column, so it is
-    refused, as is a window across the rows or another axis. Gradients do not pack: a sum
+def _window(ctx: _PackedCtx, eqn, x, monoid):
+    """`_PackedCtx.window`: a window along a packed length with stride 1 (a moving sum,
+    average, max or min): each window reads its own sequence and the combiner's identity past
+    its edges, as the exact-size window reads its init value there. The window becomes one tap
+    per offset, combined. A stride would start each sequence's outputs at another column, so
+    it is refused, as is a window across the rows or another axis. Gradients do not pack: a sum
     window's pads the length past each sequence's room, a max window's selects and scatters
     (``select_and_scatter_add``, no rule)."""
-    (x,) = invals
     p = eqn.params
     rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
     moved = [a for a in range(x.ndim) if p["window_dimensions"][a] != 1
@@ -828,7 +829,7 @@ def _window(ctx: _PackedCtx, eqn, invals):
     if p["window_strides"][a] != 1 or p["base_dilation"][a] != 1 or is_sym(lo) or is_sym(hi):
         raise NoRule("a strided, base-dilated or length-padded window along a packed length "
                       "(each sequence's outputs would start at another column)")
-    combine, identity = WINDOWS[eqn.primitive.name]
+    combine, identity = monoid
     fill, step, length = identity(x.dtype), p["window_dilation"][a], eqn.outvars[0].aval.shape[a]
     out = None
     for k in range(p["window_dimensions"][a]):
@@ -843,25 +844,18 @@ def _replace(values, i, value):
     return tuple(values)
 
 
-@defrule("rev", layout="pack")
-def _rev(ctx: _PackedCtx, eqn, invals):
-    """Reversing a packed length reverses each sequence in place: the cell at position ``p``
-    of a part of ``e`` cells reads its own sequence's position ``e - 1 - p``, at column
-    ``start + e - 1 - p``; cells outside the frame keep their own. A reverse is its own
-    transpose, so gradients come back through this rule too."""
-    (x,) = invals
-    dims = tuple(eqn.params["dimensions"])
+def _reversed_sequences(ctx: _PackedCtx, x, a: int):
+    """`_PackedCtx.reverse`: reversing a packed length reverses each sequence in place: the
+    cell at position ``p`` of a part of ``e`` cells reads its own sequence's position
+    ``e - 1 - p``, at column ``start + e - 1 - p``; cells outside the frame keep their own. A
+    reverse is its own transpose, so gradients come back through this rule too."""
     rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
-    if any(a in rows for a in dims) or any(is_sym(x.shape[a]) and a not in packed
-                                           for a in dims):
+    if a not in packed:
         raise NoRule("a reverse over the rows of packed rows, or over another length")
-    along = [a for a in dims if a in packed]
-    if not along:
-        return None                             # feature axes only: per position
     if len(rows) != 1 or len(packed) != 1:
         raise NoRule(f"a reverse of a value of shape {tuple(x.shape)}, which mixes sequences "
                       f"of a packed row")
-    return [_reverse(ctx, x, rows[0], along[0], tuple(d for d in dims if d != along[0]))]
+    return _reverse(ctx, x, rows[0], a)
 
 
 def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
@@ -876,23 +870,19 @@ def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
     return take_rows(ctx, x, spread(source, x.shape, (r, a)), a)
 
 
-@defrule(*CUMULATIVE, layout="pack")
-def _cumulative(ctx: _PackedCtx, eqn, invals):
-    """A cumulative op along a packed length runs per sequence: a scan over the columns whose
-    running value restarts at each sequence's first cell (its last with ``reverse=True``, as
-    the transpose of ``cumsum`` runs). Exact, where subtracting each sequence's prefix of the
-    row would lose the sequence's own digits; sequential over the row length."""
-    (x,) = invals
-    a, reverse = eqn.params["axis"], eqn.params["reverse"]
+def _cumulative(ctx: _PackedCtx, eqn, x, a: int, monoid, reverse: bool):
+    """`_PackedCtx.accumulate`: a cumulative op along a packed length runs per sequence: a
+    scan over the columns whose running value restarts at each sequence's first cell (its last
+    with ``reverse=True``, as the transpose of ``cumsum`` runs). Exact, where subtracting each
+    sequence's prefix of the row would lose the sequence's own digits; sequential over the row
+    length."""
     rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
     if a not in packed:
-        if is_sym(x.shape[a]):
-            raise NoRule(f"{eqn.primitive.name} over the rows of packed rows")
-        return None                             # along a feature axis: per position
+        raise NoRule(f"{eqn.primitive.name} over the rows of packed rows")
     if len(rows) != 1 or len(packed) != 1:
         raise NoRule(f"{eqn.primitive.name} of a value of shape {tuple(x.shape)}, which mixes "
                       f"sequences of a packed row")
-    combine, identity = CUMULATIVE[eqn.primitive.name]
+    combine, identity = monoid
     n = x.shape[a]
     pos, seglen = ctx.cells(n)
     restart = pos == (ctx._at(n, seglen) - 1 if reverse else 0)

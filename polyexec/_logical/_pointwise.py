@@ -11,7 +11,7 @@ elementwise maths and layout-only primitives, which pass through, and ``dim_as_v
 from __future__ import annotations
 
 from .._jax_internals import dim_vars
-from ._core import ELEMENTWISE, defrule, RowVarying
+from ._core import ELEMENTWISE, RowVarying, defrule, value_floor
 
 defrule(*"""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
@@ -37,5 +37,5 @@ def _dim_as_value(ctx, eqn, invals):
     rows = ctx.rows_of(d)
     if rows is not None and rows not in dim_vars(d):
         # ``x.shape[1]`` of a ragged (B, T) array inside per-row code: each row's own length.
-        return [RowVarying(ctx.per_row(d, as_value=True), rows)]
+        return [RowVarying(ctx.per_row(d, as_value=True), rows, value_floor(ctx, eqn, d))]
     return [ctx.length(d)]     # a count over rows (B*T) is the sum of the rows' real lengths

@@ -1,14 +1,17 @@
 """Rules for reductions over length axes, and cumulative ones.
 
-- ``reduce_{sum,max,min,prod,and,or,xor}``, ``argmax``/``argmin``, ``reduce``: the tail of every
-  reduced length axis is replaced by the reduction's identity (``reduce``: its init value).
-- ``cumsum``/``cumprod``/``cummax``/``cummin``/``cumlogsumexp``: forward ones read only a prefix
-  and pass through; ``reverse=True`` ones start from the logical end (tail -> identity).
+- ``reduce_{sum,max,min,prod,and,or,xor}``, ``argmax``/``argmin``, ``reduce``: over a length,
+  the layout reduces with the reduction's identity (``reduce``: its init value). Padded rows
+  replace the tail of every reduced length axis by it (`Ctx.reduce`); packed rows reduce
+  within each sequence.
+- ``cumsum``/``cumprod``/``cummax``/``cummin``/``cumlogsumexp``: the layout accumulates
+  (`Ctx.accumulate`). Padded, forward ones read only a prefix and pass through;
+  ``reverse=True`` ones start from the logical end (tail -> identity).
 """
 
 from __future__ import annotations
 
-from ._core import acts_along_params, bind_eqn_with, defrule, fill_tail, is_sym, operand_avals
+from ._core import PAD_AND_PACK, acts_along_params, defrule, is_sym, operand_avals
 from ._families import CUMULATIVE, REDUCERS
 
 
@@ -18,43 +21,42 @@ def _summed_tails(eqn):
     return [(0, [a for a in eqn.params["axes"] if is_sym(shape[a])])]
 
 
-@defrule("reduce_sum", zeroed_reads=_summed_tails, acts_on=acts_along_params)
-@defrule(*(name for name in REDUCERS if name != "reduce_sum"), acts_on=acts_along_params)
+# One rule per primitive for both layouts: the layout reduces (`Ctx.reduce`), accumulates
+# (`Ctx.accumulate`) along its lengths; the rule says which operands, identities and axes.
+
+
+@defrule("reduce_sum", layout=PAD_AND_PACK, zeroed_reads=_summed_tails, acts_on=acts_along_params)
+@defrule(*(name for name in REDUCERS if name != "reduce_sum"), layout=PAD_AND_PACK,
+         acts_on=acts_along_params)
 def _reduction(ctx, eqn, invals):
     (x,) = invals
     axes = eqn.params["axes"]
     if not any(is_sym(x.shape[a]) for a in axes):
         return None
-    fill = REDUCERS[eqn.primitive.name].identity(x.dtype)
-    return bind_eqn_with(eqn, [fill_tail(ctx, x, axes, fill)])
+    return ctx.reduce(eqn, invals, [REDUCERS[eqn.primitive.name].identity(x.dtype)], axes)
 
 
-@defrule("reduce")
+@defrule("reduce", layout=PAD_AND_PACK)
 def _reduce(ctx, eqn, invals):
     # lax.reduce: operands then their init values, which are the reduction's identities.
     n = len(invals) // 2
-    operands, inits = invals[:n], invals[n:]
     axes = eqn.params["dimensions"]
-    if not any(is_sym(operands[0].shape[a]) for a in axes):
+    if not any(is_sym(invals[0].shape[a]) for a in axes):
         return None
-    operands = [fill_tail(ctx, x, axes, init) for x, init in zip(operands, inits)]
-    return bind_eqn_with(eqn, [*operands, *inits])
+    return ctx.reduce(eqn, invals, invals[n:], axes)
 
 
 def _cumulative_moves(eqn):
     return [(operand_avals(eqn)[0], (eqn.params["axis"],))]
 
 
-@defrule(*CUMULATIVE, moves=_cumulative_moves, acts_on=acts_along_params, moves_rows_why=(
+@defrule(*CUMULATIVE, layout=PAD_AND_PACK, moves=_cumulative_moves, acts_on=acts_along_params,
+         moves_rows_why=(
     "{name} accumulates across the rows ({rows}) of a value ragged along them: a shorter "
     "row's padding would reach the rows after it"))
 def _cumulative(ctx, eqn, invals):
-    # Forward: position i reads 0..i, a logical prefix. Reverse: i reads i..n-1, the tail
-    # included, so the tail becomes the identity and the sums start from the logical end.
     (x,) = invals
     axis = eqn.params["axis"]
-    if not eqn.params["reverse"] or not is_sym(x.shape[axis]):
+    if not is_sym(x.shape[axis]):
         return None
-    fill = CUMULATIVE[eqn.primitive.name].identity(x.dtype)
-    return bind_eqn_with(eqn, [fill_tail(ctx, x, (axis,), fill)])
-
+    return ctx.accumulate(eqn, x, axis, CUMULATIVE[eqn.primitive.name], eqn.params["reverse"])

@@ -22,17 +22,20 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape
-from ._core import (NoRule, acts_along_params, bind_eqn, bind_eqn_with, defrule, fill_tail, filled,
-                    iota_along, is_empty, is_sym, lowest_value, operand_avals, place_window, same_dim,
-                    take_clamped, take_rows)
+from ._core import (PAD_AND_PACK, NoRule, acts_along_params, bind_eqn, bind_eqn_with, defrule,
+                    fill_tail, filled, iota_along, is_empty, is_sym, lowest_value, operand_avals,
+                    place_window, same_dim, take_clamped, take_rows)
 
 
 def _rev_moves(eqn):
     return [(operand_avals(eqn)[0], tuple(eqn.params["dimensions"]))]
 
 
-@defrule("rev", moves=_rev_moves, acts_on=acts_along_params)
+@defrule("rev", layout=PAD_AND_PACK, moves=_rev_moves, acts_on=acts_along_params)
 def _rev(ctx, eqn, invals):
+    """One rule for both layouts: each length axis is reversed in place by the layout (a
+    padded row within its real length, each packed sequence within its own cells:
+    `Ctx.reverse`); the other axes as written."""
     (x,) = invals
     dims = eqn.params["dimensions"]
     sym = [a for a in dims if is_sym(x.shape[a])]
@@ -42,12 +45,7 @@ def _rev(ctx, eqn, invals):
     if fixed:
         x = lax.rev(x, fixed)
     for a in sym:
-        n = x.shape[a]
-        length = ctx.length(n, x.shape)
-        if jnp.ndim(length):      # ragged: each row reversed within its own length
-            x = take_rows(ctx, x, length - 1 - iota_along(x.shape, a), a)
-        else:
-            x = take_clamped(ctx, x, length - 1 - iota_along((n,), 0), a)
+        x = ctx.reverse(x, a)
     return [x]
 
 
@@ -306,11 +304,17 @@ def _ragged_merge(ctx, x, src, dst):
 
 def _prefix_preserving(src, dst) -> bool:
     """Only unit axes added or removed ((B, T-1, 1) <-> (B, T-1)), or one length axis on each
-    side preceded by the same number of constant rows ((T, 4) <-> (4*T,)): either way each
-    position keeps its logical block a prefix."""
+    side preceded by the same number of constant rows ((T, 4) <-> (4*T,)), after the leading
+    axes both keep ((B, T, 2, F) -> (B, 2*T, F): ``jnp.repeat`` along T): either way each
+    position keeps its logical block a prefix (a ragged row's own)."""
     if definitely_equal_shape([d for d in src if not _is_unit(d)],
                               [d for d in dst if not _is_unit(d)]):
         return True
+    kept = 0
+    while (kept < min(len(src), len(dst)) and is_sym(src[kept])
+           and same_dim(src[kept], dst[kept])):
+        kept += 1       # row-major: a leading axis both sides keep keeps every index on it
+    src, dst = src[kept:], dst[kept:]
     s = [a for a, d in enumerate(src) if is_sym(d)]
     d = [a for a, e in enumerate(dst) if is_sym(e)]
     if len(s) != 1 or len(d) != 1:
