@@ -326,8 +326,8 @@ def _record_branch_floor(frame, op: str, answer: bool, floors: list,
     if caller is None:
         return
     jnp_code = _is_jnp(caller.f_code.co_filename)
-    if is_jax_internal(caller.f_code.co_filename) and not jnp_code:
-        return
+    if is_jax_internal(caller.f_code.co_filename) and (not jnp_code or op == "=="):
+        return      # jnp's == are broadcasting's size-1 and emptiness checks, the same either way
     compared = _compared(frame)
     if compared is None:
         return
@@ -336,8 +336,8 @@ def _record_branch_floor(frame, op: str, answer: bool, floors: list,
     if len(names) != 1 or next(iter(names)) not in below:
         return
     (var,) = names
-    # jnp's ``size == 0`` guards (``jnp.roll``, ``take_along_axis``) keep an empty array off
-    # an error path; an empty row has no cell either way, and its results are the rewrite's.
+    # jnp's ``size < 1`` guards keep an empty array off an error path (a max of nothing); an
+    # empty row has no cell either way, and its results are the rewrite's.
     other_way = [t for t in range(1 if jnp_code else 0, below[var])
                  if _OPERATORS[op](int(evaluate_dim(self, {var: t})),
                                    int(evaluate_dim(other, {var: t}))) != answer]

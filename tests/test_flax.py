@@ -85,21 +85,31 @@ def test_nnx_dropout_draws_the_same_mask_in_every_bucket_and_layout():
     assert 0.4 < kept < 0.6
 
 
-def test_a_refused_nnx_draw_in_packed_rows_names_the_users_line():
-    """Dropout shared along ``T`` (``broadcast_dims=(1,)``) draws one ``(B, 1, F)`` mask per
-    sequence, which packed rows have no rule for: the verdict names this file's line (the
-    draw is made inside Flax), and the packed call runs padded with the padded result."""
-    drop = nnx.Dropout(0.5, broadcast_dims=(1,), rngs=nnx.Rngs(dropout=1))
+@pytest.mark.parametrize("layer, packs", [
+    # Dropout shared along T draws one (B, 1, F) mask per sequence: the same draw packed.
+    (lambda: nnx.Dropout(0.5, broadcast_dims=(1,), rngs=nnx.Rngs(dropout=1)), True),
+    # A stride has no room at a sequence that starts mid-row: runs padded, the line named.
+    (lambda: nnx.Conv(3, 3, kernel_size=(3,), strides=(2,), rngs=nnx.Rngs(0)), False),
+], ids=["dropout shared along T", "strided conv"])
+def test_nnx_layers_in_packed_rows_match_padded_or_name_the_users_line(layer, packs):
+    """An NNX layer in packed rows gives the padded result: packed, or run padded with one
+    warning whose verdict names this file's line (the operation is made inside Flax)."""
+    layer = layer()
     x, lengths = _batch()
-    padded = px.bucketed(lambda drop, x, lengths: drop(x), SPECS, buckets={T: [16]})
-    want = np.asarray(padded(drop, x, lengths))
+    padded = px.bucketed(lambda layer, x, lengths: layer(x), SPECS, buckets={T: [16]})
+    want = np.asarray(padded(layer, x, lengths))
     packed = padded.with_layout("pack")
-    with pytest.warns(UserWarning, match="cannot run packed rows"):
-        got = np.asarray(packed(drop, x, lengths))
-    assert os.path.basename(__file__) in packed.plan.packing_reason
-    assert "site-packages" not in packed.plan.packing_reason
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = np.asarray(packed(layer, x, lengths))
+    assert packed.plan.can_pack == packs, packed.plan.packing_reason
+    if not packs:
+        assert [str(w.message) for w in caught if "cannot run packed rows" in str(w.message)]
+        assert os.path.basename(__file__) in packed.plan.packing_reason
+        assert "site-packages" not in packed.plan.packing_reason
     for b, n in enumerate(LENGTHS):
-        np.testing.assert_array_equal(got[b, :n], want[b, :n])
+        m = n if packs else -(-n // 2)               # a stride's output: ceil(n / 2) positions
+        np.testing.assert_array_equal(got[b, :m], want[b, :m])
 
 
 def test_the_readme_flax_blocks_run_as_pasted(capsys):

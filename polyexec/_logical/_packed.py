@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -360,21 +361,30 @@ def _along(v2, ndim: int, rows_axis: int, packed_axis: int):
     return jnp.expand_dims(v2, [a for a in range(ndim) if a not in (rows_axis, packed_axis)])
 
 
-def _fits(recorder: Recorder, d, var: str, rows: str) -> bool:
-    """Whether a packed length never exceeds its sequence: ``d(n) <= n`` for every n within
-    the variable's bounds (a sequence's part of the axis stays inside its own cells)."""
+def _for_every_length(recorder: Recorder, what: str, d, var: str, rows: str,
+                      holds: Callable[[list[tuple[int, int]]], bool]) -> bool:
+    """Whether ``holds`` the ``(n, d(n))`` pairs of a packed length ``d`` for every ``n``
+    within the variable's bounds (cached per ``what`` and ``d``); true of a length that is no
+    packed one, false of one that mixes variables or has too many lengths to check."""
     names = dim_vars(d)
     if var not in names or rows in names:
         return True
-    key = ("fits", d)
+    key = (what, d)
     if key not in recorder._monotone:
         ok = names == {var}
         if ok:
             lo, hi = dim_bounds(var_dim(var, d.scope))
-            ok = np.isfinite(hi) and hi - lo <= 1 << 14 and all(
-                int(evaluate_dim(d, {var: n})) <= n for n in range(max(int(lo), 0), int(hi) + 1))
+            ok = bool(np.isfinite(hi) and hi - lo <= 1 << 14) and holds(
+                [(n, int(evaluate_dim(d, {var: n}))) for n in range(max(int(lo), 0), int(hi) + 1)])
         recorder._monotone[key] = bool(ok)
     return recorder._monotone[key]
+
+
+def _fits(recorder: Recorder, d, var: str, rows: str) -> bool:
+    """Whether a packed length never exceeds its sequence: ``d(n) <= n`` for every n within
+    the variable's bounds (a sequence's part of the axis stays inside its own cells)."""
+    return _for_every_length(recorder, "fits", d, var, rows,
+                             lambda pairs: all(e <= n for n, e in pairs))
 
 
 def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
@@ -383,22 +393,11 @@ def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
     of ``L >= c + n`` columns needs ``c + e(n) <= e(L)`` when it has any position, that is
     ``e(m) - m`` never decreasing where ``e(m) > 0``. ``T - 1`` and ``max(T - 2, 0)`` keep
     it; ``ceil(T / 2)`` (a stride) and ``min(T, k)`` do not."""
-    names = dim_vars(d)
-    if var not in names or rows in names:
-        return True
-    key = ("keeps start columns", d)
-    if key not in recorder._monotone:
-        ok = names == {var}
-        if ok:
-            lo, hi = dim_bounds(var_dim(var, d.scope))
-            ok = bool(np.isfinite(hi) and hi - lo <= 1 << 14)
-            if ok:
-                lengths = range(max(int(lo), 0), int(hi) + 1)
-                slack = [int(evaluate_dim(d, {var: n})) - n for n in lengths
-                         if int(evaluate_dim(d, {var: n})) > 0]
-                ok = all(a <= b for a, b in zip(slack, slack[1:]))
-        recorder._monotone[key] = bool(ok)
-    return recorder._monotone[key]
+    def slack_never_decreases(pairs):
+        slack = [e - n for n, e in pairs if e > 0]
+        return all(a <= b for a, b in zip(slack, slack[1:]))
+    return _for_every_length(recorder, "keeps start columns", d, var, rows,
+                             slack_never_decreases)
 
 
 # --------------------------------------------------------------------------------------------

@@ -300,8 +300,7 @@ def choose_buckets(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         batch = (batch_of(rows, top) if batch_of is not None
                  else np.full((rows, top), pad_id, np.int32))
         full = np.full(rows, top, np.int32)
-        place = ((lambda x: jax.tree_util.tree_map(dp.global_batch, x)) if dp is not None
-                 else (lambda x: x))
+        place = dp.global_batch if dp is not None else (lambda x: x)
         cost = measure_cost(step, arg, place(batch), place(full), extra_compiles=eval_step,
                             extra_arg=eval_arg, parallel=parallel, grid=(rows * shards, top))
         cost = agree(cost, shards)

@@ -43,13 +43,17 @@ class DataParallel:
     def size(self) -> int:
         return 1 if self.mesh is None else self.mesh.size
 
-    def global_batch(self, local: np.ndarray) -> Any:
-        """This process's rows as one global array (multi-host); the host array otherwise —
-        the compiled step places host arrays by its input shardings itself."""
+    def global_batch(self, local: Any) -> Any:
+        """This process's rows as global arrays (multi-host), leaf by leaf of a batch's pytree;
+        the host arrays otherwise -- the compiled step places host arrays by its input
+        shardings itself."""
         if self.processes == 1:
             return local
-        global_shape = (local.shape[0] * self.processes, *local.shape[1:])
-        return jax.make_array_from_process_local_data(self.batch, local, global_shape)
+
+        def one(leaf):
+            shape = (leaf.shape[0] * self.processes, *leaf.shape[1:])
+            return jax.make_array_from_process_local_data(self.batch, leaf, shape)
+        return jax.tree_util.tree_map(one, local)
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
