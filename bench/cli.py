@@ -30,6 +30,7 @@ import polyexec as px
 from polyexec import training
 
 from . import report
+from .devices import worker_xla_flags
 from .strategies import (DEFAULT_STRATEGIES, EVENT_PREFIX, Strategy, combine_limits,
                          parse_strategies, strategies_help, worker_main)
 from .workloads import DISTS, LAYOUTS, MODELS, MODES, WARMUPS, Config, load_data
@@ -100,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="polyexec: one sequence per padded row (pad), several per row of the "
                         "longest length (pack), or the one with the least predicted time, "
                         "from the packed step measured in the cold epoch (auto, default)")
+    w.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="pack and polyexec split every batch's rows over a one-axis Mesh of N "
+                        "devices (whole rows a device, parameters replicated: fit's devices=N), "
+                        "side by side; --batch-size a multiple of N; the default strategies "
+                        "become pack,polyexec,polyexec-cached; on CPU the workers get "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N; the limit stays "
+                        "one device's (default 1)")
     w.add_argument("--rows", type=int, help="filter-mlp: rows per batch")
     w.add_argument("--keep", type=float, help="filter-mlp: fraction of rows the filter keeps")
     o = p.add_argument_group("run and output")
@@ -142,7 +150,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                   seed=args.seed, hidden=pick("hidden"), embed=pick("embed"),
                   heads=pick("heads"), learning_rate=args.lr, buckets=pick("buckets"),
                   limit_rounds=pick("limit_rounds"), limit_seconds=pick("limit_seconds"),
-                  warmup=args.warmup, layout=args.layout)
+                  warmup=args.warmup, layout=args.layout, devices=args.devices or 1)
 
 
 # ------------------------------------------------------------------------------ workers
@@ -152,8 +160,12 @@ class WorkerError(RuntimeError):
     pass
 
 
-def _worker_env() -> dict:
+def _worker_env(devices: int = 1) -> dict:
     env = dict(os.environ)
+    if devices > 1:
+        # Read when JAX creates its CPU backend in the worker: N host devices (a GPU or TPU run
+        # uses its own; the worker checks it has N).
+        env["XLA_FLAGS"] = worker_xla_flags(devices, env.get("XLA_FLAGS", ""))
     # Only the polyexec workers get a persistent compile cache (a fresh one, passed explicitly);
     # a cache inherited from the user's environment would hand other strategies free compiles.
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -173,7 +185,8 @@ def run_worker(job: dict, workdir: str, on_event) -> dict:
     result = None
     with open(err_path, "w+", encoding="utf-8") as err:
         proc = subprocess.Popen([sys.executable, "-m", "bench", "--worker", path],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=_worker_env())
+                                stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=_worker_env(job["config"].get("devices", 1)))
         for line in proc.stdout:
             if not line.startswith(EVENT_PREFIX):
                 continue
@@ -410,6 +423,35 @@ def check_outputs(args: argparse.Namespace) -> None:
                              "'polyexec[plot]'), received a --plot path without it")
 
 
+MULTI_DEVICE_STRATEGIES = "pack,polyexec,polyexec-cached"
+
+
+def check_devices(args: argparse.Namespace) -> None:
+    """``--devices N``: an int >= 1; over several devices whole rows a device (``--batch-size``
+    a multiple of N, and no ``--max-tokens``: its row counts are the strategies' own), and
+    the sequence workloads only."""
+    n = args.devices
+    if n is None:
+        return
+    if n < 1:
+        raise px.OptionError(f"--devices: expected an int >= 1, received {n}")
+    if n == 1:
+        return
+    if args.model == "filter-mlp":
+        raise px.OptionError(f"--devices {n}: expected --model gru / lstm / attention (the "
+                             f"filter-mlp benchmark runs on one device), received --model "
+                             f"filter-mlp")
+    if args.max_tokens is not None:
+        raise px.OptionError(f"--devices {n}: expected --batch-size (a multiple of {n}: every "
+                             f"device holds whole rows), received --max-tokens "
+                             f"{args.max_tokens}")
+    rows = args.batch_size if args.batch_size is not None else (
+        QUICK if args.quick else DEFAULTS)["batch_size"]
+    if rows % n:
+        raise px.OptionError(f"--devices {n}: expected --batch-size a multiple of {n} (every "
+                             f"device holds whole rows), received --batch-size {rows}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -422,13 +464,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_outputs(args)
         if args.repeat < 1:
             raise px.OptionError(f"--repeat: expected an int >= 1, received {args.repeat}")
+        check_devices(args)
         if args.model == "filter-mlp":
             # Its own comparison (bench.filter_mlp): a strategy asked for by name is refused.
             for s in parse_strategies(args.strategies) if args.strategies is not None else []:
                 s.check_model(args.model)
             return run_filter_mlp(args)
         cfg = config_from_args(args)
-        strategies = parse_strategies(args.strategies or DEFAULT_STRATEGIES)
+        strategies = parse_strategies(args.strategies or (
+            DEFAULT_STRATEGIES if cfg.devices == 1 else MULTI_DEVICE_STRATEGIES))
         data = load_data(cfg)
         cfg, note = clamp_batch_size(cfg, data)
         notes += [note] if note else []
@@ -453,6 +497,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(f"[bold]{cfg.model} {cfg.mode}[/]: {data.description}; cap {cfg.cap} "
                   f"truncated {data.n_capped} example(s); {data.real_tokens:,} real tokens "
                   f"per epoch, {cfg.epochs} epochs")
+    if cfg.devices > 1:
+        console.print(f"devices: {cfg.devices} -- {', '.join(s.name for s in strategies)} split "
+                      f"each batch's {cfg.batch_size} rows over a {cfg.devices}-device Mesh "
+                      f"(whole rows a device, parameters replicated); the limit is one "
+                      f"device's")
     try:
         passes, rounds = run_all(cfg, strategies, progress=not args.no_progress,
                                  repeat=args.repeat)
@@ -461,6 +510,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = median_round(rounds)
     limit, rates = combine_limits([p["groups"] for p in passes], data.real_tokens)
     workload = workload_dict(cfg, data, passes, rates, results)
+    if cfg.devices > 1:      # absent with one device: the default output is unchanged
+        workload["devices"] = {"count": cfg.devices,
+                               # each strategy's state after its last step, on these
+                               "state_on_devices": {r["strategy"]: r["devices"]
+                                                    for r in results},
+                               "mesh": "one axis 'batch': rows split, parameters replicated",
+                               "limit": "one device"}
     if args.repeat > 1:
         workload["rounds"] = [{r["strategy"]: {k: r[k] for k in ("tokens_per_s_cold",
                                                                   "tokens_per_s_warm")}

@@ -264,7 +264,8 @@ class PackedStep:
     (``compile_seconds``); ``compiles`` counts the executables built.
     """
 
-    def __init__(self, cfg: Config, state_file: str | None = None, *, state: Any = None):
+    def __init__(self, cfg: Config, state_file: str | None = None, *, state: Any = None,
+                 data_parallel: Any = None):
         if cfg.mode not in ("train", "infer"):
             raise OptionError(f"build_packed_step: cfg.mode: expected 'train' or 'infer', "
                               f"received {cfg.mode!r}")
@@ -274,6 +275,15 @@ class PackedStep:
         # caller passes that state (``state``: build_step(cfg, ...).state).
         initial = build_step(cfg, state_file).state if state is None else state
         self.state, self._static = eqx.partition(initial, eqx.is_array)
+        # ``data_parallel`` (a `polyexec.training.DataParallel` with a mesh): the rows of every
+        # batch split along the mesh's batch axis, whole rows a device, the state replicated --
+        # as `polyexec.training.fit` runs with ``devices=N``; XLA all-reduces the gradients.
+        mesh = data_parallel is not None and data_parallel.mesh is not None
+        self.devices = data_parallel.size if mesh else 1
+        if mesh and cfg.batch_size % self.devices:
+            raise OptionError(f"build_packed_step: cfg.batch_size: expected a multiple of the "
+                              f"{self.devices} devices (each holds whole rows), received "
+                              f"{cfg.batch_size}")
         self.traces = 0
         self.compile_seconds = 0.0
         self._executables: dict[tuple, Any] = {}
@@ -282,7 +292,13 @@ class PackedStep:
                                     optax.adam(cfg.learning_rate))
         else:
             self.fn = None
-        self._jitted = jax.jit(self._call)
+        if mesh:
+            repl, rows = data_parallel.replicated, data_parallel.batch
+            self.state = jax.device_put(self.state, repl)
+            self._jitted = jax.jit(self._call, in_shardings=(repl, rows, rows, rows),
+                                   out_shardings=(repl, repl))
+        else:
+            self._jitted = jax.jit(self._call)
 
     def _call(self, state, tokens, segment_ids, positions):
         self.traces += 1                 # Python runs only when jit traces
@@ -315,6 +331,6 @@ class PackedStep:
 
 
 def build_packed_step(cfg: Config, state_file: str | None = None, *,
-                      state: Any = None) -> PackedStep:
+                      state: Any = None, data_parallel: Any = None) -> PackedStep:
     """The ``pack`` strategy's step for ``cfg`` (see `PackedStep`)."""
-    return PackedStep(cfg, state_file, state=state)
+    return PackedStep(cfg, state_file, state=state, data_parallel=data_parallel)

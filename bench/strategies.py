@@ -49,6 +49,7 @@ import buckets
 import polyexec as px
 from polyexec.training import choose_layout
 
+from .devices import data_parallel_for, place
 from .workloads import MIN_T, Config, Data, Step, build_step, load_data
 
 DEFAULT_STRATEGIES = "pad-max,exact,pow2,pack,polyexec,polyexec-cached"
@@ -152,6 +153,8 @@ class Strategy:
     # The model's loss as plain jax.jit runs it on a padded batch: masked by hand. Only the
     # executor's logical rewrite lets the unmasked loss (`examples.rnn.model.lm_loss`) run.
     hand_masked: ClassVar[bool] = True
+    # Runs its rows split over a Mesh of --devices N (pack, polyexec, polyexec-cached).
+    multi_device: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -173,9 +176,17 @@ class Strategy:
             raise px.OptionError(f"--strategies {self.name}: expected --model "
                                  f"{' / '.join(self.models)}, received --model {model}")
 
+    def check_devices(self, devices: int) -> None:
+        """Refuse ``--devices N`` (N > 1) when this strategy runs on one device only."""
+        if devices > 1 and not self.multi_device:
+            raise px.OptionError(f"--strategies {self.name}: expected --devices 1 (it runs on "
+                                 f"one device; over several: pack, polyexec, polyexec-cached), "
+                                 f"received --devices {devices}")
+
     def check(self, cfg: Config, data: Data) -> None:
         """Refuse a workload this strategy cannot run (called before any worker starts)."""
         self.check_model(cfg.model)
+        self.check_devices(cfg.devices)
         self.t_policy(cfg, data)
 
     def t_policy(self, cfg: Config, data: Data) -> buckets.BucketPolicy | None:
@@ -318,6 +329,7 @@ class Polyexec(Strategy):
     cache_folder: ClassVar[str | None] = "xla-cache"
     masking: ClassVar[bool] = True
     hand_masked: ClassVar[bool] = False   # the model as written: no mask, rows ragged
+    multi_device: ClassVar[bool] = True
 
     def t_policy(self, cfg, data):
         if cfg.buckets == "auto":      # chosen in the worker, from a measured cost
@@ -345,17 +357,24 @@ class Polyexec(Strategy):
                                  f"folder, received None")
         px.enable_persistent_cache(files.cache_dir)
         policy = self.t_policy(cfg, data)
+        # --devices N: fit's data parallelism (`polyexec.training.data_parallel`): the state
+        # replicated, every batch's rows split over the Mesh by the bucketed step's shardings,
+        # row buckets a multiple of the devices.
+        dp = data_parallel_for(cfg.devices) if cfg.devices > 1 else None
+        if dp is not None:
+            step = dataclasses.replace(step, state=place(step.state, dp.replicated))
         # The packed rewrite needs the logical one (masking); --layout pad keeps plans pad-only.
         layout = cfg.layout if self.masking and policy is None else "pad"
         f = bucketed_step(self, cfg, step, policy or buckets.Fixed([int(data.padded_lengths.max())]),
-                          layout="pad" if layout == "pad" else "auto")
+                          layout="pad" if layout == "pad" else "auto", data_parallel=dp)
         setup, choice, rows = 0.0, None, None
         if policy is None:      # part of the cold epoch's time: measured here, added to it
             if files.choice_file is None:
                 raise px.OptionError(f"{self.name}: choice_file: expected a path with --buckets "
                                      f"auto, received None")
             start = time.perf_counter()
-            chosen, choice = choose_auto(cfg, data, step, f, files.choice_file, layout)
+            chosen, choice = choose_auto(cfg, data, step, f, files.choice_file, layout,
+                                         data_parallel=dp)
             setup = time.perf_counter() - start
             if chosen.layout == "pack":
                 run = PackedBucketedRun(cfg, data, step, chosen.step, [
@@ -400,6 +419,8 @@ class PolyexecNomask(Polyexec):
                                   "masked by hand (what the rewrite costs)")
     cache_folder: ClassVar[str | None] = "xla-cache-nomask"
     masking: ClassVar[bool] = False
+    # fit refuses masking=False over devices: filler rows would count in a hand-masked mean
+    multi_device: ClassVar[bool] = False
     hand_masked: ClassVar[bool] = True    # the rewrite's cost against the model masked by hand
 
     def summary_line(self, row, polyexec, extra):
@@ -431,6 +452,7 @@ class Pack(Strategy):
     description: ClassVar[str] = ("Grain first-fit packing into rows of the cap, a "
                                   "segment-id model written by hand (one compile)")
     batching: ClassVar[str] = "packed"
+    multi_device: ClassVar[bool] = True
 
     @staticmethod
     def rows(cfg: Config) -> int:
@@ -442,6 +464,7 @@ class Pack(Strategy):
 
     def check(self, cfg, data):
         self.check_model(cfg.model)
+        self.check_devices(cfg.devices)
         if importlib.util.find_spec("grain") is None:
             raise px.OptionError("--strategies pack: expected Grain to be installed (pip install "
                                  "'polyexec[bench]', Python >= 3.11), received no 'grain' "
@@ -698,7 +721,8 @@ def random_batches(cfg: Config, data: Data, epoch: int, padded_len) -> list[np.n
 # ------------------------------------------------------------------------------- choosing buckets
 
 
-def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str):
+def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str, *,
+                data_parallel=None):
     """``--buckets auto``: `polyexec.training.choose_layout` -- compile and time ``f`` once
     (packed when its plan can pack and ``layout`` allows, else at the largest length's full
     batch), price pad (`buckets.Auto.fit`) and pack for ``cfg.epochs`` epochs, and pin the
@@ -729,6 +753,7 @@ def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str):
     choice = choose_layout(f, step.state, data.padded_lengths, epochs=cfg.epochs,
                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, layout=layout,
                            seed=cfg.seed, min_length=MIN_T, parallel=overlap, known=known,
+                           data_parallel=data_parallel,
                            examples=lambda indices: step_arguments(step, data, indices),
                            batch_of=lambda rows, length: step.batch(
                                np.zeros((rows, length), np.int32)),
@@ -868,16 +893,22 @@ class BackgroundWarmup:
             raise self._error
 
 
-def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy, layout: str = "pad"):
-    """``step`` through ``px.bucketed`` with the strategy's (B, T) buckets."""
+def bucketed_step(strategy: Strategy, cfg: Config, step: Step, policy, layout: str = "pad",
+                  data_parallel=None):
+    """``step`` through ``px.bucketed`` with the strategy's (B, T) buckets; with a
+    ``data_parallel`` mesh, the state replicated and the rows split over it (fit's
+    ``shardings``)."""
     rows = strategy.row_sizes(cfg)
+    dp = data_parallel if data_parallel is not None and data_parallel.mesh is not None else None
+    shardings = None if dp is None else (dp.replicated, dp.batch, dp.batch)
     T = px.LengthVar("T", min=MIN_T, max=max(policy.sizes))
     # Packed, B counts sequences: as many as the largest grid holds of the shortest.
     B = px.LengthVar("B", max=max(rows) * (1 if layout == "pad" else T.max // MIN_T))
     return px.bucketed(step.fn, in_specs=(None, step.batch_spec(B, T),
                                           px.Spec((B,), jnp.int32, lengths_of=T)),
                        buckets={T: list(policy.sizes), B: rows}, name=strategy.name,
-                       masking=getattr(strategy, "masking", True), layout=layout)
+                       masking=getattr(strategy, "masking", True), layout=layout,
+                       in_shardings=shardings)
 
 
 def _combos_by_benefit(run: "BucketedRun") -> list[Shape]:
@@ -999,7 +1030,10 @@ class PackRun(Run):
     def __init__(self, cfg: Config, data: Data, step: Step):
         from .packing import build_packed_step
         self.cfg, self.data = cfg, data
-        self.packed = build_packed_step(cfg, state=step.state)   # the run's initial weights
+        # --devices N: the rows of each batch split over fit's Mesh (whole rows a device).
+        dp = data_parallel_for(cfg.devices) if cfg.devices > 1 else None
+        self.packed = build_packed_step(cfg, state=step.state,   # the run's initial weights
+                                        data_parallel=dp)
         self.state = self.packed.state
 
     def batch_count(self):
@@ -1076,6 +1110,9 @@ def run_strategy(strategy: Strategy, cfg: Config, files: Files = Files()) -> dic
     warm_tokens, warm_seconds = sum(epoch_tokens[1:]), sum(epoch_seconds[1:])
     return {
         "strategy": strategy.name,
+        # The devices the trained state lives on after the last step (--devices N: all N).
+        "devices": len({d for leaf in jax.tree_util.tree_leaves(eqx.filter(state, eqx.is_array))
+                        for d in leaf.sharding.device_set}),
         "batching": getattr(run, "batching", strategy.batching),
         "compiles": int(own["compiles"]),
         "traces": int(own["traces"]),

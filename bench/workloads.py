@@ -101,6 +101,7 @@ class Config:
     limit_seconds: float = 1.0        # the chunks of a shape last this long together
     warmup: str = "background"        # polyexec: "background" or "blocking" warmup
     layout: str = "auto"              # polyexec: "auto" (pad or pack, by cost), "pad", "pack"
+    devices: int = 1                  # pack and polyexec: rows split over a Mesh of this many
 
     def __post_init__(self):
         for name, options in (("model", MODELS), ("mode", MODES), ("source", SOURCES),
@@ -115,7 +116,7 @@ class Config:
         for name, minimum, optional in (
                 ("cap", MIN_T, False), ("epochs", 2, False), ("num_examples", 1, False),
                 ("hidden", 1, False), ("embed", 1, False), ("heads", 1, False),
-                ("limit_rounds", 1, False), ("seed", 0, False),
+                ("limit_rounds", 1, False), ("seed", 0, False), ("devices", 1, False),
                 ("batch_size", 1, True), ("max_tokens", 1, True), ("steps", 1, True)):
             _check_int(getattr(self, name), f"Config: {name}", min=minimum, optional=optional)
         if self.buckets != "auto":
@@ -130,6 +131,10 @@ class Config:
         if self.max_tokens is not None and self.max_tokens < self.cap:
             raise px.OptionError(f"Config: max_tokens: expected at least cap={self.cap} (a batch "
                                  f"must hold one capped example), received {self.max_tokens}")
+        if self.devices > 1 and (self.batch_size is None or self.batch_size % self.devices):
+            raise px.OptionError(f"Config: batch_size: expected a multiple of devices="
+                                 f"{self.devices} (every device holds whole rows), received "
+                                 f"batch_size={self.batch_size!r}, max_tokens={self.max_tokens!r}")
         if self.model == "attention" and self.hidden % self.heads:
             raise px.OptionError(f"Config: hidden: expected a multiple of heads={self.heads} for "
                                  f"attention, received {self.hidden}")

@@ -343,6 +343,21 @@ def test_combine_limits_takes_the_fastest_pass_per_group():
     (["--repeat", "0"], "--repeat: expected an int >= 1, received 0"),
     (["--model", "filter-mlp", "--strategies", "pack"],
      "--strategies pack: expected --model gru / lstm / attention, received --model filter-mlp"),
+    (["--devices", "0"], "--devices: expected an int >= 1, received 0"),
+    (["--devices", "2", "--batch-size", "7"],
+     "--devices 2: expected --batch-size a multiple of 2 (every device holds whole rows), "
+     "received --batch-size 7"),
+    (["--devices", "3"], "--devices 3: expected --batch-size a multiple of 3 (every device "
+                         "holds whole rows), received --batch-size 8"),      # --quick's 8 rows
+    (["--devices", "2", "--max-tokens", "2048"],
+     "--devices 2: expected --batch-size (a multiple of 2: every device holds whole rows), "
+     "received --max-tokens 2048"),
+    (["--devices", "2", "--strategies", "pad-max,polyexec"],
+     "--strategies pad-max: expected --devices 1 (it runs on one device; over several: pack, "
+     "polyexec, polyexec-cached), received --devices 2"),
+    (["--devices", "2", "--model", "filter-mlp"],
+     "--devices 2: expected --model gru / lstm / attention (the filter-mlp benchmark runs on "
+     "one device), received --model filter-mlp"),
 ])
 def test_bad_flags_are_one_line_usage_errors_before_any_worker(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -616,6 +631,36 @@ def test_quick_pack_beside_polyexec(tmp_path, capsys):
     assert ratio in " ".join(printed.split())     # rich may wrap the line
 
 
+def test_quick_devices_2_matches_one_device_on_the_same_batches(tmp_path, capsys):
+    """``--devices 2``: pack (Grain's rows, the segment-id step under jit with in/out
+    shardings) and polyexec (fit's data parallelism: the bucketed step's shardings) split
+    each batch's rows over a 2-device Mesh. Their batches do not depend on the devices (the
+    same Grain rows; the same length-grouped plan with --buckets 2, 8 rows a batch already a
+    multiple of 2), so in train mode -- Adam steps, gradients all-reduced over the devices --
+    every epoch's loss equals one device's within float reassociation. The workers get the
+    CPU device count through XLA_FLAGS; this process needs no devices of its own."""
+    pytest.importorskip("grain")
+    flags = ["--quick", "--mode", "train", "--steps", "3", "--buckets", "2",
+             "--limit-rounds", "1", "--limit-seconds", "0.05", "--strategies", "pack,polyexec",
+             "--no-progress"]
+    docs = {}
+    for n in (1, 2):
+        out = tmp_path / f"d{n}.json"
+        assert main([*flags, "--devices", str(n), "--json", str(out)]) == 0
+        docs[n] = report.validate(json.loads(out.read_text()))
+    printed = capsys.readouterr().out
+    assert "devices" not in docs[1]["workload"]             # one device: the output as before
+    dev = docs[2]["workload"]["devices"]
+    assert dev["count"] == 2 and dev["state_on_devices"] == {"pack": 2, "polyexec": 2}
+    assert "devices: 2 -- pack, polyexec split each batch's 8 rows over a 2-device Mesh" in printed
+    for name in ("pack", "polyexec"):
+        one, two = (docs[n]["workload"]["per_strategy"][name] for n in (1, 2))
+        assert one["steps"] == two["steps"]
+        assert np.isfinite(one["epoch_loss"]).all()
+        np.testing.assert_allclose(two["epoch_loss"], one["epoch_loss"], rtol=1e-5)
+        np.testing.assert_allclose(two["final_loss"], one["final_loss"], rtol=1e-5)
+
+
 def test_quick_layout_auto_follows_its_prediction(tmp_path):
     """``--layout auto`` (the default): polyexec times its packed step once and pins the
     layout its own predictions favour; a packed run's padding efficiency is the predicted
@@ -642,7 +687,7 @@ def test_quick_layout_auto_follows_its_prediction(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["bench", "bench.workloads", "bench.strategies", "bench.report",
-                                  "bench.cli"])
+                                  "bench.cli", "bench.devices"])
 def test_docstring_examples(name):
     import doctest
     import importlib
