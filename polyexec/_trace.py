@@ -248,8 +248,14 @@ def _branching_frame(frame):
     caller = _comparing_frame(frame)
     if caller is None or is_jax_internal(caller.f_code.co_filename):
         return None
+    return _users_call(caller)
+
+
+def _users_call(caller):
+    """The user's frame that called into ``caller``'s library (equinox's branch on a size, at
+    the user's call into it), ``caller`` itself when it is the user's."""
     while caller is not None and is_library(caller.f_code.co_filename):
-        caller = caller.f_back      # equinox's branch on a size, at the user's call into it
+        caller = caller.f_back
     return caller
 
 
@@ -285,6 +291,12 @@ _OPERATORS = {"==": operator.eq, ">=": operator.ge, "<=": operator.le, ">": oper
               "<": operator.lt}
 
 
+def _answered_otherwise(self, other, op: str, answer: bool, var: str, sizes) -> list[int]:
+    """The ``sizes`` of ``var`` at which ``self op other`` is not ``answer``."""
+    return [t for t in sizes if _OPERATORS[op](int(evaluate_dim(self, {var: t})),
+                                               int(evaluate_dim(other, {var: t}))) != answer]
+
+
 def _record_raise_decided(frame, op: str, answer: bool, records: list,
                           raised: Sequence["RaisedMin"]) -> None:
     """Record a comparison of the user's code that JAX decided (``answer``) only because the
@@ -300,11 +312,8 @@ def _record_raise_decided(frame, op: str, answer: bool, records: list,
         if r.var not in names:
             continue
         # Another variable in the comparison: its answer for the short rows is unknown.
-        differs = len(names) > 1 or any(
-            _OPERATORS[op](int(evaluate_dim(self, {r.var: t})),
-                           int(evaluate_dim(other, {r.var: t}))) != answer
-            for t in range(r.declared, r.min))
-        if differs:
+        if len(names) > 1 or _answered_otherwise(self, other, op, answer, r.var,
+                                                 range(r.declared, r.min)):
             records.append(Comparison(_line_of(caller), f"{self} {op} {other}", None, None, r))
             return
 
@@ -338,13 +347,11 @@ def _record_branch_floor(frame, op: str, answer: bool, floors: list,
     (var,) = names
     # jnp's ``size < 1`` guards keep an empty array off an error path (a max of nothing); an
     # empty row has no cell either way, and its results are the rewrite's.
-    other_way = [t for t in range(1 if jnp_code else 0, below[var])
-                 if _OPERATORS[op](int(evaluate_dim(self, {var: t})),
-                                   int(evaluate_dim(other, {var: t}))) != answer]
+    other_way = _answered_otherwise(self, other, op, answer, var,
+                                    range(1 if jnp_code else 0, below[var]))
     if not other_way:
         return
-    while caller is not None and is_library(caller.f_code.co_filename):
-        caller = caller.f_back      # the user's call into jnp or the library
+    caller = _users_call(caller)    # the user's call into jnp or the library
     floor = max(other_way) + 1
     floors.append(RowFloor(var, floor, _line_of(caller) if caller is not None else "<unknown>",
                            why=(f"branches on `{self} {op} {other}`, which the declared min of "
