@@ -485,6 +485,13 @@ class Ctx:
             return take_rows(self, x, length - 1 - iota_along(x.shape, axis), axis)
         return take_clamped(self, x, length - 1 - iota_along((n,), 0), axis)
 
+    def sort_key(self, shape, axis: int):
+        """A leading int32 key for a sort of a value of ``shape`` along the length ``axis``
+        that keeps every real cell among the real cells it belongs with: here 0 for a real
+        position and 1 for the tail, which sorts last."""
+        return lax.convert_element_type(
+            iota_along(shape, axis) >= self.length(shape[axis], shape), np.int32)
+
     def window(self, eqn, x, monoid):
         """A window ``eqn`` (``reduce_window_sum``, ...) of ``x``: it reads the identity past a
         length's logical end, and from a length-dependent low padding (`windowed`)."""

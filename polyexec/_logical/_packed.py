@@ -287,6 +287,18 @@ class _PackedCtx(Ctx):
     def window(self, eqn, x, monoid):
         return _window(self, eqn, x, monoid)
 
+    def sort_key(self, shape, axis: int):
+        """Each cell in a sequence's frame keys by its sequence's start column, any other by
+        its own column: every sequence is sorted in place, every other cell stays put.
+        (``argsort``'s positions are each cell's own, by the ``iota`` rule.)"""
+        rows, packed = self.row_axes(shape), self.packed_axes(shape)
+        if axis not in packed:
+            raise NoRule("a sort over the rows of packed rows")
+        if len(rows) != 1 or len(packed) != 1:
+            raise NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of "
+                         f"a packed row")
+        return spread(self.starts(shape[axis]), shape, (rows[0], axis))
+
     # -- what `evaluate` asks of a layout (see `Ctx`) ---------------------------------------
 
     def held_outputs(self, eqn, invals) -> list | None:
@@ -896,28 +908,6 @@ def _cumulative(ctx: _PackedCtx, eqn, x, a: int, monoid, reverse: bool):
 
     _, out = lax.scan(step, start, (columns, restarts), reverse=reverse)
     return [jnp.moveaxis(out, 0, a)]
-
-
-@defrule("sort", layout="pack")
-def _sort(ctx: _PackedCtx, eqn, invals):
-    """A sort along a packed length sorts each sequence in place: a leading key, the
-    sequence's start column for the cells in its frame and a cell's own column elsewhere,
-    keeps every sequence within its columns and every other cell where it is; within a
-    sequence the order, ties and stability are the original keys'. (``argsort``'s positions
-    are each cell's own, by the ``iota`` rule.)"""
-    d = eqn.params["dimension"]
-    shape = invals[0].shape
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if d not in packed:
-        if is_sym(shape[d]):
-            raise NoRule("a sort over the rows of packed rows")
-        return None                             # along a feature axis: per position
-    if len(rows) != 1 or len(packed) != 1:
-        raise NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of a "
-                      f"packed row")
-    out = lax.sort_p.bind(spread(ctx.starts(shape[d]), shape, (rows[0], d)), *invals, dimension=d,
-                          is_stable=eqn.params["is_stable"], num_keys=eqn.params["num_keys"] + 1)
-    return list(out[1:])
 
 
 @defrule("dim_as_value", layout="pack")

@@ -71,18 +71,16 @@ def _sort_moves(eqn):
     return [(aval, (eqn.params["dimension"],)) for aval in operand_avals(eqn)]
 
 
-@defrule("sort", moves=_sort_moves, acts_on=acts_along_params)
+@defrule("sort", layout=PAD_AND_PACK, moves=_sort_moves, acts_on=acts_along_params)
 def _sort(ctx, eqn, invals):
     d = eqn.params["dimension"]
     shape = invals[0].shape
     if not is_sym(shape[d]):
         return None
-    # A leading key 0 (logical) / 1 (tail) sorts the tail last; within the logical positions
-    # the order, ties and stability are those of the original keys.
-    is_tail = lax.convert_element_type(iota_along(shape, d) >= ctx.length(shape[d], shape),
-                                       np.int32)
-    out = lax.sort_p.bind(is_tail, *invals, dimension=d, is_stable=eqn.params["is_stable"],
-                          num_keys=eqn.params["num_keys"] + 1)
+    # The layout's leading key keeps each real cell's order and place (`Ctx.sort_key`);
+    # within the real positions the order, ties and stability are the original keys'.
+    out = lax.sort_p.bind(ctx.sort_key(shape, d), *invals, dimension=d,
+                          is_stable=eqn.params["is_stable"], num_keys=eqn.params["num_keys"] + 1)
     return list(out[1:])
 
 
