@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "become pack,polyexec,polyexec-cached; on CPU the workers get "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=N; the limit stays "
                         "one device's (default 1)")
+    w.add_argument("--target-loss", type=float, metavar="LOSS",
+                   help="report each strategy's wall time to an epoch whose mean loss is at most "
+                        "LOSS (default: the highest last-epoch loss of the strategies run)")
     w.add_argument("--rows", type=int, help="filter-mlp: rows per batch")
     w.add_argument("--keep", type=float, help="filter-mlp: fraction of rows the filter keeps")
     o = p.add_argument_group("run and output")
@@ -462,6 +466,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = []
     try:
         check_outputs(args)
+        if args.target_loss is not None and not (math.isfinite(args.target_loss)
+                                                 and args.target_loss > 0):
+            raise px.OptionError(f"--target-loss: expected a finite number > 0, received "
+                                 f"{args.target_loss}")
         if args.repeat < 1:
             raise px.OptionError(f"--repeat: expected an int >= 1, received {args.repeat}")
         check_devices(args)
@@ -521,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload["rounds"] = [{r["strategy"]: {k: r[k] for k in ("tokens_per_s_cold",
                                                                   "tokens_per_s_warm")}
                                for r in rnd} for rnd in rounds]
+    to_loss, workload["time_to_loss"] = report.time_to_loss_line(workload["per_strategy"],
+                                                                 args.target_loss)
     doc = report.json_document(workload, limit, results)
     extras = {r["strategy"]: r for r in results}
     console.print(report.results_table(doc, extras))
@@ -529,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"{args.repeat} rounds: each strategy's row is its median round by warm "
                       f"tokens/s, so ratios between rows may compare different rounds; the "
                       f"last lines compare the strategies within each round")
-    for line in report.summary_lines(doc) + round_lines(rounds):
+    for line in report.summary_lines(doc) + [to_loss] + round_lines(rounds):
         console.print(line)
     chosen = next((r for r in results if r.get("auto") and not r["auto"].get("reused")), None)
     if chosen is not None:

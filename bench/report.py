@@ -106,13 +106,69 @@ def json_document(workload: dict, limit: float, results: list[dict]) -> dict:
     return validate({"workload": workload, "limit_tokens_per_s": limit, "results": rows})
 
 
+# ------------------------------------------------------------------------ time to a loss
+
+
+def time_to_loss(epoch_seconds: list[float], epoch_loss: list[float],
+                 target: float) -> tuple[float, int] | None:
+    """``(wall seconds, epoch)`` until the end of the first epoch whose mean loss is at most
+    ``target`` (epochs count from 1, the cold one's set-up and compiles included), or None
+    when no epoch reaches it. A strategy's steps an epoch change with its batching (packed
+    rows take fewer, fuller ones), so tokens per second alone can mislead: this is what the
+    throughput buys.
+
+    >>> time_to_loss([10.0, 6.0, 6.0], [4.1, 3.2, 2.9], 3.2)
+    (16.0, 2)
+    >>> time_to_loss([10.0, 6.0], [4.1, 3.5], 3.2) is None
+    True
+    """
+    elapsed = 0.0
+    for epoch, (seconds, loss) in enumerate(zip(epoch_seconds, epoch_loss), 1):
+        elapsed += seconds
+        if loss <= target:
+            return elapsed, epoch
+    return None
+
+
+def loss_target(per_strategy: dict[str, dict], given: float | None) -> tuple[float, str]:
+    """``(target, what it is)``: ``--target-loss`` when given, else the highest last-epoch
+    mean loss of the strategies run -- the loss each of them reaches by its last epoch, so the
+    times say who reaches it first.
+
+    >>> loss_target({"pack": {"epoch_loss": [4.9, 4.8]}, "polyexec": {"epoch_loss": [3.4, 3.0]}},
+    ...             None)
+    (4.8, "the highest last-epoch loss (pack's)")
+    """
+    if given is not None:
+        return given, "--target-loss"
+    name = max(per_strategy, key=lambda n: per_strategy[n]["epoch_loss"][-1])
+    return per_strategy[name]["epoch_loss"][-1], f"the highest last-epoch loss ({name}'s)"
+
+
+def time_to_loss_line(per_strategy: dict[str, dict], given: float | None) -> tuple[str, dict]:
+    """The summary sentence and the JSON record (`workload["time_to_loss"]`) of every
+    strategy's time to the target loss (`loss_target`), at the end of an epoch."""
+    target, basis = loss_target(per_strategy, given)
+    seconds = {n: time_to_loss(x["epoch_seconds"], x["epoch_loss"], target)
+               for n, x in per_strategy.items()}
+    parts = [f"{n} {t[0]:.1f} s (epoch {t[1]})" if t else f"{n} not reached"
+             for n, t in seconds.items()]
+    line = (f"time to mean epoch loss <= {target:.4f} ({basis}), at the end of an epoch: "
+            + ", ".join(parts))
+    record = {"target": target, "basis": basis,
+              "seconds": {n: t[0] if t else None for n, t in seconds.items()},
+              "epoch": {n: t[1] if t else None for n, t in seconds.items()}}
+    return line, record
+
+
 # ----------------------------------------------------------------------------- the table
 
 
 def results_table(doc: dict, extras: dict[str, dict]):
     """A rich Table of the results; ``extras[strategy]`` adds batching, optimiser steps,
     buckets, cache hits, and the loss: the last epoch's summed nats / predictions (every
-    strategy saw the same examples, however it batched them)."""
+    strategy saw the same examples, however it batched them); the workload's
+    ``time_to_loss`` (`time_to_loss_line`), the wall seconds to the target loss."""
     from rich.table import Table
 
     limit = doc["limit_tokens_per_s"]
@@ -127,11 +183,13 @@ def results_table(doc: dict, extras: dict[str, dict]):
                          ("compile s", "right"),
                          ("pad eff", "right"), ("tok/s cold", "right"), ("tok/s warm", "right"),
                          ("x limit cold", "right"), ("x limit warm", "right"),
-                         ("loss", "right"), ("peak RSS MB", "right")):
+                         ("loss", "right"), ("s to loss", "right"), ("peak RSS MB", "right")):
         table.add_column(col, justify=justify, no_wrap=col == "strategy")
+    to_loss = w.get("time_to_loss", {}).get("seconds", {})
     for r in doc["results"]:
         x = extras.get(r["strategy"], {})
         epoch_loss = x.get("epoch_loss")
+        seconds = to_loss.get(r["strategy"])
         table.add_row(r["strategy"], x.get("batching", ""), str(x.get("steps", "")),
                       str(x.get("bucket_count", "")), str(r["compiles"]),
                       str(x.get("cache_hits", "")), str(r["traces"]),
@@ -139,6 +197,8 @@ def results_table(doc: dict, extras: dict[str, dict]):
                       f"{r['tokens_per_s_cold']:,.0f}", f"{r['tokens_per_s_warm']:,.0f}",
                       f"{r['fraction_of_limit_cold']:.2f}", f"{r['fraction_of_limit_warm']:.2f}",
                       f"{epoch_loss[-1]:.4f}" if epoch_loss else "",
+                      "" if r["strategy"] not in to_loss else
+                      "not reached" if seconds is None else f"{seconds:.1f}",
                       f"{r['peak_rss_mb']:,.0f}")
     return table
 

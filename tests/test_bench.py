@@ -341,6 +341,7 @@ def test_combine_limits_takes_the_fastest_pass_per_group():
     (["--lr", "nan"], "Config: learning_rate: expected a finite number > 0, received nan"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "No such file or directory"),
     (["--repeat", "0"], "--repeat: expected an int >= 1, received 0"),
+    (["--target-loss", "nan"], "--target-loss: expected a finite number > 0, received nan"),
     (["--model", "filter-mlp", "--strategies", "pack"],
      "--strategies pack: expected --model gru / lstm / attention, received --model filter-mlp"),
     (["--devices", "0"], "--devices: expected an int >= 1, received 0"),
@@ -629,6 +630,16 @@ def test_quick_pack_beside_polyexec(tmp_path, capsys):
              f"{by['polyexec']['tokens_per_s_warm'] / by['pack']['tokens_per_s_warm']:.2f}x warm, "
              f"{by['polyexec']['tokens_per_s_cold'] / by['pack']['tokens_per_s_cold']:.2f}x cold")
     assert ratio in " ".join(printed.split())     # rich may wrap the line
+    # Time to a loss: by default the highest last-epoch loss, which the pack row holds here
+    # (the same examples' losses agree); each strategy's seconds run to the end of the first
+    # epoch at or below it.
+    to_loss = doc["workload"]["time_to_loss"]
+    assert to_loss["target"] == max(x["epoch_loss"][-1] for x in per.values())
+    for name, x in per.items():
+        k = next(i for i, loss in enumerate(x["epoch_loss"], 1) if loss <= to_loss["target"])
+        assert to_loss["epoch"][name] == k
+        assert to_loss["seconds"][name] == pytest.approx(sum(x["epoch_seconds"][:k]))
+    assert "time to mean epoch loss <=" in " ".join(printed.split())
 
 
 def test_quick_devices_2_matches_one_device_on_the_same_batches(tmp_path, capsys):
