@@ -360,7 +360,8 @@ class Ctx:
         while ctx is not None:
             for y, k in reversed(ctx.reading):
                 if y is x:
-                    return k if ctx is self else Known(from_lengths=k.from_lengths)
+                    return k if ctx is self else Known(from_lengths=k.from_lengths,
+                                                       positions=k.positions)
             ctx = ctx.parent if inherited else None
         return PLAIN
 
@@ -389,6 +390,12 @@ class Ctx:
         except NoRule:
             return False
         return True
+
+    def positions_of(self, eqn, reading) -> Callable | None:
+        """``Known.positions`` of the one output of ``eqn`` (its inputs with their annotations
+        in ``reading``), when it is made from positions alone; None here: only packed rows
+        read it."""
+        return None
 
     def made_from_lengths(self, x) -> bool:
         return self.known(x, inherited=True).from_lengths
@@ -518,6 +525,11 @@ class Known:
 
     zeroed: frozenset = frozenset()
     from_lengths: bool = False
+    # Made from positions alone (``iota`` and integer or boolean maths of it: a causal mask):
+    # its entries as a function of their indices, ``positions(index) -> value``, ``index``
+    # one int array per axis, all broadcasting together (`Ctx.positions_of`). Packed rows
+    # recompute such a value at each cell's positions instead of gathering it there.
+    positions: Callable | None = dataclasses.field(default=None, compare=False)
 
 
 PLAIN = Known()
@@ -875,8 +887,10 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
         # A caller's value passed in (a call's operands) keeps what its program knew of it.
+        caller = ctx.known(x, inherited=True)
         env[v], known[v] = _zero_read_tails(ctx, reads, v, x,
-                                            Known(from_lengths=ctx.made_from_lengths(x)))
+                                            Known(from_lengths=caller.from_lengths,
+                                                  positions=caller.positions))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         scope = [(x, known.get(v, PLAIN) if isinstance(v, jax.extend.core.Var) else PLAIN)
@@ -898,15 +912,23 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
             if not isinstance(v, jax.extend.core.DropVar):
                 # An input passed through, or a value the rule zeroed or a sub-program made,
                 # keeps its annotation; anything else may be made from lengths alone.
-                k = next((k for y, k in reversed(scope) if y is x), PLAIN)
-                k = Known(k.zeroed, k.from_lengths or ctx.from_lengths_of(x, scope[:len(invals)]))
+                k = next((k for y, k in reversed(scope) if y is x), None)
+                positions = (k.positions if k is not None else
+                             ctx.positions_of(eqn, scope[:len(invals)])
+                             if len(eqn.outvars) == 1 else None)
+                k = k or PLAIN
+                k = Known(k.zeroed, k.from_lengths or ctx.from_lengths_of(x, scope[:len(invals)]),
+                          positions)
                 env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k)
     outs = [read(v) for v in jaxpr.outvars]
     if ctx.parent is not None:
-        # What this program made from lengths alone stays so for its caller (a call's results).
-        ctx.parent.reading.extend(
-            (x, Known(from_lengths=True)) for v, x in zip(jaxpr.outvars, outs)
-            if isinstance(v, jax.extend.core.Var) and known.get(v, PLAIN).from_lengths)
+        # What this program made from lengths or positions alone stays so for its caller (a
+        # call's results).
+        for v, x in zip(jaxpr.outvars, outs):
+            k = known.get(v, PLAIN) if isinstance(v, jax.extend.core.Var) else PLAIN
+            if k.from_lengths or k.positions is not None:
+                ctx.parent.reading.append(
+                    (x, Known(from_lengths=k.from_lengths, positions=k.positions)))
     return outs
 
 

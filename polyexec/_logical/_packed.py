@@ -354,6 +354,9 @@ class _PackedCtx(Ctx):
             return PerSequence(like_aval(x.value, aval), x.axis)
         return like_aval(x, aval)
 
+    def positions_of(self, eqn, reading):
+        return _positions_recipe(eqn, reading)
+
     def without_rows(self, eqn, invals) -> list:
         """An elementwise equation of a per-sequence number and positions, without the rows
         axis (``jnp.arange(T) / T``): per cell (`PerCell`)."""
@@ -1437,6 +1440,7 @@ def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
     if len(rows) != 1 or len(packed) not in (1, 2):
         return None
+    positions = ctx.known(x).positions
     if rows[0] in dims:
         k_rows = dims.index(rows[0])
         if is_sym(x.shape[k_rows]):
@@ -1445,10 +1449,79 @@ def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
         # broadcasting): a per-position value all the same, so drop it and place as below.
         x = lax.squeeze(x, (k_rows,))
         dims = dims[:k_rows] + dims[k_rows + 1:]
+        if positions is not None:
+            positions = _unit_axis_at(positions, k_rows)
     along = [t for t in packed if t in dims and is_sym(x.shape[dims.index(t)])]
     if not along:
         return None                    # a per-row broadcast, constant along the packed lengths
+    if positions is not None:
+        return [_at_positions(ctx, positions, x, dims, shape, rows[0], along)]
     return [_by_position(ctx, x, dims, shape, rows[0], along)]
+
+
+# Integer and boolean maths, as cheap to recompute per cell as a gather would be to read: a
+# value made from positions with them (a causal mask, ``pos[:, None] >= pos[None, :]``)
+# becomes one compare per cell of the scores, fused into their select as hand-written
+# segment ids are; gathered, its placement cost the packed attention step two gathers over
+# ``(B, H, T, T)``. Transcendental maths (a sinusoidal table) stays gathered.
+_RECOMPUTED = frozenset("""
+    convert_element_type eq ne lt le gt ge and or not xor add sub mul neg max min select_n
+    abs sign
+""".split())
+
+
+def _positions_recipe(eqn, reading) -> Callable | None:
+    """``Known.positions`` of ``eqn``'s output from its inputs' (``reading``: value and
+    annotation each): an ``iota``, or `_RECOMPUTED` maths, a broadcast or a transpose of
+    values made from positions and scalars."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "iota":
+        dim, dtype = params["dimension"], params["dtype"]
+        return lambda index: index[dim].astype(dtype)
+    inputs = []
+    for x, known in reading:
+        if known.positions is not None:
+            inputs.append(known.positions)
+        elif jnp.ndim(x) == 0:
+            inputs.append(lambda index, x=x: x)
+        else:
+            return None
+    if name == "broadcast_in_dim" and len(inputs) == 1:
+        (inner,), src = inputs, eqn.invars[0].aval.shape
+        out = params["shape"]
+        dims = params["broadcast_dimensions"]
+        return lambda index: inner(tuple(
+            np.int32(0) if not _core_equal(src[k], out[d]) else index[d]
+            for k, d in enumerate(dims)))
+    if name == "transpose":
+        (inner,), perm = inputs, params["permutation"]
+        return lambda index: inner(tuple(index[perm.index(k)] for k in range(len(perm))))
+    if name in _RECOMPUTED:
+        return lambda index: eqn.primitive.bind(
+            *jnp.broadcast_arrays(*(f(index) for f in inputs)), **params)
+    return None
+
+
+def _unit_axis_at(positions: Callable, k: int) -> Callable:
+    """``positions`` of a value whose unit axis ``k`` was squeezed away."""
+    return lambda index: positions((*index[:k], np.int32(0), *index[k:]))
+
+
+def _at_positions(ctx: _PackedCtx, positions: Callable, x, dims, shape, rows_axis: int,
+                  packed_axes):
+    """What `_by_position` gathers, recomputed at each cell's positions: ``x`` is made from
+    positions alone (`Known.positions`)."""
+    index = []
+    for k, t in enumerate(dims):
+        if t in packed_axes:
+            pos, _ = ctx.cells(shape[t])
+            index.append(_along(jnp.maximum(pos, 0), len(shape), rows_axis, t))
+        elif _core_equal(x.shape[k], 1):
+            index.append(np.int32(0))
+        else:
+            index.append(lax.broadcasted_iota(np.int32, tuple(
+                shape[a] if a == t else 1 for a in range(len(shape))), t))
+    return jnp.broadcast_to(positions(tuple(index)), shape).astype(x.dtype)
 
 
 def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
