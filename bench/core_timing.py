@@ -1,31 +1,30 @@
-"""What one more bucket costs: compiling it from the exported plan vs retracing with jax.jit.
+"""What one more shape costs to compile: polyexec's executor against plain ``jax.jit``.
 
-For one polymorphic function -- the CharLM train step ``jax.value_and_grad(loss_fn)`` (GRU,
-embedding 64, hidden 256, batch 32) -- this measures, side by side in one process and at the same
-sizes:
+The step is the benchmark's (`bench.workloads.build_step`: the GRU CharLM train step,
+value_and_grad and an optax Adam update, embedding 64, hidden 256, 32 rows), measured side by
+side in one process at the same (rows, T):
 
-* **plan**: what `px.bucketed` does to add a bucket: ``jax.jit(plan.exported.call)`` lowered at
-  the bucket's concrete shapes (the one serialised symbolic module, shape-refined; no Python)
-  and compiled by XLA;
-* **jit**: what plain ``jax.jit`` does at a new shape: trace the Python function, lower the
-  jaxpr, compile.
+* **polyexec, per layout** (``pad``, ``pack``): exactly what the executor does for a new
+  shape (`Bucketed.warmup` at it; the seconds are the executor's own ``stats``, as the bench
+  reports them): lower the plan's one exported program (``jax.jit(Exported.call)``: no Python,
+  no retrace) at the shape's avals, refine its symbolic shapes and compile it with XLA. Split
+  into ``xla`` (XLA's backend compile, from JAX's compile events) and ``rest`` (everything
+  else: placing, lowering, shape refinement). The pad layout runs the unmasked model through
+  the logical rewrite; the pack layout packs one sequence of T a row;
+* **jit**: a fresh ``jax.jit`` of the hand-masked step (what the bench's ``jax.jit``
+  strategies and its limit compile): trace, lower, compile (``xla`` again from the events).
 
-Each size is new to both paths (jit's trace cache is keyed on the function and shapes, so a
-repeated size would cost nothing: repetitions use sizes ``T + 1``, ``T + 2``, ... and the
-minimum is reported), the persistent compile cache is off, and the two paths alternate which
-goes first so drift from other load on the machine falls on both.
+Every measurement is at a size new to both (T, T - 1, ... for the repeats; the persistent
+compile cache is off), the paths rotate which goes first so drift from other load on the
+machine falls on all, and the median over ``--repeat`` rounds is reported. Each layout's
+loss at T is checked against jit's on the same full rows.
 
-Why the plan's XLA compile is not cheaper than jit's: the exported module holds symbolic
-shapes (``dynamic_broadcast_in_dim``, ``real_dynamic_slice``, shape assertions), and adding a
-bucket first refines it to the concrete shapes (``mlir.refine_polymorphic_shapes``, run inside
-``compile()``); what the plan saves is the Python trace and the jaxpr lowering.
+It also prints each layout's plan, made once before any compile (`Plan.seconds`: trace, the
+logical rewrite, the packed rewrite), and the plan of the bench's ``layout="auto"`` step, and
+counts Python traces (a counter inside the step) against compiles.
 
-It also reports, for the same function used over four buckets through `px.bucketed`, the
-number of Python traces (a counter inside the function and ``f.traces``) and of compiles
-(``f.stats``).
-
-    python -m bench.core_timing                      # defaults: T = 96 192 384 768
-    python -m bench.core_timing --sizes 40 80 --hidden 32 --json timing.json   # quick
+    python -m bench.core_timing                          # T = 256 1024, 3 rounds
+    python -m bench.core_timing --sizes 48 --hidden 32 --repeat 1 --json timing.json   # quick
 """
 
 from __future__ import annotations
@@ -40,134 +39,147 @@ import jax.numpy as jnp
 import numpy as np
 
 import polyexec as px
-from examples.rnn.model import CharLM, loss_fn
+from bench.workloads import Config, build_step
+
+LAYOUTS = ("pad", "pack")
 
 
-
-def _seconds(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def add_bucket_from_plan(plan, batch: int, t: int) -> dict:
-    """Exactly the executor's compile of a new bucket (`Bucketed._compile`)."""
-    avals = plan.segments[0].bucket_avals({"B": batch, "T": t})
-    lowered, lower_s = _seconds(lambda: jax.jit(plan.exported.call).lower(*avals))
-    compiled, compile_s = _seconds(lowered.compile)
-    return {"trace_s": 0.0, "lower_s": lower_s, "compile_s": compile_s,
-            "total_s": lower_s + compile_s, "executable": compiled, "size": t}
+def _counted(fn, calls: list):
+    def step(*args):
+        calls.append(1)
+        return fn(*args)
+    return step
 
 
-def add_shape_by_retracing(step, model, batch: int, t: int) -> dict:
-    tokens = jax.ShapeDtypeStruct((batch, t), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    jitted = jax.jit(step)   # a fresh jit object: nothing cached from an earlier size
-    traced, trace_s = _seconds(lambda: jitted.trace(model, tokens, lengths))
-    lowered, lower_s = _seconds(traced.lower)
-    compiled, compile_s = _seconds(lowered.compile)
-    return {"trace_s": trace_s, "lower_s": lower_s, "compile_s": compile_s,
-            "total_s": trace_s + lower_s + compile_s, "executable": compiled, "size": t}
+def bucketed(step, layout: str, sizes: list[int], rows: int, traces: list):
+    """The bench's bucketed step (`bench.strategies.bucketed_step`'s Specs) in one layout,
+    with a bucket at every size measured."""
+    T = px.LengthVar("T", min=2, max=max(sizes))
+    B = px.LengthVar("B", max=rows)
+    return px.bucketed(_counted(step.fn, traces), name=f"train_step_{layout}",
+                       in_specs=(None, step.batch_spec(B, T),
+                                 px.Spec((B,), jnp.int32, lengths_of=T)),
+                       buckets={T: sorted(set(sizes)), B: [rows]}, layout=layout)
+
+
+def add_shape_polyexec(f, state, rows: int, t: int) -> dict:
+    """The executor compiling one new shape: its own seconds, XLA's part of them."""
+    before = f.stats.compile_seconds
+    with px.count_compiles() as events:
+        f.warmup(state, sizes=[{"B": rows, "T": t}], max_workers=1)
+    total = f.stats.compile_seconds - before
+    assert events.xla_compiles == 1, events
+    return {"total_s": total, "xla_s": events.backend_seconds,
+            "rest_s": total - events.backend_seconds}
+
+
+def add_shape_jit(step, rows: int, t: int) -> dict:
+    """Plain jax.jit at a new shape: trace, lower, compile."""
+    tokens = step.batch(jax.ShapeDtypeStruct((rows, t), jnp.int32))
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    jitted = jax.jit(step.fn)      # a fresh jit object: nothing cached from an earlier size
+    with px.count_compiles() as events:
+        start = time.perf_counter()
+        traced = jitted.trace(step.state, tokens, lengths)
+        lowered = traced.lower()
+        compiled = lowered.compile()
+        total = time.perf_counter() - start
+    return {"total_s": total, "xla_s": events.backend_seconds,
+            "rest_s": total - events.backend_seconds, "executable": compiled}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[96, 192, 384, 768],
-                        help="sequence lengths T at which each path adds a bucket")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024],
+                        help="sequence lengths T at which each path compiles a new shape")
+    parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--embed", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=2,
-                        help="measurements per size and path (at T, T+1, ...); the minimum is kept")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds (at T, T-1, ...); medians are reported")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
+    if min(args.sizes) - args.repeat < 2:
+        parser.error(f"--sizes: every T must be at least {args.repeat + 2} (--repeat "
+                     f"{args.repeat} rounds at T, T-1, ...)")
 
     px.disable_persistent_cache()
-    t_max = max(1024, max(args.sizes))
-    T = px.LengthVar("T", min=2, max=t_max)
-    B = px.LengthVar("B", max=args.batch)
-    model = CharLM(cell="gru", embed=args.embed, hidden=args.hidden, key=jax.random.PRNGKey(0))
-    step = jax.value_and_grad(loss_fn)
-    specs = (px.Spec("B T", jnp.int32), px.Spec("B", jnp.int32, lengths_of="T"))
-    rng = np.random.default_rng(0)
+    cfg = Config(hidden=args.hidden, embed=args.embed, batch_size=args.rows)
+    ours = build_step(cfg, masked=False)      # the model as written, as polyexec runs it
+    theirs = build_step(cfg, masked=True)     # hand-masked, as the bench's jax.jit runs it
+    all_sizes = [t - r for t in args.sizes for r in range(args.repeat)]
+    traces: dict[str, list] = {layout: [] for layout in args.layouts}
+    fns = {layout: bucketed(ours, layout, all_sizes, args.rows, traces[layout])
+           for layout in args.layouts}
+    print(f"the bench's train step (GRU, embed {args.embed}, hidden {args.hidden}), {args.rows} "
+          f"rows; jax {jax.__version__} on {jax.devices()[0].platform}")
+    plans = {}
+    for name, f in [*fns.items(), ("auto (the bench's)", bucketed(ours, "auto", all_sizes,
+                                                                  args.rows, []))]:
+        start = time.perf_counter()
+        plan = f.plan_for(ours.state)
+        plans[name] = {"total_s": time.perf_counter() - start, **plan.seconds}
+        stages = ", ".join(f"{k} {v:.2f} s" for k, v in plan.seconds.items())
+        print(f"plan, layout {name}: {plans[name]['total_s']:.2f} s ({stages})")
 
-    print(f"CharLM GRU train step (value_and_grad), embed {args.embed}, hidden {args.hidden}, "
-          f"batch {args.batch}; jax {jax.__version__} on {jax.devices()[0].platform}")
-    (plan, trace_once_s) = _seconds(lambda: px.trace(step, model, *specs, check_sizes=False,
-                                                     buckets={T: [t_max], B: [args.batch]}))
-    assert not plan.reshaping_is_impossible, plan.reason
-    print(f"one symbolic trace + export (paid once, for every bucket): {trace_once_s:.2f} s\n")
-
-    rows = []
-    header = (f"{'T':>6} | {'plan: lower':>11} {'compile':>8} {'total':>7} | {'jit: trace':>10} "
-              f"{'lower':>7} {'compile':>8} {'total':>7} | {'plan/jit':>8}")
+    paths = [*args.layouts, "jit"]
+    header = (f"\n{'T':>6} | " + " | ".join(f"{p + ': total':>11} {'xla':>5} {'rest':>5}"
+                                             for p in paths)
+              + " | " + " ".join(f"{p + '/jit':>8}" for p in args.layouts))
     print(header)
     print("-" * len(header))
+    rng = np.random.default_rng(0)
+    rows, ratios = [], {layout: [] for layout in args.layouts}
     for i, t in enumerate(args.sizes):
-        result, samples, at_t = {}, {"plan": [], "jit": []}, {}
         for rep in range(args.repeat):
-            # Alternate the order so slow drift on a shared machine does not favour one path.
-            order = ["plan", "jit"] if (i + rep) % 2 == 0 else ["jit", "plan"]
-            for path in order:
-                r = (add_bucket_from_plan(plan, args.batch, t + rep) if path == "plan" else
-                     add_shape_by_retracing(step, model, args.batch, t + rep))
-                samples[path].append(r["total_s"])
-                if rep == 0:
-                    at_t[path] = r.pop("executable")
-                if path not in result or r["total_s"] < result[path]["total_s"]:
-                    result[path] = r
-        # Both executables at size T compute the same loss on full rows (the plan's takes flat
-        # inputs; jit's runs the unmasked loss, which shorter rows' padding would change).
-        tokens = rng.integers(0, 256, (args.batch, t)).astype(np.int32)
-        lengths = np.full(args.batch, t, np.int32)
-        flat = [*jax.tree_util.tree_leaves(model), tokens, lengths, np.int32(args.batch),
-                np.int32(t)]
-        loss_plan = float(at_t["plan"](*flat)[0])
-        loss_jit = float(at_t["jit"](model, tokens, lengths)[0])
-        assert abs(loss_plan - loss_jit) <= 1e-4 * abs(loss_jit), (loss_plan, loss_jit)
-        p, j = result["plan"], result["jit"]
-        print(f"{t:>6} | {p['lower_s']:>11.2f} {p['compile_s']:>8.2f} {p['total_s']:>7.2f} | "
-              f"{j['trace_s']:>10.2f} {j['lower_s']:>7.2f} {j['compile_s']:>8.2f} "
-              f"{j['total_s']:>7.2f} | {p['total_s'] / j['total_s']:>8.2f}")
-        rows.append({"T": t, **{f"plan_{k}": v for k, v in p.items() if k != "executable"},
-                     **{f"jit_{k}": v for k, v in j.items() if k != "executable"},
-                     "plan_samples_s": samples["plan"], "jit_samples_s": samples["jit"]})
-        if args.repeat > 1:
-            print(f"{'':>6}   every sample (total s): plan "
-                  f"{', '.join(f'{x:.2f}' for x in samples['plan'])}; jit "
-                  f"{', '.join(f'{x:.2f}' for x in samples['jit'])}")
-    median_plan = statistics.median(r["plan_total_s"] for r in rows)
-    median_jit = statistics.median(r["jit_total_s"] for r in rows)
-    print(f"\nmedian time to add a bucket: plan {median_plan:.2f} s, jit retrace "
-          f"{median_jit:.2f} s (plan/jit {median_plan / median_jit:.2f})")
+            size = t - rep
+            # Rotate the order so slow drift on a shared machine does not favour one path.
+            k = (i * args.repeat + rep) % len(paths)
+            result = {}
+            for path in paths[k:] + paths[:k]:
+                result[path] = (add_shape_jit(theirs, args.rows, size) if path == "jit" else
+                                add_shape_polyexec(fns[path], ours.state, args.rows, size))
+            executable = result["jit"].pop("executable")
+            if rep == 0:
+                # The compiled programs agree: full rows (every length T), one step each.
+                tokens = rng.integers(1, 256, (args.rows, size)).astype(np.int32)
+                lengths = np.full(args.rows, size, np.int32)
+                want = float(theirs.loss_and_state(
+                    executable(theirs.state, theirs.batch(tokens), lengths), theirs.state)[0])
+                for layout, f in fns.items():
+                    got = float(ours.loss_and_state(
+                        f(ours.state, ours.batch(tokens), lengths), ours.state)[0])
+                    assert abs(got - want) <= 1e-4 * abs(want), (layout, got, want)
+            for layout in args.layouts:
+                ratios[layout].append(result[layout]["total_s"] / result["jit"]["total_s"])
+            print(f"{size:>6} | " + " | ".join(
+                f"{result[p]['total_s']:>11.2f} {result[p]['xla_s']:>5.2f} "
+                f"{result[p]['rest_s']:>5.2f}" for p in paths) + " | " + " ".join(
+                f"{ratios[layout][-1]:>8.2f}" for layout in args.layouts))
+            rows.append({"T": size, **{p: r for p, r in result.items()}})
 
-    # One function over four buckets through the executor: traces and compiles, counted.
-    python_traces = []
-
-    def counted_step(model, tokens, lengths):
-        python_traces.append(tokens.shape)
-        return step(model, tokens, lengths)
-
-    buckets = sorted(args.sizes)[:4]
-    f = px.bucketed(counted_step, in_specs=(None, *specs),
-                    buckets={T: buckets, B: [args.batch]})
-    calls = [max(2, s - s // 4) for s in buckets] + list(buckets)   # two calls per bucket
-    for t in calls:
-        tokens = rng.integers(0, 256, (args.batch, t)).astype(np.int32)
-        f(model, tokens, np.full(args.batch, t, np.int32))
-    stats = f.stats
-    print(f"\npx.bucketed over {len(stats.buckets)} buckets ({len(calls)} calls at T={calls}):")
-    print(f"  Python traces: {len(python_traces)} (counter in the function), f.traces = "
-          f"{f.traces}; compiles: {stats.compiles}")
-    print("\n".join("  " + line for line in str(stats).splitlines()))
+    print()
+    for path in paths:
+        medians = {k: statistics.median(r[path][k] for r in rows)
+                   for k in ("total_s", "xla_s", "rest_s")}
+        line = (f"median {path:>4}: {medians['total_s']:.2f} s a shape (xla "
+                f"{medians['xla_s']:.2f} s, rest {medians['rest_s']:.2f} s)")
+        if path != "jit":
+            line += (f"; {statistics.median(ratios[path]):.2f}x jit's (each round's ratio: "
+                     f"{', '.join(f'{x:.2f}' for x in ratios[path])})")
+        print(line)
+    for layout, f in fns.items():
+        print(f"layout {layout}: {len(traces[layout])} Python trace(s) of the step (a counter "
+              f"inside it; f.traces = {f.traces}) for {f.stats.compiles} compiles")
 
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"config": vars(args), "trace_once_s": trace_once_s, "rows": rows,
-                       "median_plan_s": median_plan, "median_jit_s": median_jit,
-                       "executor": {"python_traces": len(python_traces), "traces": f.traces,
-                                    "compiles": stats.compiles, "calls": stats.calls,
-                                    "buckets": len(stats.buckets)}}, fh, indent=2)
+            json.dump({"config": vars(args), "plans": plans, "rows": rows,
+                       "ratios": ratios,
+                       "median_ratio": {k: statistics.median(v) for k, v in ratios.items()},
+                       "traces": {k: len(v) for k, v in traces.items()},
+                       "compiles": {k: f.stats.compiles for k, f in fns.items()}}, fh, indent=2)
     return 0
 
 

@@ -678,6 +678,21 @@ def test_measure_cost_on_a_cache_hit_reports_the_recorded_cost(tmp_path):
     assert costs[1] == costs[0]        # the same cost, hence the same choice of buckets
 
 
+def test_measuring_a_step_compiles_the_step_alone():
+    """measure_cost's compiles are the step's own, which the run then uses: the copies of the
+    state its timed calls run on compiled one program per array shape (jnp.copy)."""
+    # Array shapes no other test uses: a copy program compiled earlier in the process would
+    # be cached and hide the compile.
+    model = CharLM(cell="gru", embed=3, hidden=7, key=jax.random.PRNGKey(5))
+    step = training.make_train_step(loss_fn, OPT, length_buckets=[16], batch_buckets=[2])
+    state = training.TrainState.create(model, OPT)
+    with px.count_compiles() as events:
+        training.measure_cost(step, state, np.zeros((2, 16), np.int32), np.full(2, 16, np.int32),
+                              runs=2)
+    assert step.stats.compiles == 1
+    assert events.xla_compiles == 1
+
+
 def test_choose_buckets_measures_once_and_gives_the_steps_exactly_the_plans_shapes():
     """One function chooses for fit and for the benchmark: measure, Auto.fit, re-bucket."""
     lengths = np.array([len(s) for s in AUTO_DATA])
