@@ -323,6 +323,16 @@ class Ctx:
         value = lax.convert_element_type(evaluate_dim(d, env), np.int32)
         return value if as_value else jnp.maximum(value, 0)
 
+    def own_length(self, eqn, d, rows: str):
+        """``d`` as a number (``x.shape[1]``) in code without the rows axis when ``d`` is
+        ragged along ``rows``: each row's own, held per row (`RowVarying`)."""
+        return RowVarying(self.per_row(d, as_value=True), rows, value_floor(self, eqn, d))
+
+    def count(self, d):
+        """``d`` as a number (``x.shape[0]``, ``B*T``) at the real sizes: a count over ragged
+        rows is the sum of their lengths."""
+        return self.length(d)
+
     def row_mask(self, rows: str):
         """The real rows of a rows axis: below the real size, and (inside a scan over a ragged
         length) still alive. An int32 ``(B,)`` bool vector, or None when every row is."""

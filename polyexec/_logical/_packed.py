@@ -273,6 +273,16 @@ class _PackedCtx(Ctx):
     def per_row(self, d, *, as_value: bool = False):
         raise NoRule(f"the length {d} is per row, and a packed row holds several sequences")
 
+    def own_length(self, eqn, d, rows: str):
+        """Each sequence's own, held at every cell of it (`PerSequence`)."""
+        return PerSequence(self._at(d, self.seglen, as_value=True), None)
+
+    def count(self, d):
+        if self.var in dim_vars(d):
+            return self.length(d)
+        # The rows as a number are the sequences, not the packed rows.
+        return lax.convert_element_type(evaluate_dim(d, self.sizes), np.int32)
+
     # -- the families' operations (see `Ctx.reduce`): within each sequence ---------------------
 
     def reduce(self, eqn, invals, fills, axes):
@@ -913,18 +923,6 @@ def _cumulative(ctx: _PackedCtx, eqn, x, a: int, monoid, reverse: bool):
     return [jnp.moveaxis(out, 0, a)]
 
 
-@defrule("dim_as_value", layout="pack")
-def _dim_as_value(ctx: _PackedCtx, eqn, invals):
-    d = eqn.params["dim"]
-    names = dim_vars(d)
-    if ctx.var in names and ctx.rows_name not in names:
-        return [PerSequence(ctx._at(d, ctx.seglen, as_value=True), None)]  # each sequence's own
-    if ctx.var in names:
-        return [ctx.length(d)]
-    # The rows as a number are the sequences, not the packed rows.
-    return [lax.convert_element_type(evaluate_dim(d, ctx.sizes), np.int32)]
-
-
 def _position(ctx: _PackedCtx, eqn, shape, index, index_map, window):
     """Where ``x[:, k]`` reads (or its transpose writes) along the packed axis of ``shape``,
     when the equation takes one position of it and every entry of the other axes (``r[k]``
@@ -1482,7 +1480,7 @@ def _positions_recipe(eqn, reading) -> Callable | None:
     for x, known in reading:
         if known.positions is not None:
             inputs.append(known.positions)
-        elif jnp.ndim(x) == 0:
+        elif getattr(x, "shape", None) == ():      # a scalar (a held value has no shape)
             inputs.append(lambda index, x=x: x)
         else:
             return None

@@ -4,14 +4,14 @@ elementwise maths and layout-only primitives, which pass through, and ``dim_as_v
 - elementwise primitives and layout-only ones (``broadcast_in_dim``, ``iota``, ``transpose``,
   ``squeeze``, ...) pass through: output position ``i`` reads input position ``i`` (or a
   broadcast scalar), so logical positions read logical positions.
-- ``dim_as_value``: the dimension evaluated at the real sizes; a length ragged along rows is
-  each row's (a `RowVarying` value), or, counted over the rows (``B*T``), the sum of theirs.
+- ``dim_as_value``: the dimension evaluated at the real sizes (`Ctx.count`); a length ragged
+  along rows, in code without the rows axis, is each row's own (`Ctx.own_length`).
 """
 
 from __future__ import annotations
 
 from .._jax_internals import dim_vars
-from ._core import ELEMENTWISE, RowVarying, defrule, value_floor
+from ._core import ELEMENTWISE, PAD_AND_PACK, defrule
 
 defrule(*"""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
@@ -31,11 +31,11 @@ defrule(*"""
 # jax.debug callbacks return nothing the program reads (they may print padding, no more).
 
 
-@defrule("dim_as_value")
+@defrule("dim_as_value", layout=PAD_AND_PACK)
 def _dim_as_value(ctx, eqn, invals):
     d = eqn.params["dim"]
     rows = ctx.rows_of(d)
     if rows is not None and rows not in dim_vars(d):
-        # ``x.shape[1]`` of a ragged (B, T) array inside per-row code: each row's own length.
-        return [RowVarying(ctx.per_row(d, as_value=True), rows, value_floor(ctx, eqn, d))]
-    return [ctx.length(d)]     # a count over rows (B*T) is the sum of the rows' real lengths
+        # ``x.shape[1]`` of ragged (B, T) rows inside per-row code: each row's own length.
+        return [ctx.own_length(eqn, d, rows)]
+    return [ctx.count(d)]     # a count over rows (B*T) is the sum of the rows' real lengths
