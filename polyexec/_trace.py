@@ -546,7 +546,7 @@ def _min_deciding(error: BaseException, bounds: Mapping[str, tuple[int, int]]
     cause = next((e for e in _raised_from(error) if isinstance(e, InconclusiveDimension)), None)
     found = undecided_comparison(cause) if cause is not None else None
     if found is None:
-        return None
+        return _min_resolving_max_min(error, bounds)
     diff, caller = found
     if caller is None or not is_jax_internal(caller.f_code.co_filename):
         return None
@@ -566,6 +566,56 @@ def _min_deciding(error: BaseException, bounds: Mapping[str, tuple[int, int]]
             comparison = re.search(r"comparison (.*) is inconclusive", message)
             return RaisedMin(name, lo, raised, describe_frame(user_frame(error)),
                              comparison[1] if comparison else f"{diff} >= 0")
+    return None
+
+
+def _max_min_forms(message: str) -> list[str]:
+    """The sizes in an error's message that JAX wrote with ``max``/``min`` (``r[:-2]`` at
+    ``T >= 1`` is ``max(0, T - 2)`` long, ``r[2:]`` is ``- min(T, 2) + T``): the entries,
+    split at top-level commas, of each parenthesised shape that holds one."""
+    forms = []
+    for shape in re.findall(r"\(((?:[^()]|\([^()]*\))*)\)", message):
+        depth, entry = 0, ""
+        for ch in shape + ",":
+            depth += (ch == "(") - (ch == ")")
+            if ch == "," and depth == 0:
+                if re.search(r"\b(max|min)\(", entry):
+                    forms.append(entry.strip())
+                entry = ""
+            else:
+                entry += ch
+    return forms
+
+
+def _min_resolving_max_min(error: BaseException, bounds: Mapping[str, tuple[int, int]]
+                           ) -> RaisedMin | None:
+    """A shape rule of JAX's that fails on sizes it wrote with ``max``/``min`` of one variable
+    (``jnp.stack([r[:-2], r[1:-1], r[2:]])`` at ``T >= 1``: ``max(0, T - 2)`` against
+    ``- min(T, 2) + T``, unequal as expressions, equal as sizes): the least min, at most
+    `RAISE_AT_MOST` above the declared one, from which each form is a plain expression (``T -
+    2`` from ``T >= 2``). None where the error names none, or the frame raising it is not
+    JAX's (a comparison of the user's code is a branch)."""
+    frames = list(_raising_frames(error))
+    if not frames or not is_jax_internal(frames[-1].f_code.co_filename):
+        return None
+    forms = _max_min_forms(str(error).strip().splitlines()[0] if str(error).strip() else "")
+    names = {n for n in bounds if any(re.search(rf"\b{re.escape(n)}\b", f) for f in forms)}
+    if not forms or len(names) != 1:
+        return None
+    (name,) = names
+    lo, hi = bounds[name]
+
+    def plain_from(least: int, form: str) -> bool:
+        try:
+            (d,) = export.symbolic_shape(form, constraints=(f"{name} >= {least}",))
+        except Exception:  # noqa: BLE001 - another variable, or not a size JAX parses
+            return False
+        return not re.search(r"\b(max|min)\(", str(d))
+
+    for raised in range(lo + 1, min(lo + RAISE_AT_MOST, hi) + 1):
+        if all(plain_from(raised, f) for f in forms):
+            return RaisedMin(name, lo, raised, describe_frame(user_frame(error)),
+                             f"that {' and '.join(dict.fromkeys(forms))} are equal")
     return None
 
 

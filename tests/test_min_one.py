@@ -150,3 +150,33 @@ def test_a_min_further_up_than_polyexec_raises_is_named_in_the_verdict():
     assert plan.reshaping_is_impossible
     assert "'- min(T, 10) + T' >= '1' is inconclusive; it holds from T = 11 up" in plan.reason
     assert "declare px.LengthVar('T', min=11, ...)" in plan.reason
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_neighbours_stacked_from_slices_at_min_1_are_each_rows_own(layout):
+    """``jnp.stack([r[:-2], r[1:-1], r[2:]])`` at ``T >= 1``: JAX writes the slices' sizes
+    as ``max(0, T - 2)`` and ``- min(T, 2) + T``, which it finds unequal, though both are
+    ``T - 2`` from ``T >= 2``. polyexec traces there; a row of one token gets no triple, as
+    alone (values and gradients, rows padded with NaN)."""
+    def triples(r):
+        return jnp.stack([r[:-2], r[1:-1], r[2:]]).mean(0) @ PARAMS["embed"][:D, :D]
+
+    def run(x, lengths):
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(jax.vmap(triples)(x))))(x)
+
+    t = px.LengthVar("T", min=1, max=16)
+    f = px.bucketed(run, in_specs=(px.Spec((B, t, D), jnp.float32),
+                                   px.Spec((B,), jnp.int32, lengths_of="T")),
+                    buckets={t: [16]}, layout=layout, strict=True)
+    lengths = [5, 1, 2, 4]
+    x = np.full((len(lengths), 5, D), np.nan, np.float32)
+    for b, n in enumerate(lengths):
+        x[b, :n] = np.random.default_rng(b).normal(size=(n, D))
+    value, grad = f(x, np.asarray(lengths, np.int32))
+    want = [run(jnp.asarray(x[b:b + 1, :n]), None) for b, n in enumerate(lengths)]
+    np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=1e-5)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(grad[b, :n], want[b][1][0], rtol=1e-5, atol=1e-6)
+    raised = f.plan.raised_mins["T"]
+    assert (raised.declared, raised.min) == (1, 2) and "test_min_one.py" in raised.where
+    assert "max(0, T - 2)" in raised.comparison

@@ -720,6 +720,42 @@ def test_a_loop_jax_cannot_trace_over_a_length_names_the_form_that_works(name):
         np.testing.assert_allclose(grad[b, :len(r)], g[0], rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
 
 
+def _scan_cell_of(w, x):
+    step = lambda h, t: (jnp.tanh(h @ w + x[:, t]), None)    # noqa: E731
+    return jax.lax.scan(step, jnp.zeros((x.shape[0], 3)), jnp.arange(x.shape[1]))[0]
+
+
+def _scan_cell_per_row(w, x):
+    def one(r):     # r[t] of jax.vmap: its index also names the feature axis, at 0
+        step = lambda h, t: (jnp.tanh(h @ w + r[t]), None)    # noqa: E731
+        return jax.lax.scan(step, jnp.zeros(3), jnp.arange(r.shape[0]))[0]
+    return jax.vmap(one)(x)
+
+
+@pytest.mark.parametrize("cell", [_scan_cell_of, _scan_cell_per_row], ids=lambda f: f.__name__)
+def test_the_scan_over_arange_that_replaces_fori_loop_trains_its_weights_and_inputs(cell):
+    """The form the fori_loop verdict names, differentiated for the weights and the inputs
+    together, as a model with an embedding is: JAX normalises ``x[:, t]`` by ``x.shape[1]``
+    (each row's length), so the index the backward scan scatters at is per row. Each row
+    reads and writes its own position; the weight's gradient, summed over the rows, was
+    flagged (the scan then ran once per row and over the padding)."""
+    def loss(w, x):
+        return jnp.sum(jnp.sin(cell(w, x)))
+
+    f = px.bucketed(lambda w, x, lengths: jax.value_and_grad(loss, (0, 1))(w, x),
+                    in_specs=(None, *SPECS), buckets={T: [16, 64]}, strict=True)
+    lengths = [5, 1, 9, 3]
+    x, rows = ragged_batch(lengths)
+    value, (grad_w, grad_x) = f(W, x, np.asarray(lengths, np.int32))
+    assert f.plan.padding_safe, f.plan.padding_reason
+    want = [jax.value_and_grad(loss, (0, 1))(W, jnp.asarray(r[None])) for r in rows]
+    np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=1e-5)
+    np.testing.assert_allclose(grad_w, sum(g[0] for _, g in want), rtol=1e-5, atol=1e-6)
+    for b, (r, (_, g)) in enumerate(zip(rows, want)):
+        np.testing.assert_allclose(grad_x[b, :len(r)], g[1][0], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"row {b}")
+
+
 @pytest.mark.parametrize("lengths", [[5, 0, 3], [5, 1, 3]])
 def test_a_roll_along_the_length_warns_nothing_so_its_verdict_ignores_the_warning_filter(lengths):
     """``jnp.roll`` along T sizes its pieces by ``mod(-1, T)``, which has no value at a row of

@@ -100,8 +100,10 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     # Up to the longest real row, never past it: a batch padded to its bucket (as training
     # pads it) still stops where its longest sequence does.
     stop = jnp.max(jnp.where(ctx.row_mask(rows), per_row, 0)).astype(np.int32)
+    held = [isinstance(x, RowVarying) for x in (*consts, *init, *xs)]
     carry, ys, _ = frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop,
-                               alive_at=lambda at: at < per_row)
+                               alive_at=lambda at: at < per_row,
+                               held_ys=_held_outputs(ctx, eqn, held, rows) if any(held) else ())
     ctx.recorder.rewritten.add(id(eqn))
     return [*carry, *ys]
 
@@ -117,7 +119,7 @@ def _set_step(x, value, at):
 
 
 def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, restart_at=None,
-                freeze=True, consts_at=None, init_at=None, keep=()):
+                freeze=True, consts_at=None, init_at=None, keep=(), held_ys=()):
     """The scan ``eqn`` as a while loop over steps ``0 .. stop - 1`` (from ``stop - 1`` down
     when reversed), for carries with a rows axis (``carry_axes``: its position, None for a
     carry without one): at step ``at`` the rows ``alive_at(at)`` compute, the others keep
@@ -127,10 +129,17 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
     for a caller that never reads their carries (`_packed_scan`). ``consts_at(at)`` and
     ``init_at(at)``, when given, are the constants and the initial carries at step ``at``
     (they differ per step in packed rows). Returns the final carries, the stacked outputs,
-    and the carries after every step for those ``keep`` marks (None for the others)."""
+    and the carries after every step for those ``keep`` marks (None for the others).
+    Ragged rows: constants and scanned values may be held per row (`RowVarying`), and so are
+    the outputs per step that ``held_ys`` names (`_held_outputs`), stacked per row; a carry
+    or another output that turns out per row raises `_NotHeld`."""
     p = eqn.params
     ncarry, body = p["num_carry"], p["jaxpr"]
     ys0 = [filled(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
+    if held_ys:
+        n = ctx.rows_vector_shape(next(x.rows for x in (*consts, *xs)
+                                       if isinstance(x, RowVarying)))
+        ys0 = [filled((*n, *y.shape), 0, y.dtype) if h else y for y, h in zip(ys0, held_ys)]
     ys0 += [filled((p["length"], *jnp.shape(c)), 0, c.dtype)
             for c, k in zip(init, keep) if k]
 
@@ -146,20 +155,88 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
             carry = [c if a is None else by_rows(restart, c0, c, a)
                      for c, c0, a in zip(carry, init if init_at is None else init_at(at),
                                          carry_axes)]
-        x = [at_step(v, at) for v in xs]
+        x = [RowVarying(at_step(v.value, at, 1), v.rows, v.below) if isinstance(v, RowVarying)
+             else at_step(v, at) for v in xs]
         here = consts if consts_at is None else consts_at(at)
         out = eval_closed(ctx.child(eqn, alive=alive), body, [*here, *carry, *x])
+        if any(isinstance(v, RowVarying) for v in out[:ncarry]):
+            raise _NotHeld("a carry without a rows axis turns per row")
         new = [n if a is None or not freeze else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
         kept = [n for n, k in zip(new, keep) if k]
-        ys = [_set_step(y, v.astype(y.dtype), at)
-              for y, v in zip(ys, [*out[ncarry:], *kept])]
+        ys = [_set_held_step(y, v, at) if j < len(held_ys) and held_ys[j]
+              else _set_step(y, _plain(v).astype(y.dtype), at)
+              for j, (y, v) in enumerate(zip(ys, [*out[ncarry:], *kept]))]
         return i + 1, new, ys
 
     _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
     n_ys = len(eqn.outvars) - ncarry
+    ys[:len(held_ys)] = [RowVarying(y, next(x.rows for x in (*consts, *xs)
+                                            if isinstance(x, RowVarying))) if h else y
+                         for y, h in zip(ys, held_ys)]
     kept = iter(ys[n_ys:])
     return carry, ys[:n_ys], [next(kept) if k else None for k in keep]
+
+
+class _NotHeld(Exception):
+    """A scan's body made a value per row where `_held_outputs` did not foresee one: the scan
+    runs once per row instead (`_eval_row_varying`)."""
+
+
+def _plain(v):
+    if isinstance(v, RowVarying):
+        raise _NotHeld("an output per step turns per row")
+    return v
+
+
+def _set_held_step(y, v, at):
+    """Step ``at`` of an output stacked per row (rows first): a value held per row, or one
+    for all rows."""
+    v = v.value if isinstance(v, RowVarying) else lax.broadcast_in_dim(
+        v, (y.shape[0], *jnp.shape(v)), tuple(range(1, 1 + jnp.ndim(v))))
+    return lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 1,
+                                           allow_negative_indices=False)
+
+
+def _held_outputs(ctx, eqn, held, rows) -> list[bool]:
+    """Which outputs per step of a scan's body are per row: those without a ``rows`` axis
+    made from an input held per row (``held``, by position: constants, carries, scanned
+    values) or from a ragged length read as a number (``x.shape[1]``), as the interpreter
+    collapses a per-row value onto the rows axis of the first result that has one."""
+    jaxpr = eqn.params["jaxpr"].jaxpr
+    per_row = {v for v, h in zip(jaxpr.invars, held) if h}
+    for e in jaxpr.eqns:
+        reads = any(not isinstance(v, jax.extend.core.Literal) and v in per_row
+                    for v in e.invars)
+        if reads or (e.primitive.name == "dim_as_value" and ctx.rows_of(e.params["dim"]) == rows):
+            per_row.update(v for v in e.outvars if not ctx.row_axes(v.aval.shape, rows))
+    return [v in per_row for v in jaxpr.outvars[eqn.params["num_carry"]:]]
+
+
+def _scan_held(ctx, eqn, invals):
+    """A scan over a length ragged along rows that reads a value held per row (`RowVarying`):
+    ``x.shape[1]`` as a number, which JAX's indexing reads to normalise ``x[:, t]`` in a scan
+    over ``jnp.arange(x.shape[1])``, or a scanned index made from it. The ragged scan hands
+    it to the body as it is (an index held per row reads each row's own position) and stacks
+    an output per step that is per row per row -- where running the whole scan once per row
+    does B times the work, and loses a carry summed over the rows (a weight's gradient).
+    None for any other scan, which does run once per row."""
+    p = eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    rows = ctx.rows_of(p["length"]) if is_sym(p["length"]) else None
+    if (rows is None or any(isinstance(x, RowVarying) for x in init)
+            or any(isinstance(x, RowVarying) and x.rows != rows for x in invals)
+            or not any(ctx.row_axes(jnp.shape(x), rows) for x in (*init, *xs)
+                       if not isinstance(x, RowVarying))):
+        return None
+    try:
+        return _ragged_scan(ctx, eqn, consts, init, xs, rows)
+    except (_NotHeld, NoRule):
+        return None
+
+
+_scan.row_varying = _scan_held
 
 
 def _invariant_or_per_row(jaxpr, invar: int, outvar: int, ctx, rows) -> bool:

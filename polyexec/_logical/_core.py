@@ -1156,6 +1156,13 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     entry = lookup_rule(eqn.primitive)
     if rows is None and entry is not None and getattr(entry.rule, "inline", False):
         return entry.rule(ctx, eqn, invals)      # a call: its equations meet the value
+    # A rule that reads a per-row value itself (an index held per row, a scan's constant),
+    # cheaper than running the whole equation once per row; None where it declines.
+    held = getattr(entry.rule, "row_varying", None) if rows is None and entry else None
+    out = held(ctx, eqn, invals) if held is not None else None
+    if out is not None:
+        ctx.recorder.rewritten.add(id(eqn))
+        return [ctx.as_output(x, v.aval) for x, v in zip(out, eqn.outvars)]
     rows = rows or next(x.rows for x in invals if isinstance(x, RowVarying))
     if eqn.primitive.name == "broadcast_in_dim":
         (x,) = invals

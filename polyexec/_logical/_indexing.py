@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import (NoRule, bind_eqn_with, defrule, fill_tail, filled, has_sym, highest_value,
-                    iota_along, is_sym, literal_start, logical_mask, lowest_value, one_position,
-                    operand_avals, same_dim, window_fits_admitted_rows)
+from ._core import (NoRule, RowVarying, bind_eqn_with, defrule, fill_tail, filled, has_sym,
+                    highest_value, iota_along, is_sym, literal_start, logical_mask, lowest_value,
+                    one_position, operand_avals, same_dim, window_fits_admitted_rows)
 from ._families import SCATTERS
 
 
@@ -189,6 +189,21 @@ def _gather_acts_on(eqn, i, axis, shape):
     return axis == len(shape) - 1
 
 
+def _held_index(rule, per_row):
+    """A gather (scatter) whose index is held per row (`RowVarying`) reads (writes) each row
+    at its own position when it has the one-position form (`_per_row_position`,
+    `_per_row_put`) -- rather than running once per row over the whole operand, B times
+    the work; None for any other, which does run per row (`_eval_row_varying`)."""
+    def held(ctx, eqn, invals):
+        x, idx, *rest = invals
+        if isinstance(x, RowVarying) or not isinstance(idx, RowVarying) or any(
+                isinstance(u, RowVarying) for u in rest):
+            return None
+        return per_row(ctx, eqn, x, idx, *rest)
+    rule.row_varying = held
+    return rule
+
+
 @defrule("gather", moves=_gather_moves, window=_gather_window, acts_on=_gather_acts_on)
 def _gather(ctx, eqn, invals):
     x, idx = invals
@@ -226,27 +241,68 @@ def gather_fill(p, dtype):
         if jnp.issubdtype(dtype, jnp.unsignedinteger) or dtype == np.bool_ else lowest_value(dtype)
 
 
+def _one_position_axis(ctx, x_shape, window, index_map, dropped, out_axes, batching):
+    """The length axis ``t`` a gather reads (a scatter writes) one position of, with every
+    other axis whole -- ``x[:, k]``, and ``r[i]`` of ``jax.vmap``, whose index also names the
+    whole feature axes at 0 --, and the component of the index that holds ``k``; None for
+    any other form. ``dropped``: the axes the result has not (collapsed, inserted);
+    ``out_axes``: where the others lie in the result (the update), which must be in order."""
+    if batching or not set(dropped) <= set(index_map):
+        return None
+    picked = [a for a in index_map if not same_dim(window[a], x_shape[a])]
+    if len(picked) != 1 or not (set(dropped) <= set(picked)):
+        return None
+    (t,) = picked
+    kept = [a for a in range(len(x_shape)) if a not in dropped]
+    if (not one_position(window[t]) or ctx.rows_of(x_shape[t]) is None
+            or tuple(out_axes) != tuple(range(len(kept)))):
+        return None
+    return t, list(index_map).index(t)
+
+
+def _position_per_row(ctx, x, t, idx, component, mode):
+    """The position each row reads along ``t``, shaped to broadcast along ``x``: one index
+    for all rows, or each row's own (held per row, `RowVarying`: ``x[:, t]`` inside a scan
+    over ``jnp.arange(x.shape[1])``, which JAX normalises by ``x.shape[1]``, each row's
+    length); and where, in FILL_OR_DROP mode, the other components (starts of whole axes,
+    which fit only at 0) put the window out of bounds (None: nowhere)."""
+    if isinstance(idx, RowVarying):
+        (axis,) = ctx.row_axes(x.shape, idx.rows)
+        one = tuple(d if a == axis else 1 for a, d in enumerate(x.shape))
+        idx = lax.broadcast_in_dim(idx.value, (*one, idx.value.shape[-1]), (axis, x.ndim))
+    k, others = idx[..., component], None
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        for c in range(idx.shape[-1]):
+            if c != component:
+                bad = idx[..., c] != 0
+                others = bad if others is None else others | bad
+    return k, others
+
+
 def _per_row_position(ctx, eqn, x, idx):
     """``x[:, k]`` of a ``(B, T, ...)`` value whose ``T`` differs per row: each row's own
     position ``k``, clamped into its own length as at its exact size (the gather's fill
     outside it in FILL_OR_DROP mode, and in a row of length 0, which has no position); None
-    for any other gather."""
+    for any other gather. ``k`` may differ per row (`_position_per_row`)."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
-    if len(dn.start_index_map) != 1 or tuple(jnp.shape(idx)) != (1,):
+    if jnp.ndim(idx.value if isinstance(idx, RowVarying) else idx) != 1 + isinstance(
+            idx, RowVarying):
         return None
-    (t,) = dn.start_index_map
-    if (tuple(dn.collapsed_slice_dims) != (t,) or dn.operand_batching_dims
-            or tuple(dn.offset_dims) != tuple(range(x.ndim - 1))
-            or any(a != t and str(p["slice_sizes"][a]) != str(x.shape[a]) for a in range(x.ndim))):
+    found = _one_position_axis(ctx, x.shape, p["slice_sizes"], dn.start_index_map,
+                               dn.collapsed_slice_dims, dn.offset_dims, dn.operand_batching_dims)
+    if found is None:
         return None
+    t, component = found
     n = ctx.length(x.shape[t], shape=x.shape)       # per row, shaped to broadcast along x
-    k = idx[0]
+    k, others = _position_per_row(ctx, x, t, idx, component, p["mode"])
     one = tuple(1 if a == t else d for a, d in enumerate(x.shape))
     position = jnp.broadcast_to(jnp.clip(k, 0, jnp.maximum(n - 1, 0)).astype(np.int32), one)
-    out = lax.squeeze(jnp.take_along_axis(x, position, axis=t, mode="clip"), (t,))
+    out = jnp.take_along_axis(x, position, axis=t, mode="clip")
     outside = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
-    outside = lax.squeeze(jnp.broadcast_to(outside, one), (t,))
-    return [lax.select(outside, filled(out.shape, gather_fill(p, out.dtype), out.dtype), out)]
+    outside = outside if others is None else outside | others
+    outside = jnp.broadcast_to(outside, one)
+    out = lax.select(outside, filled(out.shape, gather_fill(p, out.dtype), out.dtype), out)
+    return [lax.squeeze(out, (t,)) if t in dn.collapsed_slice_dims else out]
 
 
 def _per_row_put(ctx, eqn, x, idx, updates):
@@ -254,17 +310,26 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     update into its own position ``k`` (clamped into its length, or dropped outside it in
     FILL_OR_DROP mode, and in a row of length 0); None for any other scatter."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
-    if (eqn.primitive.name not in ("scatter-add", "scatter")
-            or len(dn.scatter_dims_to_operand_dims) != 1 or tuple(jnp.shape(idx)) != (1,)):
+    if eqn.primitive.name not in ("scatter-add", "scatter") or jnp.ndim(
+            idx.value if isinstance(idx, RowVarying) else idx) != 1 + isinstance(idx, RowVarying):
         return None
-    (t,) = dn.scatter_dims_to_operand_dims
-    if (tuple(dn.inserted_window_dims) != (t,) or dn.operand_batching_dims
-            or tuple(dn.update_window_dims) != tuple(range(x.ndim - 1))):
+    window = [1] * x.ndim
+    for a, u in zip([a for a in range(x.ndim) if a not in dn.inserted_window_dims],
+                    dn.update_window_dims):
+        window[a] = updates.shape[u]
+    found = _one_position_axis(ctx, x.shape, window, dn.scatter_dims_to_operand_dims,
+                               dn.inserted_window_dims, dn.update_window_dims,
+                               dn.operand_batching_dims)
+    if found is None:
         return None
+    t, component = found
     n = ctx.length(x.shape[t], shape=x.shape)
-    k = idx[0]
+    k, others = _position_per_row(ctx, x, t, idx, component, p["mode"])
     drop = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
+    drop = drop if others is None else drop | others
     at = (iota_along(x.shape, t) == jnp.clip(k, 0, jnp.maximum(n - 1, 0))) & ~drop
+    if t not in dn.inserted_window_dims:
+        updates = lax.squeeze(updates, (t,))
     spread = lax.broadcast_in_dim(updates, x.shape, tuple(a for a in range(x.ndim) if a != t))
     if eqn.primitive.name == "scatter":
         return [lax.select(at, spread, x)]
@@ -369,3 +434,5 @@ def _scatter(ctx, eqn, invals):
     return [_unroom(out, x.shape)]
 
 
+_held_index(_gather, _per_row_position)
+_held_index(_scatter, _per_row_put)
