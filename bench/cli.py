@@ -539,7 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"{args.repeat} rounds: each strategy's row is its median round by warm "
                       f"tokens/s, so ratios between rows may compare different rounds; the "
                       f"last lines compare the strategies within each round")
-    for line in report.summary_lines(doc) + [to_loss] + round_lines(rounds):
+    predicted = [line for line in map(report.predicted_run_line, results) if line]
+    for line in report.summary_lines(doc) + [to_loss] + predicted + round_lines(rounds):
         console.print(line)
     chosen = next((r for r in results if r.get("auto") and not r["auto"].get("reused")), None)
     if chosen is not None:

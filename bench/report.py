@@ -161,6 +161,27 @@ def time_to_loss_line(per_strategy: dict[str, dict], given: float | None) -> tup
     return line, record
 
 
+def predicted_run_line(row: dict) -> str | None:
+    """``--buckets auto``'s prediction of a strategy's run against its clock, or None without
+    one: the seconds it spent choosing (compiles and timed steps, measured) plus its
+    prediction for every other step and compile, against the epochs' wall seconds.
+
+    >>> print(predicted_run_line({"strategy": "polyexec", "choosing_seconds": 6.0,
+    ...     "epoch_seconds": [12.0, 6.0], "auto": {"timed_steps": 4, "predicted":
+    ...     {"seconds": 15.0, "steps": 60}}}))
+    polyexec: predicted 20.0 s for the run (6.0 s choosing, measured, + 14.0 s for the other 56 steps and their compiles), measured 18.0 s: 1.11x
+    """
+    auto = row.get("auto")
+    if not auto or not auto.get("predicted") or auto.get("reused"):
+        return None
+    predicted, timed = auto["predicted"], auto.get("timed_steps", 0)
+    rest = predicted["seconds"] * (1 - timed / max(predicted["steps"], 1))
+    total, measured = row["choosing_seconds"] + rest, sum(row["epoch_seconds"])
+    return (f"{row['strategy']}: predicted {total:.1f} s for the run ({row['choosing_seconds']:.1f} "
+            f"s choosing, measured, + {rest:.1f} s for the other {predicted['steps'] - timed} "
+            f"steps and their compiles), measured {measured:.1f} s: {total / measured:.2f}x")
+
+
 # ----------------------------------------------------------------------------- the table
 
 

@@ -764,7 +764,9 @@ def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str, 
                  "predicted": choice.prediction._asdict(),
                  "predicted_padding_efficiency": choice.prediction.padding_efficiency,
                  "predicted_pad": choice.pad._asdict() if choice.pad else None,
-                 "predicted_pack": choice.pack._asdict() if choice.pack else None}
+                 "predicted_pack": choice.pack._asdict() if choice.pack else None,
+                 # The steps the timed calls ran (real batches kept as the run's first).
+                 "timed_steps": len(getattr(choice, "first_steps", ()))}
         if choice.layout == "pad":
             saved.update(sizes=list(choice.buckets.policy.sizes),
                          partial_rows=list(choice.buckets.policy.partial_rows))

@@ -672,11 +672,11 @@ def test_quick_devices_2_matches_one_device_on_the_same_batches(tmp_path, capsys
         np.testing.assert_allclose(two["final_loss"], one["final_loss"], rtol=1e-5)
 
 
-def test_quick_layout_auto_follows_its_prediction(tmp_path):
-    """``--layout auto`` (the default): polyexec times its packed step once and pins the
-    layout its own predictions favour; a packed run's padding efficiency is the predicted
-    one (the plans it ran are the plans it priced), in one compile that the cached worker
-    then loads."""
+def test_quick_layout_auto_follows_its_prediction(tmp_path, capsys):
+    """``--layout auto`` (the default): polyexec times its packed step on real batches and
+    pins the layout its own predictions favour; a packed run's padding efficiency is the
+    predicted one (the plans it ran are the plans it priced), in one compile that the cached
+    worker then loads. The run's predicted seconds are printed beside its clock."""
     out = tmp_path / "a.json"
     assert main(["--quick", "--steps", "3", "--limit-rounds", "1", "--limit-seconds", "0.05",
                  "--strategies", "polyexec,polyexec-cached", "--json", str(out),
@@ -692,6 +692,9 @@ def test_quick_layout_auto_follows_its_prediction(tmp_path):
             auto["predicted_padding_efficiency"])
         assert by["polyexec"]["compiles"] == 1 and by["polyexec"]["traces"] == 1
         assert by["polyexec-cached"]["compiles"] == 0
+        assert 1 <= auto["timed_steps"] <= 2 * len(auto["row_lengths"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "polyexec: predicted " in printed and " for the run (" in printed
     np.testing.assert_allclose(
         doc["workload"]["per_strategy"]["polyexec-cached"]["epoch_loss"],
         doc["workload"]["per_strategy"]["polyexec"]["epoch_loss"], rtol=1e-6)

@@ -42,7 +42,8 @@ _LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
                  extra_compiles: Bucketed | None = None, extra_arg: Any = None,
                  parallel: int = 1, on_output: Callable[[Any], None] | None = None,
-                 grid: tuple[int, int] | None = None) -> _buckets.CostModel:
+                 grid: tuple[int, int] | None = None,
+                 then: Callable[[], float] | None = None) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
     ``tokens`` is the batch the step takes: token ids (B, T), or any pytree of a batch
@@ -54,6 +55,8 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     background thread), so count this fraction of their seconds. ``on_output``: called with
     each timed call's output (a real batch's step, kept rather than thrown away). ``grid``:
     the (rows, row length) a packed step runs ``tokens`` at (default: ``tokens.shape``).
+    ``then``: one more timed call the caller makes after these (the next real batch, a step
+    its run takes anyway), returning its seconds; the fastest of all counts.
 
     With JAX's persistent compile cache on, the cost is kept beside it; when the program is
     then loaded from the cache (no compile to time), the kept cost is returned, so a second run
@@ -78,11 +81,7 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     record = _Record([f for f, _ in steps], shape)
 
     def call() -> float:
-        # On a copy of ``arg``: the step may donate it.
-        fresh = jax.block_until_ready(copy_arrays(arg))
-        start = time.perf_counter()
-        output = jax.block_until_ready(step(fresh, tokens, lengths))
-        took = time.perf_counter() - start
+        took, output = _timed_step(step, arg, tokens, lengths)
         if on_output is not None:
             on_output(output)
         return took
@@ -95,11 +94,20 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
         if on_output is not None:
             call()
     else:
-        fastest = min(call() for _ in range(runs))
+        fastest = min([call() for _ in range(runs)] + ([then()] if then is not None else []))
         compile_s, per_cell = seconds, fastest / (rows * length)
         if not hit:
             record.save(compile_s, per_cell)
     return _buckets.CostModel(compile_seconds=compile_s / parallel, seconds_per_cell=per_cell)
+
+
+def _timed_step(step: Bucketed, arg: Any, tokens: Any, lengths: Any) -> tuple[float, Any]:
+    """``(seconds, output)`` of one call of a compiled ``step`` on a copy of ``arg`` (the step
+    may donate it; the caller keeps ``arg``'s owner, a step's output, whole)."""
+    fresh = jax.block_until_ready(copy_arrays(arg))
+    start = time.perf_counter()
+    output = jax.block_until_ready(step(fresh, tokens, lengths))
+    return time.perf_counter() - start, output
 
 
 def compile_at(steps: Sequence[tuple[Bucketed, Any]], shape: dict) -> tuple[float, bool]:
@@ -500,30 +508,49 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                  for n in ([short, row_length], [row_length]) if None not in n]
     first_steps, on = [], arg
 
-    def timed(packer, grid):
-        """Compile ``packer`` and time one call at ``grid`` (rows, row length): on the first
-        batch of that row length in ``plans`` not yet run when ``examples`` are given (kept in
-        ``first_steps``; the next call runs on its output), else on padding. One call: the step
-        is a training-sized one, and a second would cost the cold epoch as much again for a
-        decision the first already makes."""
-        nonlocal on
+    def unrun(row_length):
+        """The batches of ``row_length`` not yet run, all of one plan: the batches a choice
+        keeps must not share an example."""
         ran = {id(b) for b, _ in first_steps}
-        batch = next((b for plan in plans for b in plan
-                      if b.row_length == grid[1] and id(b) not in ran), None)
-        if batch is None:
+        for plan in plans:
+            found = [b for b in plan if b.row_length == row_length and id(b) not in ran]
+            if found:
+                return found
+        return []
+
+    def timed(packer, grid):
+        """Compile ``packer`` and time a call at ``grid`` (rows, row length): when
+        ``examples`` are given, on the first batches of that row length in ``plans`` not yet
+        run -- two, the faster counting -- each kept in ``first_steps`` and each call on the
+        last one's output; else once on padding. A first call after a compile runs slower
+        (the pydoc GRU's packed rows: 77 against 52 us a cell at 5 x 1,024, 53 against 36 at
+        20 x 256), and priced by it alone a run was predicted about 1.3x its time. A second
+        real batch is a step the run takes anyway; a second padding call would cost the cold
+        epoch a step."""
+        batches = unrun(grid[1])[:2]
+        if not batches:
             tokens = (batch_of(*grid) if batch_of is not None
                       else np.full(grid, pad_id, np.int32))
             full = np.full(grid[0], grid[1], np.int32)
         else:
-            tokens, full = examples(batch.indices)
-        outputs = []
+            tokens, full = examples(batches[0].indices)
+
+        def keep(output):
+            nonlocal on
+            if batches:
+                first_steps.append((batches[len(first_steps) - ran_before], output))
+                on = next_arg(output)
+
+        def then() -> float:         # the second batch, on the first one's output
+            took, output = _timed_step(packer, on, *examples(batches[1].indices))
+            keep(output)
+            return took
+
+        ran_before = len(first_steps)
+        cost = measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
+                            on_output=keep, grid=grid, then=then if len(batches) > 1 else None)
         # Every process runs its rows of the same grid; process 0's timing decides for all.
-        cost = agree(measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
-                                  on_output=outputs.append, grid=grid), shards)
-        if batch is not None:
-            first_steps.append((batch, outputs[0]))
-            on = next_arg(outputs[0])
-        return cost
+        return agree(cost, shards)
 
     cost = timed(packer, (rows, row_length))
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
