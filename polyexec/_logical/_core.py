@@ -502,6 +502,11 @@ class Ctx:
             return take_rows(self, x, length - 1 - iota_along(x.shape, axis), axis)
         return take_clamped(self, x, length - 1 - iota_along((n,), 0), axis)
 
+    def check_relayout(self, src, dst) -> None:
+        """Raise `NoRule` when this layout cannot move elements between the axes of ``src``
+        and ``dst`` (a reshape that does not keep its length axes); padded rows lay the
+        logical elements out row-major, so never here."""
+
     def sort_key(self, shape, axis: int):
         """A leading int32 key for a sort of a value of ``shape`` along the length ``axis``
         that keeps every real cell among the real cells it belongs with: here 0 for a real

@@ -94,7 +94,6 @@ from ._core import (ELEMENTWISE, Ctx, Logical, NoRule, Recorder, RowVarying, Uns
 from ._control import at_step, frozen_scan
 from ._families import REDUCERS, SCATTERS
 from ._indexing import gather_fill
-from ._structure import keeps_length_axes
 from ._sequences import (PerSequence, at_column, by_cell, grid_shape, held, spread,
                          to_cells)
 from ._sequences import evaluate as _evaluate_per_sequence
@@ -296,6 +295,11 @@ class _PackedCtx(Ctx):
 
     def window(self, eqn, x, monoid):
         return _window(self, eqn, x, monoid)
+
+    def check_relayout(self, src, dst) -> None:
+        """Merging or splitting the rows or a packed length would mix a row's sequences."""
+        if self.row_axes(src) or self.row_axes(dst):
+            raise NoRule("a reshape that merges or splits the rows or a packed length")
 
     def sort_key(self, shape, axis: int):
         """Each cell in a sequence's frame keys by its sequence's start column, any other by
@@ -1622,17 +1626,6 @@ def _pad(ctx: _PackedCtx, eqn, invals):
     inside = (pos >= lo) & (pos - lo < ctx._at(x.shape[a], seglen))
     keep = spread(inside, y.shape, (rows[0], a))
     return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
-
-
-@defrule("reshape", layout="pack")
-def _reshape(ctx: _PackedCtx, eqn, invals):
-    (x,) = invals
-    src, dst = x.shape, eqn.params["new_sizes"]
-    if not ctx.row_axes(src) and not ctx.row_axes(dst):
-        return padded_rule(eqn)(ctx, eqn, invals)
-    if eqn.params.get("dimensions") is None and keeps_length_axes(src, dst):
-        return None
-    raise NoRule("a reshape that merges or splits the rows or a packed length")
 
 
 @defrule("concatenate", layout="pack")

@@ -246,13 +246,16 @@ def _reshape_acts_on(eqn, i, axis, shape):
     return p.get("dimensions") is not None or not keeps_length_axes(shape, p["new_sizes"])
 
 
-@defrule("reshape", acts_on=_reshape_acts_on)
+@defrule("reshape", layout=PAD_AND_PACK, acts_on=_reshape_acts_on)
 def _reshape(ctx, eqn, invals):
     (x,) = invals
     if eqn.params.get("dimensions") is not None:
         raise NoRule("reshape with a dimensions permutation")
     src, dst = x.shape, eqn.params["new_sizes"]
-    if _prefix_preserving(src, dst) or keeps_length_axes(src, dst):
+    if keeps_length_axes(src, dst):
+        return None
+    ctx.check_relayout(src, dst)
+    if _prefix_preserving(src, dst):
         return None
     merged = _ragged_merge(ctx, x, src, dst)
     if merged is not None:
