@@ -405,7 +405,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     """Pad or pack, by predicted run time; ``step`` is a train step made with
     ``layout="auto"`` (so its one trace holds the packed program too).
 
-    A plan that can pack is compiled and timed once (one call) at its packed shape -- rows
+    A plan that can pack is compiled once and timed (the faster of two real batches' steps
+    with ``examples``, one call on padding without) at its packed shape -- rows
     of the longest length ``L``, as few as hold about ``batch_size`` examples a step
     (`_rows_holding`: the padded layout's steps an epoch), or ``max_tokens // L`` (the same
     cells a step as padded rows) -- and that cost
