@@ -411,44 +411,46 @@ def test_a_mean_over_pairs_of_positions_counts_each_sequences_own_pairs(lengths)
     assert f.plan.can_pack
 
 
-@pytest.mark.parametrize("mask", ["tril", "positions"])
+MASKS_FROM_POSITIONS = {
+    "tril": lambda pos, n: jnp.tril(jnp.ones((n, n), bool)),
+    "causal": lambda pos, n: pos[:, None] >= pos[None, :],
+    "sliding window": lambda pos, n: (pos[:, None] >= pos[None, :])
+                                     & (pos[:, None] - pos[None, :] <= 2),
+}
+
+
+@pytest.mark.parametrize("mask", list(MASKS_FROM_POSITIONS))
 def test_a_mask_made_from_positions_is_compared_per_cell_not_gathered(mask):
-    """A causal mask made from positions alone (``jnp.tril(jnp.ones((T, T)))``, ``pos[:, None]
-    >= pos[None, :]``) meets packed rows' ``(B, T, T)`` scores: each pair cell compares its
-    own two positions, as hand-written segment ids do, instead of gathering the ``(T, T)``
-    mask there (two gathers over the scores, before). Exactness: ``causal_attention`` in
-    `test_packed_equals_padded_equals_each_sequence_alone`, and values here."""
-    def causal(r):
-        n = r.shape[0]
-        if mask == "tril":
-            return jnp.tril(jnp.ones((n, n), bool))
-        pos = jnp.arange(n)
-        return pos[:, None] >= pos[None, :]
+    """A mask made from positions alone (``jnp.tril(jnp.ones((T, T)))``, ``pos[:, None] >=
+    pos[None, :]``, a sliding window) meets packed rows' ``(B, T, T)`` scores: each pair cell
+    compares its own two positions, as hand-written segment ids do, instead of gathering the
+    ``(T, T)`` mask there (two gathers over the scores, before). Values and input gradients
+    equal each sequence's alone."""
+    def one(r):
+        pos = jnp.arange(r.shape[0])
+        s = jnp.where(MASKS_FROM_POSITIONS[mask](pos, r.shape[0]), r @ r.T,
+                      jnp.finfo(r.dtype).min)
+        return jax.nn.softmax(s, axis=-1) @ r
 
     def scores(x, lengths):
-        def one(r):
-            s = jnp.where(causal(r), r @ r.T, jnp.finfo(r.dtype).min)
-            return jax.nn.softmax(s, axis=-1) @ r
-        return jax.vmap(one)(x)
+        return jax.vmap(one)(x), jax.grad(lambda x: jnp.sum(jax.vmap(one)(x) ** 2))(x)
 
     f = px.bucketed(scores, SPECS_V, buckets=BUCKETS, layout="pack", strict=True)
     lengths = [5, 1, 8, 3, 2, 1, 4, 7]
     x, _, _ = batch(lengths, seed=11)
-    got = np.asarray(f(x, np.asarray(lengths, np.int32)))
+    out, grad = f(x, np.asarray(lengths, np.int32))
     for b, n in enumerate(lengths):
-        r = x[b, :n]
-        s = np.where(np.tril(np.ones((n, n), bool)), r @ r.T, np.finfo(np.float32).min)
-        w = np.exp(s - s.max(-1, keepdims=True))
-        close(got[b, :n], (w / w.sum(-1, keepdims=True)) @ r, f"{mask}: sequence {b}", rtol=1e-5)
+        r = jnp.asarray(x[b, :n])
+        close(out[b, :n], one(r), f"{mask}: sequence {b}", rtol=1e-5)
+        close(grad[b, :n], jax.grad(lambda r: jnp.sum(one(r) ** 2))(r),
+              f"{mask}: gradient of sequence {b}", rtol=1e-4, atol=1e-5)
     B_, T_ = jax.export.symbolic_shape("B, T", constraints=["T <= 16"])
-    avals = [jax.ShapeDtypeStruct((B_, T_, 3), np.float32), jax.ShapeDtypeStruct((B_,), np.int32)]
-    program = jax.jit(lambda x, n, b, t: (scores(x, n),)).trace(
-        *avals, jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((), np.int32)).jaxpr
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+    avals = [jax.ShapeDtypeStruct((B_, T_, 3), np.float32), i32(B_)]
+    program = jax.jit(lambda x, n, b, t: scores(x, n)).trace(*avals, i32(), i32()).jaxpr
     packed = px._logical.rewrite_packed(program, {"B": 2, "T": 3}, {"T": (1, "B")})
-    grid = jax.ShapeDtypeStruct((B_, T_), np.int32)
-    logical = jax.make_jaxpr(packed.fn)(*avals, jax.ShapeDtypeStruct((), np.int32),
-                                        jax.ShapeDtypeStruct((), np.int32), grid, grid)
     assert not packed.unsupported
+    logical = jax.make_jaxpr(packed.fn)(*avals, i32(), i32(), i32(B_, T_), i32(B_, T_))
     gathers = [e.outvars[0].aval.shape for e in _equations(logical.jaxpr)
                if e.primitive.name == "gather"]
     assert not [s for s in gathers if len(s) >= 3], gathers
