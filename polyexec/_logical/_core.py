@@ -1403,6 +1403,11 @@ def register_rule(primitive, rule, *, override: bool = False) -> None:
     A primitive that already has a rule (polyexec's or an earlier registration) is refused
     unless ``override=True``.
 
+    Packed rows (``layout="pack"``) use ``"elementwise"`` as it is. A callable rule is the
+    padded layout's: it cannot know which sequence a packed cell belongs to, so there the
+    equation is flagged ("... has no rule for packed rows", naming the line) and
+    ``layout="auto"`` runs padded rows, where the rule holds.
+
     A row sum over the last axis, made exact by filling the padding with 0 first:
 
     >>> import jax, jax.numpy as jnp, numpy as np, polyexec as px
