@@ -678,7 +678,7 @@ def _medians(r):
 def test_a_median_along_t_is_each_sequences_own():
     """``jnp.median`` (a sort, then the middle positions of each sequence's own length, a
     ``(B, 1)`` value broadcast along T) packs: each sequence's against it alone, the padding
-    NaN. (Its gradient scatters by a stride and runs padded.)"""
+    NaN. (Its gradient: test_sorting_gathers_and_their_gradients_...)"""
     lengths = np.array([5, 1, 9, 3, 4, 2, 8], np.int32)
     x, _, _ = batch(lengths, seed=3)
     f = px.bucketed(lambda x, n: jax.vmap(_medians)(x), SPECS[1:], buckets=BUCKETS,
@@ -688,6 +688,86 @@ def test_a_median_along_t_is_each_sequences_own():
     for b, n in enumerate(lengths):
         for i, (have, want) in enumerate(zip(got, _medians(jnp.asarray(x[b, :n])))):
             close(np.asarray(have)[b], want, f"output {i}, sequence {b} (length {n})")
+
+
+def _unsorted(x):
+    b, order = jnp.arange(x.shape[0])[:, None], jnp.argsort(x[..., 0], axis=1)
+    return jnp.zeros_like(x).at[b, order].add(x[b, order])
+
+
+# A gather along T with one index per cell, positions inside the cell's own sequence (a
+# sort's permutation), and its transpose, a scatter-add: the values and the gradients of
+# sorting code. name -> (B, T, F) -> (B, T, F) or (B, F).
+SORTING = {
+    "take_along_axis(x, argsort(x))": (
+        lambda x: jnp.take_along_axis(x, jnp.argsort(x, axis=1), axis=1)),
+    "x[b, argsort]": (                               # a row component: the sequence it names
+        lambda x: x[jnp.arange(x.shape[0])[:, None], jnp.argsort(x[..., 0], axis=1)]),
+    "take_along_axis, clip past the end": (          # clamped into each sequence's own
+        lambda x: jnp.take_along_axis(x, jnp.argsort(x, axis=1) + 2, axis=1, mode="clip")),
+    "take_along_axis, fill past the end": (          # each sequence's own n and n + 1: filled
+        lambda x: jnp.take_along_axis(x, jnp.argsort(x, axis=1) + 2, axis=1, mode="fill",
+                                      fill_value=-7.0)),
+    # Scatters with such an index: the cells outside every sequence (whose argsort is 0)
+    # must not write into the real cell at their row's column 0.
+    "zeros.at[b, argsort].add(1)": (                 # a permutation: every real cell once
+        lambda x: jnp.zeros_like(x).at[jnp.arange(x.shape[0])[:, None],
+                                       jnp.argsort(x[..., 0], axis=1)].add(1.0)),
+    "zeros.at[b, argsort].add(x[b, argsort])": _unsorted,     # x again
+    "sort": lambda x: jnp.sort(x, axis=1),
+    "median": lambda x: jnp.median(x, axis=1),
+    "percentile": lambda x: jnp.percentile(x, 30, axis=1),
+}
+
+
+def _sorting_loss(form):
+    def loss(x):
+        y = SORTING[form](x)
+        if y.ndim == 2:                              # reduced along T: one per sequence
+            return jnp.sum(jnp.sin(y) ** 2)
+        # Weights per position, so a gradient sent to the wrong position shows.
+        return jnp.sum(jnp.sin(y) * jnp.cos(0.7 * jnp.arange(y.shape[1]))[:, None])
+    return loss
+
+
+@functools.cache
+def _sorting_step(form):
+    def step(x, lengths):
+        return SORTING[form](x), jax.grad(_sorting_loss(form))(x)
+    return px.bucketed(step, SPECS[1:], buckets=BUCKETS, layout="pack", strict=True)
+
+
+@pytest.mark.parametrize("form", list(SORTING))
+@pytest.mark.parametrize("lengths", [[5, 1, 0, 7, 3],          # an empty and a 1-long sequence
+                                     [8, 3, 5],                # rows of 8 filled: 8 | 5 + 3
+                                     [31, 1, 16, 16, 9, 23],   # rows of 32 filled exactly
+                                     [1] * 8, [2, 0, 6, 2]])
+def test_sorting_gathers_and_their_gradients_read_each_sequences_own_positions(form, lengths):
+    """``take_along_axis`` (``x[b, idx]``) along T with a per-cell index of positions inside
+    each cell's own sequence reads, for cell (r, c), column ``start + index``; its gradient
+    (a scatter-add), a sort's and a median's write there: each sequence's value and gradient
+    equal the sequence's own at its exact length, packed."""
+    f = _sorting_step(form)
+    x, _, _ = batch(lengths, seed=len(lengths))
+    value, grad = (np.asarray(a) for a in f(x, np.asarray(lengths, np.int32)))
+    assert f.plan.can_pack, f.plan.packing_reason
+    assert grad.shape == (len(lengths), max(lengths), F)
+    for b, n in enumerate(lengths):
+        alone = jnp.asarray(x[b:b + 1, :n])
+        where = f"{form}: sequence {b} (length {n}) of {lengths}"
+        if n == 0 and value.ndim == 2:
+            # JAX's median of an empty array fails to trace; numpy's (and the pad layout's)
+            # is NaN, and it has no cell to send a gradient to.
+            close(value[b], np.full(F, np.nan), f"value, {where}")
+        elif n > 0:
+            want = np.asarray(SORTING[form](alone))[0]
+            close(value[b, :n] if want.ndim == 2 else value[b], want, f"value, {where}")
+            close(grad[b, :n], np.asarray(jax.grad(_sorting_loss(form))(alone))[0],
+                  f"gradient, {where}")
+        assert np.all(grad[b, n:] == 0), f"gradient past the end, {where}"
+        if value.ndim == 3:
+            assert np.all(value[b, n:] == 0), f"value past the end, {where}"
+    assert f.traces == 1
 
 
 def _accumulate_over_time(init):
@@ -837,7 +917,7 @@ CUMULATIVE = {
     "min window": (lambda x: jax.lax.reduce_window(x, jnp.inf, jax.lax.min, (1, 2, 1),
                                                    (1, 1, 1), "SAME"),
                    lambda r: _np_window(r, np.min, np.inf, 2, 0)),
-    # Sorts, forward only (a sort's gradient gathers along the length: refused).
+    # Sorts (their gradients: test_sorting_gathers_and_their_gradients_...).
     "sort": (functools.partial(jnp.sort, axis=1), lambda r: np.sort(r, 0)),
     "argsort, stable": (lambda x: jnp.argsort(jnp.round(x[..., 0]), axis=1, stable=True),
                         lambda r: np.argsort(np.round(r[:, 0]), kind="stable")),   # ties

@@ -38,7 +38,13 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 - reversing a packed length (``jnp.flip``, a bidirectional RNN's backward half): each
   sequence in place; a cumulative op along it (``cumsum``, ``cummax``, ... either way): each
   sequence's running value from its own first cell; a sort along it (``jnp.sort``,
-  ``argsort``): each sequence in place (no gradient: a sort's JVP gathers along the length);
+  ``argsort``): each sequence in place;
+- a gather along a packed length with one index per cell, positions inside the cell's own
+  sequence (``take_along_axis(x, jnp.argsort(x, axis=1), 1)``, ``x[b, idx]``, a sort's JVP,
+  and so the gradients of ``jnp.sort`` and ``jnp.median``): cell ``(r, c)`` reads column
+  ``start(r, c) + index(r, c)``, the position clamped into (CLIP) or checked against
+  (FILL_OR_DROP) the sequence's own ``[0, n)``; its transpose, a scatter-add, writes there,
+  and nothing from a cell outside the frame;
 - a window along a packed length with stride 1 (``reduce_window`` sum, max, min): each window
   reads its own sequence and the init value past its edges (forward only: a window's
   gradient pads the length past each sequence's room, or selects and scatters);
@@ -304,7 +310,8 @@ class _PackedCtx(Ctx):
     def sort_key(self, shape, axis: int):
         """Each cell in a sequence's frame keys by its sequence's start column, any other by
         its own column: every sequence is sorted in place, every other cell stays put.
-        (``argsort``'s positions are each cell's own, by the ``iota`` rule.)"""
+        (``argsort``'s positions are each cell's own, by the ``iota`` rule; the gradient's
+        gather and scatter-add by that permutation are `_pick_cells` and `_put_cells`.)"""
         rows, packed = self.row_axes(shape), self.packed_axes(shape)
         if axis not in packed:
             raise NoRule("a sort over the rows of packed rows")
@@ -1242,11 +1249,160 @@ def _put_sequences(ctx: _PackedCtx, eqn, invals):
     return [jnp.moveaxis(written, (0, 1), (r, p))]
 
 
+def _cell_positions(ctx: _PackedCtx, eqn, shape, index, index_map, window, batching,
+                    index_shape):
+    """Where a gather with one index per cell reads (its transpose writes) along the packed
+    axis of ``shape``: an index with the rows axis and a packed length among its own axes
+    (a packed value, as ``jnp.argsort(x, axis=1)`` is) whose position component counts
+    inside a sequence. Either batched over the rows (``take_along_axis(x, jnp.argsort(x,
+    axis=1), 1)``; a sort's JVP and its transpose, the gradients of ``jnp.sort`` and
+    ``jnp.median``), where each cell indexes its own sequence, or with a component that names
+    the row (``x[jnp.arange(B)[:, None], idx]``), where each cell indexes the sequence it
+    names, wherever it is packed (`_sequence_table`), as `_sequence_and_position` does for
+    one index per sequence. Per entry of the index, as at each sequence's exact length: CLIP
+    and PROMISE_IN_BOUNDS clamp the position into the sequence's own ``[0, n - 1]``; outside
+    it FILL_OR_DROP fills (drops); a sequence of length 0 has no cell to read in any mode.
+
+    ``(components, read, real)``: the index's components in its dtype (the packed row and
+    the column for the row and packed ones, every component in bounds), whether each entry
+    reads a position of its sequence (else the gather's fill, a dropped update), and whether
+    the entry belongs to a cell in the frame of the index's packed length (the others are
+    "don't care", and must never write); None for any other indexing."""
+    if (isinstance(index, (PerSequence, PerCell, NotPacked)) or not hasattr(index, "shape")
+            or len(index_shape) < 2):
+        return None
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    cells = tuple(index_shape[:-1])
+    index_rows, index_packed = ctx.row_axes(cells), ctx.packed_axes(cells)
+    if len(rows) != 1 or len(packed) != 1 or len(index_rows) != 1 or len(index_packed) != 1:
+        return None
+    (r,), (p,), (s,), (q,) = rows, packed, index_rows, index_packed
+    # Any other axis of the index repeats a cell's index (a fixed number of them).
+    if any(is_sym(d) for a, d in enumerate(cells) if a not in (s, q)):
+        return None
+    operand_batching, index_batching = (tuple(b) for b in batching)
+    if operand_batching:               # batched over the rows: each cell's own sequence
+        if (r not in operand_batching or p in operand_batching or r in index_map
+                or index_batching[operand_batching.index(r)] != s or p not in index_map):
+            return None
+    elif not {r, p} <= set(index_map):
+        return None
+    # Other components index axes that are no length (``jnp.put_along_axis`` names every
+    # axis), as the equation says; every other axis is taken whole.
+    if (any(is_sym(window[a]) or window[a] != 1 for a in (r, p) if a not in operand_batching)
+            or any(is_sym(shape[a]) for a in index_map if a not in (r, p))
+            or any(not _core_equal(window[a], shape[a]) for a in range(len(shape))
+                   if a not in (r, p, *index_map, *operand_batching))):
+        return None
+    m = cells[q]
+    grid = lambda v: spread(v, cells, (s, q))          # noqa: E731 - (rows, m) onto the index
+    real = grid(ctx.in_frame(m))
+    idx = jnp.asarray(index)
+    component = lambda a: idx[..., list(index_map).index(a)]  # noqa: E731
+    if operand_batching:
+        _, seglen = ctx.cells(m)
+        start, n = grid(ctx.starts(m, 0)), grid(ctx._at(shape[p], seglen))
+        named = None
+    else:
+        sequence = _as_int32(component(r))
+        count = jnp.asarray(ctx.sizes[ctx.rows_name], np.int32)    # the sequences of the call
+        named = (sequence >= 0) & (sequence < count)
+        row, start, length = (jnp.take(t, jnp.clip(sequence, 0, count - 1), mode="clip")
+                              for t in _sequence_table(ctx))
+        n = ctx._at(shape[p], length)
+    position = _as_int32(component(p))
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        read = (position >= 0) & (position < n)
+        read = read if named is None else read & named
+    else:
+        position, read = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    column = jnp.clip(start + position, 0, shape[p] - 1)
+    comps = {p: column} if named is None else {p: column, r: row}
+    components = jnp.stack([comps[a].astype(idx.dtype) if a in comps else idx[..., i]
+                            for i, a in enumerate(index_map)], axis=-1)
+    return components, read, real
+
+
+def _clamped_others(components, index_map, shape, window, mode, skip):
+    """``components`` with those of the axes not in ``skip`` clamped into their bounds in
+    CLIP and PROMISE_IN_BOUNDS mode, so that a scatter bound in FILL_OR_DROP mode (to drop
+    chosen entries) keeps the equation's own mode for them."""
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        return components
+    for i, a in enumerate(index_map):
+        if a not in skip:
+            components = components.at[..., i].set(
+                jnp.clip(components[..., i], 0, shape[a] - window[a]).astype(components.dtype))
+    return components
+
+
+def _as_int32(v):
+    """An index component as int32, an unsigned one (a sort's permutation) saturating rather
+    than wrapping to a negative position."""
+    if jnp.issubdtype(v.dtype, jnp.unsignedinteger):
+        v = jnp.minimum(v, np.iinfo(np.int32).max)
+    return v.astype(np.int32)
+
+
+def _pick_cells(ctx: _PackedCtx, eqn, invals):
+    """A gather with one index per cell (`_cell_positions`): each entry reads its sequence's
+    position, at the column where the sequence starts plus that position; the gather's fill
+    where the position is outside the sequence."""
+    x, index = invals
+    dn = eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _cell_positions(
+        ctx, eqn, eqn.invars[0].aval.shape, index, dn.start_index_map,
+        eqn.params["slice_sizes"], (dn.operand_batching_dims, dn.start_indices_batching_dims),
+        eqn.invars[1].aval.shape)
+    if found is None:
+        return None
+    components, read, _ = found
+    # The row and column components are in bounds: the equation's mode acts on the others.
+    (out,) = bind_eqn_with(eqn, [x, components])
+    cells = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+    keep = lax.broadcast_in_dim(read, out.shape, cells)
+    return [lax.select(keep, out, filled(out.shape, gather_fill(eqn.params, out.dtype),
+                                         out.dtype))]
+
+
+def _put_cells(ctx: _PackedCtx, eqn, invals):
+    """The transpose of `_pick_cells` (and ``x.at[b, idx].add(u)``, ``.set``): each cell's
+    update into its sequence's position; nothing from an entry whose position is outside its
+    sequence (FILL_OR_DROP) or whose cell holds no position (outside the frame)."""
+    x, index, updates = invals
+    dn = eqn.params["dimension_numbers"]
+    shape, update_shape = eqn.invars[0].aval.shape, eqn.invars[2].aval.shape
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+            or isinstance(updates, (PerSequence, PerCell, NotPacked)) or ctx.alive is not None):
+        # Inside a packed scan a row's update may come from a cell that is not real there.
+        return None
+    window = [1 if a in dn.inserted_window_dims or a in dn.operand_batching_dims else None
+              for a in range(len(shape))]
+    sizes = iter(update_shape[d] for d in dn.update_window_dims)
+    window = [w if w is not None else next(sizes) for w in window]
+    found = _cell_positions(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
+                            (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
+                            eqn.invars[1].aval.shape)
+    if found is None:
+        return None
+    components, read, real = found
+    (r,), (p,) = ctx.row_axes(shape), ctx.packed_axes(shape)
+    components = _clamped_others(components, dn.scatter_dims_to_operand_dims, shape, window,
+                                 eqn.params["mode"], (r, p))
+    # Dropped: sent past the end of the packed axis, which FILL_OR_DROP skips.
+    past = list(dn.scatter_dims_to_operand_dims).index(p)
+    beyond = jnp.asarray(x.shape[p], components.dtype)
+    components = components.at[..., past].set(jnp.where(read & real, components[..., past],
+                                                        beyond))
+    return bind_eqn_with(eqn, [x, components, updates], mode=lax.GatherScatterMode.FILL_OR_DROP)
+
+
 def _pick_any(ctx: _PackedCtx, eqn, invals):
     """One position of each sequence: ``x[:, k]`` (`_pick`), batched over the rows with a
     per-sequence index (`_pick_own`), or a row and a position named per sequence
-    (`_pick_sequences`); None for any other gather."""
-    for pick in (_pick, _pick_own, _pick_sequences):
+    (`_pick_sequences`); or one position per cell (`_pick_cells`); None for any other
+    gather."""
+    for pick in (_pick, _pick_own, _pick_sequences, _pick_cells):
         picked = pick(ctx, eqn, invals)
         if picked is not None:
             return picked
@@ -1255,7 +1411,7 @@ def _pick_any(ctx: _PackedCtx, eqn, invals):
 
 def _put_any(ctx: _PackedCtx, eqn, invals):
     """The transposes of `_pick_any`."""
-    for put in (_put, _put_own, _put_sequences):
+    for put in (_put, _put_own, _put_sequences, _put_cells):
         done = put(ctx, eqn, invals)
         if done is not None:
             return done
