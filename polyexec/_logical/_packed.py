@@ -439,6 +439,15 @@ def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # Rules
 
+def _scatter_window(eqn) -> list:
+    """A scatter's window along each operand axis: 1 where a dimension is inserted (or
+    batched), else the update's window sizes in order."""
+    dn, update_shape = eqn.params["dimension_numbers"], eqn.invars[2].aval.shape
+    sizes = iter(update_shape[d] for d in dn.update_window_dims)
+    return [1 if a in dn.inserted_window_dims or a in dn.operand_batching_dims else next(sizes)
+            for a in range(len(eqn.invars[0].aval.shape))]
+
+
 def _generic(ctx: _PackedCtx, eqn, invals):
     """A primitive without a packed rule of its own, by what its entry says of it: elementwise
     (per cell, after jnp's implicit broadcasts), a call or a branch (its equations meet the
@@ -476,11 +485,8 @@ def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
         window = p["slice_sizes"]
     elif eqn.primitive.name == "dynamic_update_slice":
         window = eqn.invars[1].aval.shape
-    else:       # a scatter: its update's window, a unit size where a dimension is inserted
-        dn, update_shape = p["dimension_numbers"], eqn.invars[2].aval.shape
-        sizes = iter(update_shape[d] for d in dn.update_window_dims)
-        window = [1 if a in dn.inserted_window_dims or a in batching else next(sizes)
-                  for a in range(len(shape))]
+    else:
+        window = _scatter_window(eqn)
     for a in set(ctx.row_axes(shape)) - set(batching):
         if not _core_equal(window[a], shape[a]):
             raise NoRule("an index into the rows of packed rows (x.at[0]): a packed row holds "
@@ -1036,10 +1042,7 @@ def _put_own(ctx: _PackedCtx, eqn, invals):
     update_shape = eqn.invars[2].aval.shape
     if isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter"):
         return None
-    window = [1 if a in dn.inserted_window_dims or a in dn.operand_batching_dims else None
-              for a in range(len(shape))]
-    sizes = iter(update_shape[d] for d in dn.update_window_dims)
-    window = [w if w is not None else next(sizes) for w in window]
+    window = _scatter_window(eqn)
     found = _own_position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
                           (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
                           eqn.invars[1].aval.shape)
@@ -1224,9 +1227,7 @@ def _put_sequences(ctx: _PackedCtx, eqn, invals):
             or len(dn.update_window_dims) + len(dn.inserted_window_dims) != len(shape)):
         return None
     update_shape = eqn.invars[2].aval.shape
-    window = [1 if a in dn.inserted_window_dims else None for a in range(len(shape))]
-    sizes = iter(update_shape[d] for d in dn.update_window_dims)
-    window = [w if w is not None else next(sizes) for w in window]
+    window = _scatter_window(eqn)
     found = _sequence_and_position(
         ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
         (dn.operand_batching_dims, dn.scatter_indices_batching_dims), eqn.invars[1].aval.shape)
@@ -1371,15 +1372,12 @@ def _put_cells(ctx: _PackedCtx, eqn, invals):
     sequence (FILL_OR_DROP) or whose cell holds no position (outside the frame)."""
     x, index, updates = invals
     dn = eqn.params["dimension_numbers"]
-    shape, update_shape = eqn.invars[0].aval.shape, eqn.invars[2].aval.shape
+    shape = eqn.invars[0].aval.shape
     if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
             or isinstance(updates, (PerSequence, PerCell, NotPacked)) or ctx.alive is not None):
         # Inside a packed scan a row's update may come from a cell that is not real there.
         return None
-    window = [1 if a in dn.inserted_window_dims or a in dn.operand_batching_dims else None
-              for a in range(len(shape))]
-    sizes = iter(update_shape[d] for d in dn.update_window_dims)
-    window = [w if w is not None else next(sizes) for w in window]
+    window = _scatter_window(eqn)
     found = _cell_positions(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
                             (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
                             eqn.invars[1].aval.shape)
