@@ -469,8 +469,35 @@ def _generic(ctx: _PackedCtx, eqn, invals):
         # starts at a literal 0 bounds nothing, so it is refused here: ``x[:, :k]`` would read
         # each packed row's first sequence for all of the row's sequences.
         _refuse_windows_of_packed_length(ctx, eqn)
+        _refuse_indexing_across_sequences(ctx, eqn)
         return entry.rule(ctx, eqn, invals)
     raise NoRule(f"{name} has no rule for packed rows")
+
+
+def _refuse_indexing_across_sequences(ctx: _PackedCtx, eqn) -> None:
+    """`NoRule` for an indexing equation over packed rows that the padded rule would run by
+    column, mixing a row's sequences:
+
+    - an operand made per position without the rows axis (``jnp.arange(T) // 2`` as segment
+      ids under ``jax.vmap``) beside packed rows: its entries would be read by column, not by
+      each cell's position in its sequence;
+    - a scatter of a packed length's cells into a value without one (``jax.ops.segment_sum``
+      along T into segments): each packed row would sum its sequences together."""
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in (*eqn.invars, *eqn.outvars)]
+    if not any(ctx.row_axes(s) for s in shapes):
+        return                       # per-position code: no packed row to mix
+    name = eqn.primitive.name
+    for shape in shapes[:len(eqn.invars)]:
+        if ctx.packed_axes(shape) and not ctx.row_axes(shape):
+            raise NoRule(f"{name} reads a value made per position without the rows axis (such "
+                         f"as jnp.arange(T) // 2) beside packed rows: it would be read by "
+                         f"column, not by each cell's position in its sequence")
+    if name in SCATTERS:
+        operand, updates = shapes[0], shapes[2]
+        if ctx.row_axes(updates) and ctx.packed_axes(updates) and not ctx.packed_axes(operand):
+            raise NoRule(f"{name} collects the cells of a packed length into a value without "
+                         f"one (jax.ops.segment_sum along T): each packed row would combine "
+                         f"its sequences")
 
 
 def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
