@@ -481,8 +481,10 @@ def _refuse_indexing_across_sequences(ctx: _PackedCtx, eqn) -> None:
     - an operand made per position without the rows axis (``jnp.arange(T) // 2`` as segment
       ids under ``jax.vmap``) beside packed rows: its entries would be read by column, not by
       each cell's position in its sequence;
-    - a scatter of a packed length's cells into a value without one (``jax.ops.segment_sum``
-      along T into segments): each packed row would sum its sequences together."""
+    - a scatter of a packed length's cells into a value with the rows but without a packed
+      length (``jax.ops.segment_sum`` along T into segments, per row): each packed row would
+      sum its sequences together. (Into a value without the rows -- an embedding's gradient --
+      every real cell of every row adds up, as in the pad layout.)"""
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in (*eqn.invars, *eqn.outvars)]
     if not any(ctx.row_axes(s) for s in shapes):
         return                       # per-position code: no packed row to mix
@@ -494,7 +496,8 @@ def _refuse_indexing_across_sequences(ctx: _PackedCtx, eqn) -> None:
                          f"column, not by each cell's position in its sequence")
     if name in SCATTERS:
         operand, updates = shapes[0], shapes[2]
-        if ctx.row_axes(updates) and ctx.packed_axes(updates) and not ctx.packed_axes(operand):
+        if (ctx.row_axes(updates) and ctx.packed_axes(updates) and ctx.row_axes(operand)
+                and not ctx.packed_axes(operand)):
             raise NoRule(f"{name} collects the cells of a packed length into a value without "
                          f"one (jax.ops.segment_sum along T): each packed row would combine "
                          f"its sequences")
