@@ -137,8 +137,8 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
     ncarry, body = p["num_carry"], p["jaxpr"]
     ys0 = [filled(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
     if held_ys:
-        n = ctx.rows_vector_shape(next(x.rows for x in (*consts, *xs)
-                                       if isinstance(x, RowVarying)))
+        held_rows = next(x.rows for x in (*consts, *xs) if isinstance(x, RowVarying))
+        n = ctx.rows_vector_shape(held_rows)
         ys0 = [filled((*n, *y.shape), 0, y.dtype) if h else y for y, h in zip(ys0, held_ys)]
     ys0 += [filled((p["length"], *jnp.shape(c)), 0, c.dtype)
             for c, k in zip(init, keep) if k]
@@ -171,9 +171,7 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
 
     _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
     n_ys = len(eqn.outvars) - ncarry
-    ys[:len(held_ys)] = [RowVarying(y, next(x.rows for x in (*consts, *xs)
-                                            if isinstance(x, RowVarying))) if h else y
-                         for y, h in zip(ys, held_ys)]
+    ys[:len(held_ys)] = [RowVarying(y, held_rows) if h else y for y, h in zip(ys, held_ys)]
     kept = iter(ys[n_ys:])
     return carry, ys[:n_ys], [next(kept) if k else None for k in keep]
 

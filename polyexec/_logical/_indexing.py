@@ -260,6 +260,13 @@ def _one_position_axis(ctx, x_shape, window, index_map, dropped, out_axes, batch
     return t, list(index_map).index(t)
 
 
+def _one_index(idx) -> bool:
+    """Whether ``idx`` is one index vector: for all rows, or one per row (held per row with
+    the rows in front)."""
+    held = isinstance(idx, RowVarying)
+    return jnp.ndim(idx.value if held else idx) == 1 + held
+
+
 def _position_per_row(ctx, x, t, idx, component, mode):
     """The position each row reads along ``t``, shaped to broadcast along ``x``: one index
     for all rows, or each row's own (held per row, `RowVarying`: ``x[:, t]`` inside a scan
@@ -285,8 +292,7 @@ def _per_row_position(ctx, eqn, x, idx):
     outside it in FILL_OR_DROP mode, and in a row of length 0, which has no position); None
     for any other gather. ``k`` may differ per row (`_position_per_row`)."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
-    if jnp.ndim(idx.value if isinstance(idx, RowVarying) else idx) != 1 + isinstance(
-            idx, RowVarying):
+    if not _one_index(idx):
         return None
     found = _one_position_axis(ctx, x.shape, p["slice_sizes"], dn.start_index_map,
                                dn.collapsed_slice_dims, dn.offset_dims, dn.operand_batching_dims)
@@ -310,8 +316,7 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     update into its own position ``k`` (clamped into its length, or dropped outside it in
     FILL_OR_DROP mode, and in a row of length 0); None for any other scatter."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
-    if eqn.primitive.name not in ("scatter-add", "scatter") or jnp.ndim(
-            idx.value if isinstance(idx, RowVarying) else idx) != 1 + isinstance(idx, RowVarying):
+    if eqn.primitive.name not in ("scatter-add", "scatter") or not _one_index(idx):
         return None
     window = [1] * x.ndim
     for a, u in zip([a for a in range(x.ndim) if a not in dn.inserted_window_dims],
