@@ -462,10 +462,15 @@ class PackedBatching:
         return batch.rows // self.num_shards, batch.row_length
 
     def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
-        """Every (rows, row length) an epoch runs at, and the real tokens each one carries."""
-        at = self.policy.assign(np.maximum(lengths, self.min_length))
-        return {(self.rows(n), n): int(np.sum(lengths[at == n]))
-                for n in self.row_lengths if np.any(at == n)}
+        """Every (rows, row length) an epoch runs at, and the real tokens each one carries: from
+        the plan itself, since a longer row length's steps take shorter examples into the
+        cells they leave free (`buckets.packed_batch_plan`), and may take all of a row length's
+        (whose shape then needs no compile)."""
+        out: dict[tuple[int, int], int] = {}
+        for batch in self.epoch(lengths, 0, shuffle=False):
+            key = self.shape(batch)
+            out[key] = out.get(key, 0) + int(lengths[batch.indices].sum())
+        return out
 
     def stack(self, examples: Examples, batch: _buckets.PackedBatch,
               rows_of: Any = None) -> tuple[Any, np.ndarray]:
