@@ -793,6 +793,36 @@ def test_sorting_gathers_and_their_gradients_read_each_sequences_own_positions(f
     assert f.traces == 1
 
 
+def _top_two(x):
+    """``top_k`` along T of a score per position, ties included (scores rounded to halves)."""
+    return jax.lax.top_k(jnp.round(2 * x[..., 0]) / 2 + x[..., 1] * 0, 2)
+
+
+def _top_two_loss(x):
+    values, _ = _top_two(x)
+    return jnp.sum(jnp.sin(values) * jnp.array([1.0, 0.3]))
+
+
+@pytest.mark.parametrize("lengths", [[5, 2, 7, 3], [8, 3, 5], [31, 2, 16, 16, 9, 23]])
+def test_top_k_along_t_is_each_sequences_own_with_its_gradient(lengths):
+    """``lax.top_k`` along a packed T: each sequence's own k largest and their positions
+    (ties to the lower position, as top_k breaks them), and its gradient (a scatter-add of
+    each sequence's k updates) back at those positions of that sequence only."""
+    f = px.bucketed(lambda x, lengths: (_top_two(x), jax.grad(_top_two_loss)(x)), SPECS[1:],
+                    buckets=BUCKETS, layout="pack", strict=True)
+    x, _, _ = batch(lengths, seed=len(lengths))
+    (values, positions), grad = f(x, np.asarray(lengths, np.int32))
+    assert f.plan.can_pack, f.plan.packing_reason
+    for b, n in enumerate(lengths):
+        alone = jnp.asarray(x[b:b + 1, :n])
+        want_values, want_positions = _top_two(alone)
+        where = f"sequence {b} (length {n}) of {lengths}"
+        close(values[b], want_values[0], f"values, {where}")
+        np.testing.assert_array_equal(positions[b], want_positions[0], f"positions, {where}")
+        close(grad[b, :n], jax.grad(_top_two_loss)(alone)[0], f"gradient, {where}")
+        assert np.all(np.asarray(grad)[b, n:] == 0), f"gradient past the end, {where}"
+
+
 def _accumulate_over_time(init):
     def fn(x, lengths):
         def step(total, xt):                                # xt: (B, 3), one time step

@@ -502,6 +502,12 @@ class Ctx:
             return take_rows(self, x, length - 1 - iota_along(x.shape, axis), axis)
         return take_clamped(self, x, length - 1 - iota_along((n,), 0), axis)
 
+    def top_k(self, eqn, x, axis: int):
+        """``top_k`` of ``x`` along the length ``axis``: the tail becomes the dtype's lowest
+        value; top_k breaks ties towards the lower index, so a real position equal to it
+        still wins over the tail (and a row shorter than k gets the tail's positions)."""
+        return bind_eqn_with(eqn, [fill_tail(self, x, (axis,), lowest_value(x.dtype))])
+
     def check_relayout(self, src, dst) -> None:
         """Raise `NoRule` when this layout cannot move elements between the axes of ``src``
         and ``dst`` (a reshape that does not keep its length axes); padded rows lay the

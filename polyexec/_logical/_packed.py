@@ -38,7 +38,8 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
 - reversing a packed length (``jnp.flip``, a bidirectional RNN's backward half): each
   sequence in place; a cumulative op along it (``cumsum``, ``cummax``, ... either way): each
   sequence's running value from its own first cell; a sort along it (``jnp.sort``,
-  ``argsort``): each sequence in place;
+  ``argsort``): each sequence in place; ``top_k`` along it: each sequence's own ``k``
+  largest and their positions, held per sequence, and its gradient back at those positions;
 - a gather along a packed length with one index per cell, positions inside the cell's own
   sequence (``take_along_axis(x, jnp.argsort(x, axis=1), 1)``, ``x[b, idx]``, a sort's JVP,
   and so the gradients of ``jnp.sort`` and ``jnp.median``): cell ``(r, c)`` reads column
@@ -96,7 +97,8 @@ from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
 from ._core import (ELEMENTWISE, Ctx, Logical, NoRule, Recorder, RowVarying, Unsupported, bind_eqn,
                     bind_eqn_with, defrule, eval_jaxpr, filled, is_sym, like_aval,
-                    lookup_rule, moves_ragged_rows, padded_rule, replay, sub_jaxprs, take_rows)
+                    lookup_rule, lowest_value, moves_ragged_rows, padded_rule, replay, sub_jaxprs,
+                    take_rows)
 from ._control import at_step, frozen_scan
 from ._families import REDUCERS, SCATTERS
 from ._indexing import gather_fill
@@ -301,6 +303,9 @@ class _PackedCtx(Ctx):
 
     def window(self, eqn, x, monoid):
         return _window(self, eqn, x, monoid)
+
+    def top_k(self, eqn, x, axis: int):
+        return _top_per_sequence(self, eqn, x, axis)
 
     def check_relayout(self, src, dst) -> None:
         """Merging or splitting the rows or a packed length would mix a row's sequences."""
@@ -941,6 +946,40 @@ def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
     return take_rows(ctx, x, spread(source, x.shape, (r, a)), a)
 
 
+def _top_per_sequence(ctx: _PackedCtx, eqn, x, a: int):
+    """`_PackedCtx.top_k`: each sequence's own ``k`` largest and their positions, held at
+    every cell of the sequence (`PerSequence`). Each sequence is sorted in place (its start
+    column the first key, `sort_key`), ascending by value and, among equal values, descending
+    by position, so its ``k`` largest are its last ``k`` cells read backwards, the lower
+    position first among ties, as ``top_k`` breaks them. A sequence shorter than ``k`` gets
+    the dtype's lowest value at positions ``n .. k - 1``, as its padded row does."""
+    shape, k = x.shape, int(eqn.params["k"])
+    if ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [a] or a != len(shape) - 1:
+        raise NoRule(f"top_k of a value of shape {tuple(shape)} (packed rows take it with the "
+                      f"rows first and the packed length last)")
+    n = shape[a]
+    position = spread(ctx.cells(n)[0], shape, (0, a))
+    _, ranked, negated = lax.sort((ctx.sort_key(shape, a), x, -position), dimension=a,
+                                  num_keys=3)
+    # Per cell of the grid and rank j: the column holding its sequence's j-th largest.
+    j = lax.broadcasted_iota(np.int32, (1, 1, k), 2)
+    count = ctx._at(n, ctx.seglen)[..., None]
+    column = jnp.clip(ctx.sequence_starts()[..., None] + count - 1 - j, 0, n - 1)
+    real = (j < count) & (ctx.pos >= 0)[..., None]
+    rows = lax.broadcasted_iota(np.int32, column.shape, 0)
+
+    def pick(v):        # (rows, *F, n) -> (rows, columns, *F, k), and where it is real
+        got = jnp.moveaxis(jnp.moveaxis(v, a, 1)[rows, column], 2, -1)
+        return got, spread(real, got.shape, (0, 1, got.ndim - 1))
+
+    values, keep = pick(ranked)
+    values = jnp.where(keep, values, lowest_value(x.dtype))
+    positions, _ = pick(-negated)
+    positions = jnp.where(keep, positions, lax.broadcasted_iota(
+        positions.dtype, positions.shape, positions.ndim - 1))
+    return [PerSequence(values, 0), PerSequence(positions.astype(eqn.outvars[1].aval.dtype), 0)]
+
+
 def _cumulative(ctx: _PackedCtx, eqn, x, a: int, monoid, reverse: bool):
     """`_PackedCtx.accumulate`: a cumulative op along a packed length runs per sequence: a
     scan over the columns whose running value restarts at each sequence's first cell (its last
@@ -1098,6 +1137,31 @@ def _put_own(ctx: _PackedCtx, eqn, invals):
     rest = [a for a in range(len(shape)) if a not in (r, p)]
     cells = spread(u, shape, (r, p, *rest))
     return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
+
+
+def _put_ranked(ctx: _PackedCtx, eqn, invals):
+    """``top_k``'s gradient: the scatter-add of each sequence's ``k`` updates at its ``k``
+    positions (`_top_per_sequence` holds both at every cell of the sequence), into a
+    ``(rows, packed length)`` operand. Each cell adds the updates whose position is its own,
+    so nothing crosses a sequence and nothing lands outside the frame."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    index_shape = eqn.invars[1].aval.shape
+    if (eqn.primitive.name != "scatter-add" or isinstance(x, PerSequence)
+            or not isinstance(index, PerSequence) or index.axis != 0 or len(shape) != 2
+            or ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [1]
+            or (tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims),
+                tuple(dn.scatter_dims_to_operand_dims), tuple(dn.inserted_window_dims),
+                tuple(dn.update_window_dims)) != ((0,), (0,), (1,), (1,), ())
+            or len(index_shape) != 3 or is_sym(index_shape[1]) or index_shape[2] != 1):
+        return None
+    n = shape[1]
+    position = lax.slice_in_dim(index.value[..., 0], 0, n, axis=1)           # (rows, n, k)
+    value = lax.slice_in_dim(held(ctx, updates, eqn.invars[2].aval.shape).value, 0, n, axis=1)
+    pos, _ = ctx.cells(n)
+    at = (position == pos[..., None]) & ctx.in_frame(n)[..., None]
+    added = jnp.sum(jnp.where(at, value, jnp.zeros((), value.dtype)), axis=2)
+    return [x + added.astype(x.dtype)]
 
 
 def _write_at_positions(ctx: _PackedCtx, eqn, x, cells, position, inside, r: int, p: int):
@@ -1439,7 +1503,7 @@ def _pick_any(ctx: _PackedCtx, eqn, invals):
 
 def _put_any(ctx: _PackedCtx, eqn, invals):
     """The transposes of `_pick_any`."""
-    for put in (_put, _put_own, _put_sequences, _put_cells):
+    for put in (_put, _put_own, _put_ranked, _put_sequences, _put_cells):
         done = put(ctx, eqn, invals)
         if done is not None:
             return done

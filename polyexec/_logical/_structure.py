@@ -23,7 +23,7 @@ from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape
 from ._core import (PAD_AND_PACK, NoRule, acts_along_params, bind_eqn, bind_eqn_with, defrule,
-                    fill_tail, filled, iota_along, is_empty, is_sym, lowest_value, operand_avals,
+                    filled, iota_along, is_empty, is_sym, operand_avals,
                     place_window, same_dim, take_clamped, take_rows)
 
 
@@ -84,7 +84,7 @@ def _sort(ctx, eqn, invals):
     return list(out[1:])
 
 
-@defrule("top_k")
+@defrule("top_k", layout=PAD_AND_PACK)
 def _top_k(ctx, eqn, invals):
     (x,) = invals
     axis = eqn.params.get("axis", x.ndim - 1)
@@ -94,9 +94,7 @@ def _top_k(ctx, eqn, invals):
         return None
     if is_sym(eqn.params["k"]):
         raise NoRule("top_k with a symbolic k")
-    # The tail becomes the lowest value; top_k breaks ties towards the lower index, so a
-    # logical position equal to the lowest value still wins over the tail.
-    return bind_eqn_with(eqn, [fill_tail(ctx, x, (axis,), lowest_value(x.dtype))])
+    return ctx.top_k(eqn, x, axis)
 
 
 
