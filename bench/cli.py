@@ -74,9 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cap", type=int, help="longest length; longer examples are truncated and "
                                            "counted (default 1024)")
     bs = w.add_mutually_exclusive_group()
-    bs.add_argument("--batch-size", type=int, help="examples per batch (default 32)")
+    bs.add_argument("--batch-size", type=int,
+                    help="examples per batch (the default under --quick and --devices: 32, "
+                         "--quick 8)")
     bs.add_argument("--max-tokens", type=int,
-                    help="token budget per batch instead: rows x padded length <= this")
+                    help="token budget per batch instead: rows x padded length <= this "
+                         "(default 32 x --cap: every strategy the tokens of the pack peer's "
+                         "32 rows of the cap)")
     w.add_argument("--steps", type=int, help="use only about this many batches' worth of "
                                              "examples per epoch (the same examples for all)")
     w.add_argument("--epochs", type=int, default=2,
@@ -139,7 +143,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else preset[name]
     batch_size, max_tokens = args.batch_size, args.max_tokens
     if batch_size is None and max_tokens is None:
-        batch_size = preset["batch_size"]
+        if args.quick or (args.devices or 1) > 1:
+            batch_size = preset["batch_size"]
+        else:
+            # The same tokens a step for every strategy: the pack peer's rows of the cap. With
+            # 32 examples a step instead, packed rows hold 32 examples where the peer's 32 rows
+            # hold about 200 (pydoc): the throughputs would compare batch sizes, not layouts.
+            max_tokens = preset["batch_size"] * pick("cap")
     source, lengths_file = "pydoc", None
     if args.lengths_file:
         source, lengths_file = "file", args.lengths_file

@@ -408,6 +408,18 @@ def test_quick_preset_and_explicit_flags():
     assert (cfg.batch_size, cfg.max_tokens, cfg.source, cfg.mode) == (None, 4096, "bimodal", "train")
 
 
+@pytest.mark.parametrize("argv, batching", [
+    ([], (None, 32 * 1024)),                      # the pack peer's 32 rows of the cap's tokens
+    (["--cap", "512"], (None, 32 * 512)),
+    (["--batch-size", "16"], (16, None)),
+    (["--quick"], (8, None)),
+    (["--devices", "2"], (32, None)),             # whole rows a device: rows, not tokens
+])
+def test_every_strategy_gets_the_same_tokens_a_step_by_default(argv, batching):
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert (cfg.batch_size, cfg.max_tokens) == batching
+
+
 def _doc():
     return {"workload": {}, "limit_tokens_per_s": 200.0, "results": [
         {"strategy": "exact", "compiles": 3, "traces": 3, "compile_s": 1.5,
