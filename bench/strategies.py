@@ -521,10 +521,12 @@ class PolyexecPack(Strategy):
     def row_sizes(self, cfg):
         return sorted({max(1, self.budget(cfg) // n) for n in self.row_lengths(cfg)})
 
-    def schedule(self, cfg, data, policy):
+    def schedule(self, cfg, data, policy, room: int = 0):
+        """Each epoch's packed steps; ``room``: the cells the step's packed program needs
+        after each example (`Plan.packing_room`), counted as the executor packs them."""
         return [buckets.packed_batch_plan(data.padded_lengths, self.row_lengths(cfg),
                                           max_tokens=self.budget(cfg), seed=cfg.seed,
-                                          epoch=epoch)
+                                          epoch=epoch, room=room)
                 for epoch in range(cfg.epochs)]
 
     def padded_shape(self, cfg, policy, rows, longest):
@@ -539,7 +541,9 @@ class PolyexecPack(Strategy):
                                            px.Spec((B,), jnp.int32, lengths_of=T)),
                         buckets={T: lengths}, name=self.name, layout="pack",
                         pack_rows={n: max(1, self.budget(cfg) // n) for n in lengths})
-        return PackedBucketedRun(cfg, data, step, f, self.schedule(cfg, data, None), lengths)
+        room = f.plan_for(step.state).packing_room
+        return PackedBucketedRun(cfg, data, step, f, self.schedule(cfg, data, None, room),
+                                 lengths)
 
 
 def bucketed_update(step: Step, f, state, tokens, lengths):

@@ -161,14 +161,15 @@ def _priced(cost: CostModel, shapes: set, free: frozenset, steps: int, cells: in
 
 def predict_packed(lengths, row_lengths, cost: CostModel | Mapping[int, CostModel], *,
                    epochs: int = 1, rows: int | None = None, max_tokens: int | None = None,
-                   seed: int = 0, num_shards: int = 1, compiled: Collection[tuple[int, int]] = ()
-                   ) -> Prediction:
+                   seed: int = 0, num_shards: int = 1, compiled: Collection[tuple[int, int]] = (),
+                   room: int = 0) -> Prediction:
     """The predicted cost of ``epochs`` epochs of `packed_batch_plan` over ``lengths``:
     counted from the very plans the run makes (epoch ``e`` shuffled from ``(seed, e)``; the
     first-fit rows differ a little from epoch to epoch), so ``cells`` are the cells that run.
     ``shapes``: the compiled ``(rows, row_length)`` pairs; ``compiled`` ones are free.
     ``cost``: one for every row length, or one per row length (``{L: CostModel}``) where
     they were measured apart -- a cell of a short row can cost less than one of a long row.
+    ``room``: the cells each example takes after its own (`packed_batch_plan`'s).
 
     >>> cost = CostModel(compile_seconds=1.0, seconds_per_cell=0.01)
     >>> p = predict_packed([3, 4, 9, 10, 2], [16], cost, rows=1, epochs=2)
@@ -191,7 +192,7 @@ def predict_packed(lengths, row_lengths, cost: CostModel | Mapping[int, CostMode
     shapes, cells, steps = set(), {}, {}
     for epoch in range(epochs):
         plan = packed_batch_plan(arr, row_lengths, rows=rows, max_tokens=max_tokens, seed=seed,
-                                 epoch=epoch, num_shards=S)
+                                 epoch=epoch, num_shards=S, room=room)
         shapes.update((b.rows, b.row_length) for b in plan)
         for b in plan:
             cells[b.row_length] = cells.get(b.row_length, 0) + b.rows * b.row_length * S

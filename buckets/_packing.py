@@ -176,6 +176,7 @@ def packed_batch_plan(
     shard_index: int = 0,
     overflow: PackedOverflow = "error",
     exclude=(),
+    room: int = 0,
 ) -> list[PackedBatch]:
     """This shard's steps for one epoch of packed rows, each as
     ``PackedBatch(row_length, indices, rows)``.
@@ -213,6 +214,16 @@ def packed_batch_plan(
     ``exclude``: indices of examples this epoch has already run (the steps a layout choice
     timed, `polyexec.training.choose_layout`); they are left out of the plan, which then
     covers every other example exactly once.
+
+    ``room``: cells each example takes after its own in a row, as a packed program that
+    reads past each sequence's end (a value of length ``T + 2``) needs them: an example of
+    length n takes ``n + room`` cells of a row of ``L + room`` (the last example of a row
+    keeps its room past the row's L columns), which is how polyexec's executor packs such a
+    program (``Plan.packing_room``). Row lengths, rows and cells are counted as without it.
+
+    >>> [(b.row_length, b.indices.tolist(), b.rows)                 # 3 + 2 + 3 + 2 <= 8 + 2
+    ...  for b in packed_batch_plan([3, 3, 4], [8], rows=1, shuffle=False, room=2)]
+    [(8, [0, 1], 1), (8, [2], 1)]
 
     Every step runs all ``rows`` rows (one compiled shape per row length in use); rows a part
     does not fill are padding, priced by `packed_cells`. A shard's part is empty (an int64
@@ -256,6 +267,7 @@ def packed_batch_plan(
     shuffle = check_bool(where, "shuffle", shuffle)
     seed, epoch, S, shard_index = check_epoch_shard(where, seed, epoch, num_shards, shard_index)
     overflow = check_option(where, "overflow", overflow, _PACKED_OVERFLOW_OPTIONS)
+    room = check_int(where, "room", room, minimum=0)
     arr = lengths_array(lengths, where=where)
     try:
         policy = as_policy(row_lengths)
@@ -270,7 +282,7 @@ def packed_batch_plan(
                          f"received {done.dtype} array {done.tolist()[:8]}")
     steps = _planned_steps(arr.tobytes(), tuple(int(n) for n in policy.sizes), rows,
                            max_tokens, shuffle, seed, epoch, S, overflow,
-                           done.astype(np.int64).tobytes())
+                           done.astype(np.int64).tobytes(), room)
     # Copies: the planned steps are kept (below) for the next caller with these arguments.
     return [PackedBatch(L, idx[cut[shard_index]:cut[shard_index + 1]].copy(), R)
             for L, idx, R, cut in steps]
@@ -308,16 +320,17 @@ def packed_batches(
 # arguments give the same plan, so it is made once.
 @functools.lru_cache(maxsize=16)
 def _planned_steps(lengths: bytes, sizes: tuple[int, ...], rows, max_tokens, shuffle, seed,
-                   epoch, S, overflow, exclude: bytes):
+                   epoch, S, overflow, exclude: bytes, room: int):
     return _packed_steps("packed_batch_plan", np.frombuffer(lengths, np.int64), sizes, rows,
                          max_tokens, shuffle, seed, epoch, S, overflow,
-                         np.frombuffer(exclude, np.int64))
+                         np.frombuffer(exclude, np.int64), room)
 
 
 def _packed_steps(where, arr, sizes, rows, max_tokens, shuffle, seed, epoch, S, overflow,
-                  exclude=()):
+                  exclude=(), room=0):
     """All shards' steps: (row_length, indices of the whole global step, rows per shard,
-    the S + 1 offsets of the shards' parts in those indices), ``exclude`` left out."""
+    the S + 1 offsets of the shards' parts in those indices), ``exclude`` left out. Each
+    example packs as its length and ``room`` cells into rows of ``L + room``."""
     sizes = np.asarray(sizes, dtype=np.int64)
     largest = int(sizes[-1])
     over = np.flatnonzero(arr > largest)
@@ -346,13 +359,14 @@ def _packed_steps(where, arr, sizes, rows, max_tokens, shuffle, seed, epoch, S, 
         pools[L] = rng.permutation(pool) if rng is not None else pool
     # Longest row length first, its steps' free cells filled with shorter examples; the
     # steps listed by row length ascending (the order of an unshuffled plan).
-    shorter = _Shorter(eff, pools)
+    cells = eff + room          # the cells each example takes in a row of L + room
+    shorter = _Shorter(cells, pools, room)
     by_length: dict[int, list[tuple[int, np.ndarray, int, np.ndarray]]] = {}
     for L in sorted(pools, reverse=True):
         pool = shorter.pool(L)
         R = rows if rows is not None else max(1, max_tokens // L)
         by_length[L] = []
-        for run, cut in _cut(eff[pool], L, R, S):
+        for run, cut in _cut(cells[pool], L + room, R, S):
             idx, cut = shorter.fill(pool[run].astype(np.int64, copy=False), cut, L, R)
             by_length[L].append((L, idx, R, cut))
     steps = [step for L in sorted(by_length) for step in by_length[L]]
@@ -377,8 +391,10 @@ class _Shorter:
     of 256 and 1,024): the plan filled 0.897 of its cells, against Grain's first-fit 0.961
     into rows of 1,024 alone -- examples of 257..1,024 bytes pair badly with one another."""
 
-    def __init__(self, lengths: np.ndarray, pools: dict[int, np.ndarray]):
-        self.lengths, self.pools = lengths, pools
+    def __init__(self, lengths: np.ndarray, pools: dict[int, np.ndarray], room: int = 0):
+        # ``lengths``: the cells each example takes (its room included) in rows of
+        # ``L + room``.
+        self.lengths, self.pools, self.room = lengths, pools, room
         self.taken = np.zeros(lengths.size, bool)
 
     def pool(self, L: int) -> np.ndarray:
@@ -396,7 +412,8 @@ class _Shorter:
         for s in range(cut.size - 1):
             part = idx[cut[s]:cut[s + 1]]
             if part.size:       # an empty part stays empty (`packed_batch_plan` says when)
-                part = np.concatenate([part, self._gap_fillers(part, waiting, L, R)])
+                part = np.concatenate([part, self._gap_fillers(part, waiting, L + self.room,
+                                                               R)])
             parts.append(part)
             offsets.append(offsets[-1] + part.size)
         return np.concatenate(parts), np.asarray(offsets, cut.dtype)

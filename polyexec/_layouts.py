@@ -14,7 +14,9 @@ the program it runs (`Program` of a `Segment`) and how that program is compiled 
   sequence is) and ``seglen`` (its sequence's length), and a third where the program reads it
   (`Program.reads_sequence`: a random draw along the rows), ``sequence`` (its sequence's index
   in the call, -1 where none is). Invariant: a sequence's cells are
-  consecutive columns of one row, from position 0; per-sequence inputs (lengths, labels) are
+  consecutive columns of one row, from position 0, then the program's room
+  (`Program.room`: ``pos`` n, n + 1, ..., the last sequence's past the row's T columns, so
+  the layout inputs are ``(rows, T + room)``); per-sequence inputs (lengths, labels) are
   held at every cell of their sequence and read back at its first. Split over devices (a
   sharded ``lengths_of`` argument), the rows are a multiple of the devices and every per-cell
   input is split with its rows: each device holds whole rows, so each sequence lies on one.
@@ -237,22 +239,26 @@ class _Pack(Layout):
         poly_at = at - segment.convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
         packing, n_rows = self.packing(plan, lengths, sizer)
-        grid = _Grid(lengths, packing, n_rows, var, rows_var,
-                     empty_cells=segment.program("pack").empty_cells)
+        grid = _Grid(lengths, packing, n_rows, var, rows_var, segment.program("pack"))
         return _Packed(self, call, grid, sizer.bucket_for, plan)
 
     def packing(self, plan: Plan, lengths: np.ndarray, sizer) -> tuple[Any, int]:
         """``(buckets.Packing, rows)``: where sequences of ``lengths`` go in the grid `place`
         builds, from their lengths alone (`polyexec.training` reads which rows each process
-        holds from it before loading the examples)."""
+        holds from it before loading the examples). Each sequence takes the cells the program
+        says (`Program.cells`: the room after it, a cell for an empty one) in rows of the
+        row length (T's bucket) and the room: the last sequence of a row may keep its room
+        past the row's T columns, so the Packing's ``row_length`` is ``T + room``, the width
+        of the layout inputs."""
         segment = plan.segments[0]
         ((var, (_, rows_var)),) = segment.convention.rows_at.items()
-        # A sequence of length 0 takes a cell where the program holds per-sequence values.
-        cells = np.maximum(lengths, 1) if segment.program("pack").empty_cells else lengths
+        program = segment.program("pack")
+        cells = program.cells(lengths)
         row_length = sizer.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
-        first = _buckets.first_fit(cells, row_length)
+        width = row_length + program.room
+        first = _buckets.first_fit(cells, width)
         n_rows = sizer.packed_rows(plan, rows_var, row_length, first.rows)
-        return _buckets.balanced_fit(cells, row_length, n_rows, first=first), n_rows
+        return _buckets.balanced_fit(cells, width, n_rows, first=first), n_rows
 
 
 PACK = _Pack("pack")
@@ -283,13 +289,13 @@ class _Packed(Placed):
     def __init__(self, layout, call, grid: "_Grid", bucket_for, plan):
         self.layout, self.call, self.grid = layout, call, grid
         self._bucket_for, self._plan = bucket_for, plan
-        self.bucket = {grid.rows_var: grid.rows, grid.var: grid.packing.row_length}
+        self.bucket = {grid.rows_var: grid.rows, grid.var: grid.row_length}
         self.sizes = {**call.sizes, grid.rows_var: len(grid.lengths), grid.var: grid.longest}
         self.real = self.padded = 0
 
     @property
     def cells(self) -> int:
-        return self.grid.rows * self.grid.packing.row_length
+        return self.grid.rows * self.grid.row_length
 
     def inputs(self, segment, handed):
         grid, poly = self.grid, []
@@ -315,13 +321,17 @@ class _Packed(Placed):
 class _Grid:
     """Where each sequence of one packed call sits, and the moves in and out of that grid."""
 
-    def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str, *,
-                 empty_cells: bool = False):
+    def __init__(self, lengths: np.ndarray, packing, rows: int, var: str, rows_var: str,
+                 program):
         self.lengths, self.packing, self.rows = lengths, packing, rows
         self.var, self.rows_var = var, rows_var
-        # Whether a sequence of length 0 holds a cell (pos 0, seglen 0) for its per-sequence
-        # values: `packing` placed it as a sequence of length 1.
-        self.empty_cells = empty_cells
+        # `packing` placed each sequence as `Program.cells` cells: its own, the room after it
+        # (``pos`` n, n + 1, ...: an axis of T + c holds positions past n there), and a cell
+        # for one of length 0 whose per-sequence values the program holds. The rows are
+        # ``row_length`` (T's bucket) columns, the layout inputs ``width`` (and the room).
+        self.cells_per_sequence = program.cells(lengths)
+        self.width = packing.row_length
+        self.row_length = packing.row_length - program.room
 
     @functools.cached_property
     def seq(self) -> np.ndarray:
@@ -340,35 +350,37 @@ class _Grid:
         return self.packing.start[self.seq] + self.offset
 
     @functools.cached_property
-    def pos(self) -> np.ndarray:
-        pos = np.full((self.rows, self.packing.row_length), -1, np.int32)
-        pos[self.row, self.column] = self.offset
-        if self.empty_cells:
-            empty = self.lengths == 0
-            pos[self.packing.row[empty], self.packing.start[empty]] = 0
-        return pos
+    def sequence_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(sequence, position, row, column)`` of every cell a sequence holds: its real
+        cells, its room, its one cell if it is empty and the program holds per-sequence
+        values -- where its per-sequence values are."""
+        seq, offset = _cells_of(self.cells_per_sequence)
+        return seq, offset, self.packing.row[seq], self.packing.start[seq] + offset
+
+    def _layout_input(self, fill: int, value) -> np.ndarray:
+        """A ``(rows, width)`` int32 layout input: ``value(sequence, position)`` at each cell
+        of a sequence (`sequence_cells`), ``fill`` elsewhere."""
+        out = np.full((self.rows, self.width), fill, np.int32)
+        seq, offset, row, column = self.sequence_cells
+        out[row, column] = value(seq, offset)
+        return out
 
     @functools.cached_property
-    def sequence_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(sequence, row, column)`` of every cell a sequence holds (one for a sequence of
-        length 0 where it has one): where its per-sequence values are."""
-        seq, offset = _cells_of(np.maximum(self.lengths, 1) if self.empty_cells else self.lengths)
-        return seq, self.packing.row[seq], self.packing.start[seq] + offset
+    def pos(self) -> np.ndarray:
+        """Each cell's position in its sequence (room cells: n, n + 1, ...), -1 where no
+        sequence is."""
+        return self._layout_input(-1, lambda seq, offset: offset)
 
     @functools.cached_property
     def sequence(self) -> np.ndarray:
-        """Each cell's sequence's index in the call (its row in the pad layout), at the cells
-        of `sequence_cells`; -1 elsewhere."""
-        sequence = np.full((self.rows, self.packing.row_length), -1, np.int32)
-        seq, row, column = self.sequence_cells
-        sequence[row, column] = seq
-        return sequence
+        """Each cell's sequence's index in the call (its row in the pad layout), -1 where no
+        sequence is."""
+        return self._layout_input(-1, lambda seq, offset: seq)
 
     @functools.cached_property
     def seglen(self) -> np.ndarray:
-        seglen = np.zeros((self.rows, self.packing.row_length), np.int32)
-        seglen[self.row, self.column] = self.lengths[self.seq]
-        return seglen
+        """Each cell's sequence's length, 0 where no sequence is."""
+        return self._layout_input(0, lambda seq, offset: self.lengths[seq])
 
     @property
     def longest(self) -> int:
@@ -379,7 +391,7 @@ class _Grid:
         if self.rows_var in dims and self.var in dims:
             b, t = dims.index(self.rows_var), dims.index(self.var)
             x = np.moveaxis(arr, (b, t), (0, 1))
-            out = np.full((self.rows, self.packing.row_length) + x.shape[2:], spec.pad, dtype)
+            out = np.full((self.rows, self.row_length) + x.shape[2:], spec.pad, dtype)
             out[self.row, self.column] = x[self.seq, self.offset]
             return np.moveaxis(out, (0, 1), (b, t))
         if self.rows_var in dims:
@@ -387,12 +399,12 @@ class _Grid:
             # after the rows axis.
             b = dims.index(self.rows_var)
             x = np.moveaxis(arr, b, 0)
-            out = np.zeros((self.rows, self.packing.row_length) + x.shape[1:], dtype)
-            seq, row, column = self.sequence_cells
+            out = np.zeros((self.rows, self.width) + x.shape[1:], dtype)
+            seq, _, row, column = self.sequence_cells
             out[row, column] = x[seq]
             return np.moveaxis(out, (0, 1), (b, b + 1))
         bucket = {n: bucket_for(n, s, plan) for n, s in zip(dims, arr.shape) if isinstance(n, str)}
-        bucket[self.var] = self.packing.row_length
+        bucket[self.var] = self.row_length
         return _bind.pad_to(arr.astype(dtype, copy=False),
                             [bucket.get(d, s) if isinstance(d, str) else s
                              for d, s in zip(dims, arr.shape)], spec.pad)
@@ -416,8 +428,10 @@ class _Grid:
             per = np.broadcast_to(per, self.lengths.shape).astype(np.int64)
             x = np.moveaxis(leaf, (b, t), (0, 1))
             out = np.zeros((len(self.lengths), int(per.max(initial=0))) + x.shape[2:], x.dtype)
-            keep = self.offset < per[self.seq]
-            out[self.seq[keep], self.offset[keep]] = x[self.row[keep], self.column[keep]]
+            # Each sequence's e(n) positions from its start column: past n (T + 2) they lie
+            # in its room.
+            seq, offset = _cells_of(per)
+            out[seq, offset] = x[self.packing.row[seq], self.packing.start[seq] + offset]
             return np.moveaxis(out, (0, 1), (b, t))
         if len(b) == 1 and not t:
             # Per sequence: held at every cell of its sequence; read at its first.

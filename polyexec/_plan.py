@@ -103,15 +103,20 @@ class Program:
     ``empty_cells``: the packed program reads a per-sequence value, so a sequence of length 0
     takes a cell too, where its per-sequence values are held. ``reads_sequence``: the packed
     program takes each cell's sequence index after ``pos`` and ``seglen`` (a random draw
-    along the rows folds it in).
+    along the rows folds it in). ``room``: the cells the packed program needs after each
+    sequence (a value of length ``T + 2``, ``jnp.pad`` by one each side, needs 2): each
+    sequence of length n takes ``n + room`` cells of a row, the last one's room past the
+    row's ``T`` columns (its layout inputs are ``(rows, T + room)``). `cells` says how many
+    cells each sequence takes; everything that plans packed rows from lengths reads it.
     """
 
     def __init__(self, exported: Any = None, *, reason: str | None = None,
-                 empty_cells: bool = False, reads_sequence: bool = False,
+                 empty_cells: bool = False, reads_sequence: bool = False, room: int = 0,
                  build: Callable[[], Any] | None = None):
         self.reason = reason
         self.empty_cells = empty_cells
         self.reads_sequence = reads_sequence
+        self.room = room
         self._exported = exported
         self._build = build
         self._lock = threading.Lock()
@@ -123,6 +128,18 @@ class Program:
                 if self._build is not None:
                     self._exported, self._build = self._build(), None
         return self._exported
+
+    def cells(self, lengths: np.ndarray) -> np.ndarray:
+        """The cells each sequence of ``lengths`` takes in a packed row: its own, the room
+        after it, and one for a sequence of length 0 where per-sequence values are held.
+
+        >>> Program(room=2).cells(np.array([3, 0])).tolist()
+        [5, 2]
+        >>> Program(empty_cells=True).cells(np.array([3, 0])).tolist()
+        [3, 1]
+        """
+        cells = np.asarray(lengths) + self.room
+        return np.maximum(cells, 1) if self.empty_cells else cells
 
     @property
     def built(self) -> bool:
@@ -339,6 +356,13 @@ class Plan:
         return self.segments[0].program("pack").reason
 
     can_pack = property(lambda self: self.packing_reason is None)
+
+    @property
+    def packing_room(self) -> int:
+        """The cells a packed row leaves after each sequence for this plan's program (0 where
+        it cannot pack): a value of length ``T + 2`` needs 2. Whatever plans packed rows from
+        lengths (`buckets.packed_batch_plan`'s ``room``) plans with it."""
+        return self.segments[0].program("pack").room if self.can_pack else 0
 
     @functools.cached_property   # read on every call (the executor checks the lengths)
     def row_floors(self) -> dict[str, Any]:

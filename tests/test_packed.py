@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
+import buckets
 import polyexec as px
 from polyexec.testing import edge_lengths
 
@@ -1006,6 +1007,129 @@ def _np_window(r, op, init, size, low):
 def _cumulative_step(name):
     return px.bucketed(lambda x, lengths: CUMULATIVE[name][0](x), SPECS_V,
                        buckets={T: [8, 32], B: [8]}, layout="pack", strict=True)
+
+
+# -- room after each sequence: lengths T + c pack ----------------------------------------------
+# A value of length T + 2 (``jnp.pad`` by one cell each side) holds positions n and n + 1 of
+# each sequence after its own cells: the packed row leaves that room after every sequence.
+
+T1 = px.LengthVar("T", min=1, max=32)           # sequences of one token
+ROOM_W = jnp.asarray(np.random.default_rng(38).normal(size=(F, F)), jnp.float32)
+
+
+def _smooth(q):
+    return (q[:-2] + q[1:-1] + q[2:]) / 3
+
+
+def _mean_pool(h):
+    # Window 2, stride 1, padded at the end to T + 1, cut back to T: each token and the next.
+    s = jax.lax.reduce_window(h, 0.0, jax.lax.add, (2, 1), (1, 1), ((0, 1), (0, 0)))
+    return s[:h.shape[0]] / 2
+
+
+def _edge_smooth_batched(x):
+    # Written over the batch: jnp.pad slices the rows into empty pieces for the (0, 0) axis.
+    q = jnp.pad(x, ((0, 0), (1, 1), (0, 0)), mode="edge")
+    return (q[:, :-2] + q[:, 1:-1] + q[:, 2:]) / 3
+
+
+# name -> (one sequence (n, F) -> (e(n), F), the same over the batch, the program's room, T)
+ROOM = {
+    "edge smoothing": (lambda h: _smooth(jnp.pad(h, ((1, 1), (0, 0)), mode="edge")),
+                       None, 2, T1),
+    "edge smoothing, batched": (lambda h: _smooth(jnp.pad(h, ((1, 1), (0, 0)), mode="edge")),
+                                _edge_smooth_batched, 2, T1),
+    "zero smoothing": (lambda h: _smooth(jnp.pad(h, ((1, 1), (0, 0)))), None, 2, T1),
+    # Returns T + 2 positions; JAX's reflect needs T >= 2.
+    "reflect": (lambda h: jnp.pad(h, ((1, 1), (0, 0)), mode="reflect"), None, 2, T),
+    "average pool": (_mean_pool, None, 1, T1),
+}
+
+
+def _room_loss(per_token, w, x):
+    out = per_token(jnp.tanh(x @ w))
+    return jnp.sum(jnp.sin(out) * out), out
+
+
+@functools.cache
+def _room_step(name):
+    per_row, batched, _, var = ROOM[name]
+    each = batched or jax.vmap(per_row)
+
+    def step(w, x, lengths):
+        (total, out), (gw, gx) = jax.value_and_grad(
+            lambda w, x: _room_loss(each, w, x), (0, 1), has_aux=True)(w, x)
+        return {"sum": total, "out": out, "grad_w": gw, "grad_x": gx}
+    specs = (None, px.Spec("B T 3", jnp.float32, pad=PAD),
+             px.Spec("B", jnp.int32, lengths_of="T"))
+    return px.bucketed(step, specs, buckets={var: [8, 32], B: [8]}, layout="pack", strict=True)
+
+
+@pytest.mark.parametrize("name", list(ROOM))
+@settings(max_examples=6)       # each sequence's reference runs eagerly, at its own length
+@given(lengths=st.lists(st.integers(1, T.max), min_size=1, max_size=B.max))
+@example(lengths=[1])
+@example(lengths=[8])                        # fills the T columns; its room lies past them
+@example(lengths=[3, 3])                     # 3 + 2 + 3 (+ 2 past the row): full to column 7
+@example(lengths=[5, 1, 8, 3, 2, 1, 4, 7])
+@example(lengths=[30, 1, 32, 2])
+def test_lengths_past_t_pack_in_the_room_after_each_sequence(name, lengths):
+    per_row, _, room, var = ROOM[name]
+    lengths = [max(n, var.min) for n in lengths]
+    f = _room_step(name)
+    x, _, _ = batch(lengths, seed=sum(lengths))
+    got = f(ROOM_W, x, np.asarray(lengths, np.int32))
+    assert f.plan.can_pack, f.plan.packing_reason
+    assert f.plan.packing_room == room
+    total, grad_w = 0.0, np.zeros((F, F))
+    for b, n in enumerate(lengths):
+        # Each sequence alone at its exact length: values, and the gradients of the input
+        # and of the weights.
+        (t, out), (gw, gx) = jax.value_and_grad(
+            lambda w, r: _room_loss(per_row, w, r), (0, 1), has_aux=True)(ROOM_W, x[b, :n])
+        total, grad_w = total + float(t), grad_w + np.asarray(gw)
+        where = f"{name}: sequence {b} (length {n}) of {lengths}"
+        e = out.shape[0]
+        close(got["out"][b, :e], out, f"out, {where}", rtol=1e-5, atol=1e-5)
+        close(got["grad_x"][b, :n], gx, f"grad_x, {where}", rtol=1e-5, atol=1e-5)
+        assert np.all(got["out"][b, e:] == 0) and np.all(got["grad_x"][b, n:] == 0), where
+    close(got["sum"], total, f"{name}: the sum, {lengths}", rtol=1e-5, atol=1e-4)
+    close(got["grad_w"], grad_w, f"{name}: grad_w, {lengths}", rtol=1e-4, atol=1e-4)
+    # Two sequences of 3 share one row of 8 (asked for one row: more would spread them): the
+    # first one's room lies between them, the second ends at the row's last column and keeps
+    # its room past it.
+    row, rows = f.with_layout("pack", {8: 1}).packing_of([3, 3], ROOM_W)
+    assert rows == 1 and row.tolist() == [0, 0]
+
+
+def test_the_room_is_counted_by_the_plan_and_a_program_without_one_packs_as_before():
+    """Every packed step a plan of lengths makes with the program's room runs at the rows the
+    plan gave it; without the room the plan undercounts. A program with no length past T
+    packs exactly as first-fit packs the lengths alone."""
+    smooth = _room_step("zero smoothing")
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 33, size=200)
+    room = smooth.plan_for(ROOM_W).packing_room
+    assert room == 2
+    undercounted = 0
+    for with_room in (room, 0):
+        plan = buckets.packed_batch_plan(lengths, [8, 32], max_tokens=64, seed=0,
+                                         room=with_room)
+        assert sorted(np.concatenate([b.indices for b in plan]).tolist()) == list(range(200))
+        pinned = smooth.with_layout("pack", {8: 64 // 8, 32: 64 // 32})
+        for b in plan:
+            _, rows = pinned.packing_of(lengths[b.indices], ROOM_W)
+            if with_room:
+                assert rows == b.rows, (b.row_length, lengths[b.indices].tolist())
+            else:
+                undercounted += rows > b.rows
+    assert undercounted, "the plan without the room should have needed more rows somewhere"
+    # k = 0: the layout is first-fit's, unchanged.
+    plain = px.bucketed(products, SPECS_V, buckets={T: [8], B: [8]}, layout="pack")
+    assert plain.plan_for().packing_room == 0
+    for lengths in ([5, 3, 8, 2], [1] * 8, [4, 4, 3, 1, 2, 2]):
+        row, rows = plain.packing_of(lengths)
+        assert row.tolist() == buckets.balanced_fit(lengths, 8, rows).row.tolist()
 
 
 def test_auto_layout_packs_when_it_can_and_pads_silently_otherwise():

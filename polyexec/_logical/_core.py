@@ -74,6 +74,9 @@ class Logical:
     # The packed program takes each cell's sequence index as a third layout input (a draw
     # along packed rows folds it in); programs without one take only ``pos`` and ``seglen``.
     reads_sequence: bool = False
+    # The packed program's cells after each sequence (`_packed.room_of`): its ``pos`` and
+    # ``seglen`` are ``(B, T + room)``, and the layout leaves that many cells after each one.
+    room: int = 0
     floors: tuple[RowFloor, ...] = ()       # per ragged variable, the longest floor found
 
 
@@ -891,6 +894,35 @@ def _only_reach_empty(jaxpr) -> set[int]:
     return found
 
 
+# Primitives linear in all their operands: all of them zero, the result is zero.
+_LINEAR = frozenset("""
+    reduce_sum broadcast_in_dim reshape transpose squeeze expand_dims convert_element_type
+    add_any add sub neg rev slice pad concatenate copy copy_p reduce_precision
+""".split())
+
+
+def _only_from_empty(jaxpr) -> set[int]:
+    """The ids of the equations whose results are zero because they are linear (`_LINEAR`)
+    in operands that are all arrays with no elements (`is_empty`) or such zeros, and literal
+    zeros: the gradient of `_only_reach_empty`'s values -- JAX transposes the slice of one row
+    that edge padding repeats 0 times into a sum over no element, padded back onto the rows
+    (``pad(0, (B - 1, 0))``), which would otherwise need a rule that moves rows."""
+    zero: set = set()
+    found: set[int] = set()
+
+    def is_zero(v) -> bool:
+        if isinstance(v, jax.extend.core.Literal):
+            return np.all(np.asarray(v.val) == 0)
+        return v in zero or (hasattr(v.aval, "shape") and is_empty(v.aval))
+
+    for eqn in jaxpr.eqns:
+        if (eqn.primitive.name in _LINEAR and not eqn.effects
+                and all(is_zero(v) for v in eqn.invars)):
+            found.add(id(eqn))
+            zero.update(v for v in eqn.outvars if isinstance(v, jax.extend.core.Var))
+    return found
+
+
 def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
     env: dict[Any, Any] = {}
 
@@ -902,7 +934,7 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
         return env[v]
 
     reads = _zeroed_reads(jaxpr)
-    unread = _only_reach_empty(jaxpr)
+    unread = _only_reach_empty(jaxpr) | _only_from_empty(jaxpr)
     known: dict[Any, Known] = {}      # each variable's annotation, beside its value
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
@@ -922,7 +954,8 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
             with source_info_util.user_context(eqn.source_info.traceback,
                                                name_stack=name_stack), eqn.ctx.manager:
                 outvals = _folded(eqn, invals)
-                if outvals is None and id(eqn) in unread:     # its values reach no result
+                # Its values reach no result, or are zero whatever the layout.
+                if outvals is None and id(eqn) in unread:
                     outvals = [like_aval(filled(v.aval.shape, 0, v.aval.dtype), v.aval)
                                for v in eqn.outvars]
                 if outvals is None:

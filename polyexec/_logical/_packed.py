@@ -8,6 +8,19 @@ the cell's position inside its sequence (-1 in padding), ``seglen``, its sequenc
 and, only in a program that reads it (a random draw along the rows), ``sequence``, its
 sequence's index in the call's batch (-1 in padding).
 
+The room
+--------
+A program with a length past ``T`` by a constant (``T + 2``: ``jnp.pad`` along T by one cell
+each side; ``T + 1``: a window padded at its end) needs that many cells after each sequence:
+its room, ``k`` the largest such constant (`room_of`, found by a walk of the program before
+the rewrite; `Logical.room`). The layout leaves ``k`` cells after every sequence, the last
+one of a row past the row's ``T`` columns: the layout inputs are ``(B, T + k)``. Room cells
+belong to their sequence -- ``pos`` n, n + 1, ..., ``seglen`` n, ``sequence`` its index -- so
+the frame of an axis of ``T + c`` includes its first ``c`` room cells and the frame of ``T``
+none of them; per-sequence values are held there too. Only ``in_frame`` says which cells
+are real: ``pos >= 0`` says a cell belongs to a sequence (its start column, its per-sequence
+values), never that it is real.
+
 The frame
 ---------
 A sequence starts at the same column in every value with a ``(B, T-like)`` pair of axes: a
@@ -15,7 +28,8 @@ value whose T-like axis has length ``e(T)`` (``T``, ``T - 1``) holds position ``
 sequence of length ``n`` at column ``start + p`` for ``p < e(n)``; every other cell is "don't
 care". Slicing ``x[:, 1:]`` and ``x[:, :-1]`` keeps that by construction (column ``q`` reads
 ``q + 1``), which is why the frame is the segments' start columns and not their contents. A
-length that can exceed ``T`` (``2*T``) has no room in the frame and is not packable.
+length past ``T`` by at most the room (``T + 2``) holds its positions past n in the room; one
+that can exceed it (``2*T``) has no room in the frame and is not packable.
 
 Rules
 -----
@@ -47,14 +61,17 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   (FILL_OR_DROP) the sequence's own ``[0, n)``; its transpose, a scatter-add, writes there,
   and nothing from a cell outside the frame;
 - a window along a packed length with stride 1 (``reduce_window`` sum, max, min): each window
-  reads its own sequence and the init value past its edges (forward only: a window's
-  gradient pads the length past each sequence's room, or selects and scatters);
+  reads its own sequence and the init value past its edges (a sum window's gradient pads the
+  length into the room, and packs; a max window's selects and scatters, and does not);
 - concatenating along a packed length (``concatenate([bos, x[:, :-1]], 1)``) and its
   transpose, a split: each sequence's pieces from its own start column at its own offsets,
   a constant-length piece held per sequence;
 - broadcasting a per-position value (``pe[:T]``, a causal ``(T, T)`` mask) into the rows,
   ``iota`` along the packed length (each cell's position), and ``pad`` along it (per
-  sequence); a reduction over the rows alone back to a per-position value (that broadcast's
+  sequence, by constant amounts: positive ones into the room, negative ones -- a pad's
+  transpose -- dropping positions); ``x[:, k:k + m]`` and ``x[:, T - 1:T]`` (a constant
+  number of positions, as ``jnp.pad``'s edge and reflect modes slice) per sequence, and a
+  per-sequence value padded back into a packed length (their gradients); a reduction over the rows alone back to a per-position value (that broadcast's
   gradient): per position, over every sequence's cell there; a per-position matrix
   contracted with packed rows (``einsum("ts,bsf->btf", jnp.tri(T), x)``): placed by
   position, then within each sequence;
@@ -129,10 +146,13 @@ class _PackedCtx(Ctx):
     """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B)."""
 
     def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
-                 rows: str, pos, seglen, sequence):
+                 rows: str, pos, seglen, sequence, room: int = 0):
         super().__init__(sizes, recorder, parent, eqn, {var: (None, rows)}, alive)
         self.var, self.rows_name, self.pos, self.seglen = var, rows, pos, seglen
         self.sequence = sequence
+        # The cells after each sequence that belong to it (``pos`` n, n + 1, ...): an axis of
+        # ``T + c`` (c <= room) holds the sequence's positions past n there.
+        self.room = room
 
     def child(self, eqn, *, alive=None) -> "_PackedCtx":
         if alive is not None and self.alive is not None:
@@ -140,7 +160,7 @@ class _PackedCtx(Ctx):
         return _PackedCtx(self.sizes, self.recorder, self, eqn,
                           self.alive if alive is None else alive, var=self.var,
                           rows=self.rows_name, pos=self.pos, seglen=self.seglen,
-                          sequence=self.sequence)
+                          sequence=self.sequence, room=self.room)
 
     # -- axes -----------------------------------------------------------------------------------
 
@@ -350,8 +370,10 @@ class _PackedCtx(Ctx):
             shape = getattr(v.aval, "shape", ())
             for d in shape:
                 if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
-                                                               self.rows_name):
-                    return f"the length {d} can exceed its sequence's room in a packed row"
+                                                               self.rows_name, self.room):
+                    return (f"the length {d} can exceed its sequence's room in a packed row "
+                            f"(a packed row leaves {self.room} cell(s) after each sequence; "
+                            f"T + c with a constant c packs)")
                 # A per-position value without rows has no frame to keep.
                 if self.row_axes(shape) and not _keeps_start_columns(
                         self.recorder, d, self.var, self.rows_name):
@@ -421,11 +443,43 @@ def _for_every_length(recorder: Recorder, what: str, d, var: str, rows: str,
     return recorder._monotone[key]
 
 
-def _fits(recorder: Recorder, d, var: str, rows: str) -> bool:
-    """Whether a packed length never exceeds its sequence: ``d(n) <= n`` for every n within
-    the variable's bounds (a sequence's part of the axis stays inside its own cells)."""
-    return _for_every_length(recorder, "fits", d, var, rows,
-                             lambda pairs: all(e <= n for n, e in pairs))
+def _fits(recorder: Recorder, d, var: str, rows: str, room: int) -> bool:
+    """Whether a packed length never exceeds its sequence and the ``room`` cells after it:
+    ``d(n) <= n + room`` for every n within the variable's bounds (a sequence's part of the
+    axis stays inside its own cells)."""
+    return _for_every_length(recorder, ("fits", room), d, var, rows,
+                             lambda pairs: all(e <= n + room for n, e in pairs))
+
+
+def room_of(d, var: str) -> int:
+    """The cells a packed length needs after each sequence: ``c`` for ``T + c`` (``c > 0``;
+    ``jnp.pad`` by one cell each side gives ``T + 2``), else 0 -- ``T`` and ``T - 1`` need
+    none, and a length that exceeds ``T`` by more than a constant (``2*T``) has no room that
+    would do (`_PackedCtx.refusal` refuses it).
+
+    >>> import jax
+    >>> T, = jax.export.symbolic_shape("T")
+    >>> room_of(T + 2, "T"), room_of(T - 1, "T"), room_of(2 * T, "T")
+    (2, 0, 0)
+    """
+    if not is_sym(d) or dim_vars(d) != {var}:
+        return 0
+    excess = d - var_dim(var, d.scope)
+    return int(excess) if not is_sym(excess) and int(excess) > 0 else 0
+
+
+def _room_needed(jaxpr, var: str) -> int:
+    """The room a packed program leaves after each sequence: the largest `room_of` any value
+    of ``jaxpr`` (every program inside it included) has along the packed variable ``var``."""
+    room, stack = 0, [jaxpr]
+    while stack:
+        j = stack.pop()
+        values = [*j.invars, *(v for eqn in j.eqns for v in eqn.outvars)]
+        for v in values:
+            for d in getattr(getattr(v, "aval", None), "shape", ()):
+                room = max(room, room_of(d, var))
+        stack.extend(p for eqn in j.eqns for p in sub_jaxprs(eqn.params))
+    return room
 
 
 def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
@@ -1826,6 +1880,7 @@ def _slice(ctx: _PackedCtx, eqn, invals):
     p = eqn.params
     strides = p["strides"] or (1,) * x.ndim
     out = eqn.outvars[0].aval.shape
+    shape = tuple(eqn.invars[0].aval.shape)
     for a in range(x.ndim):
         if not is_sym(x.shape[a]):
             continue
@@ -1833,8 +1888,15 @@ def _slice(ctx: _PackedCtx, eqn, invals):
         if a in rows:
             if is_sym(start) or start != 0 or stride != 1 or not _core_equal(out[a], x.shape[a]):
                 raise NoRule("a slice of the rows of packed rows")
+        elif (stride == 1 and not is_sym(out[a]) and len(rows) == 1
+              and all(b == a or _core_equal(out[b], shape[b]) for b in range(len(shape)))):
+            # x[:, k:k + m], x[:, T - 1:T] (jnp.pad's edge and reflect modes): m positions of
+            # each sequence from its own k (n - 1), a per-sequence value.
+            offset = (jnp.full(jnp.shape(ctx.seglen), start, np.int32) if not is_sym(start)
+                      else ctx._at(start, ctx.seglen, as_value=True))
+            return [_per_sequence_part(ctx, x, shape, rows[0], a, offset, int(out[a]))]
         elif is_sym(start) or stride != 1 or not is_sym(out[a]):
-            # x[:, -1], x[:, T//2:], x[:, ::2]: where each sequence's part starts or ends.
+            # x[:, T//2:], x[:, ::2]: where each sequence's part starts or ends.
             raise NoRule("a slice of a packed length that does not keep each sequence's "
                           "start column (a per-sequence start, a stride, a constant size)")
     return None     # column q of the result reads column q + start: the same sequence
@@ -1865,13 +1927,14 @@ def _pad(ctx: _PackedCtx, eqn, invals):
         raise NoRule("pad along the rows of packed rows")
     a = packed[0]
     lo, hi, interior = config[a]
-    if any(is_sym(v) for v in (lo, hi, interior)) or lo < 0 or hi < 0 or interior:
-        raise NoRule("pad of a packed length by a length, negative or interior amount")
+    if any(is_sym(v) for v in (lo, hi, interior)) or interior:
+        raise NoRule("pad of a packed length by a length or an interior amount")
     (y,) = bind_eqn(eqn, invals)
     # Column q of the result holds column q - lo of the operand: the sequence's own values
-    # for positions lo .. lo + n, the fill before and after them.
+    # for positions lo .. lo + n, the fill before and after them. A negative amount (the
+    # transpose of a pad, T + 2 back to T) drops positions: position p reads p - lo.
     pos, seglen = ctx.cells(y.shape[a])
-    inside = (pos >= lo) & (pos - lo < ctx._at(x.shape[a], seglen))
+    inside = (pos >= max(lo, 0)) & (pos - lo < ctx._at(x.shape[a], seglen))
     keep = spread(inside, y.shape, (rows[0], a))
     return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
 
@@ -1886,6 +1949,11 @@ def _concatenate(ctx: _PackedCtx, eqn, invals):
     a = eqn.params["dimension"]
     shapes = [tuple(v.aval.shape) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
+    # Pieces of no entry along the axis add nothing (``jnp.pad``'s edge mode joins the rows
+    # with two empty pieces).
+    kept = [(x, s) for x, s in zip(invals, shapes) if is_sym(s[a]) or s[a] != 0]
+    if len(kept) == 1 and len(invals) > 1:
+        return [kept[0][0]]
     if a not in ctx.packed_axes(out):
         if any(is_sym(s[a]) for s in shapes):
             raise NoRule("concatenate along the rows of packed rows")
@@ -1958,6 +2026,10 @@ def _split(ctx: _PackedCtx, eqn, invals):
     (x,) = invals
     a, sizes = eqn.params["axis"], eqn.params["sizes"]
     shape = tuple(eqn.invars[0].aval.shape)
+    if sum(is_sym(size) or size != 0 for size in sizes) == 1:
+        # One part and empty ones (the transpose of `_concatenate`'s empty pieces): the value.
+        return [x if is_sym(size) or size != 0 else filled(v.aval.shape, 0, v.aval.dtype)
+                for size, v in zip(sizes, eqn.outvars)]
     if a not in ctx.packed_axes(shape):
         if is_sym(shape[a]):
             raise NoRule("split along the rows of packed rows")
@@ -1968,7 +2040,6 @@ def _split(ctx: _PackedCtx, eqn, invals):
     (r,) = rows
     # The operand with its rows and packed axes first; parts are cut from it by cell.
     moved = jnp.moveaxis(x, (r, a), (0, 1))
-    rest = [i for i in range(len(shape)) if i not in (r, a)]
     # Per cell: where its sequence's next part starts (the sizes of the parts before it).
     parts, offset = [], jnp.zeros_like(ctx.seglen)
     for size in sizes:
@@ -1980,24 +2051,64 @@ def _split(ctx: _PackedCtx, eqn, invals):
             part = jnp.take_along_axis(moved, index, axis=1, mode="clip")
             parts.append(jnp.moveaxis(part, (0, 1), (r, a)))
         else:
-            # Cell (row, column): entries start + offset .. + size of the sequence there.
-            at = offset[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
-            n_rows, columns = jnp.shape(ctx.seglen)
-            index = jnp.expand_dims((ctx.sequence_starts()[:, :, None] + at).reshape(
-                n_rows, columns * size), list(range(2, moved.ndim)))
-            taken = jnp.take_along_axis(moved, index, axis=1, mode="clip")
-            taken = taken.reshape(n_rows, columns, size, *taken.shape[2:])
-            # Past a sequence shorter than its constant parts (x[:, 1:-1] of one token): zeros,
-            # not the next sequence's cells.
-            inside = jnp.expand_dims(at < ctx.seglen[:, :, None], list(range(3, taken.ndim)))
-            taken = jnp.where(inside, taken, jnp.zeros((), taken.dtype))
-            # Axes now (rows, columns, part, *rest); held: the logical order, columns after r.
-            labels = ["r", "columns", "a", *rest]
-            order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
-            order.insert(order.index("r") + 1, "columns")
-            parts.append(PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r))
+            parts.append(_per_sequence_part(ctx, x, shape, r, a, offset, size))
         offset = offset + (ctx._at(size, ctx.seglen) if is_sym(size) else size)
     return parts
+
+
+def _per_sequence_part(ctx: _PackedCtx, x, shape, r: int, a: int, offset, size: int):
+    """Positions ``offset .. offset + size`` of each sequence (``offset``: per cell of the
+    grid) along the packed axis ``a`` of ``x`` (logical ``shape``, rows axis ``r``): a
+    `PerSequence` of ``shape`` with ``size`` along ``a`` -- a constant-size part of a split,
+    ``x[:, k:k + m]``. Past the sequence's part of the axis (``x[:, 1:-1]`` of one token, or
+    of an axis of ``T + 2`` past position n + 1): zeros, never the next sequence's cells."""
+    moved = jnp.moveaxis(x, (r, a), (0, 1))
+    at = offset[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
+    n_rows, columns = jnp.shape(ctx.seglen)
+    index = jnp.expand_dims((ctx.sequence_starts()[:, :, None] + at).reshape(
+        n_rows, columns * size), list(range(2, moved.ndim)))
+    taken = jnp.take_along_axis(moved, index, axis=1, mode="clip")
+    taken = taken.reshape(n_rows, columns, size, *taken.shape[2:])
+    inside = (at >= 0) & (at < ctx._at(shape[a], ctx.seglen)[:, :, None])
+    inside = jnp.expand_dims(inside, list(range(3, taken.ndim)))
+    taken = jnp.where(inside, taken, jnp.zeros((), taken.dtype))
+    # Axes now (rows, columns, part, *rest); held: the logical order, columns after r.
+    rest = [i for i in range(len(shape)) if i not in (r, a)]
+    labels = ["r", "columns", "a", *rest]
+    order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
+    order.insert(order.index("r") + 1, "columns")
+    return PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r)
+
+
+@defrule("pad", layout="per_sequence")
+def _pad_per_sequence(ctx: _PackedCtx, eqn, invals):
+    """A per-sequence value padded along a constant axis into a packed length (the transpose
+    of ``x[:, T - 1:T]``: ``pad(g, (T - 1, 1))``): each sequence's entries at its own
+    positions ``lo(n) ..``, the fill around them -- the pieces joined per sequence as
+    `_concatenate` joins them. None along any other axis (per column)."""
+    x, fill = invals
+    shape, out = tuple(eqn.invars[0].aval.shape), tuple(eqn.outvars[0].aval.shape)
+    packed = ctx.packed_axes(out)
+    config = eqn.params["padding_config"]
+    along = [a for a in packed if tuple(config[a]) != (0, 0, 0)]
+    if not isinstance(x, PerSequence) or isinstance(fill, PerSequence) or not along:
+        return None
+    (a,) = along
+    lo, hi, interior = config[a]
+    if (len(packed) != 1 or is_sym(shape[a]) or interior or x.axis is None
+            or any(tuple(c) != (0, 0, 0) for b, c in enumerate(config) if b != a)
+            or any(not is_sym(v) and v < 0 for v in (lo, hi))):
+        raise NoRule("pad of a per-sequence value into a packed length with other amounts "
+                     "than one run of fill before and after it")
+    pieces, shapes = [], []
+    for value, length in ((None, lo), (x, shape[a]), (None, hi)):
+        piece_shape = tuple(length if b == a else d for b, d in enumerate(shape))
+        if not is_sym(length) and length == 0:
+            continue
+        pieces.append(filled(piece_shape, fill, eqn.outvars[0].aval.dtype) if value is None
+                      else value)
+        shapes.append(piece_shape)
+    return [_joined_per_sequence(ctx, pieces, shapes, out, a)]
 
 
 defrule("split", layout="per_sequence")(_split)
@@ -2239,7 +2350,10 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
                        unsupported=(Unsupported("layout", "<inputs>", why),))
     ((var, (_, rows)),) = rows_at.items()
     dims = [d for v in jaxpr.invars for d in getattr(v.aval, "shape", ()) if is_sym(d)]
-    grid = jax.export.symbolic_shape(f"{rows}, {var}", scope=dims[0].scope)
+    # The layout grid: each row's T columns and the room after its last sequence.
+    room = _room_needed(jaxpr, var)
+    grid = jax.export.symbolic_shape(f"{rows}, {var} + {room}" if room else f"{rows}, {var}",
+                                     scope=dims[0].scope)
 
     def held_per_cell(shape):
         """Inputs with the rows axis and no packed length (the lengths, labels): per cell."""
@@ -2251,7 +2365,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         *flat, pos, seglen, sequence = args
         sizes = {name: flat[at] for name, at in sizes_at.items()}
         ctx = _PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen,
-                         sequence=sequence)
+                         sequence=sequence, room=room)
         inputs = []
         for v, x in zip(jaxpr.invars, flat):
             shape = getattr(v.aval, "shape", ())
@@ -2291,7 +2405,8 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         fn = functools.partial(_without_sequence, fn)
     return Logical(fn=fn, unsupported=tuple(recorder.unsupported.values()),
                    rewritten=len(recorder.rewritten), avals=tuple(avals),
-                   per_sequence=recorder.per_sequence, reads_sequence=recorder.reads_sequence)
+                   per_sequence=recorder.per_sequence, reads_sequence=recorder.reads_sequence,
+                   room=room)
 
 
 def _without_sequence(fn, *args):

@@ -351,6 +351,9 @@ class LayoutChoice:
     pack: _buckets.Prediction | None = None
     first_steps: tuple[tuple[_buckets.PackedBatch, Any], ...] = ()
     eval_step: Bucketed | None = None       # packed like ``step`` (a padded choice: in buckets)
+    # Packed: the cells every example takes after its own (the steps' `Plan.packing_room`):
+    # every plan of packed steps counts them, as the executor does.
+    room: int = 0
 
     @property
     def prediction(self) -> _buckets.Prediction | None:
@@ -370,7 +373,7 @@ class LayoutChoice:
         done = [b for b, _ in self.first_steps] if epoch == 0 else []
         return done + _buckets.packed_batch_plan(
             lengths, self.row_lengths, max_tokens=self.max_tokens, seed=seed, epoch=epoch,
-            exclude=np.concatenate([b.indices for b in done]) if done else ())
+            exclude=np.concatenate([b.indices for b in done]) if done else (), room=self.room)
 
     def describe(self) -> str:
         """The choice and its reason, with the buckets (pad) or rows (pack) chosen."""
@@ -472,6 +475,7 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return padded("as chosen before", known.get("policy"))
     if layout == "pad":
         return padded("layout='pad' was asked for")
+    room = 0
     for name, f, on in ((step.name, step, arg), ("the eval step", eval_step, eval_arg)):
         plan = f.plan_for(on) if f is not None else None
         if plan is not None and not plan.can_pack:
@@ -479,6 +483,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
                 warnings.warn(f"choose_layout: {name} cannot run packed rows, so it runs one "
                               f"sequence per padded row: {plan.packing_reason}", stacklevel=2)
             return padded(f"{name} cannot pack: {plan.packing_reason}")
+        # One plan of steps serves both (`PackedBatching`): it leaves the larger room.
+        room = max(room, plan.packing_room if plan is not None else 0)
 
     def packed_eval(row_lengths, pack_rows):
         return _packing(eval_step, row_lengths, pack_rows) if eval_step is not None else None
@@ -488,14 +494,14 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         row_lengths = tuple(int(n) for n in known["row_lengths"])
         return LayoutChoice("pack", "as chosen before", _packing(step, row_lengths, pack_rows),
                             None, row_lengths, pack_rows,
-                            eval_step=packed_eval(row_lengths, pack_rows))
+                            eval_step=packed_eval(row_lengths, pack_rows), room=room)
     row_length = step.bucket_for("T", int(lengths.max()))
     # Packed rows are global: every process plans the same steps, each of one grid whose rows
     # are split over every device of the run, whole rows each (a multiple of them), and
     # ``batch_size`` / ``max_tokens`` are per process, as padded.
     dp = data_parallel
     shards, devices, local = (dp.processes, dp.size, dp.local_devices) if dp else (1, 1, 1)
-    rows = round_up(_rows_holding(lengths, row_length, batch_size * shards, seed)
+    rows = round_up(_rows_holding(lengths, row_length, batch_size * shards, seed, room)
                     if batch_size is not None else max(1, max_tokens * shards // row_length),
                     devices)
     pack_rows = {row_length: rows}
@@ -505,7 +511,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     # of it is as much a (rows, row_length) step as the one-length plan's), else that one's.
     plans = []
     if examples is not None:
-        plans = [_buckets.packed_batch_plan(lengths, n, max_tokens=rows * row_length, seed=seed)
+        plans = [_buckets.packed_batch_plan(lengths, n, max_tokens=rows * row_length, seed=seed,
+                                            room=room)
                  for n in ([short, row_length], [row_length]) if None not in n]
     first_steps, on = [], arg
 
@@ -555,13 +562,13 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
 
     cost = timed(packer, (rows, row_length))
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
-                                   seed=seed, compiled=[(rows, row_length)])
+                                   seed=seed, compiled=[(rows, row_length)], room=room)
     # The padded steps would compile every shape, the longest included (not yet compiled).
     pad_policy = _buckets.Auto.fit(lengths, cost, epochs=epochs, batch_size=batch_size,
                                    max_tokens=max_tokens, num_shards=shards, row_multiple=local)
     row_lengths = (row_length,)
     shorter = (_shorter_rows(step, lengths, short, row_length, rows, cost, pack, epochs, seed,
-                             parallel, timed, devices) if short is not None else None)
+                             parallel, timed, devices, room) if short is not None else None)
     if shorter is not None:
         pack, pack_rows = shorter
         row_lengths = tuple(sorted(pack_rows))
@@ -572,10 +579,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
                         packer, None, row_lengths, pack_rows, cost, (rows, row_length),
                         pad_policy.prediction, pack, tuple(first_steps),
-                        packed_eval(row_lengths, pack_rows))
+                        packed_eval(row_lengths, pack_rows), room)
 
 
-def _rows_holding(lengths, row_length: int, batch_size: int, seed: int) -> int:
+def _rows_holding(lengths, row_length: int, batch_size: int, seed: int, room: int) -> int:
     """The fewest rows of ``row_length`` a packed step needs so that an epoch takes no more
     steps than ``batch_size`` examples a step would (``ceil(N / batch_size)``): ``batch_size``
     keeps its meaning -- about that many examples an optimiser step -- in either layout,
@@ -585,7 +592,8 @@ def _rows_holding(lengths, row_length: int, batch_size: int, seed: int) -> int:
     lo, hi = 1, max(1, batch_size)
     while lo < hi:                  # first-fit steps fall as rows grow (near enough: bisect)
         mid = (lo + hi) // 2
-        steps = len(_buckets.packed_batch_plan(lengths, [row_length], rows=mid, seed=seed))
+        steps = len(_buckets.packed_batch_plan(lengths, [row_length], rows=mid, seed=seed,
+                                               room=room))
         lo, hi = (lo, mid) if steps <= target else (mid + 1, hi)
     return lo
 
@@ -600,7 +608,7 @@ def _shorter_length(lengths, row_length: int, min_length: int) -> int | None:
 
 
 def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, seed, parallel,
-                  timed, multiple=1):
+                  timed, multiple=1, room=0):
     """Packed rows of two lengths, ``short`` (`_shorter_length`) beside ``row_length`` at the
     same tokens a step: ``(prediction, pack_rows)`` when that is predicted faster than
     ``single`` (the one row length's prediction), else None. ``timed`` is `choose_layout`'s
@@ -623,7 +631,7 @@ def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, 
     cheaper = dataclasses.replace(cost, seconds_per_cell=cost.seconds_per_cell * 0.75)
     best = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: cheaper, row_length: cost}, epochs=epochs,
-                                   max_tokens=budget, seed=seed, compiled=shapes)
+                                   max_tokens=budget, seed=seed, compiled=shapes, room=room)
     # Priced in full (`parallel` discounts only compiles that overlap training): it blocks.
     if (single.seconds - best.seconds
             <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short)):
@@ -632,5 +640,5 @@ def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, 
     pack_rows = {short: short_rows, row_length: rows}
     both = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: short_cost, row_length: cost}, epochs=epochs,
-                                   max_tokens=budget, seed=seed, compiled=shapes)
+                                   max_tokens=budget, seed=seed, compiled=shapes, room=room)
     return (both, pack_rows) if both.seconds < single.seconds else None

@@ -438,6 +438,9 @@ class PackedBatching:
     min_length: int = 2
     num_shards: int = 1
     shard_index: int = 0
+    # The cells each example takes after its own (the step's `Plan.packing_room`): the plan
+    # counts them as the executor packs them, so a step's rows are the rows that run.
+    room: int = 0
 
     policy = property(lambda self: _buckets.Fixed(self.row_lengths))
     length_buckets = property(lambda self: tuple(self.row_lengths))
@@ -456,7 +459,8 @@ class PackedBatching:
               partial_rows: Any = None) -> list:
         return _buckets.packed_batch_plan(
             np.maximum(lengths, self.min_length), self.row_lengths, max_tokens=self.max_tokens,
-            shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch)
+            shuffle=self.shuffle if shuffle is None else shuffle, seed=self.seed, epoch=epoch,
+            room=self.room)
 
     def shape(self, batch: _buckets.PackedBatch) -> tuple[int, int]:
         return batch.rows // self.num_shards, batch.row_length

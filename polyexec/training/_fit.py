@@ -620,9 +620,15 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     if getattr(choice, "layout", "pad") == "pack":
         if known is None:
             run.display.print(f"layout (auto, for {remaining} epoch(s)): {choice.describe()}")
+        if isinstance(known, dict) and int(known.get("room", 0)) != choice.room:
+            raise OptionError(f"fit: cannot resume from {restored}: its run planned packed "
+                              f"rows with {known.get('room', 0)} cell(s) after each example, "
+                              f"this step's program needs {choice.room} (Plan.packing_room): "
+                              f"the rest of its epoch would not be the steps it planned")
         batching = PackedBatching(choice.row_lengths, choice.max_tokens, options.shuffle,
                                   options.seed, options.min_length,
-                                  num_shards=run.dp.processes, shard_index=run.dp.process_index)
+                                  num_shards=run.dp.processes, shard_index=run.dp.process_index,
+                                  room=choice.room)
         val = run.validation
         return dataclasses.replace(
             run, prediction=choice.prediction, batching=batching, train_step=choice.step,
@@ -739,6 +745,8 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
                                # A whole step's rows, every process's.
                                "pack_rows": {str(n): r
                                              for n, r in run.batching.pack_rows.items()},
+                               # The plan's room: a resumed run must plan the same steps.
+                               "room": run.batching.room,
                                "epochs": run.options.epochs}
     elif run.auto:
         meta["auto_buckets"] = {"sizes": list(run.batching.policy.sizes),
