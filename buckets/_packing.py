@@ -376,20 +376,11 @@ def _packed_steps(where, arr, sizes, rows, max_tokens, shuffle, seed, epoch, S, 
 
 
 class _Shorter:
-    """Backfill: the cells a row length's steps leave free (a long row's gaps, the empty rows
-    of its last step) take examples of the shorter row lengths, which their own steps then
-    need not run. Rows of one length are cut longest first, so an example waits (in plan
-    order, the longer row lengths' first) until a step takes it or its own row length is cut.
-
-    Into the free cells of one shard's part of a step, each waiting example goes in turn to
-    the first row with room. The part is then checked to pack into its ``R`` rows by
-    `first_fit` (first-fit decreasing places the part's own, longer, examples as before and
-    the new ones in the gaps, but bin packing has anomalies), so the executor's count of
-    rows agrees with the plan's.
-
-    Measured on pydoc's 3,242 sentences (`polyexec-bench --max-tokens 32768`, ``auto``'s rows
-    of 256 and 1,024): the plan filled 0.897 of its cells, against Grain's first-fit 0.961
-    into rows of 1,024 alone -- examples of 257..1,024 bytes pair badly with one another."""
+    """`packed_batch_plan`'s backfill: the examples of the shorter row lengths, in plan order,
+    that no step has taken yet, and the filling of a step's free cells with them. Without it,
+    on pydoc's 3,242 sentences (`polyexec-bench`'s default 32,768 tokens a step, rows of 256
+    and 1,024) the plan filled 0.897 of its cells against Grain's first-fit 0.961 into rows of
+    1,024 alone: examples of 257..1,024 bytes pair badly with one another."""
 
     def __init__(self, lengths: np.ndarray, pools: dict[int, np.ndarray], room: int = 0):
         # ``lengths``: the cells each example takes (its room included) in rows of
@@ -420,6 +411,10 @@ class _Shorter:
 
     def _gap_fillers(self, part: np.ndarray, waiting: np.ndarray, L: int, R: int
                      ) -> np.ndarray:
+        """The waiting examples that go into ``part``'s free cells, each into the first row
+        with room, marked taken. The part must still pack into ``R`` rows by `first_fit`,
+        the executor's count: first-fit decreasing places the part's own, longer, examples
+        as before and these in the gaps, but bin packing has anomalies, so it is checked."""
         lengths = self.lengths
         used = np.bincount(first_fit(lengths[part], L).row, weights=lengths[part], minlength=R)
         free = L - used.astype(np.int64)

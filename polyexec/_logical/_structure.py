@@ -22,9 +22,9 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape
-from ._core import (PAD_AND_PACK, NoRule, acts_along_params, bind_eqn, bind_eqn_with, defrule,
-                    filled, iota_along, is_empty, is_sym, operand_avals,
-                    place_window, same_dim, take_clamped, take_rows)
+from ._core import (PAD_AND_PACK, NoRule, acts_along_params, bind_eqn, defrule, filled,
+                    iota_along, is_empty, is_sym, operand_avals, place_window, same_dim,
+                    take_clamped, take_rows)
 
 
 def _rev_moves(eqn):

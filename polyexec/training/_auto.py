@@ -619,8 +619,8 @@ def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, 
     cores) -- which only a measurement shows, at the price of one more compile. The short
     rows are compiled and timed only when the two-length plan (its own padding counted) would
     gain more than that costs, were its cells a quarter cheaper (the most measured: 26%; a
-    short run that cannot gain skips it, and so does attention at half the row length, where
-    the plan's padding eats what shorter pairs save)."""
+    short run that cannot gain skips it). The long rows' free cells take short examples
+    (`buckets.packed_batch_plan`'s backfill), so the two lengths pad no more than one."""
     budget = rows * row_length
     short_rows = max(1, budget // short)
     if short_rows % multiple:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import equinox as eqx
 import jax
