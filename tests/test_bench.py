@@ -725,6 +725,7 @@ def test_quick_token_budget(tmp_path):
     """--max-tokens: pad-max is still one shape, a polyexec bucket still one compile."""
     out = tmp_path / "m.json"
     assert main(["--quick", "--dist", "bimodal", "--max-tokens", "2048", "--buckets", "3",
+                 "--limit-rounds", "1", "--limit-seconds", "0.05",
                  "--strategies", "pad-max,pow2,polyexec", "--json", str(out),
                  "--no-progress"]) == 0
     doc = report.validate(json.loads(out.read_text()))
