@@ -1043,6 +1043,8 @@ ROOM = {
     # Returns T + 2 positions; JAX's reflect needs T >= 2.
     "reflect": (lambda h: jnp.pad(h, ((1, 1), (0, 0)), mode="reflect"), None, 2, T),
     "average pool": (_mean_pool, None, 1, T1),
+    # Flax's shift_right: through a length T + 1, then back to T.
+    "shift right": (lambda h: jnp.pad(h, ((1, 0), (0, 0)))[:-1], None, 1, T1),
 }
 
 
