@@ -71,10 +71,10 @@ Inside a packed row the pad layout's rules would mix sequences, so this context 
   sequence, by constant amounts: positive ones into the room, negative ones -- a pad's
   transpose -- dropping positions); ``x[:, k:k + m]`` and ``x[:, T - 1:T]`` (a constant
   number of positions, as ``jnp.pad``'s edge and reflect modes slice) per sequence, and a
-  per-sequence value padded back into a packed length (their gradients); a reduction over the rows alone back to a per-position value (that broadcast's
-  gradient): per position, over every sequence's cell there; a per-position matrix
-  contracted with packed rows (``einsum("ts,bsf->btf", jnp.tri(T), x)``): placed by
-  position, then within each sequence;
+  per-sequence value padded back into a packed length (their gradients); a reduction over
+  the rows alone back to a per-position value (that broadcast's gradient): per position,
+  over every sequence's cell there; a per-position matrix contracted with packed rows
+  (``einsum("ts,bsf->btf", jnp.tri(T), x)``): placed by position, then within each sequence;
 - a random draw along the rows and a packed length (dropout): each cell draws by its
   sequence's index in the call's batch and its position, as the pad layout does (`_random`);
   one along the rows alone (a ``(B, F)`` noise) by its sequence's index, per sequence;
