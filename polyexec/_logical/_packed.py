@@ -1196,8 +1196,8 @@ def _put_own(ctx: _PackedCtx, eqn, invals):
 def _put_ranked(ctx: _PackedCtx, eqn, invals):
     """``top_k``'s gradient: the scatter-add of each sequence's ``k`` updates at its ``k``
     positions (`_top_per_sequence` holds both at every cell of the sequence), into a
-    ``(rows, packed length)`` operand. Each cell adds the updates whose position is its own,
-    so nothing crosses a sequence and nothing lands outside the frame."""
+    ``(rows, packed length)`` operand: rank by rank, as one position per sequence is written
+    back (`_write_at_positions`), so nothing crosses a sequence or lands outside the frame."""
     x, index, updates = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
     index_shape = eqn.invars[1].aval.shape
@@ -1209,13 +1209,12 @@ def _put_ranked(ctx: _PackedCtx, eqn, invals):
                 tuple(dn.update_window_dims)) != ((0,), (0,), (1,), (1,), ())
             or len(index_shape) != 3 or is_sym(index_shape[1]) or index_shape[2] != 1):
         return None
-    n = shape[1]
-    position = lax.slice_in_dim(index.value[..., 0], 0, n, axis=1)           # (rows, n, k)
-    value = lax.slice_in_dim(held(ctx, updates, eqn.invars[2].aval.shape).value, 0, n, axis=1)
-    pos, _ = ctx.cells(n)
-    at = (position == pos[..., None]) & ctx.in_frame(n)[..., None]
-    added = jnp.sum(jnp.where(at, value, jnp.zeros((), value.dtype)), axis=2)
-    return [x + added.astype(x.dtype)]
+    value = held(ctx, updates, eqn.invars[2].aval.shape).value      # (rows, columns, k)
+    for j in range(index_shape[1]):             # each rank's update, as one position's
+        cells = lax.slice_in_dim(value[:, :, j], 0, shape[1], axis=1)
+        (x,) = _write_at_positions(ctx, eqn, x, cells, index.value[:, :, j, 0], ctx.pos >= 0,
+                                   0, 1)
+    return [x]
 
 
 def _write_at_positions(ctx: _PackedCtx, eqn, x, cells, position, inside, r: int, p: int):
