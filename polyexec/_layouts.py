@@ -333,29 +333,23 @@ class _Grid:
         self.width = packing.row_length
         self.row_length = packing.row_length - program.room
 
-    @functools.cached_property
-    def seq(self) -> np.ndarray:
-        return _cells_of(self.lengths)[0]
-
-    @functools.cached_property
-    def offset(self) -> np.ndarray:
-        return _cells_of(self.lengths)[1]
-
-    @functools.cached_property
-    def row(self) -> np.ndarray:
-        return self.packing.row[self.seq]
-
-    @functools.cached_property
-    def column(self) -> np.ndarray:
-        return self.packing.start[self.seq] + self.offset
-
-    @functools.cached_property
-    def sequence_cells(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(sequence, position, row, column)`` of every cell a sequence holds: its real
-        cells, its room, its one cell if it is empty and the program holds per-sequence
-        values -- where its per-sequence values are."""
-        seq, offset = _cells_of(self.cells_per_sequence)
+    def _placed(self, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``(sequence, position, row, column)`` of the first ``counts[i]`` cells of each
+        sequence ``i``, from its start column."""
+        seq, offset = _cells_of(counts)
         return seq, offset, self.packing.row[seq], self.packing.start[seq] + offset
+
+    @functools.cached_property
+    def real_cells(self) -> tuple[np.ndarray, ...]:
+        """`_placed` of each sequence's real cells: where its inputs go."""
+        return self._placed(self.lengths)
+
+    @functools.cached_property
+    def sequence_cells(self) -> tuple[np.ndarray, ...]:
+        """`_placed` of every cell a sequence holds: its real cells, its room, its one cell
+        if it is empty and the program holds per-sequence values -- where its per-sequence
+        values are."""
+        return self._placed(self.cells_per_sequence)
 
     def _layout_input(self, fill: int, value) -> np.ndarray:
         """A ``(rows, width)`` int32 layout input: ``value(sequence, position)`` at each cell
@@ -392,7 +386,8 @@ class _Grid:
             b, t = dims.index(self.rows_var), dims.index(self.var)
             x = np.moveaxis(arr, (b, t), (0, 1))
             out = np.full((self.rows, self.row_length) + x.shape[2:], spec.pad, dtype)
-            out[self.row, self.column] = x[self.seq, self.offset]
+            seq, offset, row, column = self.real_cells
+            out[row, column] = x[seq, offset]
             return np.moveaxis(out, (0, 1), (b, t))
         if self.rows_var in dims:
             # Per sequence (the lengths, labels): at every cell of its sequence, a columns axis
@@ -430,8 +425,8 @@ class _Grid:
             out = np.zeros((len(self.lengths), int(per.max(initial=0))) + x.shape[2:], x.dtype)
             # Each sequence's e(n) positions from its start column: past n (T + 2) they lie
             # in its room.
-            seq, offset = _cells_of(per)
-            out[seq, offset] = x[self.packing.row[seq], self.packing.start[seq] + offset]
+            seq, offset, row, column = self._placed(per)
+            out[seq, offset] = x[row, column]
             return np.moveaxis(out, (0, 1), (b, t))
         if len(b) == 1 and not t:
             # Per sequence: held at every cell of its sequence; read at its first.
