@@ -60,10 +60,10 @@ packed rule each in the same entry.
 - `_contractions`: ``dot_general``, ``conv_general_dilated``, ``reduce_window*``,
   ``select_and_{scatter,gather}_add``.
 - `_control`: ``scan``, ``while``, ``cond`` and the call-likes (structural: they recurse).
-- `_random`: ``random_bits`` shaped by a length (dropout): not exact (JAX's draw depends on
-  the whole shape) but layout-invariant: a cell draws from the key folded with its indices
-  along the length axes, whatever the bucket; in packed rows by its sequence's index in the
-  call and its position, the same bits as padded.
+- `_random`: ``random_bits`` shaped by a length (dropout): every real cell draws JAX's
+  partitionable threefry at its flat index in the exact-size shape, so its bits are those
+  ``jax.jit`` draws on the exact-size input, in every bucket and layout (packed rows: by its
+  sequence's index in the call and its position).
 - `_packed` (`rewrite_packed`, ``layout="pack"``) and `_sequences` (its per-sequence values):
   the packed rules of the same primitives, over rows that hold several sequences.
 - `_core`: the evaluation context, the interpreter, the registry, `rewrite`;

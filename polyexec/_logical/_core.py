@@ -190,6 +190,7 @@ class Ctx:
         self.own_sizes = False  # True for a per-row context (see _eval_row_varying)
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
+        self._exact: dict[Any, Any] = {}
         # The values the current equation reads, and those its rule zeroed (`fill_tail`), each
         # with its annotation (`Known`): set by `eval_jaxpr` around every equation.
         self.reading: list[tuple[Any, Known]] = []
@@ -462,6 +463,15 @@ class Ctx:
     def _has_rows(self, eqn, rows: str) -> bool:
         return any(self.row_axes(getattr(v.aval, "shape", ()), rows)
                    for v in (*eqn.invars, *eqn.outvars))
+
+    def exact_extent(self, d):
+        """The size of an axis of length ``d`` in the exact-size call ``jax.jit`` would see:
+        the real sizes, a ragged length at its longest row, the rows at the call's rows (in
+        packed rows, its sequences) -- whatever row a per-row context evaluates."""
+        ctx = self
+        while ctx.own_sizes:
+            ctx = ctx.parent
+        return ctx._cached("_exact", d, lambda e: evaluate_dim(e, ctx.sizes))
 
     def physical(self, d):
         """The bucket size of a dimension as a value (``dim_as_value``, not rewritten)."""

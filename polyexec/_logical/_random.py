@@ -1,158 +1,156 @@
 """Rules for random draws shaped by a length (``random_bits``: dropout, ``jax.random.uniform``,
 ``normal``, ``bernoulli`` of ``x.shape``, typed keys and raw ``PRNGKey`` ones alike).
 
-JAX's draw at a shape depends on the whole shape: the same key drawing ``(B, 16, F)`` and
-``(B, 32, F)`` gives a real cell different bits. No rewrite can make the padded draw equal the
-unpadded one, so the contract here (DESIGN.md) is *layout invariance*: a real cell's draw
-depends on the key, its coordinates along the length axes and the constant-size rest of the
-shape, never on the bucket, on how many padding rows or columns surround it, or on its
-neighbours. Padding cells draw something too; no result reads them (the rewrite's masks keep
-the padding out, as for any value).
+The contract (DESIGN.md): every real cell draws, bit for bit, what ``jax.jit`` draws on the
+exact-size input -- the call's arrays cut to their real sizes, each ragged axis at its longest
+row. JAX's default PRNG makes that possible: under ``jax_threefry_partitionable`` (on by
+default since JAX 0.5) cell ``i`` of ``random_bits(key, shape)`` is ``threefry2x32(key, (hi,
+lo))`` of ``i``'s flat row-major index in ``shape`` and of nothing else. The rewrite knows each
+real cell's index along every axis (the logical positions come first, padding after them; in
+packed rows, the cell's sequence's index in the call and its position there) and each axis's
+exact-size extent, so it computes the flat index ``jax.jit`` would see and draws threefry at
+it. Then a real cell's bits are also the same in every bucket and layout: the same example gets
+the same dropout mask wherever it runs. A shape whose only length is its leading axis (``(T,
+F)``) has that flat index already at every real cell, in any bucket, so JAX's own draw stands.
+Padding cells draw something too; no result reads them (the rewrite's masks keep the padding
+out, as for any value).
 
-Packed rows hold several sequences per row. There a cell's coordinates are its sequence's index
-in the call's batch (a layout input, read only by a program that draws) and its position in
-that sequence, so cell ``(r, c)`` holding position ``t`` of the call's row ``b`` draws exactly
-what cell ``(b, t)`` draws padded: the same example gets the same mask in every bucket and
-layout.
+A draw that cannot equal ``jax.jit``'s raises `NoRule`, a verdict naming the user's line:
+partitionable threefry turned off (the bits of every cell then depend on the whole shape's
+size), another key implementation (an RBG key's bits come from XLA's RngBitGenerator over the
+whole shape), or more than 2**32 cells (the counter's high word; never met in practice).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.random import threefry2x32_p
 
-from .._jax_internals import dim_vars
-from ._core import NoRule, bind_eqn_with, defrule, is_sym, padded_rule
+from .._jax_internals import dim_bounds, dim_vars
+from ._core import NoRule, defrule, has_sym, is_sym, padded_rule
 from ._sequences import PerSequence, grid_shape, spread
 
+_UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
-def _threefry_only(key) -> None:
+
+def _exact_draws_only(key, shape) -> None:
+    """Raise `NoRule` unless a per-cell counter reproduces JAX's draw of ``shape``."""
+    if not hasattr(key, "dtype") or has_sym(key.shape):
+        raise NoRule(f"a random draw of shape {shape} with a key per sequence of a packed "
+                     f"row: its bits cannot be placed by sequence")
     impl = str(jax.random.key_impl(key))
     if impl != "threefry2x32":
-        # An RBG key's draws over a batch of keys depend on the batch's shape (XLA's
-        # RngBitGenerator), so a per-cell key would still draw by the bucket.
         raise NoRule(f"a random draw along a length with a {impl!r} key: its bits depend on "
-                     f"the bucket's shape; use a threefry key (jax.random.key(seed), the "
-                     f"default) for dropout that padding cannot change")
+                     f"the whole shape, so the bucket changes them; use a threefry key "
+                     f"(jax.random.key(seed), the default) to draw what jax.jit draws")
+    if not jax.config.jax_threefry_partitionable:
+        raise NoRule(f"a random draw along a length with jax_threefry_partitionable off: every "
+                     f"cell's bits then depend on the whole shape's size, so the bucket "
+                     f"changes them; leave the flag at its default (True) to draw what "
+                     f"jax.jit draws")
+    cells = math.prod(dim_bounds(d)[1] if is_sym(d) else int(d) for d in shape)
+    if not cells < 2 ** 32:
+        raise NoRule(f"a random draw of shape {shape}, up to {cells} cells: over 2**32 cells "
+                     f"the counter's high word is not computed per cell")
 
 
-def _draw_per_cell(eqn, key, index, grid_axes=None):
-    """``random_bits`` of ``eqn``'s shape where every cell along its length axes draws from
-    ``key`` folded with that cell's ``index`` arrays (in order, each of the grid's shape), and
-    JAX draws the constant-size axes within it. The grid's axes go to ``grid_axes`` of the
-    result, the constant-size ones to the rest in order (default: the shape's length axes,
-    each where it is). A batch of keys (a key array of shape ``K``) draws per key, as JAX's
-    own batching of the primitive does."""
-    shape = tuple(eqn.params["shape"])
-    rest = tuple(d for d in shape if not is_sym(d))
-    if grid_axes is None:
-        grid_axes = [a for a, d in enumerate(shape) if is_sym(d)]
-    n_index = len(index)
+def _flat_index(index, extents):
+    """uint32: each cell's row-major flat index in a shape of ``extents`` (ints or int32
+    tracers), from ``index``, its index along each axis (arrays broadcasting together)."""
+    flat, stride = None, None
+    for i, n in zip(reversed(index), reversed(extents)):
+        term = lax.convert_element_type(i, np.uint32)
+        if stride is not None:
+            term = term * stride
+        flat = term if flat is None else flat + term
+        n = lax.convert_element_type(n, np.uint32)
+        stride = n if stride is None else stride * n
+    return flat
 
-    def one_cell(k, *at):
-        for i in at:
-            k = jax.random.fold_in(k, i)
-        return bind_eqn_with(eqn, [k], shape=rest)[0]
 
-    # Each index array has the grid's shape; vmapped once per grid axis.
-    draw = one_cell
-    for _ in grid_axes:
-        draw = jax.vmap(draw, in_axes=(None, *[0] * n_index))
-    for _ in range(key.ndim):       # a key array: per key, in front
-        draw = jax.vmap(draw, in_axes=(0, *[None] * n_index))
-    bits = draw(key, *[lax.convert_element_type(i, np.uint32) for i in index])  # K+grid+rest
-    # Put each grid axis at its place in the result.
-    nk, rank = key.ndim, len(grid_axes) + len(rest)
-    order = [None] * rank
-    for j, a in enumerate(grid_axes):
-        order[a] = nk + j
-    rest_axes = iter(range(nk + len(grid_axes), nk + rank))
-    order = [o if o is not None else next(rest_axes) for o in order]
-    return [lax.transpose(bits, (*range(nk), *order))]
+def _draw_at(eqn, key, counts):
+    """``eqn``'s ``random_bits`` with each cell's counter given (uint32 ``counts``, the cells'
+    flat indices, below 2**32: the high word is 0): JAX's partitionable threefry at that
+    index, the bit widths combined as JAX combines them. A batch of keys (a key array of shape
+    ``K``) draws per key, ``K`` in front, as JAX's batching of the primitive does."""
+    bit_width = eqn.params["bit_width"]
+    dtype = _UINT[bit_width]
+
+    def one_key(data):          # data: uint32[2]
+        k1, k2 = (jnp.broadcast_to(data[i], counts.shape) for i in (0, 1))
+        bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
+        if bit_width == 64:
+            return (lax.shift_left(lax.convert_element_type(bits1, dtype), dtype(32))
+                    | lax.convert_element_type(bits2, dtype))
+        return lax.convert_element_type(bits1 ^ bits2, dtype)
+
+    draw = one_key
+    for _ in range(key.ndim):
+        draw = jax.vmap(draw)
+    return draw(jax.random.key_data(key))
 
 
 @defrule("random_bits")
 def _random_bits(ctx, eqn, invals):
-    """``random_bits(key, shape)`` with length axes in ``shape``: each cell draws from the key
-    folded with its index along every length axis, in order, and JAX draws the constant-size
-    axes within it. For a shape ``(B, T, F)`` with ``B`` and ``T`` lengths, cell ``(b, t, :)``
-    is ``random_bits(fold_in(fold_in(key, b), t), shape=(F,))``: it depends on the key, ``b``,
-    ``t`` and ``F`` only. The index along a length axis is layout-invariant: the logical
-    positions of every axis hold the exact-size layout (the rewrite's invariant), padding only
-    comes after them, and a ragged row's position ``t`` is its own. A batch of keys draws per
-    key. Threefry keys only (the default): an RBG key's batched draw depends on the batch's
-    shape."""
+    """``random_bits(key, shape)`` with length axes in ``shape``: cell ``i`` draws threefry at
+    its flat index in the exact-size shape, the strides the axes' real extents (a ragged axis
+    at its longest row). For ``(B, T, F)`` cell ``(b, t, f)`` draws at ``(b * T_real + t) * F +
+    f``, as ``jax.jit`` on the exact-size input does."""
     (key,) = invals
     shape = tuple(eqn.params["shape"])
-    grid = tuple(d for d in shape if is_sym(d))
-    if not grid:
+    if not has_sym(shape):
         return None                 # per key: each key's draw is its own already
-    _threefry_only(key)
-    return _draw_per_cell(eqn, key, [lax.broadcasted_iota(np.int32, grid, j)
-                                     for j in range(len(grid))])
+    _exact_draws_only(key, shape)
+    if not has_sym(shape[1:]):
+        return None                 # (T, F): the bucket's flat index is the exact one
+    index = [lax.broadcasted_iota(np.int32, shape, a) for a in range(len(shape))]
+    return [_draw_at(eqn, key, _flat_index(index, [ctx.exact_extent(d) for d in shape]))]
 
 
 @defrule("random_bits", layout="pack")
 def _random_bits_packed(ctx, eqn, invals):
-    """A draw along the packed rows and a packed length draws what the pad layout draws at
-    each real cell: along the rows axis the cell's sequence's index in the call's batch, along
-    a packed length (``T``, ``T - 1``; two of them for attention's ``(B, H, T, T)``) its
-    position in that sequence, so cell ``(r, c)`` holding position ``t`` of the call's row
-    ``b`` is ``random_bits(fold_in(fold_in(key, b), t), (F,))``. A pair of cells of two
-    sequences, or a cell outside every sequence, draws something no result reads (the frame
-    keeps it out). One along other lengths only (a per-position ``(T, F)`` noise shared by
-    every sequence has no rows axis: position ``t`` draws the same in either layout) is the
-    padded rule. A draw along the rows alone (a per-sequence ``(B, F)`` noise) is per
-    sequence: each sequence draws by its index, what its row draws padded, held at every cell
-    of it (`PerSequence`)."""
+    """A draw along the packed rows and a packed length draws, at each real cell, what the
+    pad layout draws there: cell ``(r, c)`` holding position ``t`` of the call's sequence ``b``
+    has ``b`` as its index along the rows and ``t`` along a packed length (``T``, ``T - 1``;
+    two of them for attention's ``(B, H, T, T)``), the strides the exact-size extents (the
+    call's sequences, its longest sequence). A pair of cells of two sequences, or a cell
+    outside every sequence, draws something no result reads (the frame keeps it out). One
+    along other lengths only (a per-position ``(T, F)`` noise shared by every sequence has no
+    rows axis: position ``t`` draws the same in either layout) is the padded rule. A draw
+    along the rows alone (a per-sequence ``(B, F)`` noise) is per sequence: each sequence
+    draws what its row draws padded, held at every cell of it (`PerSequence`)."""
     (key,) = invals
     shape = tuple(eqn.params["shape"])
     rows = ctx.row_axes(shape)
     if not rows:
         return padded_rule(eqn)(ctx, eqn, invals)
+    _exact_draws_only(key, shape)
     packed = ctx.packed_axes(shape)
     counts = [a for a, d in enumerate(shape)
               if is_sym(d) and ctx.rows_name in dim_vars(d) and a not in rows]
-    if len(rows) == 1 and not packed and not counts:
-        return _draw_per_sequence(ctx, eqn, key, rows[0])
-    if len(rows) != 1 or not packed or counts:
+    if len(rows) != 1 or counts:
         raise NoRule(f"a random draw of shape {shape} over packed rows: only one rows axis "
-                     f"with one or two packed lengths draws by its sequence and position")
-    _threefry_only(key)
-    (r,), p = rows, packed[0]
-    lengths = [a for a, d in enumerate(shape) if is_sym(d)]
-    grid = tuple(shape[a] for a in lengths)
-
-    def per_cell(value, axis):      # a (rows, d) array of the cells along the packed ``axis``
-        return spread(value, grid, (lengths.index(r), lengths.index(axis)))
-
+                     f"with packed lengths draws by its sequence and position")
+    (r,) = rows
+    extents = [ctx.exact_extent(d) for d in shape]
+    if not packed:                  # per sequence, held at every column
+        held_shape = grid_shape(ctx, shape, r)
+        columns = held_shape[r + 1]
+        index = [spread(ctx.sequence_index(columns), held_shape, (r, r + 1)) if a == r
+                 else lax.broadcasted_iota(np.int32, held_shape, a + (a > r))
+                 for a in range(len(shape))]
+        return [PerSequence(_draw_at(eqn, key, _flat_index(index, extents)), key.ndim + r)]
     index = []
-    for j, a in enumerate(lengths):
+    for a, d in enumerate(shape):
         if a == r:
-            index.append(per_cell(ctx.sequence_index(shape[p]), p))
+            index.append(spread(ctx.sequence_index(shape[packed[0]]), shape, (r, packed[0])))
         elif a in packed:
-            index.append(per_cell(ctx.cells(shape[a])[0], a))
-        else:                       # another length variable: padded, as in the pad layout
-            index.append(lax.broadcasted_iota(np.int32, grid, j))
-    return _draw_per_cell(eqn, key, index)
-
-
-def _draw_per_sequence(ctx, eqn, key, r: int):
-    """``random_bits`` of a shape with the rows axis ``r`` and no packed length, as a
-    `PerSequence` (the columns after the rows): cell ``(r, c)`` draws what the pad layout's
-    row ``b`` draws, ``b`` the index of the sequence there, folding in each other length
-    axis's index as the pad layout does. A cell outside every sequence draws something no
-    result reads."""
-    _threefry_only(key)
-    shape = tuple(eqn.params["shape"])
-    lengths = [a for a, d in enumerate(shape) if is_sym(d)]
-    held_shape = grid_shape(ctx, shape, r)
-    held_lengths = [a + (a > r) for a in lengths]
-    grid = tuple(held_shape[a] for a in sorted([*held_lengths, r + 1]))
-    grid_axes = sorted([*held_lengths, r + 1])
-    rows_at = grid_axes.index(r)
-    sequence = spread(ctx.sequence_index(ctx.pos.shape[1]), grid, (rows_at, rows_at + 1))
-    index = [sequence if a == r else lax.broadcasted_iota(np.int32, grid, grid_axes.index(a + (a > r)))
-             for a in lengths]
-    return [PerSequence(_draw_per_cell(eqn, key, index, grid_axes)[0], r)]
+            index.append(spread(ctx.cells(d)[0], shape, (r, a)))
+        else:                       # a constant axis, or another length: its own positions
+            index.append(lax.broadcasted_iota(np.int32, shape, a))
+    return [_draw_at(eqn, key, _flat_index(index, extents))]
