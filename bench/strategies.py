@@ -776,7 +776,8 @@ def choose_auto(cfg: Config, data: Data, step: Step, f, path: str, layout: str, 
                          partial_rows=list(choice.buckets.policy.partial_rows))
         else:
             saved.update(row_lengths=list(choice.row_lengths),
-                         pack_rows={str(k): v for k, v in choice.pack_rows.items()})
+                         pack_rows={str(k): v for k, v in choice.pack_rows.items()},
+                         max_tokens=choice.max_tokens)
         if not os.path.exists(path):
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(saved, fh)

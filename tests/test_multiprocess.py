@@ -28,8 +28,9 @@ def _free_port() -> int:
 
 
 def _env(tmp_path):
+    # A wide console: rich wraps long lines (a checkpoint's path) wherever the width falls.
     env = dict(os.environ, JAX_PLATFORMS="cpu", HOME=str(tmp_path / "home"),
-               XDG_CACHE_HOME=str(tmp_path / "xdg"))
+               XDG_CACHE_HOME=str(tmp_path / "xdg"), COLUMNS="400")
     env.pop("XLA_FLAGS", None)          # one CPU device per process
     env.pop("POLYEXEC_CACHE_DIR", None)
     return env
@@ -153,3 +154,23 @@ def test_a_dead_process_ends_the_other_with_a_message(tmp_path):
         for p in (survivor, victim):
             if p.poll() is None:
                 p.kill()
+
+
+def test_two_processes_pack_the_steps_of_one_under_batch_size(tmp_path):
+    """``--batch-size 8`` in each of two processes plans the packed steps that ``--batch-size
+    16`` plans in one, even where the rows those steps need do not split over the two devices:
+    the grid takes an empty row then, the steps stay the same."""
+    packed = [*TINY[:TINY.index("--buckets")], *TINY[TINY.index("--buckets") + 2:],
+              "--layout", "pack", "--epochs", "1", "--no-cache"]
+    _two_processes([*packed, "--batch-size", "8", "--metrics", str(tmp_path / "two.jsonl")],
+                   tmp_path, "two")
+    single = subprocess.run([sys.executable, "-m", "examples.rnn.train", *packed,
+                             "--batch-size", "16", "--metrics", str(tmp_path / "one.jsonl")],
+                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    two, one = _step_losses(tmp_path / "two.jsonl"), _step_losses(tmp_path / "one.jsonl")
+    assert len(two) == len(one) > 4, (two, one)
+    assert two == pytest.approx(one, rel=1e-5)
+    assert _val_losses(tmp_path / "two.jsonl") == pytest.approx(
+        _val_losses(tmp_path / "one.jsonl"), rel=1e-5)

@@ -354,6 +354,9 @@ class LayoutChoice:
     # Packed: the cells every example takes after its own (the steps' `Plan.packing_room`):
     # every plan of packed steps counts them, as the executor does.
     room: int = 0
+    # Packed: the cells of a step the steps are planned with (``rows x length`` at every row
+    # length); ``pack_rows`` may hold more rows, rounded up to the devices (`PackedBatching`).
+    budget: int | None = None
 
     @property
     def prediction(self) -> _buckets.Prediction | None:
@@ -363,7 +366,7 @@ class LayoutChoice:
     def max_tokens(self) -> int | None:
         """Packed: the cells of a step, the same at every row length (``rows x length``), for
         `buckets.packed_batch_plan`'s ``max_tokens``."""
-        return max((n * r for n, r in self.pack_rows.items()), default=None)
+        return self.budget or max((n * r for n, r in self.pack_rows.items()), default=None)
 
     def epoch_plan(self, lengths: Any, *, epoch: int, seed: int = 0
                    ) -> list[_buckets.PackedBatch]:
@@ -494,25 +497,27 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         row_lengths = tuple(int(n) for n in known["row_lengths"])
         return LayoutChoice("pack", "as chosen before", _packing(step, row_lengths, pack_rows),
                             None, row_lengths, pack_rows,
-                            eval_step=packed_eval(row_lengths, pack_rows), room=room)
+                            eval_step=packed_eval(row_lengths, pack_rows), room=room,
+                            budget=known.get("max_tokens"))
     row_length = step.bucket_for("T", int(lengths.max()))
     # Packed rows are global: every process plans the same steps, each of one grid whose rows
     # are split over every device of the run, whole rows each (a multiple of them), and
     # ``batch_size`` / ``max_tokens`` are per process, as padded.
     dp = data_parallel
     shards, devices, local = (dp.processes, dp.size, dp.local_devices) if dp else (1, 1, 1)
-    rows = round_up(_rows_holding(lengths, row_length, batch_size * shards, seed, room)
-                    if batch_size is not None else max(1, max_tokens * shards // row_length),
-                    devices)
-    pack_rows = {row_length: rows}
+    # The steps are planned at ``rows`` (so at any process count the same), the grid rounds
+    # them up to the devices with empty rows.
+    rows = (_rows_holding(lengths, row_length, batch_size * shards, seed, room)
+            if batch_size is not None else max(1, max_tokens * shards // row_length))
+    budget = rows * row_length
+    pack_rows = {row_length: round_up(rows, devices)}
     packer = _packing(step, (row_length,), pack_rows)
     short = _shorter_length(lengths, row_length, min_length)
     # The plans whose first batches the timed calls run: the two-length one's (a long batch
     # of it is as much a (rows, row_length) step as the one-length plan's), else that one's.
     plans = []
     if examples is not None:
-        plans = [_buckets.packed_batch_plan(lengths, n, max_tokens=rows * row_length, seed=seed,
-                                            room=room)
+        plans = [_buckets.packed_batch_plan(lengths, n, max_tokens=budget, seed=seed, room=room)
                  for n in ([short, row_length], [row_length]) if None not in n]
     first_steps, on = [], arg
 
@@ -560,9 +565,10 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         # Every process runs its rows of the same grid; process 0's timing decides for all.
         return agree(cost, shards)
 
-    cost = timed(packer, (rows, row_length))
+    grid = (pack_rows[row_length], row_length)
+    cost = timed(packer, grid)
     pack = _buckets.predict_packed(lengths, [row_length], cost, epochs=epochs, rows=rows,
-                                   seed=seed, compiled=[(rows, row_length)], room=room)
+                                   seed=seed, compiled=[grid], room=room)
     # The padded steps would compile every shape, the longest included (not yet compiled).
     pad_policy = _buckets.Auto.fit(lengths, cost, epochs=epochs, batch_size=batch_size,
                                    max_tokens=max_tokens, num_shards=shards, row_multiple=local)
@@ -575,11 +581,11 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         packer = _packing(step, row_lengths, pack_rows)
     versus = _versus(pack, pad_policy.prediction, epochs)
     if layout == "auto" and pad_policy.prediction.seconds < pack.seconds:
-        return padded(versus, pad_policy, pack, cost, (rows, row_length))
+        return padded(versus, pad_policy, pack, cost, grid)
     return LayoutChoice("pack", versus if layout == "auto" else "layout='pack' was asked for",
-                        packer, None, row_lengths, pack_rows, cost, (rows, row_length),
+                        packer, None, row_lengths, pack_rows, cost, grid,
                         pad_policy.prediction, pack, tuple(first_steps),
-                        packed_eval(row_lengths, pack_rows), room)
+                        packed_eval(row_lengths, pack_rows), room, budget)
 
 
 def _rows_holding(lengths, row_length: int, batch_size: int, seed: int, room: int) -> int:
@@ -623,21 +629,18 @@ def _shorter_rows(step, lengths, short, row_length, rows, cost, single, epochs, 
     (`buckets.packed_batch_plan`'s backfill), so the two lengths pad no more than one."""
     budget = rows * row_length
     short_rows = max(1, budget // short)
-    if short_rows % multiple:
-        # The short rows, at the long rows' tokens a step, would not split evenly over the
-        # devices (a row length that ``short`` does not divide).
-        return None
-    shapes = [(rows, row_length), (short_rows, short)]
+    # The grids, rounded up to the devices (`PackedBatching.pack_rows`); the plan is not.
+    shapes = [(round_up(rows, multiple), row_length), (round_up(short_rows, multiple), short)]
     cheaper = dataclasses.replace(cost, seconds_per_cell=cost.seconds_per_cell * 0.75)
     best = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: cheaper, row_length: cost}, epochs=epochs,
                                    max_tokens=budget, seed=seed, compiled=shapes, room=room)
     # Priced in full (`parallel` discounts only compiles that overlap training): it blocks.
     if (single.seconds - best.seconds
-            <= cost.compile_seconds * parallel + cost.step_seconds(short_rows, short)):
+            <= cost.compile_seconds * parallel + cost.step_seconds(*shapes[1])):
         return None
-    short_cost = timed(_packing(step, (short,), {short: short_rows}), (short_rows, short))
-    pack_rows = {short: short_rows, row_length: rows}
+    short_cost = timed(_packing(step, (short,), {short: shapes[1][0]}), shapes[1])
+    pack_rows = {short: shapes[1][0], row_length: shapes[0][0]}
     both = _buckets.predict_packed(lengths, [short, row_length],
                                    {short: short_cost, row_length: cost}, epochs=epochs,
                                    max_tokens=budget, seed=seed, compiled=shapes, room=room)

@@ -428,7 +428,13 @@ class PackedBatching:
     example's length but loads only the examples packed into its own rows (``rows_of``, the
     step's `Bucketed.packing_of`): the shares are disjoint and together hold each example of
     a step once, and the grid is the one a single process would run. ``rows`` and `shape`
-    give this process's share of the rows, as `Batching`'s do."""
+    give this process's share of the rows, as `Batching`'s do.
+
+    The steps do not depend on the process count: ``max_tokens`` plans them, and the grid
+    rounds each row length's rows up to ``row_multiple`` (the run's devices, which split the
+    rows whole) with rows no example is packed into. So one process with a budget and two
+    with half of it each take the same examples at every step, even where the rows a budget
+    holds do not split evenly."""
 
     row_lengths: tuple[int, ...]
     max_tokens: int
@@ -440,6 +446,7 @@ class PackedBatching:
     # The cells each example takes after its own (the step's `Plan.packing_room`): the plan
     # counts them as the executor packs them, so a step's rows are the rows that run.
     room: int = 0
+    row_multiple: int = 1
 
     policy = property(lambda self: _buckets.Fixed(self.row_lengths))
     length_buckets = property(lambda self: tuple(self.row_lengths))
@@ -448,7 +455,8 @@ class PackedBatching:
     def pack_rows(self) -> dict[int, int]:
         """The rows of a whole step (every process's) per row length: the train step's
         ``pack_rows``, and what a checkpoint keeps of the choice."""
-        return {n: max(1, self.max_tokens // n) for n in self.row_lengths}
+        return {n: round_up(max(1, self.max_tokens // n), self.row_multiple)
+                for n in self.row_lengths}
 
     def rows(self, row_length: int) -> int:
         """This process's share of a step's rows."""
@@ -462,7 +470,7 @@ class PackedBatching:
             room=self.room)
 
     def shape(self, batch: _buckets.PackedBatch) -> tuple[int, int]:
-        return batch.rows // self.num_shards, batch.row_length
+        return self.rows(batch.row_length), batch.row_length
 
     def shapes(self, lengths: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, int], int]:
         """Every (rows, row length) an epoch runs at, and the real tokens each one carries: from

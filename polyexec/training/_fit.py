@@ -628,7 +628,7 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
         batching = PackedBatching(choice.row_lengths, choice.max_tokens, options.shuffle,
                                   options.seed, options.min_length,
                                   num_shards=run.dp.processes, shard_index=run.dp.process_index,
-                                  room=choice.room)
+                                  room=choice.room, row_multiple=run.dp.size)
         val = run.validation
         return dataclasses.replace(
             run, prediction=choice.prediction, batching=batching, train_step=choice.step,
@@ -745,6 +745,8 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
                                # A whole step's rows, every process's.
                                "pack_rows": {str(n): r
                                              for n, r in run.batching.pack_rows.items()},
+                               # The cells a step is planned with (the grid may round up).
+                               "max_tokens": run.batching.max_tokens,
                                # The plan's room: a resumed run must plan the same steps.
                                "room": run.batching.room,
                                "epochs": run.options.epochs}
