@@ -354,3 +354,38 @@ def test_no_rule_module_imports_a_siblings_private_names():
                 if private:
                     found.append(f"{path.name} imports {private} from .{node.module}")
     assert not found, "\n".join(found)
+
+
+FAMILIES = {"_pointwise", "_reductions", "_structure", "_indexing", "_contractions", "_control",
+            "_random"}
+
+
+def registrations() -> dict[str, set[str]]:
+    """primitive name -> the `_logical` modules that register a rule for it (``defrule`` calls,
+    decorators and calls alike, read from the AST)."""
+    found: dict[str, set[str]] = {}
+    for path in (PACKAGE / "_logical").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "defrule"):
+                for arg in node.args:
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                        found.setdefault(arg.value, set()).add(path.stem)
+    return found
+
+
+def test_each_primitives_rules_in_every_layout_live_in_its_family_module():
+    """As JAX keeps each batching rule beside its primitive: one family module registers a
+    primitive's padded, packed, per-sequence and per-cell rules; the layouts' own modules
+    (`_packed`, `_sequences`) are machinery and register none."""
+    found = registrations()
+    assert {"gather", "scatter-add", "reduce_sum", "conv_general_dilated", "dot_general",
+            "concatenate", "scan", "random_bits"} <= set(found)
+    for primitive, modules in found.items():
+        assert len(modules) == 1 and modules <= FAMILIES, (primitive, modules)
+
+
+def test_no_module_of_polyexec_is_over_1200_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 1200}
+    assert not long, long

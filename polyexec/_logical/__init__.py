@@ -31,12 +31,12 @@ layout. Each variable's value has one annotation beside it (`_core.Known`: the a
 zeroed, whether it is made from lengths alone, or from positions alone); a value held in a layout's own form -- per row
 (`RowVarying`), per sequence or per cell of packed rows -- is a wrapper the rules see. The step
 asks the layout, which is the evaluation context (`_core.Ctx` for padded and ragged rows,
-`_packed._PackedCtx` for packed ones), what differs: how it evaluates a held value, what it
+`_packed.PackedCtx` for packed ones), what differs: how it evaluates a held value, what it
 refuses whatever the rule, its rule for a primitive, and what a refused equation gives.
 
 Rules, by family (each registered next to its definition, like JAX's batching rules)
 -------------------------------------------------------------------------------------
-One registry (`_core`: one `_Entry` per primitive) holds each primitive's rule in every layout
+One registry (`_registry`: one `Entry` per primitive) holds each primitive's rule in every layout
 -- padded (and ragged) rows, packed rows, a value held per sequence or per cell in packed
 rows -- and its
 facts, stated beside its padded rule with ``defrule``: what it moves (flagged on ragged rows),
@@ -49,8 +49,10 @@ A family's rule is written once for both layouts (``defrule(..., layout=PAD_AND_
 JAX's ``defreducer`` writes one batching rule for every batch dimension: the rule says which
 operands, identities and axes; the layout does what differs (`Ctx.reduce`, `Ctx.accumulate`,
 `Ctx.window`, `Ctx.reverse`): padded rows put the identity in each row's tail, packed rows
-combine, or reverse, within each sequence. The other primitives still have a padded and a
-packed rule each in the same entry.
+combine, or reverse, within each sequence. The other primitives have a padded and a packed
+rule each in the same entry, both in the primitive's family module, the packed one below the
+padded ones (as JAX keeps every batching rule beside its primitive): one file to read, or to
+change, for a primitive in every layout.
 
 - `_pointwise`: elementwise and layout primitives pass through; ``dim_as_value``.
 - `_reductions`: reductions and cumulative ones (the layout combines with the identity).
@@ -65,9 +67,12 @@ packed rule each in the same entry.
   ``jax.jit`` draws on the exact-size input, in every bucket and layout (packed rows: by its
   sequence's index in the call and its position).
 - `_packed` (`rewrite_packed`, ``layout="pack"``) and `_sequences` (its per-sequence values):
-  the packed rules of the same primitives, over rows that hold several sequences.
-- `_core`: the evaluation context, the interpreter, the registry, `rewrite`;
-  `register_rule` (``px.register_rule``) adds a rule for a primitive polyexec does not know.
+  the packed layout's machinery only -- its context (`_packed.PackedCtx`: the frame, the
+  family operations within each sequence), the helpers the packed rules share, and the
+  per-sequence interpreter; they register no rule.
+- `_core`: the evaluation context, the interpreter, `rewrite`; `_registry`: the one table,
+  `defrule`, and `register_rule` (``px.register_rule``), which adds a rule for a primitive
+  polyexec does not know; `_basics`: dimensions and values every rule uses.
   JAX's internals are read through `polyexec._jax_internals` only.
 
 An equation that touches a length axis (an aval or a parameter holds a symbolic dimension) and
@@ -80,7 +85,8 @@ room for its logical positions.
 # this package, so it always sees the full registry.
 from . import (_contractions, _control, _indexing, _pointwise, _random,  # noqa: F401
                _reductions, _structure)
-from ._core import Logical, register_rule, rewrite, RowFloor, RuleContext, Unsupported
+from ._core import (Logical, RowFloor, Unsupported, rewrite)
+from ._registry import (RuleContext, register_rule)
 from ._packed import rewrite_packed
 
 __all__ = ["Logical", "RowFloor", "RuleContext", "Unsupported", "register_rule", "rewrite", "rewrite_packed"]

@@ -22,7 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import NoRule, RowVarying, defrule, eval_closed, fill_tail, filled, is_sym, operand_avals
+from .._jax_internals import dim_vars
+from ._basics import (filled, is_sym, operand_avals, sub_jaxprs)
+from ._core import (RowVarying, eval_closed, fill_tail, take_rows)
+from ._registry import (NoRule, defrule, lookup_rule, padded_rule)
+from ._packed import PackedCtx
+from ._sequences import PerSequence, at_column, held, refused, spread
 
 
 def _scanned_moves(eqn):
@@ -353,3 +358,200 @@ defrule("jit", "pjit", "remat2", "checkpoint", structural=True)(_call("jaxpr"))
 defrule("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
       structural=True)(_call("call_jaxpr"))
 defrule("custom_vjp_call_jaxpr", structural=True)(_call("fun_jaxpr"))
+
+# --------------------------------------------------------------------------------------------
+# Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'
+# rules over rows that hold several sequences (`_packed` is the layout's machinery).
+
+
+@defrule("while", layout=("pack", "per_sequence"))
+def _while_packed(ctx: PackedCtx, eqn, invals):
+    raise NoRule("a while_loop or fori_loop over packed rows: its trip count (a loop over "
+                  "x.shape[1]) or its carry differs per sequence, and the sequences sharing a "
+                  "packed row would need different trip counts in one loop; a scan over the "
+                  "length, lax.scan(step, h, jnp.swapaxes(x, 0, 1)), packs")
+
+
+@defrule("scan", layout=("pack", "per_sequence"))
+def _scan_packed(ctx: PackedCtx, eqn, invals):
+    p = eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    length = p["length"]
+    has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
+    if ctx.var not in dim_vars(length) or not any(has_rows):
+        if any(isinstance(x, PerSequence) for x in invals):
+            raise NoRule("a scan over another length than the packed one reads a "
+                          "per-sequence value")
+        return padded_rule(eqn)(ctx, eqn, invals)
+    return _packed_scan(ctx, eqn, consts, init, xs)
+
+
+def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
+    """A scan over a packed length: every column once, up to the last real cell. At each
+    sequence's first step (its last, for a reverse scan) the row's carry restarts from its
+    initial value; ``alive`` marks the rows whose cell is real, so a gradient summed over the
+    rows inside the body reads those only. Outside the frame the carry runs on, not frozen:
+    every real cell restarts its sequence or follows a real cell of it (freezing it cost the
+    GRU train step 9%). A per-sequence initial carry or constant (an encoder's state, the
+    gradient of a final carry) is read at each step's column; a final carry that is read is
+    each sequence's own, kept from the step that ends it."""
+    p = eqn.params
+    body, length, nc = p["jaxpr"], p["length"], p["num_consts"]
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    const_shapes, init_shapes = shapes[:nc], shapes[nc:nc + len(init)]
+    if any(isinstance(v, PerSequence) and v.axis is None for v in (*consts, *init)) or any(
+            isinstance(x, PerSequence) for x in xs):
+        raise NoRule("a scan over a packed length reading a per-sequence number")
+    if any(not ctx.row_axes(x.shape[1:]) for x in xs):
+        raise NoRule("a scan over a packed length whose scanned input has no rows axis")
+    if any(ctx.row_axes(s) and ctx.packed_axes(s) for s in const_shapes):
+        raise NoRule("a scan over a packed length that reads a whole packed value at each step")
+    carry_axes = []
+    for j, shape in enumerate(init_shapes):
+        axes = ctx.row_axes(shape)
+        if len(axes) > 1:
+            raise NoRule(f"a carry of shape {shape} has several rows axes")
+        if not axes and not _accumulates(body.jaxpr, nc + j, j, ctx):
+            raise NoRule(f"carry {j} of shape {shape} has no rows axis and changes by "
+                          f"more than a sum over the rows (a step counter, a value the rows "
+                          f"update in turn): over packed rows its steps are not any "
+                          f"sequence's")
+        carry_axes.append(axes[0] if axes else None)
+    in_frame = ctx.in_frame(length)                       # (rows, columns)
+    pos, seglen = ctx.cells(length)
+    first = in_frame & ((pos == ctx.at_lengths(length, seglen) - 1) if p["reverse"] else (pos == 0))
+    columns = lax.broadcasted_iota(np.int32, jnp.shape(in_frame), 1)
+    stop = jnp.max(jnp.where(in_frame, columns + 1, 0), initial=0).astype(np.int32)
+
+    def at(values):
+        if not any(isinstance(v, PerSequence) for v in values):
+            return None
+        return lambda step: [at_column(v, step) if isinstance(v, PerSequence) else v
+                             for v in values]
+
+    starting = [at_column(c, 0) if isinstance(c, PerSequence) else c for c in init]
+    keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
+    carry, ys, steps = frozen_scan(
+        ctx, eqn, consts, starting, xs, carry_axes, stop,
+        alive_at=_step_mask(in_frame), restart_at=_step_mask(first), freeze=False,
+        consts_at=at(consts), init_at=at(init), keep=keep)
+    final = []
+    for c, c0, shape, a, kept in zip(carry, init, init_shapes, carry_axes, steps):
+        if a is None:
+            final.append(c)
+        elif kept is None:          # never read: no per-sequence copy
+            final.append(ctx.per_sequence(eqn, "the final carry of a scan")[0])
+        else:
+            final.append(_final_carry(ctx, kept, held(ctx, c0, shape), length,
+                                      p["reverse"]))
+    return [*final, *ys]
+
+
+def _step_mask(mask):
+    """A ``(rows, columns)`` bool mask as a function of the step ``at`` (a column): stored
+    as ``(columns, rows)``, each step reads one contiguous row of it, where a column of the
+    ``(rows, columns)`` array is a strided read -- one kernel less in the packed GRU's
+    forward loop."""
+    by_step = mask.T
+    return lambda at: at_step(by_step, at)
+
+
+def _final_carry(ctx: PackedCtx, steps, initial: PerSequence, length, reverse: bool):
+    """Each sequence's final carry: the carry after its last step (its first, reversed), read
+    from the carries after every step (``steps``, stacked on a leading axis); a sequence with
+    no step (length 0, or 1 over ``T - 1``) keeps its initial carry."""
+    a = initial.axis
+    steps = jnp.moveaxis(steps, 0, a + 1)            # each row's carry after each column
+    count = ctx.at_lengths(length, ctx.seglen)              # (rows, columns): each sequence's steps
+    start = ctx.sequence_starts()
+    last = start if reverse else start + count - 1
+    shape = list(steps.shape)
+    shape[a + 1] = ctx.pos.shape[1]
+    got = take_rows(ctx, steps, spread(jnp.maximum(last, 0), shape, (a, a + 1)), a + 1)
+    ran = spread(count > 0, got.shape, (a, a + 1))
+    return PerSequence(lax.select(ran, got, initial.value), a)
+
+
+_PASS_THROUGH = {"reduce_sum", "convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
+                 "broadcast_in_dim", "neg", "reduce_precision"}
+
+
+def _accumulates(jaxpr, invar: int, outvar: int, ctx: PackedCtx) -> bool:
+    """Whether a carry without a rows axis is left alone or grows by a sum over the rows that
+    does not read it (``ct_w + x.T @ g``: a weight gradient of a scan's transpose). Then the
+    order in which cells are visited does not matter, and the frozen rows add nothing."""
+    out, inv = jaxpr.outvars[outvar], jaxpr.invars[invar]
+    if out is inv:
+        return True
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    eqn = made.get(out)
+    if eqn is None or eqn.primitive.name not in ("add", "add_any"):
+        return False
+    carried = [v for v in eqn.invars if _is_carry(v, inv, made)]
+    if len(carried) != 1:
+        return False
+    (other,) = [v for v in eqn.invars if v is not carried[0]] or [None]
+    if other is None or _reads(other, inv, made):
+        return False
+    while True:
+        e = made.get(other)
+        if e is None:
+            return False
+        name = e.primitive.name
+        if name == "reduce_sum" and any(a in ctx.row_axes(e.invars[0].aval.shape)
+                                        for a in e.params["axes"]):
+            return True
+        if name == "dot_general":
+            (lc, rc), _ = e.params["dimension_numbers"]
+            return any(a in ctx.row_axes(e.invars[0].aval.shape) for a in lc)
+        if name == "scatter-add":     # an embedding's gradient: rows added into the table
+            return bool(ctx.row_axes(e.invars[2].aval.shape))
+        called = _called(e)
+        if called is not None:
+            # Inside a call (``jax.checkpoint`` of the step: the backward scan adds the
+            # weight gradient the recomputing call returns): follow the call's own output.
+            made = {v: inner for inner in called.eqns for v in inner.outvars}
+            other = called.outvars[e.outvars.index(other)]
+            continue
+        if name not in _PASS_THROUGH:
+            return False
+        other = e.invars[0]
+
+
+def _called(eqn):
+    """The program of a call-like equation (``jit``, ``remat2``, ``closed_call``...: one
+    sub-program whose outputs are the equation's), None for any other."""
+    entry = lookup_rule(eqn.primitive)
+    programs = list(sub_jaxprs(eqn.params))
+    if (entry is None or not getattr(entry.rule, "inline", False) or len(programs) != 1
+            or len(programs[0].outvars) != len(eqn.outvars)):
+        return None
+    return programs[0]
+
+
+def _is_carry(v, inv, made) -> bool:
+    """Whether ``v`` is the carry ``inv`` itself, or it cast (a Python ``0.0`` initial carry
+    is weakly typed: the body converts it before adding)."""
+    while v is not inv:
+        e = made.get(v) if not isinstance(v, jax.extend.core.Literal) else None
+        if e is None or e.primitive.name not in ("convert_element_type", "copy", "copy_p"):
+            return False
+        v = e.invars[0]
+    return True
+
+
+def _reads(v, target, made) -> bool:
+    seen, stack = set(), [v]
+    while stack:
+        u = stack.pop()
+        if u is target:
+            return True
+        if id(u) in seen or u not in made:
+            continue
+        seen.add(id(u))
+        stack.extend(w for w in made[u].invars if not isinstance(w, jax.extend.core.Literal))
+    return False
+
+
+defrule("cond", "custom_linear_solve", layout="per_sequence")(refused)

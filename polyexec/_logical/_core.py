@@ -1,23 +1,23 @@
-"""The logical rewrite's machinery: the evaluation context, the interpreter, the rule registry.
+"""The logical rewrite's machinery: the evaluation context (`Ctx`, the padded and ragged
+layout) and the interpreter (`eval_jaxpr`, one `evaluate` step per equation).
 
 The families of rules (`_pointwise`, `_reductions`, `_structure`, `_indexing`, `_contractions`,
-`_control`) import this module and register each rule next to its definition with `defrule`; the
-package's ``__init__`` imports them all, so `rewrite` is only reached with the registry full.
-`register_rule` is the same registry's public door (``px.register_rule``).
+`_control`, `_random`) register each rule next to its definition in the registry
+(`_registry.defrule`); the package's ``__init__`` imports them all, so `rewrite` is only
+reached with the registry full. What every rule uses and needs no interpreter state is in
+`_basics`.
 
 Rules take ``(ctx, eqn, invals)`` and return the outputs, or None when the equation needs no
 change after all; they raise `NoRule` to report what they cannot do (a verdict naming the
 user's line, and the equation runs unchanged).
 """
-
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.extend.core
@@ -28,8 +28,10 @@ from jax.extend import source_info_util
 
 from .._context import equation_line
 from .._errors import OptionError, is_int
-from .._jax_internals import (convert_element_type, definitely_equal_shape, dim_as_value,
-                              dim_bounds, dim_vars, evaluate_dim, is_constant_dim, terms, var_dim)
+from .._jax_internals import dim_as_value, dim_bounds, dim_vars, evaluate_dim, var_dim
+from ._basics import (bind_eqn, bind_eqn_with, filled, has_sym, iota_along, is_empty, monotone,
+                      is_sym, like_aval, lowest_value, one_position, operand_avals, sub_jaxprs)
+from ._registry import ELEMENTWISE, MOVES_ROWS_WHY, Entry, NoRule, lookup_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,84 +82,8 @@ class Logical:
     floors: tuple[RowFloor, ...] = ()       # per ragged variable, the longest floor found
 
 
-class NoRule(Exception):
-    """Raised by a rule that cannot make this equation logical; the message says why."""
-
-
 # --------------------------------------------------------------------------------------------
 # Dimensions
-
-
-def is_sym(d) -> bool:
-    return not is_constant_dim(d)
-
-
-def has_sym(shape) -> bool:
-    return any(is_sym(d) for d in shape)
-
-
-def _monotone(d) -> bool:
-    """Whether ``d`` never exceeds its value at the bucket sizes when evaluated at real sizes
-    that are at most the bucket sizes (then the logical positions of an axis of size ``d`` fit
-    in the physical array). A structural proof first; a single-variable expression with a known
-    upper bound (every LengthVar has one) is then checked exhaustively: JAX normalises
-    ``min(T, 3)`` to ``T - max(0, T - 3)`` and ``ceil(T/2)`` to ``-floordiv(-T, 2)``, which the
-    structure alone does not show to be monotone."""
-    if not is_sym(d):
-        return True
-    if _structurally_monotone(d):
-        return True
-    names = dim_vars(d)
-    if len(names) != 1:
-        return False
-    (name,) = names
-    lo, hi = dim_bounds(var_dim(name, d.scope))
-    if not (math.isfinite(hi) and hi - lo <= 1 << 14):
-        return False
-    values = [int(evaluate_dim(d, {name: v})) for v in range(max(int(lo), 0), int(hi) + 1)]
-    return all(a <= b for a, b in zip(values, values[1:]))
-
-
-def _structurally_monotone(d) -> bool:
-    # A sum of positive multiples of products of non-negative, non-decreasing factors.
-    for coeff, factors in terms(d):
-        if not factors:
-            continue            # the constant term
-        if coeff <= 0:
-            return False
-        single = len(factors) == 1 and factors[0][1] == 1
-        if not all(_factor_monotone(f, need_nonneg=not single) for f, _ in factors):
-            return False
-    return True
-
-
-def _factor_monotone(f, need_nonneg: bool) -> bool:
-    if f.var is not None:
-        return True             # length variables are >= 1
-    ops = f.operands
-    if f.operation == "floordiv":
-        num, den = ops
-        return (not is_sym(den) and int(den) > 0 and _monotone_expr(num)
-                and (not need_nonneg or _nonneg(num)))
-    if f.operation in ("max", "min"):
-        if not all(_monotone_expr(o) for o in ops):
-            return False
-        if not need_nonneg:
-            return True
-        nonneg = [_nonneg(o) for o in ops]
-        return any(nonneg) if f.operation == "max" else all(nonneg)
-    return False                # mod is not monotone
-
-
-def _monotone_expr(e) -> bool:
-    return not is_sym(e) or _structurally_monotone(e)
-
-
-def _nonneg(e) -> bool:
-    if not is_sym(e):
-        return int(e) >= 0
-    lo, _ = dim_bounds(e, sign_only=True)
-    return lo >= 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +142,7 @@ class Ctx:
         return evaluate(self, eqn, invals)
 
     # -- the pad layout: what `evaluate` asks of a layout --------------------------------------
-    # A packed context (`_packed._PackedCtx`) answers the same questions for packed rows.
+    # A packed context (`_packed.PackedCtx`) answers the same questions for packed rows.
 
     def held_outputs(self, eqn, invals) -> list | None:
         """The outputs of an equation that reads a value held in this layout's own form, which
@@ -244,7 +170,7 @@ class Ctx:
                     return f"the length {d} can exceed its bucket size"
         return None
 
-    def rule_for(self, eqn, entry: "_Entry | None") -> Callable | None:
+    def rule_for(self, eqn, entry: Entry | None) -> Callable | None:
         return None if entry is None else entry.rule
 
     def refused(self, eqn, invals, why: str) -> list:
@@ -464,6 +390,10 @@ class Ctx:
         return any(self.row_axes(getattr(v.aval, "shape", ()), rows)
                    for v in (*eqn.invars, *eqn.outvars))
 
+    def fill_tail(self, x, axes, fill, shared=None):
+        """``x`` with ``fill`` past the logical length of each of ``axes`` (`fill_tail`)."""
+        return fill_tail(self, x, axes, fill, shared)
+
     def exact_extent(self, d):
         """The size of an axis of length ``d`` in the exact-size call ``jax.jit`` would see:
         the real sizes, a ragged length at its longest row, the rows at the call's rows (in
@@ -481,7 +411,7 @@ class Ctx:
         """Whether every position along an axis of length ``d`` is real in this layout, so
         that `logical_mask` needs no ``iota < length`` along it. Never in the pad layout,
         whose rows axis holds padding rows and length axes a tail; the packed layout says
-        which of its axes (`_packed._PackedCtx.all_real`)."""
+        which of its axes (`_packed.PackedCtx.all_real`)."""
         return False
 
     # -- the families' operations --------------------------------------------------------------
@@ -590,7 +520,7 @@ class Recorder:
         self.unsupported: dict[int, Unsupported] = {}    # by id(eqn): a body traced twice
         self.rewritten: set[int] = set()                 # counts once
         self.touches: dict[int, tuple[Any, bool]] = {}   # see _jaxpr_touches
-        self._monotone: dict[Any, bool] = {}
+        self._decided: dict[Any, bool] = {}
         self.ragged = ragged        # the variables with per-row lengths
         self.used = used            # packed: the variables some equation or output reads
         self.floors: dict[str, RowFloor] = {}            # see `_note_row_floor`
@@ -601,23 +531,19 @@ class Recorder:
         # Cached per rewrite: dimensions of different symbolic scopes must never be compared.
         if not is_sym(d):
             return True
-        if d not in self._monotone:
-            self._monotone[d] = _monotone(d)
-        return self._monotone[d]
+        return self.decided(d, lambda: monotone(d))
+
+    def decided(self, key, decide: Callable[[], bool]) -> bool:
+        """A yes or no about dimensions, ``decide()`` once per rewrite under ``key``."""
+        if key not in self._decided:
+            self._decided[key] = bool(decide())
+        return self._decided[key]
 
     def touched(self, jaxpr) -> bool:
         return _jaxpr_touches(getattr(jaxpr, "jaxpr", jaxpr), self.touches)
 
 # --------------------------------------------------------------------------------------------
 # Mask helpers
-
-
-def iota_along(shape, axis):
-    return lax.broadcasted_iota(np.int32, tuple(shape), axis)
-
-
-def filled(shape, fill, dtype):
-    return lax.broadcast_in_dim(lax.convert_element_type(fill, dtype), tuple(shape), ())
 
 
 def logical_mask(ctx: Ctx, shape, axes, shared=None):
@@ -671,7 +597,7 @@ def _masked(ctx: Ctx, x, axes, fill, shared):
 
 def _zeroed_reads(jaxpr) -> dict:
     """Per variable of ``jaxpr``, the length axes that its equations read it across with the
-    tail zeroed (each primitive's `_Entry.zeroed_reads`: contracted by ``dot_general``, summed
+    tail zeroed (each primitive's `Entry.zeroed_reads`: contracted by ``dot_general``, summed
     by ``reduce_sum``): `eval_jaxpr` zeroes them where the value is made, for all its readers
     (see the package docstring)."""
     reads: dict[Any, set[int]] = {}
@@ -770,50 +696,8 @@ def windowed(ctx: Ctx, operands, fills, p, dilation_key):
     return (operands, tuple(padding), tuple(dilation)) if changed else None
 
 
-def lowest_value(dtype):
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return False
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return -np.inf
-    return jnp.iinfo(dtype).min
-
-
-def highest_value(dtype):
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return True
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return np.inf
-    return jnp.iinfo(dtype).max
-
-
-def all_ones(dtype):
-    return True if np.dtype(dtype) == np.bool_ else -1 if jnp.issubdtype(dtype, jnp.signedinteger) \
-        else jnp.iinfo(dtype).max
-
-
 # --------------------------------------------------------------------------------------------
 # The interpreter
-
-
-def bind_eqn(eqn, invals):
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def bind_eqn_with(eqn, invals, **changes):
-    out = eqn.primitive.bind(*invals, **{**eqn.params, **changes})
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def sub_jaxprs(params):
-    for value in params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, jax.extend.core.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jax.extend.core.Jaxpr):
-                yield item
 
 
 def _param_has_sym(value) -> bool:
@@ -871,11 +755,6 @@ def _folded(eqn, invals) -> list | None:
     if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
         return None
     return [np.asarray(fold(np.asarray(invals[0]), eqn.params), eqn.outvars[0].aval.dtype)]
-
-
-def is_empty(aval) -> bool:
-    """Whether an array of this aval has no elements whatever the sizes (a constant 0 axis)."""
-    return any(not is_sym(d) and int(d) == 0 for d in getattr(aval, "shape", ()))
 
 
 def _only_reach_empty(jaxpr) -> set[int]:
@@ -1042,34 +921,11 @@ def evaluate(ctx: Ctx, eqn, invals) -> list:
 def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:
     """``(operand aval, axes)`` for each operand of an equation that selects, reorders, pads,
     joins or accumulates entries along those axes, or scans over them (its primitive's
-    `_Entry.moves`), as opposed to keeping every entry at its index."""
+    `Entry.moves`), as opposed to keeping every entry at its index."""
     entry = lookup_rule(eqn.primitive)
     if entry is None or entry.moves is None or not operand_avals(eqn):
         return []
     return entry.moves(eqn)
-
-
-def acts_along_params(eqn, i: int, axis: int, shape) -> bool:
-    """`_Entry.acts_on` of a primitive that acts along the axes its parameter names (a
-    reduction's ``axes``, a sort's ``dimension``, a cumulative op's ``axis``) and keeps every
-    other axis per position."""
-    for key in ("axes", "dimensions", "dimension", "axis"):
-        if key in eqn.params:
-            value = eqn.params[key]
-            return axis in (value if isinstance(value, (tuple, list)) else (value,))
-    return False
-
-
-def operand_avals(eqn) -> list:
-    """The avals of an equation's array operands (what the facts of `_Entry` read)."""
-    return [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
-
-
-def same_dim(a, b) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - dimensions of different scopes do not compare
-        return False
 
 
 def moves_ragged_rows(ctx: Ctx, eqn) -> str | None:
@@ -1100,26 +956,13 @@ def moves_ragged_rows(ctx: Ctx, eqn) -> str | None:
 
 def _window_starts(eqn, invals) -> list[tuple[int, Any, Any]]:
     """``(axis, start, size)`` of each operand axis a windowed read indexes with a window of
-    more than one position (its primitive's `_Entry.window`): the start a constant (an int, a
+    more than one position (its primitive's `Entry.window`): the start a constant (an int, a
     symbolic dimension) or None (a traced start, which the rules clamp into the row). One
     position (``x[:, k]``) is clamped into each row by the rules: it reads inside any row but
     an empty one, whose value is the gather's fill."""
     entry = lookup_rule(eqn.primitive)
     reads = entry.window(eqn, invals) if entry is not None and entry.window else []
     return [(a, start, size) for a, start, size in reads if not one_position(size)]
-
-
-def literal_start(idx, component: int) -> int | None:
-    """The largest start a gather's (or scatter's) literal indices give along ``component``,
-    None when they are traced."""
-    if isinstance(idx, np.ndarray) and idx.size:
-        return int(np.max(idx[..., component]))
-    return None
-
-
-def one_position(size) -> bool:
-    """A window of one position (``x[:, k]``), which the rules clamp into each row."""
-    return not is_sym(size) and size == 1
 
 
 def _ragged_variable(ctx: Ctx, *dims) -> str | None:
@@ -1254,252 +1097,8 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     return results
 
 
-def like_aval(x, aval):
-    """A rule's result with exactly the original dtype and weak type (scan carries and branch
-    outputs must keep their types)."""
-    if not hasattr(aval, "dtype"):
-        return x
-    have = jax.typeof(x)
-    if have.dtype == aval.dtype and getattr(have, "weak_type", False) == aval.weak_type:
-        return x
-    return convert_element_type(x, aval.dtype, aval.weak_type)
-
-
 # --------------------------------------------------------------------------------------------
 # The registry: one entry per primitive, polyexec's own rules and the user's alike
-
-ELEMENTWISE = "elementwise"
-
-MOVES_ROWS_WHY = ("{name} selects, reorders or joins the rows ({rows}) of a value ragged along "
-                  "them: each row's real length belongs to its index, so a moved row would "
-                  "take the length of the row whose place it takes")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """All the rewrite knows of one primitive: its rule in each layout, and what it moves or
-    reads along an axis, which the interpreter asks before any rule runs (JAX's batching keeps
-    one table of rules; its per-primitive facts are the rules' own). A rule takes ``(ctx, eqn,
-    invals)`` and returns the outputs, None when nothing needs to change, or raises `NoRule`."""
-
-    rule: Callable | Literal["elementwise"] | None = None   # padded (and ragged) rows
-    structural: bool = False   # only recurses into sub-programs: their equations count, not it
-    origin: str = "polyexec's own"   # who registered the rule, for the refusal to replace it
-    packed: Callable | None = None         # packed rows; None: `_packed`'s generic handling
-    per_sequence: Callable | None = None   # packed rows, an input held per sequence
-    per_cell: Callable | None = None       # packed rows, an input held per cell (no rows axis)
-    # ``eqn -> [(operand aval, axes)]``: the axes it selects, reorders, pads, joins, accumulates
-    # or scans along (`moves_ragged_rows`), as opposed to keeping each entry at its index.
-    moves: Callable | None = None
-    # Why moving the rows of a ragged value this way is flagged (`moves_ragged_rows`), with
-    # ``{name}`` and ``{rows}``; None: `MOVES_ROWS_WHY`.
-    moves_rows_why: str | None = None
-    # ``(eqn, invals) -> [(axis, start, size)]``: the windows it reads (`_note_row_floor`).
-    window: Callable | None = None
-    # ``eqn -> [(operand index, axes)]``: the length axes it reads an operand across with the
-    # tail zeroed (a contraction, a sum), zeroed once where the operand is made.
-    zeroed_reads: Callable | None = None
-    # ``(eqn, i, axis, shape) -> bool``: whether it combines or moves the entries of operand
-    # ``i`` (of ``shape``) along ``axis``. In packed rows a value held per sequence runs
-    # through it once per column when it does not act on the value's rows axis (`_sequences`);
-    # None: never per column, unless elementwise.
-    acts_on: Callable | None = None
-
-
-# Keyed by primitive name (polyexec's rules, and the user's given a name) or by the primitive
-# object itself (the user's given one: two primitives may share a name, as JAX's own
-# registries distinguish them by object). Filled at import, then only by `register_rule`.
-_REGISTRY: dict[Any, _Entry] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def _register(key, rule, *, structural: bool, origin: str, override: bool) -> None:
-    """The padded rule of ``key``; what else the entry holds (other layouts' rules, the
-    primitive's facts) stays."""
-    with _REGISTRY_LOCK:
-        # A primitive object's rule would shadow one registered under its name: refused alike.
-        existing = _REGISTRY.get(key) if isinstance(key, str) else lookup_rule(key)
-        if existing is not None and existing.rule is not None and not override:
-            name = key if isinstance(key, str) else key.name
-            raise OptionError(
-                f"register_rule: primitive {name!r} already has a rule ({existing.origin}); "
-                f"pass override=True to replace it")
-        _REGISTRY[key] = dataclasses.replace(existing or _Entry(), rule=rule,
-                                             structural=structural, origin=origin)
-
-
-_SLOTS = {"pad": "rule", "pack": "packed", "per_sequence": "per_sequence", "per_cell": "per_cell"}
-
-
-Layout = Literal["pad", "pack", "per_sequence", "per_cell"]
-PAD_AND_PACK: tuple[Layout, ...] = ("pad", "pack")    # a rule that asks its layout (`Ctx.reduce`)
-
-
-def defrule(*names: str, layout: Layout | tuple[Layout, ...] = "pad", structural: bool = False,
-            moves: Callable | None = None, moves_rows_why: str | None = None,
-            window: Callable | None = None, zeroed_reads: Callable | None = None,
-            acts_on: Callable | None = None):
-    """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
-    ``batching.primitive_batchers[p] = rule``: ``@defrule("rev")`` over the definition, or
-    ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``layout``: the padded rule
-    (``"pad"``, also ragged rows), the packed one (``"pack"``), or the one for an input held
-    per sequence (``"per_sequence"``) or per cell (``"per_cell"``) in packed rows, each in the
-    same entry; a tuple of them for a rule written once for those layouts, which asks its
-    layout what differs (a family's: `Ctx.reduce`). ``structural``:
-    the rule only recurses into the equation's programs (scan, cond, calls), so it is not
-    counted as a rewrite itself. ``moves``, ``moves_rows_why``, ``window``, ``zeroed_reads``,
-    ``acts_on``: the primitive's facts (`_Entry`), stated beside its padded rule. Registering
-    a slot twice is a bug, refused at import."""
-    layouts = (layout,) if isinstance(layout, str) else layout
-    facts = dict(moves=moves, moves_rows_why=moves_rows_why, window=window,
-                 zeroed_reads=zeroed_reads, acts_on=acts_on)
-
-    def register(rule):
-        for name in names:
-            with _REGISTRY_LOCK:
-                entry = _REGISTRY.get(name) or _Entry()
-                for one in layouts:
-                    slot = _SLOTS[one]
-                    if getattr(entry, slot) is not None:
-                        raise OptionError(f"defrule: {name!r} already has a {one} rule")
-                    entry = dataclasses.replace(
-                        entry, **{slot: rule}, **({"structural": structural, **{
-                            k: v for k, v in facts.items() if v is not None}}
-                            if slot == "rule" else {}))
-                _REGISTRY[name] = entry
-        return rule
-    return register
-
-
-def lookup_rule(primitive) -> _Entry | None:
-    entry = _REGISTRY.get(primitive)
-    return entry if entry is not None else _REGISTRY.get(primitive.name)
-
-
-def padded_rule(eqn) -> Callable:
-    """The padded layout's rule of ``eqn``'s primitive: another layout's rule that reduces to
-    it on some axes calls it through the table, as JAX's batching rules call each other."""
-    return lookup_rule(eqn.primitive).rule
-
-
-class RuleContext:
-    """What a rule given to `register_rule` may ask while it rewrites one equation.
-
-    Inside a rule, arrays carry the program's symbolic shapes: a *length axis* is one whose
-    size is a symbolic dimension (``T``, ``2*T - 1``); its real, pre-padding extent is
-    `length`. Positions beyond it hold padding (possibly NaN or inf).
-    """
-
-    __slots__ = ("_ctx",)
-
-    def __init__(self, ctx: Ctx):
-        self._ctx = ctx
-
-    def length(self, dim):
-        """The logical (real) length of a dimension: ``dim`` itself when it is a constant,
-        else an int32 scalar computed from the real sizes (``x.shape[0]`` of a ``(T,)`` array
-        -> the real ``t``)."""
-        return self._ctx.length(dim)
-
-    def fill_tail(self, x, axes, value):
-        """``x`` with every position beyond the logical length of any of ``axes`` replaced by
-        ``value`` (axes of constant size are left alone). A ``select``, never a multiply, so
-        NaN or inf padding cannot leak: fill with the operation's identity (0 for a sum, -inf
-        for a max) and the operation then reads only the real elements."""
-        return fill_tail(self._ctx, x, tuple(axes), value)
-
-
-def _public(rule: Callable, name: str) -> Callable:
-    """A user's rule, called with the public `RuleContext`; its result checked against the
-    equation's outputs, so a wrong rule becomes a verdict naming the line, not a bad program."""
-    def run(ctx, eqn, invals):
-        out = rule(RuleContext(ctx), eqn, list(invals))
-        if out is None:
-            return None
-        if not eqn.primitive.multiple_results and hasattr(out, "shape"):
-            out = [out]
-        out = list(out)
-        if len(out) != len(eqn.outvars):
-            raise NoRule(f"the rule registered for {name} returned {len(out)} outputs, "
-                          f"expected {len(eqn.outvars)}")
-        for i, (x, v) in enumerate(zip(out, eqn.outvars)):
-            want = tuple(getattr(v.aval, "shape", ()))
-            if not definitely_equal_shape(tuple(jnp.shape(x)), want):
-                raise NoRule(f"the rule registered for {name} returned output {i} of shape "
-                              f"{tuple(jnp.shape(x))}, expected {want}")
-        return out
-    return run
-
-
-def register_rule(primitive, rule, *, override: bool = False) -> None:
-    """Give the logical rewrite a rule for a primitive it does not know (a custom kernel, a
-    Pallas call), so code using it stays exact at every bucket instead of being flagged.
-
-    ``primitive``: a ``jax.extend.core.Primitive`` (this primitive only), or its name (any
-    primitive of that name). ``rule``:
-
-    - ``"elementwise"``: output position i reads input position i along every length axis
-      (per-position maths, layout that keeps positions), so the equation runs unchanged;
-    - a callable ``rule(ctx, eqn, invals)`` for the rest: ``ctx`` a `RuleContext`
-      (``ctx.length(dim)``, ``ctx.fill_tail(x, axes, value)``), ``eqn`` the
-      ``jax.extend.core.JaxprEqn`` (``eqn.primitive``, ``eqn.params``), ``invals`` its input
-      arrays (padded; symbolic shapes). It returns the equation's outputs -- a list, one per
-      output, or the array itself for a single-output primitive -- whose positions within
-      the logical lengths must equal the exact-size computation; or None when nothing needs
-      to change. An exception it raises becomes the plan's verdict (``padding_safe`` False,
-      naming the line), never a crash. It runs once, while the plan is made.
-
-    A primitive that already has a rule (polyexec's or an earlier registration) is refused
-    unless ``override=True``.
-
-    Packed rows (``layout="pack"``) use ``"elementwise"`` as it is. A callable rule is the
-    padded layout's: it cannot know which sequence a packed cell belongs to, so there the
-    equation is flagged ("... has no rule for packed rows", naming the line) and
-    ``layout="auto"`` runs padded rows, where the rule holds.
-
-    A row sum over the last axis, made exact by filling the padding with 0 first:
-
-    >>> import jax, jax.numpy as jnp, numpy as np, polyexec as px
-    >>> from jax.interpreters import mlir
-    >>> row_sum_p = jax.extend.core.Primitive("doc_row_sum")
-    >>> impl = lambda x: jnp.sum(x, axis=-1)
-    >>> _ = row_sum_p.def_impl(impl)
-    >>> _ = row_sum_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape[:-1], x.dtype))
-    >>> mlir.register_lowering(row_sum_p, mlir.lower_fun(impl, multiple_results=False))
-    >>> T = px.LengthVar("T", max=64)
-    >>> def row_sums(x):            # x: (3, T)
-    ...     return row_sum_p.bind(x)
-    >>> f = px.bucketed(row_sums, in_specs=(px.Spec("3 T", jnp.float32),))
-    >>> f.plan.padding_safe         # the padding would be summed: flagged
-    False
-    >>> px.register_rule(row_sum_p, lambda ctx, eqn, invals:
-    ...     [row_sum_p.bind(ctx.fill_tail(invals[0], [invals[0].ndim - 1], 0.0))])
-    >>> g = px.bucketed(row_sums, in_specs=(px.Spec("3 T", jnp.float32),))
-    >>> g.plan.padding_safe
-    True
-    >>> g(np.ones((3, 5), np.float32)).tolist()  # runs padded to a bucket, sums the 5 real
-    [5.0, 5.0, 5.0]
-    """
-    if isinstance(primitive, jax.extend.core.Primitive):
-        key, name = primitive, primitive.name
-    elif isinstance(primitive, str) and primitive:
-        key, name = primitive, primitive
-    else:
-        raise OptionError(f"register_rule: primitive: expected a jax.extend.core.Primitive or "
-                          f"a primitive's name, received {primitive!r}")
-    if isinstance(rule, str) and rule == ELEMENTWISE:
-        value: Callable | str = ELEMENTWISE
-    elif callable(rule) and not isinstance(rule, str):
-        value = _public(rule, name)
-    else:
-        raise OptionError(f"register_rule: rule: expected one of 'elementwise' or a callable "
-                          f"rule(ctx, eqn, invals), received {rule!r}")
-    if not isinstance(override, bool):
-        raise OptionError(f"register_rule: override: expected True or False, received "
-                          f"{override!r}")
-    _register(key, value, structural=False, origin="registered by register_rule",
-              override=override)
-
 
 # --------------------------------------------------------------------------------------------
 

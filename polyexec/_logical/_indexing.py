@@ -12,10 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._core import (NoRule, RowVarying, bind_eqn_with, defrule, fill_tail, filled, has_sym,
-                    highest_value, iota_along, is_sym, literal_start, logical_mask, lowest_value,
-                    one_position, operand_avals, same_dim, window_fits_admitted_rows)
+from ._basics import (bind_eqn_with, filled, has_sym, highest_value, iota_along, is_sym,
+                      literal_start, lowest_value, one_position, operand_avals, same_dim)
+from ._core import (RowVarying, fill_tail, logical_mask, window_fits_admitted_rows)
+from ._registry import (NoRule, defrule)
 from ._families import SCATTERS
+from ._packed import NotPacked, PackedCtx, PerCell, packed_generic, scatter_window
+from ._sequences import PerSequence, by_cell, held, refused, spread
 
 
 def _room(ctx, x, window, axes):
@@ -441,3 +444,581 @@ def _scatter(ctx, eqn, invals):
 
 _held_index(_gather, _per_row_position)
 _held_index(_scatter, _per_row_put)
+
+# --------------------------------------------------------------------------------------------
+# Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'
+# rules over rows that hold several sequences (`_packed` is the layout's machinery).
+
+
+def _position(ctx: PackedCtx, eqn, shape, index, index_map, window):
+    """Where ``x[:, k]`` reads (or its transpose writes) along the packed axis of ``shape``,
+    when the equation takes one position of it and every entry of the other axes (``r[k]``
+    under ``jax.vmap`` too, which indexes the features at 0): ``(p, position, inside)``, the
+    position per grid cell (``k``, or ``n - 1`` for ``x[:, -1]``, whose ``T - 1`` is a number
+    per sequence) and whether it is inside the sequence's part of the axis; None for any
+    other indexing."""
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    k = len(index_map)
+    if (len(rows) != 1 or len(packed) != 1 or tuple(eqn.invars[1].aval.shape) != (k,)
+            or packed[0] not in index_map or window[packed[0]] != 1
+            or (isinstance(index, PerSequence) and index.axis is not None)
+            or any(a != packed[0] and not same_dim(window[a], shape[a])
+                   for a in range(len(shape)))
+            or (k > 1 and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP)):
+        return None
+    (p,) = packed
+    i = list(index_map).index(p)
+    if isinstance(index, PerSequence):
+        position = index.value[..., i]
+    else:
+        position = jnp.broadcast_to(jnp.asarray(index)[i], ctx.pos.shape)
+    n = ctx.at_lengths(shape[p], ctx.seglen)
+    inside = (position >= 0) & (position < n)
+    if eqn.params["mode"] == lax.GatherScatterMode.CLIP:
+        position, inside = jnp.clip(position, 0, n - 1), n > 0
+    return p, position.astype(np.int32), inside
+
+
+def _own_position(ctx: PackedCtx, eqn, shape, index, index_map, window, batching,
+                  index_shape):
+    """Where ``take_along_axis(x, (lengths - 1)[:, None, None], 1)`` reads (or its transpose
+    writes) along the packed axis of ``shape``: an equation batched over the rows (each
+    sequence's entry with its own index) that takes one position of the packed axis and every
+    entry of the others, its index a number per sequence. ``(r, p, s, position, inside)``:
+    the rows and packed axes, the index's rows axis, the position per grid cell and whether
+    it is inside the sequence's part of the axis; None for any other indexing."""
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    operand_batching, index_batching = (tuple(b) for b in batching)
+    if len(rows) != 1 or len(packed) != 1 or operand_batching != tuple(rows):
+        return None
+    (r,), (p,) = rows, packed
+    (s,) = index_batching
+    if (ctx.row_axes(index_shape) != [s] or tuple(index_map) != (p,) or window[p] != 1
+            or any(a not in (r, p) and not same_dim(window[a], shape[a])
+                   for a in range(len(shape)))
+            or any(is_sym(d) or d != 1 for a, d in enumerate(index_shape) if a != s)):
+        return None
+    if not isinstance(index, PerSequence):
+        if not hasattr(index, "shape"):
+            return None
+        index = held(ctx, index, index_shape)
+    if index.axis != s:
+        return None
+    position = jnp.reshape(jnp.moveaxis(index.value, (s, s + 1), (0, 1)), ctx.pos.shape)
+    n = ctx.at_lengths(shape[p], ctx.seglen)
+    inside = (position >= 0) & (position < n)
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    return r, p, s, position.astype(np.int32), inside
+
+
+def _pick_own(ctx: PackedCtx, eqn, invals):
+    """``take_along_axis(x, (lengths - 1)[:, None, None], 1)`` of a packed value (the gather
+    batched over the rows): each sequence's own position, a per-sequence value; outside the
+    sequence (and in a sequence of length 0, which has no cell), the gather's fill."""
+    x, index = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _own_position(
+        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
+        (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
+    if found is None or not set(dn.collapsed_slice_dims) <= {found[1]}:
+        return None
+    r, p, s, position, inside = found
+    column = ctx.sequence_starts() + position
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))
+    picked = jnp.take_along_axis(xs, at, axis=1, mode="clip")      # (rows, columns, *rest)
+    fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
+    picked = jnp.where(jnp.expand_dims(inside, tuple(range(2, xs.ndim))), picked, fill)
+    rest = [a for a in range(len(shape)) if a not in (r, p)]
+    if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
+        kept = sorted([*rest, p])
+        picked = jnp.expand_dims(picked, 2 + kept.index(p))
+    out = eqn.outvars[0].aval.shape
+    batch = [d for d in range(len(out)) if d not in dn.offset_dims]   # the index's axes
+    r_out = batch[s]
+    held_at = lambda d: d + (d > r_out)  # noqa: E731 - the columns follow the rows
+    others = [d for d in batch if d != r_out]
+    picked = jnp.reshape(picked, (*picked.shape, *(1,) * len(others)))
+    dest = [r_out, r_out + 1, *map(held_at, dn.offset_dims), *map(held_at, others)]
+    return [PerSequence(jnp.moveaxis(picked, tuple(range(len(dest))), dest), r_out)]
+
+
+def _put_own(ctx: PackedCtx, eqn, invals):
+    """The transpose of `_pick_own`: each sequence's update added into (or set at) its own
+    position; nothing where that is outside the sequence."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    update_shape = eqn.invars[2].aval.shape
+    if isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter"):
+        return None
+    window = scatter_window(eqn)
+    found = _own_position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
+                          (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
+                          eqn.invars[1].aval.shape)
+    if found is None or not set(dn.inserted_window_dims) <= {found[1]}:
+        return None
+    r, p, s, position, inside = found
+    scattered = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
+    r_upd = scattered[s]
+    if isinstance(updates, PerSequence) and updates.axis != r_upd:
+        return None
+    updates = held(ctx, updates, update_shape)
+    u = jnp.moveaxis(updates.value, (r_upd, r_upd + 1), (0, 1))
+    # Then the update's other axes in order: the index's unit axes and the window's.
+    rest_u = [d for d in range(len(update_shape)) if d != r_upd]
+    unit = [2 + i for i, d in enumerate(rest_u) if d not in dn.update_window_dims]
+    if p not in dn.inserted_window_dims:            # the position's unit axis: squeezed
+        kept = [a for a in range(len(shape)) if a not in (r,) and a not in dn.inserted_window_dims]
+        unit.append(2 + len([d for d in rest_u if d not in dn.update_window_dims])
+                    + kept.index(p))
+    u = lax.squeeze(u, tuple(unit))                 # (rows, columns, *operand's other axes)
+    n = shape[p]
+    u = lax.slice_in_dim(u, 0, n, axis=1)
+    rest = [a for a in range(len(shape)) if a not in (r, p)]
+    cells = spread(u, shape, (r, p, *rest))
+    return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
+
+
+def _put_ranked(ctx: PackedCtx, eqn, invals):
+    """``top_k``'s gradient: the scatter-add of each sequence's ``k`` updates at its ``k``
+    positions (`_top_per_sequence` holds both at every cell of the sequence), into a
+    ``(rows, packed length)`` operand: rank by rank, as one position per sequence is written
+    back (`_write_at_positions`), so nothing crosses a sequence or lands outside the frame."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    index_shape = eqn.invars[1].aval.shape
+    if (eqn.primitive.name != "scatter-add" or isinstance(x, PerSequence)
+            or not isinstance(index, PerSequence) or index.axis != 0 or len(shape) != 2
+            or ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [1]
+            or (tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims),
+                tuple(dn.scatter_dims_to_operand_dims), tuple(dn.inserted_window_dims),
+                tuple(dn.update_window_dims)) != ((0,), (0,), (1,), (1,), ())
+            or len(index_shape) != 3 or is_sym(index_shape[1]) or index_shape[2] != 1):
+        return None
+    value = held(ctx, updates, eqn.invars[2].aval.shape).value      # (rows, columns, k)
+    for j in range(index_shape[1]):             # each rank's update, as one position's
+        cells = lax.slice_in_dim(value[:, :, j], 0, shape[1], axis=1)
+        (x,) = _write_at_positions(ctx, eqn, x, cells, index.value[:, :, j, 0], ctx.pos >= 0,
+                                   0, 1)
+    return [x]
+
+
+def _write_at_positions(ctx: PackedCtx, eqn, x, cells, position, inside, r: int, p: int):
+    """``x`` with each sequence's cell at ``position`` (per cell, where ``inside``) set to
+    ``cells`` there (``scatter``) or added to (``scatter-add``): the write-back of a packed
+    per-sequence index, the transpose of reading one."""
+    shape = eqn.invars[0].aval.shape
+    n = shape[p]
+    pos, _ = ctx.cells(n)
+    at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
+    at = spread(at & ctx.in_frame(n), shape, (r, p))
+    if eqn.primitive.name == "scatter":
+        return [lax.select(at, cells, x)]
+    return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
+
+
+def _pick(ctx: PackedCtx, eqn, invals):
+    """``x[:, k]`` and ``x[:, -1]`` of a packed value (and ``r[k]`` under ``jax.vmap``): each
+    sequence's own position ``k`` (``n - 1``), a per-sequence value; outside the sequence, as
+    the gather's mode says."""
+    x, index = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _position(
+        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"])
+    if found is None:
+        return None
+    p, position, inside = found
+    kept = len(shape) - len(dn.collapsed_slice_dims)
+    if (not set(dn.collapsed_slice_dims) <= {p} or dn.operand_batching_dims
+            or tuple(dn.offset_dims) != tuple(range(kept))):
+        return None
+    (r,) = ctx.row_axes(shape)
+    n = ctx.at_lengths(shape[p], ctx.seglen)
+    column = ctx.sequence_starts() + jnp.clip(position, 0, jnp.maximum(n - 1, 0))
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    picked = jnp.take_along_axis(xs, jnp.expand_dims(column, tuple(range(2, xs.ndim))), axis=1,
+                                 mode="clip")
+    # Outside the sequence the gather's fill (a sequence of length 0 has no position to clamp
+    # to, whatever the mode).
+    outside = ~inside if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
+    keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
+    picked = jnp.where(keep, picked, jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype))
+    if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
+        picked = jnp.expand_dims(picked, 2 + p - (r < p))
+    (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
+    return [by_cell(picked, r_out)]
+
+
+def _put(ctx: PackedCtx, eqn, invals):
+    """The transpose of `_pick` (``x.at[:, -1].add(g)``, ``.set``): each sequence's update
+    into its own position ``k`` (``n - 1``); nothing where that is outside the sequence."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    update_shape = eqn.invars[2].aval.shape
+    kept = len(shape) - len(dn.inserted_window_dims)
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+            or dn.operand_batching_dims or tuple(dn.update_window_dims) != tuple(range(kept))):
+        return None
+    window = list(update_shape)
+    for a in sorted(dn.inserted_window_dims):
+        window.insert(a, 1)
+    found = _position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window)
+    if found is None or not set(dn.inserted_window_dims) <= {found[0]}:
+        return None
+    p, position, inside = found
+    if isinstance(updates, PerSequence) and updates.axis is None or not ctx.row_axes(update_shape):
+        raise NoRule("a scatter into one position of a packed length from a value without rows")
+    updates = held(ctx, updates, update_shape)
+    (r,) = ctx.row_axes(shape)
+    value = updates.value
+    if p not in dn.inserted_window_dims:            # the position's unit axis: squeezed
+        value = lax.squeeze(value, (p + (p > r),))
+    n = shape[p]
+    # The update's axes in the operand's, the columns taking the place of the packed axis.
+    targets = [a for a in range(len(shape)) if a != p]
+    targets.insert(targets.index(r) + 1, p)
+    cells = spread(lax.slice_in_dim(value, 0, n, axis=targets.index(p)), shape, targets)
+    return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
+
+
+def _sequence_and_position(ctx: PackedCtx, eqn, shape, index, index_map, window, batching,
+                           index_shape):
+    """Where ``h[jnp.arange(B), lengths - 1]`` (``h[rows, positions]``) reads, or its
+    transpose writes: an equation whose index, one pair per sequence (a per-sequence value of
+    shape ``(B, 2)``), picks a row of the logical batch -- a sequence -- and a position of
+    the packed axis, and every entry of the other axes. As in the pad layout, the row is
+    clamped into the real sequences and the position into that sequence's own part of the
+    axis (the gather's fill, or a dropped update, outside them in FILL_OR_DROP mode, and in a
+    sequence of length 0, which has no cell). ``(r, p, row, column, inside)``: the operand's
+    rows and packed axes, and per grid cell (its sequence's pair) the packed row and column
+    read, and whether they hold that position; None for any other indexing."""
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if (len(rows) != 1 or len(packed) != 1 or any(tuple(b) for b in batching)
+            or not isinstance(index, PerSequence) or index.axis != 0
+            or len(index_shape) != 2 or set(index_map) != {rows[0], packed[0]}):
+        return None
+    (r,), (p,) = rows, packed
+    if any(window[a] != 1 if a in (r, p) else not same_dim(window[a], shape[a])
+           for a in range(len(shape))):
+        return None
+    sequence = index.value[..., list(index_map).index(r)].astype(np.int32)   # (rows, columns)
+    position = index.value[..., list(index_map).index(p)].astype(np.int32)
+    count = jnp.asarray(ctx.sizes[ctx.rows_name], np.int32)    # the sequences of the call
+    inside = (sequence >= 0) & (sequence < count)
+    sequence = jnp.clip(sequence, 0, count - 1)
+    row, start, length = (jnp.take(t, sequence, mode="clip") for t in _sequence_table(ctx))
+    n = ctx.at_lengths(shape[p], length)
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        inside = inside & (position >= 0) & (position < n)
+    else:
+        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    return r, p, row, start + position, inside
+
+
+def _sequence_table(ctx: PackedCtx):
+    """Per sequence of the call (by its index; as many entries as cells, which hold every
+    sequence): the packed row it is in, the column it starts at and its length, read at its
+    first cell (a sequence of length 0 holds one, with ``pos`` 0)."""
+    sequence = ctx.sequence_index(ctx.pos.shape[1])
+    first = (ctx.pos == 0) & (sequence >= 0)
+    size = sequence.size
+    at = jnp.where(first, sequence, size).reshape(-1)       # past the end: dropped
+    row = lax.broadcasted_iota(np.int32, sequence.shape, 0)
+    column = lax.broadcasted_iota(np.int32, sequence.shape, 1)
+    return tuple(jnp.zeros(size, np.int32).at[at].set(v.reshape(-1), mode="drop")
+                 for v in (row, column, ctx.seglen))
+
+
+def _pick_sequences(ctx: PackedCtx, eqn, invals):
+    """``h[jnp.arange(B), lengths - 1]`` of a packed value: each sequence's entry of the row
+    and position its index names (`_sequence_and_position`), a per-sequence value."""
+    x, index = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _sequence_and_position(
+        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
+        (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
+    if found is None or set(dn.collapsed_slice_dims) != {found[0], found[1]}:
+        return None
+    r, p, row, column, inside = found
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    picked = xs[row, jnp.clip(column, 0, xs.shape[1] - 1)]     # (rows, columns, *rest)
+    fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
+    picked = jnp.where(jnp.expand_dims(inside, tuple(range(2, xs.ndim))), picked, fill)
+    out = eqn.outvars[0].aval.shape
+    (r_out,) = [d for d in range(len(out)) if d not in dn.offset_dims]
+    return [by_cell(picked, r_out)]
+
+
+def _put_sequences(ctx: PackedCtx, eqn, invals):
+    """The transpose of `_pick_sequences`: each sequence's update, once (from its first
+    cell), added into (or set at) the row and position its index names; nothing where that
+    is outside the sequence it names."""
+    x, index, updates = invals
+    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+            or dn.operand_batching_dims or not isinstance(index, PerSequence)
+            or len(dn.update_window_dims) + len(dn.inserted_window_dims) != len(shape)):
+        return None
+    update_shape = eqn.invars[2].aval.shape
+    window = scatter_window(eqn)
+    found = _sequence_and_position(
+        ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
+        (dn.operand_batching_dims, dn.scatter_indices_batching_dims), eqn.invars[1].aval.shape)
+    if found is None or set(dn.inserted_window_dims) != {found[0], found[1]}:
+        return None
+    r, p, row, column, inside = found
+    (r_upd,) = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
+    if isinstance(updates, PerSequence) and updates.axis != r_upd:
+        return None
+    u = jnp.moveaxis(held(ctx, updates, update_shape).value, (r_upd, r_upd + 1), (0, 1))
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    # Every cell holds its sequence's update: written from the first cell only, and nowhere
+    # (a row past the end, dropped) where the named position is outside its sequence.
+    write = inside & (ctx.pos == 0)
+    row = jnp.where(write, row, xs.shape[0])
+    if eqn.primitive.name == "scatter":
+        written = xs.at[row, column].set(u, mode="drop")
+    else:
+        written = xs.at[row, column].add(u, mode="drop")
+    return [jnp.moveaxis(written, (0, 1), (r, p))]
+
+
+def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batching,
+                    index_shape):
+    """Where a gather with one index per cell reads (its transpose writes) along the packed
+    axis of ``shape``: an index with the rows axis and a packed length among its own axes
+    (a packed value, as ``jnp.argsort(x, axis=1)`` is) whose position component counts
+    inside a sequence. Either batched over the rows (``take_along_axis(x, jnp.argsort(x,
+    axis=1), 1)``; a sort's JVP and its transpose, the gradients of ``jnp.sort`` and
+    ``jnp.median``), where each cell indexes its own sequence, or with a component that names
+    the row (``x[jnp.arange(B)[:, None], idx]``), where each cell indexes the sequence it
+    names, wherever it is packed (`_sequence_table`), as `_sequence_and_position` does for
+    one index per sequence. Per entry of the index, as at each sequence's exact length: CLIP
+    and PROMISE_IN_BOUNDS clamp the position into the sequence's own ``[0, n - 1]``; outside
+    it FILL_OR_DROP fills (drops); a sequence of length 0 has no cell to read in any mode.
+
+    ``(components, read, real)``: the index's components in its dtype (the packed row and
+    the column for the row and packed ones, every component in bounds), whether each entry
+    reads a position of its sequence (else the gather's fill, a dropped update), and whether
+    the entry belongs to a cell in the frame of the index's packed length (the others are
+    "don't care", and must never write); None for any other indexing."""
+    if (isinstance(index, (PerSequence, PerCell, NotPacked)) or not hasattr(index, "shape")
+            or len(index_shape) < 2):
+        return None
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    cells = tuple(index_shape[:-1])
+    index_rows, index_packed = ctx.row_axes(cells), ctx.packed_axes(cells)
+    if len(rows) != 1 or len(packed) != 1 or len(index_rows) != 1 or len(index_packed) != 1:
+        return None
+    (r,), (p,), (s,), (q,) = rows, packed, index_rows, index_packed
+    # Any other axis of the index repeats a cell's index (a fixed number of them).
+    if any(is_sym(d) for a, d in enumerate(cells) if a not in (s, q)):
+        return None
+    operand_batching, index_batching = (tuple(b) for b in batching)
+    if operand_batching:               # batched over the rows: each cell's own sequence
+        if (r not in operand_batching or p in operand_batching or r in index_map
+                or index_batching[operand_batching.index(r)] != s or p not in index_map):
+            return None
+    elif not {r, p} <= set(index_map):
+        return None
+    # Other components index axes that are no length (``jnp.put_along_axis`` names every
+    # axis), as the equation says; every other axis is taken whole.
+    if (any(is_sym(window[a]) or window[a] != 1 for a in (r, p) if a not in operand_batching)
+            or any(is_sym(shape[a]) for a in index_map if a not in (r, p))
+            or any(not same_dim(window[a], shape[a]) for a in range(len(shape))
+                   if a not in (r, p, *index_map, *operand_batching))):
+        return None
+    m = cells[q]
+    grid = lambda v: spread(v, cells, (s, q))          # noqa: E731 - (rows, m) onto the index
+    real = grid(ctx.in_frame(m))
+    idx = jnp.asarray(index)
+    component = lambda a: idx[..., list(index_map).index(a)]  # noqa: E731
+    if operand_batching:
+        _, seglen = ctx.cells(m)
+        start, n = grid(ctx.starts(m, 0)), grid(ctx.at_lengths(shape[p], seglen))
+        named = None
+    else:
+        sequence = _as_int32(component(r))
+        count = jnp.asarray(ctx.sizes[ctx.rows_name], np.int32)    # the sequences of the call
+        named = (sequence >= 0) & (sequence < count)
+        row, start, length = (jnp.take(t, jnp.clip(sequence, 0, count - 1), mode="clip")
+                              for t in _sequence_table(ctx))
+        n = ctx.at_lengths(shape[p], length)
+    position = _as_int32(component(p))
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        read = (position >= 0) & (position < n)
+        read = read if named is None else read & named
+    else:
+        position, read = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    column = jnp.clip(start + position, 0, shape[p] - 1)
+    comps = {p: column} if named is None else {p: column, r: row}
+    components = jnp.stack([comps[a].astype(idx.dtype) if a in comps else idx[..., i]
+                            for i, a in enumerate(index_map)], axis=-1)
+    return components, read, real
+
+
+def _clamped_others(components, index_map, shape, window, mode, skip):
+    """``components`` with those of the axes not in ``skip`` clamped into their bounds in
+    CLIP and PROMISE_IN_BOUNDS mode, so that a scatter bound in FILL_OR_DROP mode (to drop
+    chosen entries) keeps the equation's own mode for them."""
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        return components
+    for i, a in enumerate(index_map):
+        if a not in skip:
+            components = components.at[..., i].set(
+                jnp.clip(components[..., i], 0, shape[a] - window[a]).astype(components.dtype))
+    return components
+
+
+def _as_int32(v):
+    """An index component as int32, an unsigned one (a sort's permutation) saturating rather
+    than wrapping to a negative position."""
+    if jnp.issubdtype(v.dtype, jnp.unsignedinteger):
+        v = jnp.minimum(v, np.iinfo(np.int32).max)
+    return v.astype(np.int32)
+
+
+def _pick_cells(ctx: PackedCtx, eqn, invals):
+    """A gather with one index per cell (`_cell_positions`): each entry reads its sequence's
+    position, at the column where the sequence starts plus that position; the gather's fill
+    where the position is outside the sequence."""
+    x, index = invals
+    dn = eqn.params["dimension_numbers"]
+    found = None if isinstance(x, PerSequence) else _cell_positions(
+        ctx, eqn, eqn.invars[0].aval.shape, index, dn.start_index_map,
+        eqn.params["slice_sizes"], (dn.operand_batching_dims, dn.start_indices_batching_dims),
+        eqn.invars[1].aval.shape)
+    if found is None:
+        return None
+    components, read, _ = found
+    # The row and column components are in bounds: the equation's mode acts on the others.
+    (out,) = bind_eqn_with(eqn, [x, components])
+    cells = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+    keep = lax.broadcast_in_dim(read, out.shape, cells)
+    return [lax.select(keep, out, filled(out.shape, gather_fill(eqn.params, out.dtype),
+                                         out.dtype))]
+
+
+def _put_cells(ctx: PackedCtx, eqn, invals):
+    """The transpose of `_pick_cells` (and ``x.at[b, idx].add(u)``, ``.set``): each cell's
+    update into its sequence's position; nothing from an entry whose position is outside its
+    sequence (FILL_OR_DROP) or whose cell holds no position (outside the frame)."""
+    x, index, updates = invals
+    dn = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+            or isinstance(updates, (PerSequence, PerCell, NotPacked)) or ctx.alive is not None):
+        # Inside a packed scan a row's update may come from a cell that is not real there.
+        return None
+    window = scatter_window(eqn)
+    found = _cell_positions(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
+                            (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
+                            eqn.invars[1].aval.shape)
+    if found is None:
+        return None
+    components, read, real = found
+    (r,), (p,) = ctx.row_axes(shape), ctx.packed_axes(shape)
+    components = _clamped_others(components, dn.scatter_dims_to_operand_dims, shape, window,
+                                 eqn.params["mode"], (r, p))
+    # Dropped: sent past the end of the packed axis, which FILL_OR_DROP skips.
+    past = list(dn.scatter_dims_to_operand_dims).index(p)
+    beyond = jnp.asarray(x.shape[p], components.dtype)
+    components = components.at[..., past].set(jnp.where(read & real, components[..., past],
+                                                        beyond))
+    return bind_eqn_with(eqn, [x, components, updates], mode=lax.GatherScatterMode.FILL_OR_DROP)
+
+
+@defrule("gather", layout="per_sequence")
+def _pick_any(ctx: PackedCtx, eqn, invals):
+    """One position of each sequence: ``x[:, k]`` (`_pick`), batched over the rows with a
+    per-sequence index (`_pick_own`), or a row and a position named per sequence
+    (`_pick_sequences`); or one position per cell (`_pick_cells`); None for any other
+    gather."""
+    for pick in (_pick, _pick_own, _pick_sequences, _pick_cells):
+        picked = pick(ctx, eqn, invals)
+        if picked is not None:
+            return picked
+    return None
+
+
+@defrule("scatter-add", "scatter", layout="per_sequence")
+def _put_any(ctx: PackedCtx, eqn, invals):
+    """The transposes of `_pick_any`."""
+    for put in (_put, _put_own, _put_ranked, _put_sequences, _put_cells):
+        done = put(ctx, eqn, invals)
+        if done is not None:
+            return done
+    return None
+
+
+@defrule("gather", layout="pack")
+def _gather_packed(ctx: PackedCtx, eqn, invals):
+    picked = _pick_any(ctx, eqn, invals)
+    return picked if picked is not None else packed_generic(ctx, eqn, invals)
+
+
+@defrule("scatter-add", "scatter", layout="pack")
+def _scatter_packed(ctx: PackedCtx, eqn, invals):
+    put = _put_any(ctx, eqn, invals)
+    return put if put is not None else packed_generic(ctx, eqn, invals)
+
+
+@defrule("gather", "scatter-add", layout="per_cell")
+def _index_cells(ctx: PackedCtx, eqn, invals):
+    """``x[:, index]`` with a per-cell index reads each sequence's own positions
+    (`_gather_at_positions`, and its transpose)."""
+    if not isinstance(invals[1], PerCell) or any(
+            isinstance(v, PerCell) for k, v in enumerate(invals) if k != 1):
+        return None
+    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+    return _gather_at_positions(ctx, eqn, invals, shapes, tuple(eqn.outvars[0].aval.shape))
+
+
+def _gather_at_positions(ctx: PackedCtx, eqn, invals, shapes, out):
+    """``x[:, index]`` along a packed length with a `PerCell` index (``x[:, ::-1]`` indexes
+    with ``T - 1 - iota``, reversed): each cell reads its own sequence's position
+    ``index``, at column ``start + index``; and the transpose, a scatter-add of each cell's
+    update into that column. An index outside the sequence is clamped, or dropped and filled,
+    as the equation's mode says."""
+    x, index = invals[:2]
+    shape = shapes[0]
+    dn = eqn.params["dimension_numbers"]
+    gather = eqn.primitive.name == "gather"
+    index_map = dn.start_index_map if gather else dn.scatter_dims_to_operand_dims
+    collapsed = dn.collapsed_slice_dims if gather else dn.inserted_window_dims
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    where = shapes[1][:-1]             # the index's own axes: one packed length
+    if not (len(rows) == 1 and len(packed) == 1 and tuple(index_map) == tuple(packed)
+            and tuple(collapsed) == tuple(packed) and not dn.operand_batching_dims
+            and shapes[1][-1] == 1 and len(where) == 1 and ctx.packed_axes(where)):
+        raise NoRule(f"{eqn.primitive.name} with a per-cell index of another form than "
+                      f"x[:, index]")
+    (r,), (p,) = rows, packed
+    window = (dn.offset_dims if gather else dn.update_window_dims)
+    kept = [d for d in range(len(shape)) if d != p]
+    if tuple(window) != tuple(d if d < p else d + 1 for d in range(len(kept))) or (
+            gather and any(not same_dim(eqn.params["slice_sizes"][d], shape[d]) for d in kept)):
+        raise NoRule(f"{eqn.primitive.name} with a per-cell index that does not keep every "
+                      f"other axis in place")
+    m = where[0]                       # the cells read (written): the index's length
+    position = lax.slice_in_dim(index.value[..., 0], 0, m, axis=1).astype(np.int32)
+    pos, seglen = ctx.cells(m)
+    n = ctx.at_lengths(shape[p], seglen)
+    inside = (position >= 0) & (position < n)
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    column = jnp.where(inside & ctx.in_frame(m), ctx.starts(m, 0) + position, -1)
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))
+    if gather:
+        got = jnp.take_along_axis(xs, jnp.maximum(at, 0), axis=1, mode="clip")
+        fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
+        return [jnp.moveaxis(jnp.where(at >= 0, got, fill), (0, 1), (r, p))]
+    updates = jnp.moveaxis(invals[2], (r, p), (0, 1))
+    row = lax.broadcasted_iota(np.int32, column.shape, 0)
+    into = jnp.where(column >= 0, column, xs.shape[1])                # past the end: dropped
+    return [jnp.moveaxis(xs.at[row, into].add(updates, mode="drop"), (0, 1), (r, p))]
+
+
+defrule("dynamic_slice", "dynamic_update_slice", layout="per_sequence")(refused)

@@ -33,7 +33,10 @@ that can exceed it (``2*T``) has no room in the frame and is not packable.
 
 Rules
 -----
-Inside a packed row the pad layout's rules would mix sequences, so this context admits only:
+This module is the layout's machinery: `PackedCtx` and the helpers its rules share. The
+rules themselves (``defrule(..., layout="pack")``, and ``"per_cell"``) live beside each
+primitive's padded rule in its family module. Inside a packed row the pad layout's rules would
+mix sequences, so this layout admits only:
 
 - per-position equations (elementwise, layout, contractions over feature axes, gathers and
   scatters that index feature axes) -- they run unchanged;
@@ -89,7 +92,7 @@ T alone, ``x[:, k]``, ``take_along_axis(x, (lengths - 1)[:, None, None], 1)``,
 ``h[jnp.arange(B), lengths - 1]``,
 ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
 labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
-there). A per-sequence number meeting positions without the rows axis (``jnp.arange(T) /
+the family modules' ``layout="per_sequence"`` ones). A per-sequence number meeting positions without the rows axis (``jnp.arange(T) /
 T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`PerCell`): it
 stays per cell through elementwise maths and reverses, and ``x[:, index]`` with it reads each
 sequence's own positions. A value no rule keeps becomes a `NotPacked` placeholder that fails
@@ -112,15 +115,13 @@ from jax import lax
 
 from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._core import (ELEMENTWISE, Ctx, Logical, NoRule, Recorder, RowVarying, Unsupported, bind_eqn,
-                    bind_eqn_with, defrule, eval_jaxpr, filled, is_sym, like_aval,
-                    lookup_rule, lowest_value, moves_ragged_rows, padded_rule, replay, sub_jaxprs,
-                    take_rows)
-from ._control import at_step, frozen_scan
+from ._basics import (bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest_value, same_dim,
+                      sub_jaxprs)
+from ._core import (Ctx, Logical, Recorder, RowVarying, Unsupported, eval_jaxpr, moves_ragged_rows,
+                    replay, take_rows)
+from ._registry import (ELEMENTWISE, NoRule, lookup_rule)
 from ._families import REDUCERS, SCATTERS
-from ._indexing import gather_fill
-from ._sequences import (PerSequence, at_column, by_cell, grid_shape, held, spread,
-                         to_cells)
+from ._sequences import PerSequence, by_cell, held, spread
 from ._sequences import evaluate as _evaluate_per_sequence
 
 
@@ -142,7 +143,7 @@ class PerCell:
     value: Any
 
 
-class _PackedCtx(Ctx):
+class PackedCtx(Ctx):
     """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B)."""
 
     def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
@@ -154,10 +155,10 @@ class _PackedCtx(Ctx):
         # ``T + c`` (c <= room) holds the sequence's positions past n there.
         self.room = room
 
-    def child(self, eqn, *, alive=None) -> "_PackedCtx":
+    def child(self, eqn, *, alive=None) -> "PackedCtx":
         if alive is not None and self.alive is not None:
             alive = lax.bitwise_and(alive, self.alive)
-        return _PackedCtx(self.sizes, self.recorder, self, eqn,
+        return PackedCtx(self.sizes, self.recorder, self, eqn,
                           self.alive if alive is None else alive, var=self.var,
                           rows=self.rows_name, pos=self.pos, seglen=self.seglen,
                           sequence=self.sequence, room=self.room)
@@ -202,7 +203,7 @@ class _PackedCtx(Ctx):
                 if len(rows) != 1 or len(packed) != 1:
                     raise NoRule(f"a value of shape {tuple(shape)} mixes sequences of a packed "
                                   f"row (it needs exactly one rows axis and one packed length)")
-                return _along(self.ends(shape[packed[0]]), len(shape), rows[0], packed[0])
+                return along(self.ends(shape[packed[0]]), len(shape), rows[0], packed[0])
             if shared is False or (shared is None and tuple(shape) in self.from_lengths_shapes):
                 raise NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
                               f"differs per sequence of a packed row, and has no rows axis to "
@@ -232,7 +233,7 @@ class _PackedCtx(Ctx):
     def in_frame(self, d):
         """``(rows, d)`` bool: the cells inside the frame of an axis of packed length ``d``."""
         pos, seglen = self.cells(d)
-        return (pos >= 0) & (pos < self._at(d, seglen))
+        return (pos >= 0) & (pos < self.at_lengths(d, seglen))
 
     def starts(self, d, fill: int | None = None):
         """``(rows, d)`` int32: per cell in the frame of an axis of packed length ``d``, the
@@ -270,9 +271,9 @@ class _PackedCtx(Ctx):
         padding), so ``column < ends`` is the frame."""
         pos, seglen = self.cells(d)
         column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-        return jnp.where(pos >= 0, column - pos + self._at(d, seglen), -1).astype(np.int32)
+        return jnp.where(pos >= 0, column - pos + self.at_lengths(d, seglen), -1).astype(np.int32)
 
-    def _at(self, d, seglen, *, as_value: bool = False):
+    def at_lengths(self, d, seglen, *, as_value: bool = False):
         """``d`` at each cell's sequence length (``seglen``): never below 0 as the length of
         an axis, as it is as a value (see `Ctx.per_row`)."""
         value = evaluate_dim(d, {**self.sizes, self.var: seglen})
@@ -284,7 +285,7 @@ class _PackedCtx(Ctx):
         if q * b != d or rows in dim_vars(q):
             raise NoRule(f"the length {d} is not a count over the sequences")
         starts = self.pos == 0
-        per = (self._at(q, self.seglen) if is_sym(q) else jnp.full(jnp.shape(self.pos), int(q)))
+        per = (self.at_lengths(q, self.seglen) if is_sym(q) else jnp.full(jnp.shape(self.pos), int(q)))
         return jnp.sum(jnp.where(starts, per, 0)).astype(np.int32)
 
     def row_mask(self, rows: str):
@@ -302,7 +303,7 @@ class _PackedCtx(Ctx):
 
     def own_length(self, eqn, d, rows: str):
         """Each sequence's own, held at every cell of it (`PerSequence`)."""
-        return PerSequence(self._at(d, self.seglen, as_value=True), None)
+        return PerSequence(self.at_lengths(d, self.seglen, as_value=True), None)
 
     def count(self, d):
         if self.var in dim_vars(d):
@@ -385,7 +386,7 @@ class _PackedCtx(Ctx):
         return moves_ragged_rows(self, eqn)
 
     def rule_for(self, eqn, entry):
-        return entry.packed if entry is not None and entry.packed is not None else _generic
+        return entry.packed if entry is not None and entry.packed is not None else packed_generic
 
     def refused(self, eqn, invals, why: str) -> list:
         """Flagged: the plan cannot pack (it runs padded), and what reads the outputs says so."""
@@ -416,7 +417,7 @@ class _PackedCtx(Ctx):
                           f"several sequences)")] * len(eqn.outvars)
 
 
-def _along(v2, ndim: int, rows_axis: int, packed_axis: int):
+def along(v2, ndim: int, rows_axis: int, packed_axis: int):
     """A ``(rows, cells)`` array shaped to broadcast against a value of rank ``ndim`` whose
     rows and packed axes are those."""
     if rows_axis > packed_axis:
@@ -432,15 +433,15 @@ def _for_every_length(recorder: Recorder, what: str, d, var: str, rows: str,
     names = dim_vars(d)
     if var not in names or rows in names:
         return True
-    key = (what, d)
-    if key not in recorder._monotone:
-        ok = names == {var}
-        if ok:
-            lo, hi = dim_bounds(var_dim(var, d.scope))
-            ok = bool(np.isfinite(hi) and hi - lo <= 1 << 14) and holds(
-                [(n, int(evaluate_dim(d, {var: n}))) for n in range(max(int(lo), 0), int(hi) + 1)])
-        recorder._monotone[key] = bool(ok)
-    return recorder._monotone[key]
+
+    def decide() -> bool:
+        if names != {var}:
+            return False
+        lo, hi = dim_bounds(var_dim(var, d.scope))
+        return bool(np.isfinite(hi) and hi - lo <= 1 << 14) and holds(
+            [(n, int(evaluate_dim(d, {var: n}))) for n in range(max(int(lo), 0), int(hi) + 1)])
+
+    return recorder.decided((what, d), decide)
 
 
 def _fits(recorder: Recorder, d, var: str, rows: str, room: int) -> bool:
@@ -455,7 +456,7 @@ def room_of(d, var: str) -> int:
     """The cells a packed length needs after each sequence: ``c`` for ``T + c`` (``c > 0``;
     ``jnp.pad`` by one cell each side gives ``T + 2``), else 0 -- ``T`` and ``T - 1`` need
     none, and a length that exceeds ``T`` by more than a constant (``2*T``) has no room that
-    would do (`_PackedCtx.refusal` refuses it).
+    would do (`PackedCtx.refusal` refuses it).
 
     >>> import jax
     >>> T, = jax.export.symbolic_shape("T")
@@ -498,7 +499,7 @@ def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # Rules
 
-def _scatter_window(eqn) -> list:
+def scatter_window(eqn) -> list:
     """A scatter's window along each operand axis: 1 where a dimension is inserted (or
     batched), else the update's window sizes in order."""
     dn, update_shape = eqn.params["dimension_numbers"], eqn.invars[2].aval.shape
@@ -507,7 +508,7 @@ def _scatter_window(eqn) -> list:
             for a in range(len(eqn.invars[0].aval.shape))]
 
 
-def _generic(ctx: _PackedCtx, eqn, invals):
+def packed_generic(ctx: PackedCtx, eqn, invals):
     """A primitive without a packed rule of its own, by what its entry says of it: elementwise
     (per cell, after jnp's implicit broadcasts), a call or a branch (its equations meet the
     packed values), an indexing rule (a window or a scatter: the padded rule, whose bounds read
@@ -533,7 +534,7 @@ def _generic(ctx: _PackedCtx, eqn, invals):
     raise NoRule(f"{name} has no rule for packed rows")
 
 
-def _refuse_indexing_across_sequences(ctx: _PackedCtx, eqn) -> None:
+def _refuse_indexing_across_sequences(ctx: PackedCtx, eqn) -> None:
     """`NoRule` for an indexing equation over packed rows that the padded rule would run by
     column, mixing a row's sequences:
 
@@ -562,7 +563,7 @@ def _refuse_indexing_across_sequences(ctx: _PackedCtx, eqn) -> None:
                          f"its sequences")
 
 
-def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
+def _refuse_windows_of_packed_length(ctx: PackedCtx, eqn) -> None:
     """`NoRule` for an indexing equation whose window along a packed length has a fixed size
     (``x[:, :k]``, ``r[:k]`` under ``jax.vmap``, their transposes): one window per packed row,
     where each sequence needs its own; or that indexes the rows (``x.at[0].set``)."""
@@ -575,9 +576,9 @@ def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
     elif eqn.primitive.name == "dynamic_update_slice":
         window = eqn.invars[1].aval.shape
     else:
-        window = _scatter_window(eqn)
+        window = scatter_window(eqn)
     for a in set(ctx.row_axes(shape)) - set(batching):
-        if not _core_equal(window[a], shape[a]):
+        if not same_dim(window[a], shape[a]):
             raise NoRule("an index into the rows of packed rows (x.at[0]): a packed row holds "
                           "several sequences")
     for a in set(ctx.packed_axes(shape)) - set(batching):
@@ -590,7 +591,7 @@ def _refuse_windows_of_packed_length(ctx: _PackedCtx, eqn) -> None:
                           "where each sequence needs its own")
 
 
-def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
+def _drop_dead_rows(ctx: PackedCtx, eqn, invals):
     """Inside a packed scan: the updates of rows whose cell is not real become the combiner's
     identity, so they change nothing (a plain scatter cannot be told to skip them)."""
     x, idx, updates = invals
@@ -606,7 +607,7 @@ def _drop_dead_rows(ctx: _PackedCtx, eqn, invals):
     return [x, idx, lax.select(keep, updates, filled(updates.shape, identity, updates.dtype))]
 
 
-def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
+def _implicit_broadcasts(ctx: PackedCtx, eqn, invals):
     """Elementwise operands of a unit rows axis (``x + pe[:T]`` adds ``(B, T)`` and ``(1, T)``
     with no ``broadcast_in_dim`` between): a per-position value broadcast over the rows,
     placed by position like `_broadcast_in_dim` places it."""
@@ -618,21 +619,21 @@ def _implicit_broadcasts(ctx: _PackedCtx, eqn, invals):
     changed, new = False, []
     for x in invals:
         if jnp.ndim(x) != len(out) or eqn.primitive.name in ("transpose", "squeeze") or not all(
-                not is_sym(d) and d == 1 or _core_equal(d, o) for d, o in zip(x.shape, out)):
+                not is_sym(d) and d == 1 or same_dim(d, o) for d, o in zip(x.shape, out)):
             new.append(x)           # not lined up with the output axis by axis
             continue
         along = [t for t in packed if t in ctx.packed_axes(x.shape)]
         if along and not is_sym(x.shape[r]):
             dims = tuple(a for a in range(len(out)) if a != r)
             shape = tuple(out[r] if a == r else d for a, d in enumerate(x.shape))
-            x = _by_position(ctx, lax.squeeze(x, (r,)), dims, shape, r, along)
+            x = by_position(ctx, lax.squeeze(x, (r,)), dims, shape, r, along)
             changed = True
         new.append(x)
     return bind_eqn(eqn, new) if changed else None
 
 
-def _reduction(ctx: _PackedCtx, eqn, invals, fills, axes):
-    """`_PackedCtx.reduce`: over every real cell, within each sequence, or per position."""
+def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
+    """`PackedCtx.reduce`: over every real cell, within each sequence, or per position."""
     x, axes = invals[0], set(axes)
     rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
     arg = eqn.primitive.name in ("argmax", "argmin")
@@ -665,7 +666,7 @@ _SEGMENT = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "redu
             "reduce_and": "min", "reduce_or": "max", "reduce_xor": None}
 
 
-def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
+def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
     """A reduction along a packed length that keeps the rows (``jnp.sum(x, axis=1)``,
     ``jnp.argmax(logits, axis=1)``): per sequence, over its own cells -- a scatter into each
     sequence's start column, read back at every cell of the sequence. ``argmax``/``argmin``
@@ -680,20 +681,20 @@ def _along_sequences(ctx: _PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
         nan = jnp.isnan(x) & frame if jnp.issubdtype(x.dtype, jnp.inexact) else frame & False
         fill = REDUCERS[name].identity(x.dtype)
         clean = lax.select(frame & ~nan, x, filled(x.shape, fill, x.dtype))
-        extreme = _segments(ctx, clean, r, p, best, fill)
-        has_nan = _segments(ctx, nan.astype(np.int8), r, p, "max", 0)
+        extreme = segments(ctx, clean, r, p, best, fill)
+        has_nan = segments(ctx, nan.astype(np.int8), r, p, "max", 0)
         at = functools.partial(_read_cells, ctx, ctx.starts(x.shape[p], 0), r, p)
         hit = frame & jnp.where(at(has_nan) > 0, nan, clean == at(extreme))
         position = spread(ctx.cells(x.shape[p])[0], x.shape, (r, p))
         big = np.iinfo(np.int32).max
-        first = _segments(ctx, jnp.where(hit, position, big).astype(np.int32), r, p, "min", big)
+        first = segments(ctx, jnp.where(hit, position, big).astype(np.int32), r, p, "min", big)
         out = jnp.where(first == big, 0, first).astype(eqn.params["index_dtype"])
     else:
         fill = REDUCERS[name].identity(x.dtype)
         x = lax.select(frame, x, filled(x.shape, fill, x.dtype))
         x, (r, p) = _others_first(eqn, x, axes, (r, p))
         exact = x.dtype == np.bool_
-        out = _segments(ctx, x.astype(np.int8) if exact else x, r, p, _SEGMENT[name],
+        out = segments(ctx, x.astype(np.int8) if exact else x, r, p, _SEGMENT[name],
                         int(fill) if exact else fill)
         out = out.astype(x.dtype)
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
@@ -710,7 +711,7 @@ def _others_first(eqn, x, axes, kept):
             tuple(k - sum(a < k for a in others) for k in kept))
 
 
-def _over_positions(ctx: _PackedCtx, eqn, x, r: int, *packed: int):
+def _over_positions(ctx: PackedCtx, eqn, x, r: int, *packed: int):
     """A reduction over the rows that keeps the packed lengths (the gradient of a learned
     ``pe[:T]`` added to every row, or of a ``(T, T)`` position bias added to attention's
     scores): per position, over the cells of every sequence at that position (one packed axis)
@@ -734,7 +735,7 @@ def _over_positions(ctx: _PackedCtx, eqn, x, r: int, *packed: int):
     return jnp.moveaxis(out, range(len(packed)), [p - (r < p) for p in packed])
 
 
-def _segments(ctx: _PackedCtx, x, r: int, p: int, how: str, fill):
+def segments(ctx: PackedCtx, x, r: int, p: int, how: str, fill):
     """``(rows, columns, *rest)``: per cell of the grid, ``how`` ("add", "max", ...) of its
     sequence's cells of ``x`` (rows axis ``r``, packed axis ``p``; cells outside the frame
     already hold ``fill``): a scatter into each sequence's start column, read back at every
@@ -749,7 +750,7 @@ def _segments(ctx: _PackedCtx, x, r: int, p: int, how: str, fill):
     return _read_cells(ctx, ctx.sequence_starts(), 0, 1, total)
 
 
-def _read_cells(ctx: _PackedCtx, starts, r, p, grid):
+def _read_cells(ctx: PackedCtx, starts, r, p, grid):
     """A ``(rows, columns, *rest)`` grid of per-sequence entries (at each sequence's start
     column) read at cells whose starts are ``starts`` (``(rows, n)``), with the rows and the
     cells going to axes ``r`` and ``p``."""
@@ -757,166 +758,7 @@ def _read_cells(ctx: _PackedCtx, starts, r, p, grid):
     return jnp.moveaxis(grid[row, starts], (0, 1), (r, p))
 
 
-@defrule("dot_general", layout="pack")
-def _dot_general(ctx: _PackedCtx, eqn, invals):
-    lhs, rhs = invals
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    out = eqn.outvars[0].aval.shape
-    if len(ctx.row_axes(out)) > 1:
-        raise NoRule("a contraction pairing the rows of packed rows")
-    if ctx.row_axes(out) and ctx.packed_axes(out) and any(
-            ctx.packed_axes(x.shape) and not ctx.row_axes(x.shape) for x in invals):
-        return _placed_contraction(ctx, eqn, lhs, rhs)
-    if len(ctx.packed_axes(out)) > 1 or any(len(ctx.packed_axes(x.shape)) > 1 for x in invals):
-        return _pairing(ctx, eqn, lhs, rhs)
-    for x, contracted in ((lhs, lc), (rhs, rc)):
-        rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
-        c = set(contracted)
-        if packed & c and not rows <= c:
-            pooled = _along_each_sequence(ctx, eqn, lhs, rhs)
-            if pooled is not None:
-                return pooled
-            return ctx.per_sequence(eqn, "a contraction over a packed length alone")
-        if rows & c and not packed <= c:
-            return ctx.per_sequence(eqn, "a contraction over the rows alone")
-        if rows & c and not packed and ctx.alive is None:
-            return ctx.per_sequence(eqn, "a contraction over the rows")
-    return padded_rule(eqn)(ctx, eqn, invals)
-
-
-def _placed_contraction(ctx: _PackedCtx, eqn, lhs, rhs):
-    """A per-position operand contracted with packed rows into packed rows (a ``(T, T)``
-    matrix: ``einsum("ts,bsf->btf", jnp.tri(T), x)`` for running sums, a fixed mixing matrix):
-    placed into the rows by position first (`_by_position`: each cell its own positions),
-    then batched over the rows with the other operand. A contraction over a packed length
-    then reads each sequence's own cells only, as attention's ``w @ v`` does."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    k = 0 if not ctx.row_axes(lhs.shape) else 1            # the per-position operand
-    fixed, rows_value = (lhs, rhs) if k == 0 else (rhs, lhs)
-    (fc, vc), (fb, vb) = ((lc, rc), (lb, rb)) if k == 0 else ((rc, lc), (rb, lb))
-    rows = ctx.row_axes(rows_value.shape)
-    if len(rows) != 1 or rows[0] in vc or rows[0] in vb or ctx.row_axes(fixed.shape):
-        raise NoRule("a contraction of a per-position value into packed rows, not one rows "
-                      "axis kept free")
-    (r,) = rows
-    packed = [1 + a for a in ctx.packed_axes(fixed.shape)]
-    placed = _by_position(ctx, fixed, tuple(range(1, fixed.ndim + 1)),
-                          (rows_value.shape[r], *fixed.shape), 0, packed)
-    fc, fb, vb = tuple(a + 1 for a in fc), (0, *(a + 1 for a in fb)), (r, *vb)
-    operands = [placed, rows_value]
-    if set(packed) & set(fc):          # over a packed length: within each sequence only
-        operands = [ctx.frame_only(x, 0) for x in operands]
-    numbers = ((fc, vc), (fb, vb)) if k == 0 else ((vc, fc), (vb, fb))
-    (out,) = bind_eqn_with(eqn, operands if k == 0 else operands[::-1],
-                        dimension_numbers=numbers)
-    # The rows came out first (a batch axis): back among the free axes, where they were.
-    free = [d for d in range(rows_value.ndim) if d not in vc and d not in vb[1:]]
-    before = fixed.ndim - len(fc) - len(fb) + 1 if k == 0 else 0
-    return [jnp.moveaxis(out, 0, len(lb) + before + free.index(r))]
-
-
-def _along_each_sequence(ctx: _PackedCtx, eqn, lhs, rhs):
-    """A contraction along a packed length alone, batched over the rows (attention pooling,
-    ``einsum("bt,btf->bf", w, x)``): per sequence, over its own cells -- the products per
-    cell (the length made a batch axis too), summed per sequence like `_along_sequences`.
-    None for another contraction."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    (lr, rr), (lp, rp) = ((ctx.row_axes(x.shape) for x in (lhs, rhs)),
-                          (ctx.packed_axes(x.shape) for x in (lhs, rhs)))
-    if not (len(lr) == len(rr) == len(lp) == len(rp) == 1 and lr[0] in lb and rr[0] in rb
-            and lb.index(lr[0]) == rb.index(rr[0]) and lp[0] in lc and rp[0] in rc
-            and lc.index(lp[0]) == rc.index(rp[0])):
-        return None
-    i = lc.index(lp[0])
-    first = lambda b, r: (r, *(d for d in b if d != r))      # noqa: E731 - the rows first
-    numbers = ((lc[:i] + lc[i + 1:], rc[:i] + rc[i + 1:]),
-               ((*first(lb, lr[0]), lp[0]), (*first(rb, rr[0]), rp[0])))
-    (cells,) = bind_eqn_with(eqn, [ctx.frame_only(lhs, 0), ctx.frame_only(rhs, 0)],
-                          dimension_numbers=numbers)
-    # cells: (rows, other batch axes..., length, free axes...): each sequence's own sum.
-    grid = _segments(ctx, cells, 0, len(lb), "add", 0)
-    return [by_cell(grid, lb.index(lr[0]))]
-
-
-def _pairing(ctx: _PackedCtx, eqn, lhs, rhs):
-    """A contraction inside each packed row that pairs its cells: attention's scores
-    ``q @ k.T`` (over features: every pair, those of two sequences outside the frame) and
-    their use ``w @ v`` (over a packed length: each cell's own sequence only, both operands
-    zero outside the frame)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lr, rr = ctx.row_axes(lhs.shape), ctx.row_axes(rhs.shape)
-    if not (lr and rr and lr[0] in lb and rr[0] in rb and lb.index(lr[0]) == rb.index(rr[0])):
-        raise NoRule("a contraction pairing cells of packed rows, not batched over the rows")
-    lp, rp = ctx.packed_axes(lhs.shape), ctx.packed_axes(rhs.shape)
-    if any((a in lp) != (b in rp) for a, b in zip(lc, rc)):
-        raise NoRule("a contraction of a packed length with another axis")
-    if not any(a in lp for a in lc):
-        return None
-    if not ctx.packed_axes(eqn.outvars[0].aval.shape):
-        return ctx.per_sequence(eqn, "a contraction over packed lengths")
-    return bind_eqn(eqn, [ctx.frame_only(x, 0) for x in (lhs, rhs)])
-
-
-@defrule("conv_general_dilated", layout="pack")
-def _conv(ctx: _PackedCtx, eqn, invals):
-    """A convolution along a packed length with stride 1: every tap reads its own sequence,
-    and zeros beyond its edges, as the exact-size convolution's zero padding does. The
-    convolution becomes one per tap ``k``: the operand shifted by ``k * dilation - low`` with
-    the cells whose tap falls outside their sequence zeroed, convolved with tap ``k`` alone.
-    Its transposes are the same two forms: the input gradient is again a convolution over the
-    length (the kernel reversed); the kernel gradient pairs the input with the output
-    gradient over the length (window = the length, one output per tap)."""
-    lhs, rhs = invals
-    p = eqn.params
-    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
-    spatial = [i for i, a in enumerate(lhs_spec[2:]) if a in ctx.packed_axes(lhs.shape)]
-    rows = ctx.row_axes(lhs.shape)
-    if not spatial:
-        if any(ctx.packed_axes(x.shape) for x in invals) or rows == [lhs_spec[1]]:
-            raise NoRule("a convolution over the rows or with a packed kernel, not along a "
-                          "packed length")
-        return None          # rows as the batch, the length not convolved: per position
-    (i,) = spatial
-    la, ra, oa = lhs_spec[2 + i], rhs_spec[2 + i], out_spec[2 + i]
-    lo, hi = p["padding"][i]
-    if is_sym(lo) or is_sym(hi) or p["lhs_dilation"][i] != 1 or any(
-            is_sym(x.shape[a]) for x in invals for a in range(x.ndim)
-            if a not in (*ctx.row_axes(x.shape), *ctx.packed_axes(x.shape))):
-        raise NoRule("a convolution along a packed length with a length-dependent or "
-                      "input-dilated padding, or over another length")
-    if rows == [lhs_spec[0]] and not is_sym(rhs.shape[ra]):
-        # Along the length: the forward pass and the input gradient.
-        if p["window_strides"][i] != 1 or p["batch_group_count"] != 1:
-            raise NoRule("a strided or batch-grouped convolution along a packed length (each "
-                          "sequence's outputs would start at another column, or mix rows)")
-        taps, step, length = rhs.shape[ra], p["rhs_dilation"][i], eqn.outvars[0].aval.shape[oa]
-        out = None
-        for k in range(taps):
-            x = _tap(ctx, lhs, rows[0], la, k * step - lo, length)
-            (y,) = bind_eqn_with(eqn, [x, lax.slice_in_dim(rhs, k, k + 1, axis=ra)],
-                              padding=_replace(p["padding"], i, (0, 0)),
-                              rhs_dilation=_replace(p["rhs_dilation"], i, 1))
-            out = y if out is None else out + y
-        return [out]
-    if (rows == [lhs_spec[1]] and ctx.row_axes(rhs.shape) == [rhs_spec[1]]
-            and ctx.packed_axes(rhs.shape) == [ra] and not is_sym(eqn.outvars[0].aval.shape[oa])):
-        # The kernel gradient: input and output gradient paired over the rows and the length.
-        if p["rhs_dilation"][i] != 1 or p["feature_group_count"] != 1:
-            raise NoRule("the kernel gradient of a strided or feature-grouped convolution along "
-                          "a packed length")
-        length, step = rhs.shape[ra], p["window_strides"][i]
-        rhs = ctx.frame_only(rhs, 0)
-        outs = []
-        for k in range(eqn.outvars[0].aval.shape[oa]):
-            x = _tap(ctx, lhs, rows[0], la, k * step - lo, length)
-            outs += bind_eqn_with(eqn, [x, rhs], window_strides=_replace(p["window_strides"], i, 1),
-                               padding=_replace(p["padding"], i, (0, 0)))
-        return [lax.concatenate(outs, oa)]
-    raise NoRule("a convolution pairing packed rows in another way (not along the length "
-                  "with the rows as its batch, nor a kernel gradient over them)")
-
-
-def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fill=0):
+def shifted_within(ctx: PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fill=0):
     """``x`` read along its packed ``axis`` at ``offset`` from each cell of an axis of packed
     ``length``: cell ``c`` holds ``x[c + offset]`` where that is the same sequence's position
     ``pos(c) + offset`` (inside its part of ``x``), ``fill`` elsewhere."""
@@ -930,13 +772,13 @@ def _tap(ctx: _PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fil
     shifted = lax.pad(x, filled((), 0, x.dtype), config)
     pos, seglen = ctx.cells(length)
     source = pos + offset
-    real = ctx.in_frame(length) & (source >= 0) & (source < ctx._at(n, seglen))
+    real = ctx.in_frame(length) & (source >= 0) & (source < ctx.at_lengths(n, seglen))
     return lax.select(spread(real, shifted.shape, (rows_axis, axis)), shifted,
                       filled(shifted.shape, fill, x.dtype))
 
 
-def _window(ctx: _PackedCtx, eqn, x, monoid):
-    """`_PackedCtx.window`: a window along a packed length with stride 1 (a moving sum,
+def _window(ctx: PackedCtx, eqn, x, monoid):
+    """`PackedCtx.window`: a window along a packed length with stride 1 (a moving sum,
     average, max or min): each window reads its own sequence and the combiner's identity past
     its edges, as the exact-size window reads its init value there. The window becomes one tap
     per offset, combined. A stride would start each sequence's outputs at another column, so
@@ -963,19 +805,13 @@ def _window(ctx: _PackedCtx, eqn, x, monoid):
     fill, step, length = identity(x.dtype), p["window_dilation"][a], eqn.outvars[0].aval.shape[a]
     out = None
     for k in range(p["window_dimensions"][a]):
-        tap = _tap(ctx, x, rows[0], a, k * step - lo, length, fill)
+        tap = shifted_within(ctx, x, rows[0], a, k * step - lo, length, fill)
         out = tap if out is None else combine(out, tap)
     return [out]
 
 
-def _replace(values, i, value):
-    values = list(values)
-    values[i] = value
-    return tuple(values)
-
-
-def _reversed_sequences(ctx: _PackedCtx, x, a: int):
-    """`_PackedCtx.reverse`: reversing a packed length reverses each sequence in place: the
+def _reversed_sequences(ctx: PackedCtx, x, a: int):
+    """`PackedCtx.reverse`: reversing a packed length reverses each sequence in place: the
     cell at position ``p`` of a part of ``e`` cells reads its own sequence's position
     ``e - 1 - p``, at column ``start + e - 1 - p``; cells outside the frame keep their own. A
     reverse is its own transpose, so gradients come back through this rule too."""
@@ -985,10 +821,10 @@ def _reversed_sequences(ctx: _PackedCtx, x, a: int):
     if len(rows) != 1 or len(packed) != 1:
         raise NoRule(f"a reverse of a value of shape {tuple(x.shape)}, which mixes sequences "
                       f"of a packed row")
-    return _reverse(ctx, x, rows[0], a)
+    return reverse_each(ctx, x, rows[0], a)
 
 
-def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
+def reverse_each(ctx: PackedCtx, x, r: int, a: int, others=()):
     """``x`` (rows axis ``r``) with each sequence reversed in place along its packed axis
     ``a``, and the axes ``others`` reversed as they are."""
     if others:
@@ -996,12 +832,12 @@ def _reverse(ctx: _PackedCtx, x, r: int, a: int, others=()):
     n = x.shape[a]
     pos, seglen = ctx.cells(n)
     column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-    source = jnp.where(ctx.in_frame(n), column - 2 * pos + ctx._at(n, seglen) - 1, column)
+    source = jnp.where(ctx.in_frame(n), column - 2 * pos + ctx.at_lengths(n, seglen) - 1, column)
     return take_rows(ctx, x, spread(source, x.shape, (r, a)), a)
 
 
-def _top_per_sequence(ctx: _PackedCtx, eqn, x, a: int):
-    """`_PackedCtx.top_k`: each sequence's own ``k`` largest and their positions, held at
+def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
+    """`PackedCtx.top_k`: each sequence's own ``k`` largest and their positions, held at
     every cell of the sequence (`PerSequence`). Each sequence is sorted in place (its start
     column the first key, `sort_key`), ascending by value and, among equal values, descending
     by position, so its ``k`` largest are its last ``k`` cells read backwards, the lower
@@ -1017,7 +853,7 @@ def _top_per_sequence(ctx: _PackedCtx, eqn, x, a: int):
                                   num_keys=3)
     # Per cell of the grid and rank j: the column holding its sequence's j-th largest.
     j = lax.broadcasted_iota(np.int32, (1, 1, k), 2)
-    count = ctx._at(n, ctx.seglen)[..., None]
+    count = ctx.at_lengths(n, ctx.seglen)[..., None]
     column = jnp.clip(ctx.sequence_starts()[..., None] + count - 1 - j, 0, n - 1)
     real = (j < count) & (ctx.pos >= 0)[..., None]
     rows = lax.broadcasted_iota(np.int32, column.shape, 0)
@@ -1034,8 +870,8 @@ def _top_per_sequence(ctx: _PackedCtx, eqn, x, a: int):
     return [PerSequence(values, 0), PerSequence(positions.astype(eqn.outvars[1].aval.dtype), 0)]
 
 
-def _cumulative(ctx: _PackedCtx, eqn, x, a: int, monoid, reverse: bool):
-    """`_PackedCtx.accumulate`: a cumulative op along a packed length runs per sequence: a
+def _cumulative(ctx: PackedCtx, eqn, x, a: int, monoid, reverse: bool):
+    """`PackedCtx.accumulate`: a cumulative op along a packed length runs per sequence: a
     scan over the columns whose running value restarts at each sequence's first cell (its last
     with ``reverse=True``, as the transpose of ``cumsum`` runs). Exact, where subtracting each
     sequence's prefix of the row would lose the sequence's own digits; sequential over the row
@@ -1049,7 +885,7 @@ def _cumulative(ctx: _PackedCtx, eqn, x, a: int, monoid, reverse: bool):
     combine, identity = monoid
     n = x.shape[a]
     pos, seglen = ctx.cells(n)
-    restart = pos == (ctx._at(n, seglen) - 1 if reverse else 0)
+    restart = pos == (ctx.at_lengths(n, seglen) - 1 if reverse else 0)
     columns = jnp.moveaxis(x, a, 0)
     restarts = jnp.moveaxis(spread(restart, x.shape, (rows[0], a)), a, 0)
     start = filled(columns.shape[1:], identity(x.dtype), x.dtype)
@@ -1063,527 +899,11 @@ def _cumulative(ctx: _PackedCtx, eqn, x, a: int, monoid, reverse: bool):
     return [jnp.moveaxis(out, 0, a)]
 
 
-def _position(ctx: _PackedCtx, eqn, shape, index, index_map, window):
-    """Where ``x[:, k]`` reads (or its transpose writes) along the packed axis of ``shape``,
-    when the equation takes one position of it and every entry of the other axes (``r[k]``
-    under ``jax.vmap`` too, which indexes the features at 0): ``(p, position, inside)``, the
-    position per grid cell (``k``, or ``n - 1`` for ``x[:, -1]``, whose ``T - 1`` is a number
-    per sequence) and whether it is inside the sequence's part of the axis; None for any
-    other indexing."""
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    k = len(index_map)
-    if (len(rows) != 1 or len(packed) != 1 or tuple(eqn.invars[1].aval.shape) != (k,)
-            or packed[0] not in index_map or window[packed[0]] != 1
-            or (isinstance(index, PerSequence) and index.axis is not None)
-            or any(a != packed[0] and not _core_equal(window[a], shape[a])
-                   for a in range(len(shape)))
-            or (k > 1 and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP)):
-        return None
-    (p,) = packed
-    i = list(index_map).index(p)
-    if isinstance(index, PerSequence):
-        position = index.value[..., i]
-    else:
-        position = jnp.broadcast_to(jnp.asarray(index)[i], ctx.pos.shape)
-    n = ctx._at(shape[p], ctx.seglen)
-    inside = (position >= 0) & (position < n)
-    if eqn.params["mode"] == lax.GatherScatterMode.CLIP:
-        position, inside = jnp.clip(position, 0, n - 1), n > 0
-    return p, position.astype(np.int32), inside
-
-
-def _own_position(ctx: _PackedCtx, eqn, shape, index, index_map, window, batching,
-                  index_shape):
-    """Where ``take_along_axis(x, (lengths - 1)[:, None, None], 1)`` reads (or its transpose
-    writes) along the packed axis of ``shape``: an equation batched over the rows (each
-    sequence's entry with its own index) that takes one position of the packed axis and every
-    entry of the others, its index a number per sequence. ``(r, p, s, position, inside)``:
-    the rows and packed axes, the index's rows axis, the position per grid cell and whether
-    it is inside the sequence's part of the axis; None for any other indexing."""
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    operand_batching, index_batching = (tuple(b) for b in batching)
-    if len(rows) != 1 or len(packed) != 1 or operand_batching != tuple(rows):
-        return None
-    (r,), (p,) = rows, packed
-    (s,) = index_batching
-    if (ctx.row_axes(index_shape) != [s] or tuple(index_map) != (p,) or window[p] != 1
-            or any(a not in (r, p) and not _core_equal(window[a], shape[a])
-                   for a in range(len(shape)))
-            or any(is_sym(d) or d != 1 for a, d in enumerate(index_shape) if a != s)):
-        return None
-    if not isinstance(index, PerSequence):
-        if not hasattr(index, "shape"):
-            return None
-        index = held(ctx, index, index_shape)
-    if index.axis != s:
-        return None
-    position = jnp.reshape(jnp.moveaxis(index.value, (s, s + 1), (0, 1)), ctx.pos.shape)
-    n = ctx._at(shape[p], ctx.seglen)
-    inside = (position >= 0) & (position < n)
-    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
-        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
-    return r, p, s, position.astype(np.int32), inside
-
-
-def _pick_own(ctx: _PackedCtx, eqn, invals):
-    """``take_along_axis(x, (lengths - 1)[:, None, None], 1)`` of a packed value (the gather
-    batched over the rows): each sequence's own position, a per-sequence value; outside the
-    sequence (and in a sequence of length 0, which has no cell), the gather's fill."""
-    x, index = invals
-    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _own_position(
-        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
-        (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
-    if found is None or not set(dn.collapsed_slice_dims) <= {found[1]}:
-        return None
-    r, p, s, position, inside = found
-    column = ctx.sequence_starts() + position
-    xs = jnp.moveaxis(x, (r, p), (0, 1))
-    at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))
-    picked = jnp.take_along_axis(xs, at, axis=1, mode="clip")      # (rows, columns, *rest)
-    fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
-    picked = jnp.where(jnp.expand_dims(inside, tuple(range(2, xs.ndim))), picked, fill)
-    rest = [a for a in range(len(shape)) if a not in (r, p)]
-    if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
-        kept = sorted([*rest, p])
-        picked = jnp.expand_dims(picked, 2 + kept.index(p))
-    out = eqn.outvars[0].aval.shape
-    batch = [d for d in range(len(out)) if d not in dn.offset_dims]   # the index's axes
-    r_out = batch[s]
-    held_at = lambda d: d + (d > r_out)  # noqa: E731 - the columns follow the rows
-    others = [d for d in batch if d != r_out]
-    picked = jnp.reshape(picked, (*picked.shape, *(1,) * len(others)))
-    dest = [r_out, r_out + 1, *map(held_at, dn.offset_dims), *map(held_at, others)]
-    return [PerSequence(jnp.moveaxis(picked, tuple(range(len(dest))), dest), r_out)]
-
-
-def _put_own(ctx: _PackedCtx, eqn, invals):
-    """The transpose of `_pick_own`: each sequence's update added into (or set at) its own
-    position; nothing where that is outside the sequence."""
-    x, index, updates = invals
-    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    update_shape = eqn.invars[2].aval.shape
-    if isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter"):
-        return None
-    window = _scatter_window(eqn)
-    found = _own_position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
-                          (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
-                          eqn.invars[1].aval.shape)
-    if found is None or not set(dn.inserted_window_dims) <= {found[1]}:
-        return None
-    r, p, s, position, inside = found
-    scattered = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
-    r_upd = scattered[s]
-    if isinstance(updates, PerSequence) and updates.axis != r_upd:
-        return None
-    updates = held(ctx, updates, update_shape)
-    u = jnp.moveaxis(updates.value, (r_upd, r_upd + 1), (0, 1))
-    # Then the update's other axes in order: the index's unit axes and the window's.
-    rest_u = [d for d in range(len(update_shape)) if d != r_upd]
-    unit = [2 + i for i, d in enumerate(rest_u) if d not in dn.update_window_dims]
-    if p not in dn.inserted_window_dims:            # the position's unit axis: squeezed
-        kept = [a for a in range(len(shape)) if a not in (r,) and a not in dn.inserted_window_dims]
-        unit.append(2 + len([d for d in rest_u if d not in dn.update_window_dims])
-                    + kept.index(p))
-    u = lax.squeeze(u, tuple(unit))                 # (rows, columns, *operand's other axes)
-    n = shape[p]
-    u = lax.slice_in_dim(u, 0, n, axis=1)
-    rest = [a for a in range(len(shape)) if a not in (r, p)]
-    cells = spread(u, shape, (r, p, *rest))
-    return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
-
-
-def _put_ranked(ctx: _PackedCtx, eqn, invals):
-    """``top_k``'s gradient: the scatter-add of each sequence's ``k`` updates at its ``k``
-    positions (`_top_per_sequence` holds both at every cell of the sequence), into a
-    ``(rows, packed length)`` operand: rank by rank, as one position per sequence is written
-    back (`_write_at_positions`), so nothing crosses a sequence or lands outside the frame."""
-    x, index, updates = invals
-    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    index_shape = eqn.invars[1].aval.shape
-    if (eqn.primitive.name != "scatter-add" or isinstance(x, PerSequence)
-            or not isinstance(index, PerSequence) or index.axis != 0 or len(shape) != 2
-            or ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [1]
-            or (tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims),
-                tuple(dn.scatter_dims_to_operand_dims), tuple(dn.inserted_window_dims),
-                tuple(dn.update_window_dims)) != ((0,), (0,), (1,), (1,), ())
-            or len(index_shape) != 3 or is_sym(index_shape[1]) or index_shape[2] != 1):
-        return None
-    value = held(ctx, updates, eqn.invars[2].aval.shape).value      # (rows, columns, k)
-    for j in range(index_shape[1]):             # each rank's update, as one position's
-        cells = lax.slice_in_dim(value[:, :, j], 0, shape[1], axis=1)
-        (x,) = _write_at_positions(ctx, eqn, x, cells, index.value[:, :, j, 0], ctx.pos >= 0,
-                                   0, 1)
-    return [x]
-
-
-def _write_at_positions(ctx: _PackedCtx, eqn, x, cells, position, inside, r: int, p: int):
-    """``x`` with each sequence's cell at ``position`` (per cell, where ``inside``) set to
-    ``cells`` there (``scatter``) or added to (``scatter-add``): the write-back of a packed
-    per-sequence index, the transpose of reading one."""
-    shape = eqn.invars[0].aval.shape
-    n = shape[p]
-    pos, _ = ctx.cells(n)
-    at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
-    at = spread(at & ctx.in_frame(n), shape, (r, p))
-    if eqn.primitive.name == "scatter":
-        return [lax.select(at, cells, x)]
-    return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
-
-
-def _pick(ctx: _PackedCtx, eqn, invals):
-    """``x[:, k]`` and ``x[:, -1]`` of a packed value (and ``r[k]`` under ``jax.vmap``): each
-    sequence's own position ``k`` (``n - 1``), a per-sequence value; outside the sequence, as
-    the gather's mode says."""
-    x, index = invals
-    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _position(
-        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"])
-    if found is None:
-        return None
-    p, position, inside = found
-    kept = len(shape) - len(dn.collapsed_slice_dims)
-    if (not set(dn.collapsed_slice_dims) <= {p} or dn.operand_batching_dims
-            or tuple(dn.offset_dims) != tuple(range(kept))):
-        return None
-    (r,) = ctx.row_axes(shape)
-    n = ctx._at(shape[p], ctx.seglen)
-    column = ctx.sequence_starts() + jnp.clip(position, 0, jnp.maximum(n - 1, 0))
-    xs = jnp.moveaxis(x, (r, p), (0, 1))
-    picked = jnp.take_along_axis(xs, jnp.expand_dims(column, tuple(range(2, xs.ndim))), axis=1,
-                                 mode="clip")
-    # Outside the sequence the gather's fill (a sequence of length 0 has no position to clamp
-    # to, whatever the mode).
-    outside = ~inside if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
-    keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
-    picked = jnp.where(keep, picked, jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype))
-    if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
-        picked = jnp.expand_dims(picked, 2 + p - (r < p))
-    (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
-    return [by_cell(picked, r_out)]
-
-
-def _put(ctx: _PackedCtx, eqn, invals):
-    """The transpose of `_pick` (``x.at[:, -1].add(g)``, ``.set``): each sequence's update
-    into its own position ``k`` (``n - 1``); nothing where that is outside the sequence."""
-    x, index, updates = invals
-    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    update_shape = eqn.invars[2].aval.shape
-    kept = len(shape) - len(dn.inserted_window_dims)
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
-            or dn.operand_batching_dims or tuple(dn.update_window_dims) != tuple(range(kept))):
-        return None
-    window = list(update_shape)
-    for a in sorted(dn.inserted_window_dims):
-        window.insert(a, 1)
-    found = _position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window)
-    if found is None or not set(dn.inserted_window_dims) <= {found[0]}:
-        return None
-    p, position, inside = found
-    if isinstance(updates, PerSequence) and updates.axis is None or not ctx.row_axes(update_shape):
-        raise NoRule("a scatter into one position of a packed length from a value without rows")
-    updates = held(ctx, updates, update_shape)
-    (r,) = ctx.row_axes(shape)
-    value = updates.value
-    if p not in dn.inserted_window_dims:            # the position's unit axis: squeezed
-        value = lax.squeeze(value, (p + (p > r),))
-    n = shape[p]
-    # The update's axes in the operand's, the columns taking the place of the packed axis.
-    targets = [a for a in range(len(shape)) if a != p]
-    targets.insert(targets.index(r) + 1, p)
-    cells = spread(lax.slice_in_dim(value, 0, n, axis=targets.index(p)), shape, targets)
-    return _write_at_positions(ctx, eqn, x, cells, position, inside, r, p)
-
-
-def _sequence_and_position(ctx: _PackedCtx, eqn, shape, index, index_map, window, batching,
-                           index_shape):
-    """Where ``h[jnp.arange(B), lengths - 1]`` (``h[rows, positions]``) reads, or its
-    transpose writes: an equation whose index, one pair per sequence (a per-sequence value of
-    shape ``(B, 2)``), picks a row of the logical batch -- a sequence -- and a position of
-    the packed axis, and every entry of the other axes. As in the pad layout, the row is
-    clamped into the real sequences and the position into that sequence's own part of the
-    axis (the gather's fill, or a dropped update, outside them in FILL_OR_DROP mode, and in a
-    sequence of length 0, which has no cell). ``(r, p, row, column, inside)``: the operand's
-    rows and packed axes, and per grid cell (its sequence's pair) the packed row and column
-    read, and whether they hold that position; None for any other indexing."""
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if (len(rows) != 1 or len(packed) != 1 or any(tuple(b) for b in batching)
-            or not isinstance(index, PerSequence) or index.axis != 0
-            or len(index_shape) != 2 or set(index_map) != {rows[0], packed[0]}):
-        return None
-    (r,), (p,) = rows, packed
-    if any(window[a] != 1 if a in (r, p) else not _core_equal(window[a], shape[a])
-           for a in range(len(shape))):
-        return None
-    sequence = index.value[..., list(index_map).index(r)].astype(np.int32)   # (rows, columns)
-    position = index.value[..., list(index_map).index(p)].astype(np.int32)
-    count = jnp.asarray(ctx.sizes[ctx.rows_name], np.int32)    # the sequences of the call
-    inside = (sequence >= 0) & (sequence < count)
-    sequence = jnp.clip(sequence, 0, count - 1)
-    row, start, length = (jnp.take(t, sequence, mode="clip") for t in _sequence_table(ctx))
-    n = ctx._at(shape[p], length)
-    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-        inside = inside & (position >= 0) & (position < n)
-    else:
-        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
-    return r, p, row, start + position, inside
-
-
-def _sequence_table(ctx: _PackedCtx):
-    """Per sequence of the call (by its index; as many entries as cells, which hold every
-    sequence): the packed row it is in, the column it starts at and its length, read at its
-    first cell (a sequence of length 0 holds one, with ``pos`` 0)."""
-    sequence = ctx.sequence_index(ctx.pos.shape[1])
-    first = (ctx.pos == 0) & (sequence >= 0)
-    size = sequence.size
-    at = jnp.where(first, sequence, size).reshape(-1)       # past the end: dropped
-    row = lax.broadcasted_iota(np.int32, sequence.shape, 0)
-    column = lax.broadcasted_iota(np.int32, sequence.shape, 1)
-    return tuple(jnp.zeros(size, np.int32).at[at].set(v.reshape(-1), mode="drop")
-                 for v in (row, column, ctx.seglen))
-
-
-def _pick_sequences(ctx: _PackedCtx, eqn, invals):
-    """``h[jnp.arange(B), lengths - 1]`` of a packed value: each sequence's entry of the row
-    and position its index names (`_sequence_and_position`), a per-sequence value."""
-    x, index = invals
-    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _sequence_and_position(
-        ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
-        (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
-    if found is None or set(dn.collapsed_slice_dims) != {found[0], found[1]}:
-        return None
-    r, p, row, column, inside = found
-    xs = jnp.moveaxis(x, (r, p), (0, 1))
-    picked = xs[row, jnp.clip(column, 0, xs.shape[1] - 1)]     # (rows, columns, *rest)
-    fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
-    picked = jnp.where(jnp.expand_dims(inside, tuple(range(2, xs.ndim))), picked, fill)
-    out = eqn.outvars[0].aval.shape
-    (r_out,) = [d for d in range(len(out)) if d not in dn.offset_dims]
-    return [by_cell(picked, r_out)]
-
-
-def _put_sequences(ctx: _PackedCtx, eqn, invals):
-    """The transpose of `_pick_sequences`: each sequence's update, once (from its first
-    cell), added into (or set at) the row and position its index names; nothing where that
-    is outside the sequence it names."""
-    x, index, updates = invals
-    shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
-            or dn.operand_batching_dims or not isinstance(index, PerSequence)
-            or len(dn.update_window_dims) + len(dn.inserted_window_dims) != len(shape)):
-        return None
-    update_shape = eqn.invars[2].aval.shape
-    window = _scatter_window(eqn)
-    found = _sequence_and_position(
-        ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
-        (dn.operand_batching_dims, dn.scatter_indices_batching_dims), eqn.invars[1].aval.shape)
-    if found is None or set(dn.inserted_window_dims) != {found[0], found[1]}:
-        return None
-    r, p, row, column, inside = found
-    (r_upd,) = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
-    if isinstance(updates, PerSequence) and updates.axis != r_upd:
-        return None
-    u = jnp.moveaxis(held(ctx, updates, update_shape).value, (r_upd, r_upd + 1), (0, 1))
-    xs = jnp.moveaxis(x, (r, p), (0, 1))
-    # Every cell holds its sequence's update: written from the first cell only, and nowhere
-    # (a row past the end, dropped) where the named position is outside its sequence.
-    write = inside & (ctx.pos == 0)
-    row = jnp.where(write, row, xs.shape[0])
-    if eqn.primitive.name == "scatter":
-        written = xs.at[row, column].set(u, mode="drop")
-    else:
-        written = xs.at[row, column].add(u, mode="drop")
-    return [jnp.moveaxis(written, (0, 1), (r, p))]
-
-
-def _cell_positions(ctx: _PackedCtx, eqn, shape, index, index_map, window, batching,
-                    index_shape):
-    """Where a gather with one index per cell reads (its transpose writes) along the packed
-    axis of ``shape``: an index with the rows axis and a packed length among its own axes
-    (a packed value, as ``jnp.argsort(x, axis=1)`` is) whose position component counts
-    inside a sequence. Either batched over the rows (``take_along_axis(x, jnp.argsort(x,
-    axis=1), 1)``; a sort's JVP and its transpose, the gradients of ``jnp.sort`` and
-    ``jnp.median``), where each cell indexes its own sequence, or with a component that names
-    the row (``x[jnp.arange(B)[:, None], idx]``), where each cell indexes the sequence it
-    names, wherever it is packed (`_sequence_table`), as `_sequence_and_position` does for
-    one index per sequence. Per entry of the index, as at each sequence's exact length: CLIP
-    and PROMISE_IN_BOUNDS clamp the position into the sequence's own ``[0, n - 1]``; outside
-    it FILL_OR_DROP fills (drops); a sequence of length 0 has no cell to read in any mode.
-
-    ``(components, read, real)``: the index's components in its dtype (the packed row and
-    the column for the row and packed ones, every component in bounds), whether each entry
-    reads a position of its sequence (else the gather's fill, a dropped update), and whether
-    the entry belongs to a cell in the frame of the index's packed length (the others are
-    "don't care", and must never write); None for any other indexing."""
-    if (isinstance(index, (PerSequence, PerCell, NotPacked)) or not hasattr(index, "shape")
-            or len(index_shape) < 2):
-        return None
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    cells = tuple(index_shape[:-1])
-    index_rows, index_packed = ctx.row_axes(cells), ctx.packed_axes(cells)
-    if len(rows) != 1 or len(packed) != 1 or len(index_rows) != 1 or len(index_packed) != 1:
-        return None
-    (r,), (p,), (s,), (q,) = rows, packed, index_rows, index_packed
-    # Any other axis of the index repeats a cell's index (a fixed number of them).
-    if any(is_sym(d) for a, d in enumerate(cells) if a not in (s, q)):
-        return None
-    operand_batching, index_batching = (tuple(b) for b in batching)
-    if operand_batching:               # batched over the rows: each cell's own sequence
-        if (r not in operand_batching or p in operand_batching or r in index_map
-                or index_batching[operand_batching.index(r)] != s or p not in index_map):
-            return None
-    elif not {r, p} <= set(index_map):
-        return None
-    # Other components index axes that are no length (``jnp.put_along_axis`` names every
-    # axis), as the equation says; every other axis is taken whole.
-    if (any(is_sym(window[a]) or window[a] != 1 for a in (r, p) if a not in operand_batching)
-            or any(is_sym(shape[a]) for a in index_map if a not in (r, p))
-            or any(not _core_equal(window[a], shape[a]) for a in range(len(shape))
-                   if a not in (r, p, *index_map, *operand_batching))):
-        return None
-    m = cells[q]
-    grid = lambda v: spread(v, cells, (s, q))          # noqa: E731 - (rows, m) onto the index
-    real = grid(ctx.in_frame(m))
-    idx = jnp.asarray(index)
-    component = lambda a: idx[..., list(index_map).index(a)]  # noqa: E731
-    if operand_batching:
-        _, seglen = ctx.cells(m)
-        start, n = grid(ctx.starts(m, 0)), grid(ctx._at(shape[p], seglen))
-        named = None
-    else:
-        sequence = _as_int32(component(r))
-        count = jnp.asarray(ctx.sizes[ctx.rows_name], np.int32)    # the sequences of the call
-        named = (sequence >= 0) & (sequence < count)
-        row, start, length = (jnp.take(t, jnp.clip(sequence, 0, count - 1), mode="clip")
-                              for t in _sequence_table(ctx))
-        n = ctx._at(shape[p], length)
-    position = _as_int32(component(p))
-    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-        read = (position >= 0) & (position < n)
-        read = read if named is None else read & named
-    else:
-        position, read = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
-    column = jnp.clip(start + position, 0, shape[p] - 1)
-    comps = {p: column} if named is None else {p: column, r: row}
-    components = jnp.stack([comps[a].astype(idx.dtype) if a in comps else idx[..., i]
-                            for i, a in enumerate(index_map)], axis=-1)
-    return components, read, real
-
-
-def _clamped_others(components, index_map, shape, window, mode, skip):
-    """``components`` with those of the axes not in ``skip`` clamped into their bounds in
-    CLIP and PROMISE_IN_BOUNDS mode, so that a scatter bound in FILL_OR_DROP mode (to drop
-    chosen entries) keeps the equation's own mode for them."""
-    if mode == lax.GatherScatterMode.FILL_OR_DROP:
-        return components
-    for i, a in enumerate(index_map):
-        if a not in skip:
-            components = components.at[..., i].set(
-                jnp.clip(components[..., i], 0, shape[a] - window[a]).astype(components.dtype))
-    return components
-
-
-def _as_int32(v):
-    """An index component as int32, an unsigned one (a sort's permutation) saturating rather
-    than wrapping to a negative position."""
-    if jnp.issubdtype(v.dtype, jnp.unsignedinteger):
-        v = jnp.minimum(v, np.iinfo(np.int32).max)
-    return v.astype(np.int32)
-
-
-def _pick_cells(ctx: _PackedCtx, eqn, invals):
-    """A gather with one index per cell (`_cell_positions`): each entry reads its sequence's
-    position, at the column where the sequence starts plus that position; the gather's fill
-    where the position is outside the sequence."""
-    x, index = invals
-    dn = eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _cell_positions(
-        ctx, eqn, eqn.invars[0].aval.shape, index, dn.start_index_map,
-        eqn.params["slice_sizes"], (dn.operand_batching_dims, dn.start_indices_batching_dims),
-        eqn.invars[1].aval.shape)
-    if found is None:
-        return None
-    components, read, _ = found
-    # The row and column components are in bounds: the equation's mode acts on the others.
-    (out,) = bind_eqn_with(eqn, [x, components])
-    cells = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
-    keep = lax.broadcast_in_dim(read, out.shape, cells)
-    return [lax.select(keep, out, filled(out.shape, gather_fill(eqn.params, out.dtype),
-                                         out.dtype))]
-
-
-def _put_cells(ctx: _PackedCtx, eqn, invals):
-    """The transpose of `_pick_cells` (and ``x.at[b, idx].add(u)``, ``.set``): each cell's
-    update into its sequence's position; nothing from an entry whose position is outside its
-    sequence (FILL_OR_DROP) or whose cell holds no position (outside the frame)."""
-    x, index, updates = invals
-    dn = eqn.params["dimension_numbers"]
-    shape = eqn.invars[0].aval.shape
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
-            or isinstance(updates, (PerSequence, PerCell, NotPacked)) or ctx.alive is not None):
-        # Inside a packed scan a row's update may come from a cell that is not real there.
-        return None
-    window = _scatter_window(eqn)
-    found = _cell_positions(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
-                            (dn.operand_batching_dims, dn.scatter_indices_batching_dims),
-                            eqn.invars[1].aval.shape)
-    if found is None:
-        return None
-    components, read, real = found
-    (r,), (p,) = ctx.row_axes(shape), ctx.packed_axes(shape)
-    components = _clamped_others(components, dn.scatter_dims_to_operand_dims, shape, window,
-                                 eqn.params["mode"], (r, p))
-    # Dropped: sent past the end of the packed axis, which FILL_OR_DROP skips.
-    past = list(dn.scatter_dims_to_operand_dims).index(p)
-    beyond = jnp.asarray(x.shape[p], components.dtype)
-    components = components.at[..., past].set(jnp.where(read & real, components[..., past],
-                                                        beyond))
-    return bind_eqn_with(eqn, [x, components, updates], mode=lax.GatherScatterMode.FILL_OR_DROP)
-
-
-def _pick_any(ctx: _PackedCtx, eqn, invals):
-    """One position of each sequence: ``x[:, k]`` (`_pick`), batched over the rows with a
-    per-sequence index (`_pick_own`), or a row and a position named per sequence
-    (`_pick_sequences`); or one position per cell (`_pick_cells`); None for any other
-    gather."""
-    for pick in (_pick, _pick_own, _pick_sequences, _pick_cells):
-        picked = pick(ctx, eqn, invals)
-        if picked is not None:
-            return picked
-    return None
-
-
-def _put_any(ctx: _PackedCtx, eqn, invals):
-    """The transposes of `_pick_any`."""
-    for put in (_put, _put_own, _put_ranked, _put_sequences, _put_cells):
-        done = put(ctx, eqn, invals)
-        if done is not None:
-            return done
-    return None
-
-
-@defrule("gather", layout="pack")
-def _gather(ctx: _PackedCtx, eqn, invals):
-    picked = _pick_any(ctx, eqn, invals)
-    return picked if picked is not None else _generic(ctx, eqn, invals)
-
-
-@defrule("scatter-add", "scatter", layout="pack")
-def _scatter(ctx: _PackedCtx, eqn, invals):
-    put = _put_any(ctx, eqn, invals)
-    return put if put is not None else _generic(ctx, eqn, invals)
-
-
-defrule("gather", layout="per_sequence")(_pick_any)
-defrule("scatter-add", "scatter", layout="per_sequence")(_put_any)
-
-
 # --------------------------------------------------------------------------------------------
 # Per-cell values without rows (`PerCell`)
 
-def _per_cell(ctx: _PackedCtx, eqn, invals):
-    """An equation reading a `PerCell` value (or making one: `_PackedCtx.without_rows`):
+def _per_cell(ctx: PackedCtx, eqn, invals):
+    """An equation reading a `PerCell` value (or making one: `PackedCtx.without_rows`):
     a call runs its equations; a primitive with a per-cell rule (``defrule(...,
     layout="per_cell")``: a broadcast, a reverse, an index) runs it; elementwise maths stays
     per cell; anything else is refused."""
@@ -1600,7 +920,7 @@ def _per_cell(ctx: _PackedCtx, eqn, invals):
     if entry is not None and entry.rule is ELEMENTWISE:
         rows = ctx.row_axes(out)
         if not rows:
-            cells = [_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)]
+            cells = [onto_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)]
             return [PerCell(bind_eqn(eqn, cells)[0])]
         # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
         (r,) = rows
@@ -1610,52 +930,7 @@ def _per_cell(ctx: _PackedCtx, eqn, invals):
                   f"rows axis)")
 
 
-@defrule("broadcast_in_dim", layout="per_cell")
-def _broadcast_cells(ctx: _PackedCtx, eqn, invals):
-    """Broadcasting a per-cell value onto the rows gives each cell its own entry."""
-    x = invals[0]
-    if not isinstance(x, PerCell):
-        return None
-    out = tuple(eqn.outvars[0].aval.shape)
-    dims = tuple(eqn.params["broadcast_dimensions"])
-    rows = ctx.row_axes(out)
-    if not rows:
-        return [PerCell(lax.broadcast_in_dim(x.value, (ctx.pos.shape[0], *out),
-                                             (0, *(d + 1 for d in dims))))]
-    (r,) = rows
-    v = x.value
-    if r in dims:                   # a unit axis onto the rows: the rows are in front
-        v, dims = lax.squeeze(v, (1 + dims.index(r),)), tuple(d for d in dims if d != r)
-    return [spread(v, out, (r, *dims))]
-
-
-@defrule("rev", layout="per_cell")
-def _reverse_cells(ctx: _PackedCtx, eqn, invals):
-    """A reverse of a per-cell value along the packed length is per sequence."""
-    x = invals[0]
-    if not isinstance(x, PerCell):
-        return None
-    shape = tuple(eqn.invars[0].aval.shape)
-    dims = tuple(eqn.params["dimensions"])
-    packed = [d for d in dims if d in ctx.packed_axes(shape)]
-    if len(packed) != 1 or len(ctx.packed_axes(shape)) != 1:
-        raise NoRule("a reverse of a per-cell value along no, or more than one, length")
-    return [PerCell(_reverse(ctx, x.value, 0, packed[0] + 1,
-                             tuple(d + 1 for d in dims if d != packed[0])))]
-
-
-@defrule("gather", "scatter-add", layout="per_cell")
-def _index_cells(ctx: _PackedCtx, eqn, invals):
-    """``x[:, index]`` with a per-cell index reads each sequence's own positions
-    (`_gather_at_positions`, and its transpose)."""
-    if not isinstance(invals[1], PerCell) or any(
-            isinstance(v, PerCell) for k, v in enumerate(invals) if k != 1):
-        return None
-    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-    return _gather_at_positions(ctx, eqn, invals, shapes, tuple(eqn.outvars[0].aval.shape))
-
-
-def _cells(ctx: _PackedCtx, x, shape, out):
+def onto_cells(ctx: PackedCtx, x, shape, out):
     """An operand of an elementwise `PerCell` equation of logical ``out``, with the rows in
     front: a per-sequence number at each cell, a per-position value placed by position."""
     if isinstance(x, PerCell):
@@ -1674,92 +949,20 @@ def _cells(ctx: _PackedCtx, x, shape, out):
         # jnp's broadcast of a unit axis (linspace's start, ``(1,)``, times ``T - 1``
         # positions): the same at every cell.
         return jnp.broadcast_to(jnp.reshape(x, (1, *shape)), (rows, *out))
-    if ctx.row_axes(shape) or not _core_equal_shapes(shape, out):
+    if ctx.row_axes(shape) or not same_shape(shape, out):
         raise NoRule(f"a per-cell value meets a value of shape {shape}")
-    return _by_position(ctx, x, tuple(range(1, len(out) + 1)), (rows, *out), 0,
+    return by_position(ctx, x, tuple(range(1, len(out) + 1)), (rows, *out), 0,
                         [1 + p for p in packed])
 
 
-def _core_equal_shapes(a, b) -> bool:
-    return len(a) == len(b) and all(_core_equal(x, y) for x, y in zip(a, b))
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
 
 
 def _onto_rows(x: PerCell, r: int):
     """A `PerCell` value whose logical axis ``r`` is a unit one, as a packed value with its
     rows there."""
     return jnp.moveaxis(lax.squeeze(x.value, (1 + r,)), 0, r)
-
-
-def _gather_at_positions(ctx: _PackedCtx, eqn, invals, shapes, out):
-    """``x[:, index]`` along a packed length with a `PerCell` index (``x[:, ::-1]`` indexes
-    with ``T - 1 - iota``, reversed): each cell reads its own sequence's position
-    ``index``, at column ``start + index``; and the transpose, a scatter-add of each cell's
-    update into that column. An index outside the sequence is clamped, or dropped and filled,
-    as the equation's mode says."""
-    x, index = invals[:2]
-    shape = shapes[0]
-    dn = eqn.params["dimension_numbers"]
-    gather = eqn.primitive.name == "gather"
-    index_map = dn.start_index_map if gather else dn.scatter_dims_to_operand_dims
-    collapsed = dn.collapsed_slice_dims if gather else dn.inserted_window_dims
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    where = shapes[1][:-1]             # the index's own axes: one packed length
-    if not (len(rows) == 1 and len(packed) == 1 and tuple(index_map) == tuple(packed)
-            and tuple(collapsed) == tuple(packed) and not dn.operand_batching_dims
-            and shapes[1][-1] == 1 and len(where) == 1 and ctx.packed_axes(where)):
-        raise NoRule(f"{eqn.primitive.name} with a per-cell index of another form than "
-                      f"x[:, index]")
-    (r,), (p,) = rows, packed
-    window = (dn.offset_dims if gather else dn.update_window_dims)
-    kept = [d for d in range(len(shape)) if d != p]
-    if tuple(window) != tuple(d if d < p else d + 1 for d in range(len(kept))) or (
-            gather and any(not _core_equal(eqn.params["slice_sizes"][d], shape[d]) for d in kept)):
-        raise NoRule(f"{eqn.primitive.name} with a per-cell index that does not keep every "
-                      f"other axis in place")
-    m = where[0]                       # the cells read (written): the index's length
-    position = lax.slice_in_dim(index.value[..., 0], 0, m, axis=1).astype(np.int32)
-    pos, seglen = ctx.cells(m)
-    n = ctx._at(shape[p], seglen)
-    inside = (position >= 0) & (position < n)
-    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
-        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
-    column = jnp.where(inside & ctx.in_frame(m), ctx.starts(m, 0) + position, -1)
-    xs = jnp.moveaxis(x, (r, p), (0, 1))
-    at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))
-    if gather:
-        got = jnp.take_along_axis(xs, jnp.maximum(at, 0), axis=1, mode="clip")
-        fill = jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype)
-        return [jnp.moveaxis(jnp.where(at >= 0, got, fill), (0, 1), (r, p))]
-    updates = jnp.moveaxis(invals[2], (r, p), (0, 1))
-    row = lax.broadcasted_iota(np.int32, column.shape, 0)
-    into = jnp.where(column >= 0, column, xs.shape[1])                # past the end: dropped
-    return [jnp.moveaxis(xs.at[row, into].add(updates, mode="drop"), (0, 1), (r, p))]
-
-
-@defrule("broadcast_in_dim", layout="pack")
-def _broadcast_in_dim(ctx: _PackedCtx, eqn, invals):
-    (x,) = invals[:1]
-    shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if len(rows) != 1 or len(packed) not in (1, 2):
-        return None
-    positions = ctx.known(x).positions
-    if rows[0] in dims:
-        k_rows = dims.index(rows[0])
-        if is_sym(x.shape[k_rows]):
-            return None                # the rows kept: per position
-        # A unit axis broadcast onto the rows ((T,) -> (1, T) -> (B, T), jnp's implicit
-        # broadcasting): a per-position value all the same, so drop it and place as below.
-        x = lax.squeeze(x, (k_rows,))
-        dims = dims[:k_rows] + dims[k_rows + 1:]
-        if positions is not None:
-            positions = _unit_axis_at(positions, k_rows)
-    along = [t for t in packed if t in dims and is_sym(x.shape[dims.index(t)])]
-    if not along:
-        return None                    # a per-row broadcast, constant along the packed lengths
-    if positions is not None:
-        return [_at_positions(ctx, positions, x, dims, shape, rows[0], along)]
-    return [_by_position(ctx, x, dims, shape, rows[0], along)]
 
 
 # Integer and boolean maths, as cheap to recompute per cell as a gather would be to read: a
@@ -1794,7 +997,7 @@ def _positions_recipe(eqn, reading) -> Callable | None:
         out = params["shape"]
         dims = params["broadcast_dimensions"]
         return lambda index: inner(tuple(
-            np.int32(0) if not _core_equal(src[k], out[d]) else index[d]
+            np.int32(0) if not same_dim(src[k], out[d]) else index[d]
             for k, d in enumerate(dims)))
     if name == "transpose":
         (inner,), perm = inputs, params["permutation"]
@@ -1805,29 +1008,7 @@ def _positions_recipe(eqn, reading) -> Callable | None:
     return None
 
 
-def _unit_axis_at(positions: Callable, k: int) -> Callable:
-    """``positions`` of a value whose unit axis ``k`` was squeezed away."""
-    return lambda index: positions((*index[:k], np.int32(0), *index[k:]))
-
-
-def _at_positions(ctx: _PackedCtx, positions: Callable, x, dims, shape, rows_axis: int,
-                  packed_axes):
-    """What `_by_position` gathers, recomputed at each cell's positions: ``x`` is made from
-    positions alone (`Known.positions`)."""
-    index = []
-    for k, t in enumerate(dims):
-        if t in packed_axes:
-            pos, _ = ctx.cells(shape[t])
-            index.append(_along(jnp.maximum(pos, 0), len(shape), rows_axis, t))
-        elif _core_equal(x.shape[k], 1):
-            index.append(np.int32(0))
-        else:
-            index.append(lax.broadcasted_iota(np.int32, tuple(
-                shape[a] if a == t else 1 for a in range(len(shape))), t))
-    return jnp.broadcast_to(positions(tuple(index)), shape).astype(x.dtype)
-
-
-def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
+def by_position(ctx: PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
     """A per-position value (``pe[:T]``, a causal mask ``(T, T)``; no rows axis; its axes go
     to ``dims`` of ``shape``) into packed rows: each cell reads its own positions inside its
     sequence along ``packed_axes`` (one or two of them)."""
@@ -1844,476 +1025,6 @@ def _by_position(ctx: _PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
                                 [i for i in range(x.ndim) if i not in (a, b)])
         x = jnp.take_along_axis(x, index, axis=a, mode="clip")
     return spread(x, shape, targets)
-
-
-@defrule("iota", layout="pack")
-def iota_along(ctx: _PackedCtx, eqn, invals):
-    shape, dim = eqn.params["shape"], eqn.params["dimension"]
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if len(rows) == 1 and dim == rows[0]:
-        # ``jnp.arange(B)`` counts the sequences: each cell's sequence's index in the call
-        # (its row in the pad layout). The packed row's own index would be another number.
-        if len(packed) > 1:
-            raise NoRule("iota along the rows of a value with two packed lengths")
-        if not packed:
-            index = ctx.sequence_index(ctx.pos.shape[1]).astype(eqn.params["dtype"])
-            return [PerSequence(spread(index, grid_shape(ctx, shape, dim), (dim, dim + 1)),
-                                dim)]
-        (p,) = packed
-        index = ctx.sequence_index(shape[p]).astype(eqn.params["dtype"])
-        return [spread(index, shape, (dim, p))]
-    if len(rows) != 1 or not packed:
-        return None
-    if dim not in packed:
-        return None
-    pos, _ = ctx.cells(shape[dim])
-    return [spread(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, (rows[0], dim))]
-
-
-@defrule("slice", layout="pack")
-def _slice(ctx: _PackedCtx, eqn, invals):
-    (x,) = invals
-    rows = ctx.row_axes(x.shape)
-    if not rows:
-        return padded_rule(eqn)(ctx, eqn, invals)
-    p = eqn.params
-    strides = p["strides"] or (1,) * x.ndim
-    out = eqn.outvars[0].aval.shape
-    shape = tuple(eqn.invars[0].aval.shape)
-    for a in range(x.ndim):
-        if not is_sym(x.shape[a]):
-            continue
-        start, stride = p["start_indices"][a], strides[a]
-        if a in rows:
-            if is_sym(start) or start != 0 or stride != 1 or not _core_equal(out[a], x.shape[a]):
-                raise NoRule("a slice of the rows of packed rows")
-        elif (stride == 1 and not is_sym(out[a]) and len(rows) == 1
-              and all(b == a or _core_equal(out[b], shape[b]) for b in range(len(shape)))):
-            # x[:, k:k + m], x[:, T - 1:T] (jnp.pad's edge and reflect modes): m positions of
-            # each sequence from its own k (n - 1), a per-sequence value.
-            offset = (jnp.full(jnp.shape(ctx.seglen), start, np.int32) if not is_sym(start)
-                      else ctx._at(start, ctx.seglen, as_value=True))
-            return [_per_sequence_part(ctx, x, shape, rows[0], a, offset, int(out[a]))]
-        elif is_sym(start) or stride != 1 or not is_sym(out[a]):
-            # x[:, T//2:], x[:, ::2]: where each sequence's part starts or ends.
-            raise NoRule("a slice of a packed length that does not keep each sequence's "
-                          "start column (a per-sequence start, a stride, a constant size)")
-    return None     # column q of the result reads column q + start: the same sequence
-
-
-@defrule("tile", layout="pack")
-def _tile(ctx: _PackedCtx, eqn, invals):
-    """Tiling the feature axes copies each position's own values (RoPE's cos and sin tiled
-    over both halves of the features): per position. Tiling a packed length or the rows
-    would repeat a row's sequences after one another, each needing its own copies."""
-    (x,) = invals
-    reps = eqn.params["reps"]
-    along = set(ctx.row_axes(x.shape)) | set(ctx.packed_axes(x.shape))
-    if any(reps[a] != 1 for a in along):
-        raise NoRule("tile along a packed length or the rows of packed rows")
-    return None
-
-
-@defrule("pad", layout="pack")
-def _pad(ctx: _PackedCtx, eqn, invals):
-    x, fill = invals
-    config = eqn.params["padding_config"]
-    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
-    touched = [a for a, c in enumerate(config) if tuple(c) != (0, 0, 0)]
-    if not rows or not any(a in rows or a in packed for a in touched):
-        return padded_rule(eqn)(ctx, eqn, invals) if not rows else None
-    if any(a in rows for a in touched) or len(packed) != 1:
-        raise NoRule("pad along the rows of packed rows")
-    a = packed[0]
-    lo, hi, interior = config[a]
-    if any(is_sym(v) for v in (lo, hi, interior)) or interior:
-        raise NoRule("pad of a packed length by a length or an interior amount")
-    (y,) = bind_eqn(eqn, invals)
-    # Column q of the result holds column q - lo of the operand: the sequence's own values
-    # for positions lo .. lo + n, the fill before and after them. A negative amount (the
-    # transpose of a pad, T + 2 back to T) drops positions: position p reads p - lo.
-    pos, seglen = ctx.cells(y.shape[a])
-    inside = (pos >= max(lo, 0)) & (pos - lo < ctx._at(x.shape[a], seglen))
-    keep = spread(inside, y.shape, (rows[0], a))
-    return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
-
-
-@defrule("concatenate", layout="pack")
-def _concatenate(ctx: _PackedCtx, eqn, invals):
-    """Along a packed length, each sequence's pieces one after another from its own start
-    column (``concatenate([bos, x[:, :-1]], 1)``, a shift right): position ``p`` of a
-    sequence reads the piece whose per-sequence offset is the last at or before ``p``. A
-    piece of a packed length holds position ``q`` at column ``start + q``; a piece of a
-    constant length is per sequence (`held`: a constant is every sequence's)."""
-    a = eqn.params["dimension"]
-    shapes = [tuple(v.aval.shape) for v in eqn.invars]
-    out = tuple(eqn.outvars[0].aval.shape)
-    # Pieces of no entry along the axis add nothing (``jnp.pad``'s edge mode joins the rows
-    # with two empty pieces).
-    kept = [(x, s) for x, s in zip(invals, shapes) if is_sym(s[a]) or s[a] != 0]
-    if len(kept) == 1 and len(invals) > 1:
-        return [kept[0][0]]
-    if a not in ctx.packed_axes(out):
-        if any(is_sym(s[a]) for s in shapes):
-            raise NoRule("concatenate along the rows of packed rows")
-        return None     # along another axis: per position (a per-sequence value: per column)
-    return [_joined_per_sequence(ctx, invals, shapes, out, a)]
-
-
-def _joined_per_sequence(ctx: _PackedCtx, invals, shapes, out, a: int):
-    """The pieces ``invals`` (logical ``shapes``) joined along the packed axis ``a`` of
-    ``out`` (`_concatenate`)."""
-    rows = ctx.row_axes(out)
-    if len(rows) != 1 or len(ctx.packed_axes(out)) != 1:
-        raise NoRule("concatenate along a packed length of a value without one rows axis")
-    (r,) = rows
-    pos, seglen = ctx.cells(out[a])
-    column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-    result, offset = None, jnp.zeros_like(pos)
-    for x, shape in zip(invals, shapes):
-        if a in ctx.packed_axes(shape):
-            # Padded to the output's length first: column ``c - offset`` is then always there.
-            grow = out[a] - shape[a]
-            if is_sym(grow):
-                raise NoRule(f"concatenate of packed lengths {shape[a]} into {out[a]}")
-            config = [(0, int(grow) if i == a else 0, 0) for i in range(len(shape))]
-            piece = jnp.take_along_axis(lax.pad(x, filled((), 0, x.dtype), config),
-                                        _along(column - offset, len(out), r, a), axis=a,
-                                        mode="clip")
-        else:
-            held_x = held(ctx, x, shape).value
-            held_x = lax.slice_in_dim(held_x, 0, out[a], axis=r + 1)
-            index = jnp.clip(pos - offset, 0, shape[a] - 1)
-            at = a + (a > r)
-            index = jnp.expand_dims(index, [i for i in range(held_x.ndim) if i not in (r, r + 1)])
-            taken = jnp.take_along_axis(held_x, index, axis=at, mode="clip")
-            unit = tuple(1 if i == a else d for i, d in enumerate(shape))
-            piece = to_cells(ctx, PerSequence(taken, r), unit, out)
-        mask = _along(pos >= offset, len(out), r, a)
-        result = piece if result is None else jnp.where(mask, piece, result)
-        offset = offset + (ctx._at(shape[a], seglen) if is_sym(shape[a]) else shape[a])
-    return result
-
-
-defrule("concatenate", layout="per_sequence")(_concatenate)
-
-
-@defrule("concatenate", layout="per_cell")
-def _concatenate_cells(ctx: _PackedCtx, eqn, invals):
-    """Per-cell pieces joined along a packed length without rows (``jnp.linspace(0, 1, T)``
-    joins its ``T - 1`` per-cell points and its stop value): each sequence's pieces from its
-    own first position, as `_concatenate` joins packed rows -- the per-cell values are
-    packed rows with the rows in front (`_cells` places the others)."""
-    a = eqn.params["dimension"]
-    shapes = [tuple(v.aval.shape) for v in eqn.invars]
-    out = tuple(eqn.outvars[0].aval.shape)
-    if ctx.row_axes(out) or a not in ctx.packed_axes(out) or any(
-            isinstance(x, PerSequence) for x in invals):
-        raise NoRule("concatenate of a per-cell value along no packed length, or with rows")
-    rows = var_dim(ctx.rows_name, out[a].scope)
-    pieces = [_cells(ctx, x, s, s) for x, s in zip(invals, shapes)]
-    pieces = [jnp.broadcast_to(v, (ctx.pos.shape[0], *s)) for v, s in zip(pieces, shapes)]
-    return [PerCell(_joined_per_sequence(ctx, pieces, [(rows, *s) for s in shapes],
-                                         (rows, *out), a + 1))]
-
-
-@defrule("split", layout="pack")
-def _split(ctx: _PackedCtx, eqn, invals):
-    """Along a packed length (a concatenate's transpose), each sequence's parts at its own
-    offsets: a part of a packed length holds position ``q`` at column ``start + q``, one of a
-    constant length is per sequence (`PerSequence`, held at every cell of its sequence)."""
-    (x,) = invals
-    a, sizes = eqn.params["axis"], eqn.params["sizes"]
-    shape = tuple(eqn.invars[0].aval.shape)
-    if sum(is_sym(size) or size != 0 for size in sizes) == 1:
-        # One part and empty ones (the transpose of `_concatenate`'s empty pieces): the value.
-        return [x if is_sym(size) or size != 0 else filled(v.aval.shape, 0, v.aval.dtype)
-                for size, v in zip(sizes, eqn.outvars)]
-    if a not in ctx.packed_axes(shape):
-        if is_sym(shape[a]):
-            raise NoRule("split along the rows of packed rows")
-        return None
-    rows = ctx.row_axes(shape)
-    if len(rows) != 1 or len(ctx.packed_axes(shape)) != 1:
-        raise NoRule("split along a packed length of a value without one rows axis")
-    (r,) = rows
-    # The operand with its rows and packed axes first; parts are cut from it by cell.
-    moved = jnp.moveaxis(x, (r, a), (0, 1))
-    # Per cell: where its sequence's next part starts (the sizes of the parts before it).
-    parts, offset = [], jnp.zeros_like(ctx.seglen)
-    for size in sizes:
-        if is_sym(size):
-            pos, _ = ctx.cells(size)
-            column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-            index = jnp.expand_dims(column + lax.slice_in_dim(offset, 0, size, axis=1),
-                                    list(range(2, moved.ndim)))
-            part = jnp.take_along_axis(moved, index, axis=1, mode="clip")
-            parts.append(jnp.moveaxis(part, (0, 1), (r, a)))
-        else:
-            parts.append(_per_sequence_part(ctx, x, shape, r, a, offset, size))
-        offset = offset + (ctx._at(size, ctx.seglen) if is_sym(size) else size)
-    return parts
-
-
-def _per_sequence_part(ctx: _PackedCtx, x, shape, r: int, a: int, offset, size: int):
-    """Positions ``offset .. offset + size`` of each sequence (``offset``: per cell of the
-    grid) along the packed axis ``a`` of ``x`` (logical ``shape``, rows axis ``r``): a
-    `PerSequence` of ``shape`` with ``size`` along ``a`` -- a constant-size part of a split,
-    ``x[:, k:k + m]``. Past the sequence's part of the axis (``x[:, 1:-1]`` of one token, or
-    of an axis of ``T + 2`` past position n + 1): zeros, never the next sequence's cells."""
-    moved = jnp.moveaxis(x, (r, a), (0, 1))
-    at = offset[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
-    n_rows, columns = jnp.shape(ctx.seglen)
-    index = jnp.expand_dims((ctx.sequence_starts()[:, :, None] + at).reshape(
-        n_rows, columns * size), list(range(2, moved.ndim)))
-    taken = jnp.take_along_axis(moved, index, axis=1, mode="clip")
-    taken = taken.reshape(n_rows, columns, size, *taken.shape[2:])
-    inside = (at >= 0) & (at < ctx._at(shape[a], ctx.seglen)[:, :, None])
-    inside = jnp.expand_dims(inside, list(range(3, taken.ndim)))
-    taken = jnp.where(inside, taken, jnp.zeros((), taken.dtype))
-    # Axes now (rows, columns, part, *rest); held: the logical order, columns after r.
-    rest = [i for i in range(len(shape)) if i not in (r, a)]
-    labels = ["r", "columns", "a", *rest]
-    order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
-    order.insert(order.index("r") + 1, "columns")
-    return PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r)
-
-
-@defrule("pad", layout="per_sequence")
-def _pad_per_sequence(ctx: _PackedCtx, eqn, invals):
-    """A per-sequence value padded along a constant axis into a packed length (the transpose
-    of ``x[:, T - 1:T]``: ``pad(g, (T - 1, 1))``): each sequence's entries at its own
-    positions ``lo(n) ..``, the fill around them -- the pieces joined per sequence as
-    `_concatenate` joins them. None along any other axis (per column)."""
-    x, fill = invals
-    shape, out = tuple(eqn.invars[0].aval.shape), tuple(eqn.outvars[0].aval.shape)
-    packed = ctx.packed_axes(out)
-    config = eqn.params["padding_config"]
-    along = [a for a in packed if tuple(config[a]) != (0, 0, 0)]
-    if not isinstance(x, PerSequence) or isinstance(fill, PerSequence) or not along:
-        return None
-    (a,) = along
-    lo, hi, interior = config[a]
-    if (len(packed) != 1 or is_sym(shape[a]) or interior or x.axis is None
-            or any(tuple(c) != (0, 0, 0) for b, c in enumerate(config) if b != a)
-            or any(not is_sym(v) and v < 0 for v in (lo, hi))):
-        raise NoRule("pad of a per-sequence value into a packed length with other amounts "
-                     "than one run of fill before and after it")
-    pieces, shapes = [], []
-    for value, length in ((None, lo), (x, shape[a]), (None, hi)):
-        piece_shape = tuple(length if b == a else d for b, d in enumerate(shape))
-        if not is_sym(length) and length == 0:
-            continue
-        pieces.append(filled(piece_shape, fill, eqn.outvars[0].aval.dtype) if value is None
-                      else value)
-        shapes.append(piece_shape)
-    return [_joined_per_sequence(ctx, pieces, shapes, out, a)]
-
-
-defrule("split", layout="per_sequence")(_split)
-
-
-@defrule("while", layout="pack")
-def _while(ctx: _PackedCtx, eqn, invals):
-    raise NoRule("a while_loop or fori_loop over packed rows: its trip count (a loop over "
-                  "x.shape[1]) or its carry differs per sequence, and the sequences sharing a "
-                  "packed row would need different trip counts in one loop; a scan over the "
-                  "length, lax.scan(step, h, jnp.swapaxes(x, 0, 1)), packs")
-
-
-defrule("while", layout="per_sequence")(_while)
-
-
-@defrule("scan", layout="pack")
-def _scan(ctx: _PackedCtx, eqn, invals):
-    p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
-    length = p["length"]
-    has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
-    if ctx.var not in dim_vars(length) or not any(has_rows):
-        if any(isinstance(x, PerSequence) for x in invals):
-            raise NoRule("a scan over another length than the packed one reads a "
-                          "per-sequence value")
-        return padded_rule(eqn)(ctx, eqn, invals)
-    return _packed_scan(ctx, eqn, consts, init, xs)
-
-
-defrule("scan", layout="per_sequence")(_scan)
-
-
-def _packed_scan(ctx: _PackedCtx, eqn, consts, init, xs):
-    """A scan over a packed length: every column once, up to the last real cell. At each
-    sequence's first step (its last, for a reverse scan) the row's carry restarts from its
-    initial value; ``alive`` marks the rows whose cell is real, so a gradient summed over the
-    rows inside the body reads those only. Outside the frame the carry runs on, not frozen:
-    every real cell restarts its sequence or follows a real cell of it (freezing it cost the
-    GRU train step 9%). A per-sequence initial carry or constant (an encoder's state, the
-    gradient of a final carry) is read at each step's column; a final carry that is read is
-    each sequence's own, kept from the step that ends it."""
-    p = eqn.params
-    body, length, nc = p["jaxpr"], p["length"], p["num_consts"]
-    shapes = [tuple(v.aval.shape) for v in eqn.invars]
-    const_shapes, init_shapes = shapes[:nc], shapes[nc:nc + len(init)]
-    if any(isinstance(v, PerSequence) and v.axis is None for v in (*consts, *init)) or any(
-            isinstance(x, PerSequence) for x in xs):
-        raise NoRule("a scan over a packed length reading a per-sequence number")
-    if any(not ctx.row_axes(x.shape[1:]) for x in xs):
-        raise NoRule("a scan over a packed length whose scanned input has no rows axis")
-    if any(ctx.row_axes(s) and ctx.packed_axes(s) for s in const_shapes):
-        raise NoRule("a scan over a packed length that reads a whole packed value at each step")
-    carry_axes = []
-    for j, shape in enumerate(init_shapes):
-        axes = ctx.row_axes(shape)
-        if len(axes) > 1:
-            raise NoRule(f"a carry of shape {shape} has several rows axes")
-        if not axes and not _accumulates(body.jaxpr, nc + j, j, ctx):
-            raise NoRule(f"carry {j} of shape {shape} has no rows axis and changes by "
-                          f"more than a sum over the rows (a step counter, a value the rows "
-                          f"update in turn): over packed rows its steps are not any "
-                          f"sequence's")
-        carry_axes.append(axes[0] if axes else None)
-    in_frame = ctx.in_frame(length)                       # (rows, columns)
-    pos, seglen = ctx.cells(length)
-    first = in_frame & ((pos == ctx._at(length, seglen) - 1) if p["reverse"] else (pos == 0))
-    columns = lax.broadcasted_iota(np.int32, jnp.shape(in_frame), 1)
-    stop = jnp.max(jnp.where(in_frame, columns + 1, 0), initial=0).astype(np.int32)
-
-    def at(values):
-        if not any(isinstance(v, PerSequence) for v in values):
-            return None
-        return lambda step: [at_column(v, step) if isinstance(v, PerSequence) else v
-                             for v in values]
-
-    starting = [at_column(c, 0) if isinstance(c, PerSequence) else c for c in init]
-    keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
-    carry, ys, steps = frozen_scan(
-        ctx, eqn, consts, starting, xs, carry_axes, stop,
-        alive_at=_step_mask(in_frame), restart_at=_step_mask(first), freeze=False,
-        consts_at=at(consts), init_at=at(init), keep=keep)
-    final = []
-    for c, c0, shape, a, kept in zip(carry, init, init_shapes, carry_axes, steps):
-        if a is None:
-            final.append(c)
-        elif kept is None:          # never read: no per-sequence copy
-            final.append(ctx.per_sequence(eqn, "the final carry of a scan")[0])
-        else:
-            final.append(_final_carry(ctx, kept, held(ctx, c0, shape), length,
-                                      p["reverse"]))
-    return [*final, *ys]
-
-
-def _step_mask(mask):
-    """A ``(rows, columns)`` bool mask as a function of the step ``at`` (a column): stored
-    as ``(columns, rows)``, each step reads one contiguous row of it, where a column of the
-    ``(rows, columns)`` array is a strided read -- one kernel less in the packed GRU's
-    forward loop."""
-    by_step = mask.T
-    return lambda at: at_step(by_step, at)
-
-
-def _final_carry(ctx: _PackedCtx, steps, initial: PerSequence, length, reverse: bool):
-    """Each sequence's final carry: the carry after its last step (its first, reversed), read
-    from the carries after every step (``steps``, stacked on a leading axis); a sequence with
-    no step (length 0, or 1 over ``T - 1``) keeps its initial carry."""
-    a = initial.axis
-    steps = jnp.moveaxis(steps, 0, a + 1)            # each row's carry after each column
-    count = ctx._at(length, ctx.seglen)              # (rows, columns): each sequence's steps
-    start = ctx.sequence_starts()
-    last = start if reverse else start + count - 1
-    shape = list(steps.shape)
-    shape[a + 1] = ctx.pos.shape[1]
-    got = take_rows(ctx, steps, spread(jnp.maximum(last, 0), shape, (a, a + 1)), a + 1)
-    ran = spread(count > 0, got.shape, (a, a + 1))
-    return PerSequence(lax.select(ran, got, initial.value), a)
-
-
-_PASS_THROUGH = {"reduce_sum", "convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
-                 "broadcast_in_dim", "neg", "reduce_precision"}
-
-
-def _accumulates(jaxpr, invar: int, outvar: int, ctx: _PackedCtx) -> bool:
-    """Whether a carry without a rows axis is left alone or grows by a sum over the rows that
-    does not read it (``ct_w + x.T @ g``: a weight gradient of a scan's transpose). Then the
-    order in which cells are visited does not matter, and the frozen rows add nothing."""
-    out, inv = jaxpr.outvars[outvar], jaxpr.invars[invar]
-    if out is inv:
-        return True
-    made = {v: e for e in jaxpr.eqns for v in e.outvars}
-    eqn = made.get(out)
-    if eqn is None or eqn.primitive.name not in ("add", "add_any"):
-        return False
-    carried = [v for v in eqn.invars if _is_carry(v, inv, made)]
-    if len(carried) != 1:
-        return False
-    (other,) = [v for v in eqn.invars if v is not carried[0]] or [None]
-    if other is None or _reads(other, inv, made):
-        return False
-    while True:
-        e = made.get(other)
-        if e is None:
-            return False
-        name = e.primitive.name
-        if name == "reduce_sum" and any(a in ctx.row_axes(e.invars[0].aval.shape)
-                                        for a in e.params["axes"]):
-            return True
-        if name == "dot_general":
-            (lc, rc), _ = e.params["dimension_numbers"]
-            return any(a in ctx.row_axes(e.invars[0].aval.shape) for a in lc)
-        if name == "scatter-add":     # an embedding's gradient: rows added into the table
-            return bool(ctx.row_axes(e.invars[2].aval.shape))
-        called = _called(e)
-        if called is not None:
-            # Inside a call (``jax.checkpoint`` of the step: the backward scan adds the
-            # weight gradient the recomputing call returns): follow the call's own output.
-            made = {v: inner for inner in called.eqns for v in inner.outvars}
-            other = called.outvars[e.outvars.index(other)]
-            continue
-        if name not in _PASS_THROUGH:
-            return False
-        other = e.invars[0]
-
-
-def _called(eqn):
-    """The program of a call-like equation (``jit``, ``remat2``, ``closed_call``...: one
-    sub-program whose outputs are the equation's), None for any other."""
-    entry = lookup_rule(eqn.primitive)
-    programs = list(sub_jaxprs(eqn.params))
-    if (entry is None or not getattr(entry.rule, "inline", False) or len(programs) != 1
-            or len(programs[0].outvars) != len(eqn.outvars)):
-        return None
-    return programs[0]
-
-
-def _is_carry(v, inv, made) -> bool:
-    """Whether ``v`` is the carry ``inv`` itself, or it cast (a Python ``0.0`` initial carry
-    is weakly typed: the body converts it before adding)."""
-    while v is not inv:
-        e = made.get(v) if not isinstance(v, jax.extend.core.Literal) else None
-        if e is None or e.primitive.name not in ("convert_element_type", "copy", "copy_p"):
-            return False
-        v = e.invars[0]
-    return True
-
-
-def _reads(v, target, made) -> bool:
-    seen, stack = set(), [v]
-    while stack:
-        u = stack.pop()
-        if u is target:
-            return True
-        if id(u) in seen or u not in made:
-            continue
-        seen.add(id(u))
-        stack.extend(w for w in made[u].invars if not isinstance(w, jax.extend.core.Literal))
-    return False
-
-
-def _core_equal(a, b) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - undecidable: not equal for our purposes
-        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -2363,7 +1074,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     def packed(*args):
         *flat, pos, seglen, sequence = args
         sizes = {name: flat[at] for name, at in sizes_at.items()}
-        ctx = _PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen,
+        ctx = PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen,
                          sequence=sequence, room=room)
         inputs = []
         for v, x in zip(jaxpr.invars, flat):

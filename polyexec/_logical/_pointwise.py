@@ -11,7 +11,7 @@ elementwise maths and layout-only primitives, which pass through, and ``dim_as_v
 from __future__ import annotations
 
 from .._jax_internals import dim_vars
-from ._core import ELEMENTWISE, PAD_AND_PACK, defrule
+from ._registry import (ELEMENTWISE, PAD_AND_PACK, defrule)
 
 defrule(*"""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e

@@ -32,7 +32,8 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from .._jax_internals import dim_bounds, dim_vars
-from ._core import NoRule, defrule, has_sym, is_sym, padded_rule
+from ._basics import (has_sym, is_sym)
+from ._registry import (NoRule, defrule, padded_rule)
 from ._sequences import PerSequence, grid_shape, spread
 
 _UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
@@ -49,10 +50,10 @@ def _exact_draws_only(key, shape) -> None:
                      f"the whole shape, so the bucket changes them; use a threefry key "
                      f"(jax.random.key(seed), the default) to draw what jax.jit draws")
     if not jax.config.jax_threefry_partitionable:
-        raise NoRule(f"a random draw along a length with jax_threefry_partitionable off: every "
-                     f"cell's bits then depend on the whole shape's size, so the bucket "
-                     f"changes them; leave the flag at its default (True) to draw what "
-                     f"jax.jit draws")
+        raise NoRule("a random draw along a length with jax_threefry_partitionable off: every "
+                     "cell's bits then depend on the whole shape's size, so the bucket "
+                     "changes them; leave the flag at its default (True) to draw what "
+                     "jax.jit draws")
     cells = math.prod(dim_bounds(d)[1] if is_sym(d) else int(d) for d in shape)
     if not cells < 2 ** 32:
         raise NoRule(f"a random draw of shape {shape}, up to {cells} cells: over 2**32 cells "

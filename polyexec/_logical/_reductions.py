@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
-from ._core import PAD_AND_PACK, acts_along_params, defrule, is_sym, operand_avals
+from ._basics import (acts_along_params, bind_eqn_with, is_sym, operand_avals)
+from ._registry import (NoRule, PAD_AND_PACK, defrule)
 from ._families import CUMULATIVE, REDUCERS
+from ._sequences import PerSequence, first_only
 
 
 def _summed_tails(eqn):
@@ -60,3 +62,25 @@ def _cumulative(ctx, eqn, invals):
     if not is_sym(x.shape[axis]):
         return None
     return ctx.accumulate(eqn, x, axis, CUMULATIVE[eqn.primitive.name], eqn.params["reverse"])
+
+
+# --------------------------------------------------------------------------------------------
+# Per-sequence values of packed rows (``layout="per_sequence"``, `_sequences.PerSequence`).
+
+
+@defrule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+         "argmax", "argmin", layout="per_sequence")
+def _over_sequences(ctx, eqn, invals):
+    """A reduction over the rows of a per-sequence value (``jnp.mean(loss)``): over every
+    sequence once, at its first cell."""
+    (x,) = invals
+    axes = tuple(eqn.params["axes"])
+    if not isinstance(x, PerSequence) or x.axis is None or x.axis not in axes:
+        return None
+    name = eqn.primitive.name
+    if name in ("argmax", "argmin"):
+        raise NoRule(f"{name} over the sequences of a per-sequence value")
+    a = x.axis
+    fill = REDUCERS[name].identity(x.value.dtype)
+    physical = tuple(sorted({b + (b > a) for b in axes} | {a + 1}))
+    return bind_eqn_with(eqn, [first_only(ctx, x, fill)], axes=physical)

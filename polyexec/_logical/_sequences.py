@@ -1,4 +1,5 @@
-"""Per-sequence values of packed rows (``layout="pack"``).
+"""Per-sequence values of packed rows (``layout="pack"``): their form and interpreter; their
+rules (``layout="per_sequence"``) are in each primitive's family module.
 
 A value with the rows axis and no packed length has one entry per sequence: a scan's final
 carry, ``x[:, -1]``, a sum over T alone, a ``(B,)`` input such as the labels. A packed row
@@ -14,7 +15,7 @@ rows axis (``x.shape[1]``) is held with leading ``(rows, columns)`` axes.
   each sequence once, at its first cell.
 - Broadcasting one back along the length (``h[:, None] + x``, ``x / x.shape[1]``) gives each
   cell its own sequence's entry.
-- The packed rules (`_packed`) make them (reductions along the length alone, picking one
+- The packed rules (in each primitive's family module) make them (reductions along the length alone, picking one
   position ``x[:, k]``, a scan's final carry, ``dim_as_value``) and read them as a scan's
   initial carry or constant (an encoder's state, the gradient of a final carry) at each
   sequence's first step, or as the update of a scatter into one position (``x[:, -1]``'s
@@ -33,9 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._core import (ELEMENTWISE, NoRule, bind_eqn, bind_eqn_with, defrule, filled, is_sym,
-                    lookup_rule)
-from ._families import REDUCERS
+from ._basics import (bind_eqn, filled, is_sym)
+from ._registry import (ELEMENTWISE, NoRule, lookup_rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ def by_cell(grid, axis):
     return PerSequence(jnp.moveaxis(grid, (0, 1), (axis, axis + 1)), axis)
 
 
-def _shapes(vs):
+def shapes_of(vs):
     return [tuple(getattr(v.aval, "shape", ())) for v in vs]
 
 
@@ -115,7 +115,7 @@ def evaluate(ctx, eqn, invals) -> list:
 
 def _per_column(ctx, eqn, invals, entry) -> list:
     name = eqn.primitive.name
-    shapes, out_shapes = _shapes(eqn.invars), _shapes(eqn.outvars)
+    shapes, out_shapes = shapes_of(eqn.invars), shapes_of(eqn.outvars)
     elementwise = entry is not None and entry.rule is ELEMENTWISE
     if any(ctx.packed_axes(s) for s in out_shapes):
         if not elementwise or name in ("broadcast_in_dim", "iota"):
@@ -191,117 +191,7 @@ def to_cells(ctx, x: PerSequence, shape, out):
     return spread(v, out, [p if a == "columns" else a for a in labels])
 
 
-@defrule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-         "argmax", "argmin", layout="per_sequence")
-def _over_sequences(ctx, eqn, invals):
-    """A reduction over the rows of a per-sequence value (``jnp.mean(loss)``): over every
-    sequence once, at its first cell."""
-    (x,) = invals
-    axes = tuple(eqn.params["axes"])
-    if not isinstance(x, PerSequence) or x.axis is None or x.axis not in axes:
-        return None
-    name = eqn.primitive.name
-    if name in ("argmax", "argmin"):
-        raise NoRule(f"{name} over the sequences of a per-sequence value")
-    a = x.axis
-    fill = REDUCERS[name].identity(x.value.dtype)
-    physical = tuple(sorted({b + (b > a) for b in axes} | {a + 1}))
-    return bind_eqn_with(eqn, [first_only(ctx, x, fill)], axes=physical)
-
-
-@defrule("dot_general", layout="per_sequence")
-def _contract_sequences(ctx, eqn, invals):
-    """A contraction over the rows of per-sequence values (a head's weight gradient
-    ``h.T @ g``): over every sequence once, at its first cell."""
-    lhs_shape, rhs_shape = _shapes(eqn.invars)
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lr, rr = ctx.row_axes(lhs_shape), ctx.row_axes(rhs_shape)
-    if not (lr and lr[0] in lc) and not (rr and rr[0] in rc):
-        if any(ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
-            return _against_cells(ctx, eqn, invals, (lhs_shape, rhs_shape))
-        return None
-    if any(isinstance(x, PerSequence) and x.axis is None for x in invals) or any(
-            ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
-        raise NoRule("a contraction over the sequences of a per-sequence value and another "
-                      "kind of value")
-    if not (lr and rr and lr[0] in lc and rr[0] in rc and lc.index(lr[0]) == rc.index(rr[0])):
-        raise NoRule("a contraction of the sequences with another axis")
-    # Both at first cells only: a cell outside every sequence holds anything (NaN: 0 * NaN).
-    lhs, rhs = (PerSequence(first_only(ctx, v, 0), v.axis) for v in
-                (held(ctx, invals[0], lhs_shape), held(ctx, invals[1], rhs_shape)))
-
-    def moved(dims, a):
-        return tuple(d + (d > a) for d in dims)
-
-    numbers = ((moved(lc, lhs.axis) + (lhs.axis + 1,), moved(rc, rhs.axis) + (rhs.axis + 1,)),
-               (moved(lb, lhs.axis), moved(rb, rhs.axis)))
-    return bind_eqn_with(eqn, [lhs.value, rhs.value], dimension_numbers=numbers)
-
-
-def _against_cells(ctx, eqn, invals, shapes):
-    """A per-sequence value contracted with a value along a packed length, batched over the
-    rows (attention pooling's gradients: ``g @ x.T`` and ``w[..., None] * g`` per sequence):
-    the per-sequence operand read at each cell of the other's packed axis, which both then
-    share as a batch axis."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    k = 0 if isinstance(invals[0], PerSequence) else 1          # the per-sequence operand
-    seq, other = invals[k], invals[1 - k]
-    (sc, oc), (sb, ob) = ((lc, rc), (lb, rb)) if k == 0 else ((rc, lc), (rb, lb))
-    rows, packed = ctx.row_axes(shapes[1 - k]), ctx.packed_axes(shapes[1 - k])
-    a = seq.axis
-    if (isinstance(other, PerSequence) or a is None or len(rows) != 1 or len(packed) != 1
-            or a not in sb or rows[0] not in ob or sb.index(a) != ob.index(rows[0])
-            or packed[0] in oc):
-        raise NoRule("a contraction of a per-sequence value with a value along a packed "
-                      "length, not batched over the rows")
-    (p,) = packed
-    cells = lax.slice_in_dim(seq.value, 0, shapes[1 - k][p], axis=a + 1)
-    moved = tuple(d + (d > a) for d in sc), (*(d + (d > a) for d in sb), a + 1)
-    ours, theirs = moved, (oc, (*ob, p))
-    numbers = tuple(zip(ours, theirs)) if k == 0 else tuple(zip(theirs, ours))
-    (out,) = bind_eqn_with(eqn, [cells, other] if k == 0 else [other, cells],
-                        dimension_numbers=numbers)
-    # The packed axis comes out after the batch axes: back to its place among the other's
-    # free axes.
-    free = [d for d in range(len(shapes[1 - k])) if d not in oc and d not in ob]
-    before = len(shapes[k]) - len(sc) - len(sb) if k == 0 else 0
-    return [jnp.moveaxis(out, len(lb), len(lb) + before + free.index(p))]
-
-
-@defrule("broadcast_in_dim", layout="per_sequence")
-def _broadcast(ctx, eqn, invals):
-    """A per-sequence value broadcast onto rows (a number per sequence) or along a packed
-    length (``h[:, None, :]`` to ``(B, T, H)``): each cell its own sequence's entry."""
-    (x,) = invals[:1]
-    shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if not isinstance(x, PerSequence) or not (packed or (rows and x.axis is None)):
-        return None
-    if len(packed) == 1 and packed[0] in dims and x.axis is not None:
-        k = dims.index(packed[0])
-        if not is_sym(eqn.invars[0].aval.shape[k]) and eqn.invars[0].aval.shape[k] == 1:
-            # A unit axis stretched along the length (a ``(B, 1, F)`` mask onto ``(B, T, F)``,
-            # dropout shared along T): as if it were not there.
-            x = PerSequence(lax.squeeze(x.value, (k + (k > x.axis),)), x.axis - (k < x.axis))
-            dims = dims[:k] + dims[k + 1:]
-    if len(rows) != 1 or len(packed) > 1 or (packed and packed[0] in dims):
-        raise NoRule(f"a per-sequence value broadcast to shape {shape}")
-    (r,) = rows
-    if x.axis is None:
-        if not packed:
-            targets = (r, r + 1, *(d + (d > r) for d in dims))
-            return [PerSequence(spread(x.value, grid_shape(ctx, shape, r), targets), r)]
-        targets, v = (r, packed[0], *dims), lax.slice_in_dim(x.value, 0, shape[packed[0]], axis=1)
-        return [spread(v, shape, targets)]
-    (p,) = packed
-    a = x.axis
-    v = lax.slice_in_dim(x.value, 0, shape[p], axis=a + 1)
-    return [spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
-
-
-@defrule("cond", "custom_linear_solve", "conv_general_dilated", "reduce_window_sum",
-         "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
-         "select_and_gather_add", "dynamic_slice", "dynamic_update_slice", "top_k",
-         layout="per_sequence")
-def _refused(ctx, eqn, invals):
+def refused(ctx, eqn, invals):
+    """The per-sequence rule of a primitive that reads along an axis a per-sequence value
+    holds per column (a window, a dynamic slice, a branch): refused by name."""
     raise NoRule(f"{eqn.primitive.name} of a per-sequence value has no packed rule")

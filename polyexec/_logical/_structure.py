@@ -16,15 +16,19 @@ reshaping, and the pieces of ``slice``/``split``/``concatenate``/``pad``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._jax_internals import definitely_equal, definitely_equal_shape
-from ._core import (PAD_AND_PACK, NoRule, acts_along_params, bind_eqn, defrule, filled,
-                    iota_along, is_empty, is_sym, operand_avals, place_window, same_dim,
-                    take_clamped, take_rows)
+from .._jax_internals import definitely_equal, definitely_equal_shape, var_dim
+from ._basics import (acts_along_params, bind_eqn, filled, iota_along, is_empty, is_sym,
+                      operand_avals, same_dim)
+from ._core import (place_window, take_clamped, take_rows)
+from ._registry import (NoRule, PAD_AND_PACK, defrule, padded_rule)
+from ._packed import PackedCtx, PerCell, along, by_position, onto_cells, reverse_each
+from ._sequences import PerSequence, grid_shape, held, refused, spread, to_cells
 
 
 def _rev_moves(eqn):
@@ -340,4 +344,386 @@ def keeps_length_axes(src, dst) -> bool:
 def _is_unit(d) -> bool:
     return not is_sym(d) and int(d) == 1
 
+# --------------------------------------------------------------------------------------------
+# Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'
+# rules over rows that hold several sequences (`_packed` is the layout's machinery).
 
+
+@defrule("broadcast_in_dim", layout="per_cell")
+def _broadcast_cells(ctx: PackedCtx, eqn, invals):
+    """Broadcasting a per-cell value onto the rows gives each cell its own entry."""
+    x = invals[0]
+    if not isinstance(x, PerCell):
+        return None
+    out = tuple(eqn.outvars[0].aval.shape)
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    rows = ctx.row_axes(out)
+    if not rows:
+        return [PerCell(lax.broadcast_in_dim(x.value, (ctx.pos.shape[0], *out),
+                                             (0, *(d + 1 for d in dims))))]
+    (r,) = rows
+    v = x.value
+    if r in dims:                   # a unit axis onto the rows: the rows are in front
+        v, dims = lax.squeeze(v, (1 + dims.index(r),)), tuple(d for d in dims if d != r)
+    return [spread(v, out, (r, *dims))]
+
+
+@defrule("rev", layout="per_cell")
+def _reverse_cells(ctx: PackedCtx, eqn, invals):
+    """A reverse of a per-cell value along the packed length is per sequence."""
+    x = invals[0]
+    if not isinstance(x, PerCell):
+        return None
+    shape = tuple(eqn.invars[0].aval.shape)
+    dims = tuple(eqn.params["dimensions"])
+    packed = [d for d in dims if d in ctx.packed_axes(shape)]
+    if len(packed) != 1 or len(ctx.packed_axes(shape)) != 1:
+        raise NoRule("a reverse of a per-cell value along no, or more than one, length")
+    return [PerCell(reverse_each(ctx, x.value, 0, packed[0] + 1,
+                             tuple(d + 1 for d in dims if d != packed[0])))]
+
+
+@defrule("broadcast_in_dim", layout="pack")
+def _broadcast_in_dim(ctx: PackedCtx, eqn, invals):
+    (x,) = invals[:1]
+    shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if len(rows) != 1 or len(packed) not in (1, 2):
+        return None
+    positions = ctx.known(x).positions
+    if rows[0] in dims:
+        k_rows = dims.index(rows[0])
+        if is_sym(x.shape[k_rows]):
+            return None                # the rows kept: per position
+        # A unit axis broadcast onto the rows ((T,) -> (1, T) -> (B, T), jnp's implicit
+        # broadcasting): a per-position value all the same, so drop it and place as below.
+        x = lax.squeeze(x, (k_rows,))
+        dims = dims[:k_rows] + dims[k_rows + 1:]
+        if positions is not None:
+            positions = _unit_axis_at(positions, k_rows)
+    along = [t for t in packed if t in dims and is_sym(x.shape[dims.index(t)])]
+    if not along:
+        return None                    # a per-row broadcast, constant along the packed lengths
+    if positions is not None:
+        return [_at_positions(ctx, positions, x, dims, shape, rows[0], along)]
+    return [by_position(ctx, x, dims, shape, rows[0], along)]
+
+
+def _unit_axis_at(positions: Callable, k: int) -> Callable:
+    """``positions`` of a value whose unit axis ``k`` was squeezed away."""
+    return lambda index: positions((*index[:k], np.int32(0), *index[k:]))
+
+
+def _at_positions(ctx: PackedCtx, positions: Callable, x, dims, shape, rows_axis: int,
+                  packed_axes):
+    """What `by_position` gathers, recomputed at each cell's positions: ``x`` is made from
+    positions alone (`Known.positions`)."""
+    index = []
+    for k, t in enumerate(dims):
+        if t in packed_axes:
+            pos, _ = ctx.cells(shape[t])
+            index.append(along(jnp.maximum(pos, 0), len(shape), rows_axis, t))
+        elif same_dim(x.shape[k], 1):
+            index.append(np.int32(0))
+        else:
+            index.append(lax.broadcasted_iota(np.int32, tuple(
+                shape[a] if a == t else 1 for a in range(len(shape))), t))
+    return jnp.broadcast_to(positions(tuple(index)), shape).astype(x.dtype)
+
+
+@defrule("iota", layout="pack")
+def _iota_along_packed(ctx: PackedCtx, eqn, invals):
+    shape, dim = eqn.params["shape"], eqn.params["dimension"]
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if len(rows) == 1 and dim == rows[0]:
+        # ``jnp.arange(B)`` counts the sequences: each cell's sequence's index in the call
+        # (its row in the pad layout). The packed row's own index would be another number.
+        if len(packed) > 1:
+            raise NoRule("iota along the rows of a value with two packed lengths")
+        if not packed:
+            index = ctx.sequence_index(ctx.pos.shape[1]).astype(eqn.params["dtype"])
+            return [PerSequence(spread(index, grid_shape(ctx, shape, dim), (dim, dim + 1)),
+                                dim)]
+        (p,) = packed
+        index = ctx.sequence_index(shape[p]).astype(eqn.params["dtype"])
+        return [spread(index, shape, (dim, p))]
+    if len(rows) != 1 or not packed:
+        return None
+    if dim not in packed:
+        return None
+    pos, _ = ctx.cells(shape[dim])
+    return [spread(jnp.maximum(pos, 0).astype(eqn.params["dtype"]), shape, (rows[0], dim))]
+
+
+@defrule("slice", layout="pack")
+def _slice_packed(ctx: PackedCtx, eqn, invals):
+    (x,) = invals
+    rows = ctx.row_axes(x.shape)
+    if not rows:
+        return padded_rule(eqn)(ctx, eqn, invals)
+    p = eqn.params
+    strides = p["strides"] or (1,) * x.ndim
+    out = eqn.outvars[0].aval.shape
+    shape = tuple(eqn.invars[0].aval.shape)
+    for a in range(x.ndim):
+        if not is_sym(x.shape[a]):
+            continue
+        start, stride = p["start_indices"][a], strides[a]
+        if a in rows:
+            if is_sym(start) or start != 0 or stride != 1 or not same_dim(out[a], x.shape[a]):
+                raise NoRule("a slice of the rows of packed rows")
+        elif (stride == 1 and not is_sym(out[a]) and len(rows) == 1
+              and all(b == a or same_dim(out[b], shape[b]) for b in range(len(shape)))):
+            # x[:, k:k + m], x[:, T - 1:T] (jnp.pad's edge and reflect modes): m positions of
+            # each sequence from its own k (n - 1), a per-sequence value.
+            offset = (jnp.full(jnp.shape(ctx.seglen), start, np.int32) if not is_sym(start)
+                      else ctx.at_lengths(start, ctx.seglen, as_value=True))
+            return [_per_sequence_part(ctx, x, shape, rows[0], a, offset, int(out[a]))]
+        elif is_sym(start) or stride != 1 or not is_sym(out[a]):
+            # x[:, T//2:], x[:, ::2]: where each sequence's part starts or ends.
+            raise NoRule("a slice of a packed length that does not keep each sequence's "
+                          "start column (a per-sequence start, a stride, a constant size)")
+    return None     # column q of the result reads column q + start: the same sequence
+
+
+@defrule("tile", layout="pack")
+def _tile_packed(ctx: PackedCtx, eqn, invals):
+    """Tiling the feature axes copies each position's own values (RoPE's cos and sin tiled
+    over both halves of the features): per position. Tiling a packed length or the rows
+    would repeat a row's sequences after one another, each needing its own copies."""
+    (x,) = invals
+    reps = eqn.params["reps"]
+    along = set(ctx.row_axes(x.shape)) | set(ctx.packed_axes(x.shape))
+    if any(reps[a] != 1 for a in along):
+        raise NoRule("tile along a packed length or the rows of packed rows")
+    return None
+
+
+@defrule("pad", layout="pack")
+def _pad_packed(ctx: PackedCtx, eqn, invals):
+    x, fill = invals
+    config = eqn.params["padding_config"]
+    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
+    touched = [a for a, c in enumerate(config) if tuple(c) != (0, 0, 0)]
+    if not rows or not any(a in rows or a in packed for a in touched):
+        return padded_rule(eqn)(ctx, eqn, invals) if not rows else None
+    if any(a in rows for a in touched) or len(packed) != 1:
+        raise NoRule("pad along the rows of packed rows")
+    a = packed[0]
+    lo, hi, interior = config[a]
+    if any(is_sym(v) for v in (lo, hi, interior)) or interior:
+        raise NoRule("pad of a packed length by a length or an interior amount")
+    (y,) = bind_eqn(eqn, invals)
+    # Column q of the result holds column q - lo of the operand: the sequence's own values
+    # for positions lo .. lo + n, the fill before and after them. A negative amount (the
+    # transpose of a pad, T + 2 back to T) drops positions: position p reads p - lo.
+    pos, seglen = ctx.cells(y.shape[a])
+    inside = (pos >= max(lo, 0)) & (pos - lo < ctx.at_lengths(x.shape[a], seglen))
+    keep = spread(inside, y.shape, (rows[0], a))
+    return [lax.select(keep, y, lax.broadcast_in_dim(fill, y.shape, ()))]
+
+
+@defrule("concatenate", layout=("pack", "per_sequence"))
+def _concatenate_packed(ctx: PackedCtx, eqn, invals):
+    """Along a packed length, each sequence's pieces one after another from its own start
+    column (``concatenate([bos, x[:, :-1]], 1)``, a shift right): position ``p`` of a
+    sequence reads the piece whose per-sequence offset is the last at or before ``p``. A
+    piece of a packed length holds position ``q`` at column ``start + q``; a piece of a
+    constant length is per sequence (`held`: a constant is every sequence's)."""
+    a = eqn.params["dimension"]
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    out = tuple(eqn.outvars[0].aval.shape)
+    # Pieces of no entry along the axis add nothing (``jnp.pad``'s edge mode joins the rows
+    # with two empty pieces).
+    kept = [(x, s) for x, s in zip(invals, shapes) if is_sym(s[a]) or s[a] != 0]
+    if len(kept) == 1 and len(invals) > 1:
+        return [kept[0][0]]
+    if a not in ctx.packed_axes(out):
+        if any(is_sym(s[a]) for s in shapes):
+            raise NoRule("concatenate along the rows of packed rows")
+        return None     # along another axis: per position (a per-sequence value: per column)
+    return [_joined_per_sequence(ctx, invals, shapes, out, a)]
+
+
+def _joined_per_sequence(ctx: PackedCtx, invals, shapes, out, a: int):
+    """The pieces ``invals`` (logical ``shapes``) joined along the packed axis ``a`` of
+    ``out`` (`_concatenate_packed`)."""
+    rows = ctx.row_axes(out)
+    if len(rows) != 1 or len(ctx.packed_axes(out)) != 1:
+        raise NoRule("concatenate along a packed length of a value without one rows axis")
+    (r,) = rows
+    pos, seglen = ctx.cells(out[a])
+    column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+    result, offset = None, jnp.zeros_like(pos)
+    for x, shape in zip(invals, shapes):
+        if a in ctx.packed_axes(shape):
+            # Padded to the output's length first: column ``c - offset`` is then always there.
+            grow = out[a] - shape[a]
+            if is_sym(grow):
+                raise NoRule(f"concatenate of packed lengths {shape[a]} into {out[a]}")
+            config = [(0, int(grow) if i == a else 0, 0) for i in range(len(shape))]
+            piece = jnp.take_along_axis(lax.pad(x, filled((), 0, x.dtype), config),
+                                        along(column - offset, len(out), r, a), axis=a,
+                                        mode="clip")
+        else:
+            held_x = held(ctx, x, shape).value
+            held_x = lax.slice_in_dim(held_x, 0, out[a], axis=r + 1)
+            index = jnp.clip(pos - offset, 0, shape[a] - 1)
+            at = a + (a > r)
+            index = jnp.expand_dims(index, [i for i in range(held_x.ndim) if i not in (r, r + 1)])
+            taken = jnp.take_along_axis(held_x, index, axis=at, mode="clip")
+            unit = tuple(1 if i == a else d for i, d in enumerate(shape))
+            piece = to_cells(ctx, PerSequence(taken, r), unit, out)
+        mask = along(pos >= offset, len(out), r, a)
+        result = piece if result is None else jnp.where(mask, piece, result)
+        offset = offset + (ctx.at_lengths(shape[a], seglen) if is_sym(shape[a]) else shape[a])
+    return result
+
+
+@defrule("concatenate", layout="per_cell")
+def _concatenate_cells(ctx: PackedCtx, eqn, invals):
+    """Per-cell pieces joined along a packed length without rows (``jnp.linspace(0, 1, T)``
+    joins its ``T - 1`` per-cell points and its stop value): each sequence's pieces from its
+    own first position, as `_concatenate_packed` joins packed rows -- the per-cell values are
+    packed rows with the rows in front (`onto_cells` places the others)."""
+    a = eqn.params["dimension"]
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    out = tuple(eqn.outvars[0].aval.shape)
+    if ctx.row_axes(out) or a not in ctx.packed_axes(out) or any(
+            isinstance(x, PerSequence) for x in invals):
+        raise NoRule("concatenate of a per-cell value along no packed length, or with rows")
+    rows = var_dim(ctx.rows_name, out[a].scope)
+    pieces = [onto_cells(ctx, x, s, s) for x, s in zip(invals, shapes)]
+    pieces = [jnp.broadcast_to(v, (ctx.pos.shape[0], *s)) for v, s in zip(pieces, shapes)]
+    return [PerCell(_joined_per_sequence(ctx, pieces, [(rows, *s) for s in shapes],
+                                         (rows, *out), a + 1))]
+
+
+@defrule("split", layout=("pack", "per_sequence"))
+def _split_packed(ctx: PackedCtx, eqn, invals):
+    """Along a packed length (a concatenate's transpose), each sequence's parts at its own
+    offsets: a part of a packed length holds position ``q`` at column ``start + q``, one of a
+    constant length is per sequence (`PerSequence`, held at every cell of its sequence)."""
+    (x,) = invals
+    a, sizes = eqn.params["axis"], eqn.params["sizes"]
+    shape = tuple(eqn.invars[0].aval.shape)
+    if sum(is_sym(size) or size != 0 for size in sizes) == 1:
+        # One part and empty ones (the transpose of `_concatenate_packed`'s empty pieces): the value.
+        return [x if is_sym(size) or size != 0 else filled(v.aval.shape, 0, v.aval.dtype)
+                for size, v in zip(sizes, eqn.outvars)]
+    if a not in ctx.packed_axes(shape):
+        if is_sym(shape[a]):
+            raise NoRule("split along the rows of packed rows")
+        return None
+    rows = ctx.row_axes(shape)
+    if len(rows) != 1 or len(ctx.packed_axes(shape)) != 1:
+        raise NoRule("split along a packed length of a value without one rows axis")
+    (r,) = rows
+    # The operand with its rows and packed axes first; parts are cut from it by cell.
+    moved = jnp.moveaxis(x, (r, a), (0, 1))
+    # Per cell: where its sequence's next part starts (the sizes of the parts before it).
+    parts, offset = [], jnp.zeros_like(ctx.seglen)
+    for size in sizes:
+        if is_sym(size):
+            pos, _ = ctx.cells(size)
+            column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+            index = jnp.expand_dims(column + lax.slice_in_dim(offset, 0, size, axis=1),
+                                    list(range(2, moved.ndim)))
+            part = jnp.take_along_axis(moved, index, axis=1, mode="clip")
+            parts.append(jnp.moveaxis(part, (0, 1), (r, a)))
+        else:
+            parts.append(_per_sequence_part(ctx, x, shape, r, a, offset, size))
+        offset = offset + (ctx.at_lengths(size, ctx.seglen) if is_sym(size) else size)
+    return parts
+
+
+def _per_sequence_part(ctx: PackedCtx, x, shape, r: int, a: int, offset, size: int):
+    """Positions ``offset .. offset + size`` of each sequence (``offset``: per cell of the
+    grid) along the packed axis ``a`` of ``x`` (logical ``shape``, rows axis ``r``): a
+    `PerSequence` of ``shape`` with ``size`` along ``a`` -- a constant-size part of a split,
+    ``x[:, k:k + m]``. Past the sequence's part of the axis (``x[:, 1:-1]`` of one token, or
+    of an axis of ``T + 2`` past position n + 1): zeros, never the next sequence's cells."""
+    moved = jnp.moveaxis(x, (r, a), (0, 1))
+    at = offset[:, :, None] + lax.broadcasted_iota(np.int32, (1, 1, size), 2)
+    n_rows, columns = jnp.shape(ctx.seglen)
+    index = jnp.expand_dims((ctx.sequence_starts()[:, :, None] + at).reshape(
+        n_rows, columns * size), list(range(2, moved.ndim)))
+    taken = jnp.take_along_axis(moved, index, axis=1, mode="clip")
+    taken = taken.reshape(n_rows, columns, size, *taken.shape[2:])
+    inside = (at >= 0) & (at < ctx.at_lengths(shape[a], ctx.seglen)[:, :, None])
+    inside = jnp.expand_dims(inside, list(range(3, taken.ndim)))
+    taken = jnp.where(inside, taken, jnp.zeros((), taken.dtype))
+    # Axes now (rows, columns, part, *rest); held: the logical order, columns after r.
+    rest = [i for i in range(len(shape)) if i not in (r, a)]
+    labels = ["r", "columns", "a", *rest]
+    order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
+    order.insert(order.index("r") + 1, "columns")
+    return PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r)
+
+
+@defrule("pad", layout="per_sequence")
+def _pad_per_sequence(ctx: PackedCtx, eqn, invals):
+    """A per-sequence value padded along a constant axis into a packed length (the transpose
+    of ``x[:, T - 1:T]``: ``pad(g, (T - 1, 1))``): each sequence's entries at its own
+    positions ``lo(n) ..``, the fill around them -- the pieces joined per sequence as
+    `_concatenate_packed` joins them. None along any other axis (per column)."""
+    x, fill = invals
+    shape, out = tuple(eqn.invars[0].aval.shape), tuple(eqn.outvars[0].aval.shape)
+    packed = ctx.packed_axes(out)
+    config = eqn.params["padding_config"]
+    along = [a for a in packed if tuple(config[a]) != (0, 0, 0)]
+    if not isinstance(x, PerSequence) or isinstance(fill, PerSequence) or not along:
+        return None
+    (a,) = along
+    lo, hi, interior = config[a]
+    if (len(packed) != 1 or is_sym(shape[a]) or interior or x.axis is None
+            or any(tuple(c) != (0, 0, 0) for b, c in enumerate(config) if b != a)
+            or any(not is_sym(v) and v < 0 for v in (lo, hi))):
+        raise NoRule("pad of a per-sequence value into a packed length with other amounts "
+                     "than one run of fill before and after it")
+    pieces, shapes = [], []
+    for value, length in ((None, lo), (x, shape[a]), (None, hi)):
+        piece_shape = tuple(length if b == a else d for b, d in enumerate(shape))
+        if not is_sym(length) and length == 0:
+            continue
+        pieces.append(filled(piece_shape, fill, eqn.outvars[0].aval.dtype) if value is None
+                      else value)
+        shapes.append(piece_shape)
+    return [_joined_per_sequence(ctx, pieces, shapes, out, a)]
+
+
+# Per-sequence values of packed rows (``layout="per_sequence"``, `_sequences.PerSequence`).
+
+
+@defrule("broadcast_in_dim", layout="per_sequence")
+def _broadcast(ctx, eqn, invals):
+    """A per-sequence value broadcast onto rows (a number per sequence) or along a packed
+    length (``h[:, None, :]`` to ``(B, T, H)``): each cell its own sequence's entry."""
+    (x,) = invals[:1]
+    shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
+    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    if not isinstance(x, PerSequence) or not (packed or (rows and x.axis is None)):
+        return None
+    if len(packed) == 1 and packed[0] in dims and x.axis is not None:
+        k = dims.index(packed[0])
+        if not is_sym(eqn.invars[0].aval.shape[k]) and eqn.invars[0].aval.shape[k] == 1:
+            # A unit axis stretched along the length (a ``(B, 1, F)`` mask onto ``(B, T, F)``,
+            # dropout shared along T): as if it were not there.
+            x = PerSequence(lax.squeeze(x.value, (k + (k > x.axis),)), x.axis - (k < x.axis))
+            dims = dims[:k] + dims[k + 1:]
+    if len(rows) != 1 or len(packed) > 1 or (packed and packed[0] in dims):
+        raise NoRule(f"a per-sequence value broadcast to shape {shape}")
+    (r,) = rows
+    if x.axis is None:
+        if not packed:
+            targets = (r, r + 1, *(d + (d > r) for d in dims))
+            return [PerSequence(spread(x.value, grid_shape(ctx, shape, r), targets), r)]
+        targets, v = (r, packed[0], *dims), lax.slice_in_dim(x.value, 0, shape[packed[0]], axis=1)
+        return [spread(v, shape, targets)]
+    (p,) = packed
+    a = x.axis
+    v = lax.slice_in_dim(x.value, 0, shape[p], axis=a + 1)
+    return [spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
+
+
+defrule("top_k", layout="per_sequence")(refused)

@@ -1,0 +1,190 @@
+"""Dimensions and values every rule uses, with no interpreter state: whether a dimension is
+symbolic and grows with the lengths, the identities of the combining operations, rebinding an
+equation, and reading its parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._jax_internals import (convert_element_type, dim_bounds, dim_vars, evaluate_dim,
+                              is_constant_dim, terms, var_dim)
+
+
+def is_sym(d) -> bool:
+    return not is_constant_dim(d)
+
+
+def has_sym(shape) -> bool:
+    return any(is_sym(d) for d in shape)
+
+
+def monotone(d) -> bool:
+    """Whether ``d`` never exceeds its value at the bucket sizes when evaluated at real sizes
+    that are at most the bucket sizes (then the logical positions of an axis of size ``d`` fit
+    in the physical array). A structural proof first; a single-variable expression with a known
+    upper bound (every LengthVar has one) is then checked exhaustively: JAX normalises
+    ``min(T, 3)`` to ``T - max(0, T - 3)`` and ``ceil(T/2)`` to ``-floordiv(-T, 2)``, which the
+    structure alone does not show to be monotone."""
+    if not is_sym(d):
+        return True
+    if _structurally_monotone(d):
+        return True
+    names = dim_vars(d)
+    if len(names) != 1:
+        return False
+    (name,) = names
+    lo, hi = dim_bounds(var_dim(name, d.scope))
+    if not (math.isfinite(hi) and hi - lo <= 1 << 14):
+        return False
+    values = [int(evaluate_dim(d, {name: v})) for v in range(max(int(lo), 0), int(hi) + 1)]
+    return all(a <= b for a, b in zip(values, values[1:]))
+
+
+def _structurally_monotone(d) -> bool:
+    # A sum of positive multiples of products of non-negative, non-decreasing factors.
+    for coeff, factors in terms(d):
+        if not factors:
+            continue            # the constant term
+        if coeff <= 0:
+            return False
+        single = len(factors) == 1 and factors[0][1] == 1
+        if not all(_factor_monotone(f, need_nonneg=not single) for f, _ in factors):
+            return False
+    return True
+
+
+def _factor_monotone(f, need_nonneg: bool) -> bool:
+    if f.var is not None:
+        return True             # length variables are >= 1
+    ops = f.operands
+    if f.operation == "floordiv":
+        num, den = ops
+        return (not is_sym(den) and int(den) > 0 and _monotone_expr(num)
+                and (not need_nonneg or _nonneg(num)))
+    if f.operation in ("max", "min"):
+        if not all(_monotone_expr(o) for o in ops):
+            return False
+        if not need_nonneg:
+            return True
+        nonneg = [_nonneg(o) for o in ops]
+        return any(nonneg) if f.operation == "max" else all(nonneg)
+    return False                # mod is not monotone
+
+
+def _monotone_expr(e) -> bool:
+    return not is_sym(e) or _structurally_monotone(e)
+
+
+def _nonneg(e) -> bool:
+    if not is_sym(e):
+        return int(e) >= 0
+    lo, _ = dim_bounds(e, sign_only=True)
+    return lo >= 0
+
+
+def iota_along(shape, axis):
+    return lax.broadcasted_iota(np.int32, tuple(shape), axis)
+
+
+def filled(shape, fill, dtype):
+    return lax.broadcast_in_dim(lax.convert_element_type(fill, dtype), tuple(shape), ())
+
+
+def lowest_value(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return False
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return -np.inf
+    return jnp.iinfo(dtype).min
+
+
+def highest_value(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return True
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.inf
+    return jnp.iinfo(dtype).max
+
+
+def all_ones(dtype):
+    return True if np.dtype(dtype) == np.bool_ else -1 if jnp.issubdtype(dtype, jnp.signedinteger) \
+        else jnp.iinfo(dtype).max
+
+
+def bind_eqn(eqn, invals):
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def bind_eqn_with(eqn, invals, **changes):
+    out = eqn.primitive.bind(*invals, **{**eqn.params, **changes})
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def sub_jaxprs(params):
+    for value in params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                yield item
+
+
+def is_empty(aval) -> bool:
+    """Whether an array of this aval has no elements whatever the sizes (a constant 0 axis)."""
+    return any(not is_sym(d) and int(d) == 0 for d in getattr(aval, "shape", ()))
+
+
+def acts_along_params(eqn, i: int, axis: int, shape) -> bool:
+    """`Entry.acts_on` of a primitive that acts along the axes its parameter names (a
+    reduction's ``axes``, a sort's ``dimension``, a cumulative op's ``axis``) and keeps every
+    other axis per position."""
+    for key in ("axes", "dimensions", "dimension", "axis"):
+        if key in eqn.params:
+            value = eqn.params[key]
+            return axis in (value if isinstance(value, (tuple, list)) else (value,))
+    return False
+
+
+def operand_avals(eqn) -> list:
+    """The avals of an equation's array operands (what the facts of `Entry` read)."""
+    return [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
+
+
+def same_dim(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - dimensions of different scopes do not compare
+        return False
+
+
+def literal_start(idx, component: int) -> int | None:
+    """The largest start a gather's (or scatter's) literal indices give along ``component``,
+    None when they are traced."""
+    if isinstance(idx, np.ndarray) and idx.size:
+        return int(np.max(idx[..., component]))
+    return None
+
+
+def one_position(size) -> bool:
+    """A window of one position (``x[:, k]``), which the rules clamp into each row."""
+    return not is_sym(size) and size == 1
+
+
+def like_aval(x, aval):
+    """A rule's result with exactly the original dtype and weak type (scan carries and branch
+    outputs must keep their types)."""
+    if not hasattr(aval, "dtype"):
+        return x
+    have = jax.typeof(x)
+    if have.dtype == aval.dtype and getattr(have, "weak_type", False) == aval.weak_type:
+        return x
+    return convert_element_type(x, aval.dtype, aval.weak_type)
