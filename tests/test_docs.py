@@ -105,7 +105,7 @@ def test_readme_example_prints_each_rows_mean(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = run_page("README.md")
     lines = "".join(out).splitlines()
-    assert lines[0] == "[49.5  3.5  0. ]", lines
+    assert lines[0] == "[9.5 3.5 0. ]", lines
     assert "False 1" in lines, lines
 
 
