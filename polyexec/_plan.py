@@ -99,7 +99,7 @@ class Program:
 
     A program given as ``build`` is exported when first asked for, once, whichever thread asks:
     a plan that may pack holds both layouts' programs, and a call that runs packed never needs
-    the padded one (exporting it cost 0.4 s of the bench's GRU plan, stop 35).
+    the padded one (exporting it cost 0.4 s of the bench's GRU plan, measured at commit d689d85).
     ``empty_cells``: the packed program reads a per-sequence value, so a sequence of length 0
     takes a cell too, where its per-sequence values are held. ``reads_sequence``: the packed
     program takes each cell's sequence index after ``pos`` and ``seglen`` (a random draw

@@ -36,7 +36,7 @@ from . import data as corpus_data
 from .generate import generate
 from .model import CharLM, lm_loss, lm_loss_and_count, masked_lm_loss, masked_lm_loss_and_count
 
-# Defaults, measured on 2 idle CPU cores (see README): packed rows of 256 and 1,024 (the
+# Defaults, measured on 2 idle CPU cores (docs/benchmarks.md): packed rows of 256 and 1,024 (the
 # layout chosen by cost) train at ~26k tokens/s, so three epochs of the ~400k training bytes
 # take ~56 s with 4 compiles; 1.65 nats/char on validation (padded buckets: 68 s, 1.51).
 DEFAULTS = dict(cell="gru", epochs=3, hidden=256, embed=64, max_tokens=8192, lr=3e-3,
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=_int_flag(1), help="also checkpoint every N steps")
     p.add_argument("--devices", type=_int_flag(1),
                    help="data-parallel over this many local devices (default: all)")
-    multi = p.add_argument_group("more than one process (jax.distributed; see the README)")
+    multi = p.add_argument_group("more than one process (jax.distributed; see docs/guides/distributed.md)")
     multi.add_argument("--coordinator", metavar="HOST:PORT",
                        help="process 0's address; every process passes the same one")
     multi.add_argument("--num-processes", type=_int_flag(1), help="processes in the run")
