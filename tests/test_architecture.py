@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import polyexec as px
+from polyexec._logical._registry import Entry
 
 PACKAGE = pathlib.Path(px.__file__).parent
 # Imports allowed inside functions: optional dependencies only.
@@ -360,17 +361,29 @@ FAMILIES = {"_pointwise", "_reductions", "_structure", "_indexing", "_contractio
             "_random"}
 
 
-def registrations() -> dict[str, set[str]]:
-    """primitive name -> the `_logical` modules that register a rule for it (``defrule`` calls,
-    decorators and calls alike, read from the AST)."""
+def _names(node) -> list[str]:
+    """The primitive names an argument holds: a string, or ``*"a b c".split()``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.Starred):
+        call = node.value
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "split" and isinstance(call.func.value, ast.Constant)):
+            return call.func.value.value.split()
+    return []
+
+
+def registrations(functions=("defrule",)) -> dict[str, set[str]]:
+    """primitive name -> the `_logical` modules that call one of ``functions`` for it
+    (``defrule`` decorators and calls alike, read from the AST)."""
     found: dict[str, set[str]] = {}
     for path in (PACKAGE / "_logical").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "defrule"):
+                    and node.func.id in functions):
                 for arg in node.args:
-                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                        found.setdefault(arg.value, set()).add(path.stem)
+                    for name in _names(arg):
+                        found.setdefault(name, set()).add(path.stem)
     return found
 
 
@@ -389,3 +402,39 @@ def test_no_module_of_polyexec_is_over_1200_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 1200}
     assert not long, long
+
+
+# An entry's facts (its layout slots and bookkeeping aside).
+FACTS = {f.name for f in dataclasses.fields(Entry)} - {
+    "rule", "packed", "per_sequence", "per_cell", "structural", "origin"}
+
+
+def test_every_fact_of_a_primitive_is_a_declared_field_stated_beside_its_rule():
+    """The interpreter reads a primitive's facts from its registry entry (`defrule`'s or
+    `deffacts`' fields), stated in the module that registers its rules: no attributes set on
+    rule functions and read back with ``getattr``, and no table keyed by primitive names
+    outside the registry and the families' identities (`_families`)."""
+    ruled, stated = registrations(), registrations(("deffacts",))
+    assert {"add", "reduce_sum", "broadcast_in_dim", "gather", "scan"} <= set(stated)
+    for primitive, modules in stated.items():
+        assert modules == ruled.get(primitive), (primitive, modules, ruled.get(primitive))
+    known = set(ruled)
+    found = []
+    for path in sorted((PACKAGE / "_logical").glob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and \
+                    "rule" in ast.unparse(node.args[0]):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Attribute) and t.attr in FACTS for t in node.targets):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        if path.stem in ("_families", "_registry"):
+            continue
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                strings = [w for c in ast.walk(node.value) if isinstance(c, ast.Constant)
+                           and isinstance(c.value, str) for w in c.value.split()]
+                if len(set(strings) & known) >= 2:
+                    found.append(f"{path.name}:{node.lineno}: a table of primitive names")
+    assert not found, "\n".join(found)

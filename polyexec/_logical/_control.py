@@ -25,7 +25,7 @@ from jax import lax
 from .._jax_internals import dim_vars
 from ._basics import (filled, is_sym, operand_avals, sub_jaxprs)
 from ._core import (RowVarying, eval_closed, fill_tail, take_rows)
-from ._registry import (NoRule, defrule, lookup_rule, padded_rule)
+from ._registry import (NoRule, deffacts, defrule, lookup_rule, padded_rule)
 from ._packed import PackedCtx
 from ._sequences import PerSequence, at_column, held, refused, spread
 
@@ -239,7 +239,7 @@ def _scan_held(ctx, eqn, invals):
         return None
 
 
-_scan.row_varying = _scan_held
+deffacts("scan", row_varying=_scan_held)
 
 
 def _invariant_or_per_row(jaxpr, invar: int, outvar: int, ctx, rows) -> bool:
@@ -350,14 +350,14 @@ def _call(key):
         # Inlined: the logical program is exported and run, never differentiated again, so
         # custom derivative rules have nothing left to do.
         return eval_closed(ctx.child(eqn), eqn.params[key], invals)
-    rule.inline = True     # per-row values flow through it as through any other equations
     return rule
 
 
-defrule("jit", "pjit", "remat2", "checkpoint", structural=True)(_call("jaxpr"))
-defrule("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-      structural=True)(_call("call_jaxpr"))
-defrule("custom_vjp_call_jaxpr", structural=True)(_call("fun_jaxpr"))
+# Inline: per-row values flow through a call's equations as through any other equations.
+defrule("jit", "pjit", "remat2", "checkpoint", structural=True, inline=True)(_call("jaxpr"))
+defrule("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", structural=True,
+        inline=True)(_call("call_jaxpr"))
+defrule("custom_vjp_call_jaxpr", structural=True, inline=True)(_call("fun_jaxpr"))
 
 # --------------------------------------------------------------------------------------------
 # Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'
@@ -473,10 +473,6 @@ def _final_carry(ctx: PackedCtx, steps, initial: PerSequence, length, reverse: b
     return PerSequence(lax.select(ran, got, initial.value), a)
 
 
-_PASS_THROUGH = {"reduce_sum", "convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
-                 "broadcast_in_dim", "neg", "reduce_precision"}
-
-
 def _accumulates(jaxpr, invar: int, outvar: int, ctx: PackedCtx) -> bool:
     """Whether a carry without a rows axis is left alone or grows by a sum over the rows that
     does not read it (``ct_w + x.T @ g``: a weight gradient of a scan's transpose). Then the
@@ -514,7 +510,8 @@ def _accumulates(jaxpr, invar: int, outvar: int, ctx: PackedCtx) -> bool:
             made = {v: inner for inner in called.eqns for v in inner.outvars}
             other = called.outvars[e.outvars.index(other)]
             continue
-        if name not in _PASS_THROUGH:
+        entry = lookup_rule(e.primitive)
+        if entry is None or not entry.carries:
             return False
         other = e.invars[0]
 
@@ -524,7 +521,7 @@ def _called(eqn):
     sub-program whose outputs are the equation's), None for any other."""
     entry = lookup_rule(eqn.primitive)
     programs = list(sub_jaxprs(eqn.params))
-    if (entry is None or not getattr(entry.rule, "inline", False) or len(programs) != 1
+    if (entry is None or not entry.inline or len(programs) != 1
             or len(programs[0].outvars) != len(eqn.outvars)):
         return None
     return programs[0]

@@ -733,19 +733,13 @@ def eqn_touches(eqn, cache: dict) -> bool:
 # Index arithmetic on constants, evaluated with NumPy while rewriting so that a rule sees the
 # index ``x[:, :1]`` gathers at as the number 0 (JAX's own evaluation would compile each one).
 _FOLDED_ELEMENTS = 64
-_FOLD = {
-    "broadcast_in_dim": lambda x, p: np.broadcast_to(
-        np.expand_dims(x, [a for a in range(len(p["shape"]))
-                           if a not in p["broadcast_dimensions"]]), p["shape"]),
-    "convert_element_type": lambda x, p: x.astype(p["new_dtype"]),
-    "reshape": lambda x, p: x.reshape(p["new_sizes"]),
-}
 
 
 def _folded(eqn, invals) -> list | None:
-    """``eqn``'s output as a NumPy array when it is index arithmetic (`_FOLD`) on a constant
+    """``eqn``'s output as a NumPy array when it is index arithmetic (its `Entry.fold`) on a constant
     (a literal, or folded before) with a small output; None otherwise."""
-    fold = _FOLD.get(eqn.primitive.name)
+    entry = lookup_rule(eqn.primitive)
+    fold = entry.fold if entry is not None else None
     if (fold is None or len(invals) != 1 or not isinstance(invals[0], (np.ndarray, np.generic))
             or any(_param_has_sym(v) for v in eqn.params.values())):
         return None
@@ -783,15 +777,8 @@ def _only_reach_empty(jaxpr) -> set[int]:
     return found
 
 
-# Primitives linear in all their operands: all of them zero, the result is zero.
-_LINEAR = frozenset("""
-    reduce_sum broadcast_in_dim reshape transpose squeeze expand_dims convert_element_type
-    add_any add sub neg rev slice pad concatenate copy copy_p reduce_precision
-""".split())
-
-
 def _only_from_empty(jaxpr) -> set[int]:
-    """The ids of the equations whose results are zero because they are linear (`_LINEAR`)
+    """The ids of the equations whose results are zero because they are linear (`Entry.linear`)
     in operands that are all arrays with no elements (`is_empty`) or such zeros, and literal
     zeros: the gradient of `_only_reach_empty`'s values -- JAX transposes the slice of one row
     that edge padding repeats 0 times into a sum over no element, padded back onto the rows
@@ -805,7 +792,8 @@ def _only_from_empty(jaxpr) -> set[int]:
         return v in zero or (hasattr(v.aval, "shape") and is_empty(v.aval))
 
     for eqn in jaxpr.eqns:
-        if (eqn.primitive.name in _LINEAR and not eqn.effects
+        entry = lookup_rule(eqn.primitive)
+        if (entry is not None and entry.linear and not eqn.effects
                 and all(is_zero(v) for v in eqn.invars)):
             found.add(id(eqn))
             zero.update(v for v in eqn.outvars if isinstance(v, jax.extend.core.Var))
@@ -1051,11 +1039,11 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     rows axis, the row's own lengths bound), and collapse each result onto its rows axis when
     it has one -- row ``b`` of the result is what row ``b`` computes."""
     entry = lookup_rule(eqn.primitive)
-    if rows is None and entry is not None and getattr(entry.rule, "inline", False):
+    if rows is None and entry is not None and entry.inline:
         return entry.rule(ctx, eqn, invals)      # a call: its equations meet the value
     # A rule that reads a per-row value itself (an index held per row, a scan's constant),
     # cheaper than running the whole equation once per row; None where it declines.
-    held = getattr(entry.rule, "row_varying", None) if rows is None and entry else None
+    held = entry.row_varying if rows is None and entry else None
     out = held(ctx, eqn, invals) if held is not None else None
     if out is not None:
         ctx.recorder.rewritten.add(id(eqn))

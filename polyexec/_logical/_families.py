@@ -19,6 +19,9 @@ from ._basics import (all_ones, highest_value, lowest_value)
 class Monoid(NamedTuple):
     combine: Callable[[Any, Any], Any] | None   # None: the family has no elementwise combiner
     identity: Callable[[Any], Any]               # dtype -> the value that changes nothing
+    # The same combination as a scatter (``x.at[i].add``: "add", "max", "min", "mul"), how
+    # packed rows combine each sequence's cells; None: none (``xor``).
+    segment: str | None = None
 
 
 def _zero(dtype):
@@ -29,14 +32,16 @@ def _one(dtype):
     return 1
 
 
-SUM = Monoid(lax.add, _zero)
-PRODUCT = Monoid(lax.mul, _one)
-MAX = Monoid(lax.max, lowest_value)
-MIN = Monoid(lax.min, highest_value)
+SUM = Monoid(lax.add, _zero, "add")
+PRODUCT = Monoid(lax.mul, _one, "mul")
+MAX = Monoid(lax.max, lowest_value, "max")
+MIN = Monoid(lax.min, highest_value, "min")
 
 REDUCERS: dict[str, Monoid] = {
     "reduce_sum": SUM, "reduce_prod": PRODUCT, "reduce_max": MAX, "reduce_min": MIN,
-    "reduce_and": Monoid(lax.bitwise_and, all_ones), "reduce_or": Monoid(lax.bitwise_or, _zero),
+    # On booleans (as int8 in packed rows) ``and`` is a min and ``or`` a max.
+    "reduce_and": Monoid(lax.bitwise_and, all_ones, "min"),
+    "reduce_or": Monoid(lax.bitwise_or, _zero, "max"),
     "reduce_xor": Monoid(lax.bitwise_xor, _zero),
     # An arg-reduction's tail must lose to every real entry: the value it compares by.
     "argmax": Monoid(None, lowest_value), "argmin": Monoid(None, highest_value),

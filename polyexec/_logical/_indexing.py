@@ -15,7 +15,7 @@ from jax import lax
 from ._basics import (bind_eqn_with, filled, has_sym, highest_value, iota_along, is_sym,
                       literal_start, lowest_value, one_position, operand_avals, same_dim)
 from ._core import (RowVarying, fill_tail, logical_mask, window_fits_admitted_rows)
-from ._registry import (NoRule, defrule)
+from ._registry import (NoRule, deffacts, defrule)
 from ._families import SCATTERS
 from ._packed import NotPacked, PackedCtx, PerCell, packed_generic, scatter_window
 from ._sequences import PerSequence, by_cell, held, refused, spread
@@ -192,7 +192,7 @@ def _gather_acts_on(eqn, i, axis, shape):
     return axis == len(shape) - 1
 
 
-def _held_index(rule, per_row):
+def _held_index(per_row):
     """A gather (scatter) whose index is held per row (`RowVarying`) reads (writes) each row
     at its own position when it has the one-position form (`_per_row_position`,
     `_per_row_put`) -- rather than running once per row over the whole operand, B times
@@ -203,8 +203,7 @@ def _held_index(rule, per_row):
                 isinstance(u, RowVarying) for u in rest):
             return None
         return per_row(ctx, eqn, x, idx, *rest)
-    rule.row_varying = held
-    return rule
+    return held
 
 
 @defrule("gather", moves=_gather_moves, window=_gather_window, acts_on=_gather_acts_on)
@@ -442,8 +441,8 @@ def _scatter(ctx, eqn, invals):
     return [_unroom(out, x.shape)]
 
 
-_held_index(_gather, _per_row_position)
-_held_index(_scatter, _per_row_put)
+deffacts("gather", row_varying=_held_index(_per_row_position))
+deffacts("scatter-add", "scatter", row_varying=_held_index(_per_row_put))
 
 # --------------------------------------------------------------------------------------------
 # Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'

@@ -641,7 +641,7 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
     if not rows:                       # per position: real up to the longest sequence
         return padded()
     if len(packed) == 2:               # pairs of cells (attention's scores): within a sequence
-        if rows <= axes and not axes & packed and _SEGMENT.get(eqn.primitive.name):
+        if rows <= axes and not axes & packed and _segment(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         if arg or not (axes & packed == packed if rows <= axes else len(axes & packed) == 1):
             return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
@@ -653,7 +653,7 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
             return padded()                     # over every real cell
         if packed <= axes and not rows & axes and eqn.primitive.name != "reduce":
             return [_along_sequences(ctx, eqn, x, *rows, *packed)]
-        if rows <= axes and not packed & axes and _SEGMENT.get(eqn.primitive.name):
+        if rows <= axes and not packed & axes and _segment(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
     if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
@@ -661,9 +661,11 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
     return ctx.per_sequence(eqn, f"{eqn.primitive.name} over the rows")
 
 
-# How a reduction along the length combines each sequence's cells (`_along_sequences`).
-_SEGMENT = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul",
-            "reduce_and": "min", "reduce_or": "max", "reduce_xor": None}
+def _segment(name: str) -> str | None:
+    """How a reduction along the length combines each sequence's cells (its `Monoid.segment`);
+    None for one that cannot (an arg-reduction, ``reduce_xor``, ``reduce``)."""
+    monoid = REDUCERS.get(name)
+    return monoid.segment if monoid is not None else None
 
 
 def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
@@ -672,7 +674,7 @@ def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
     sequence's start column, read back at every cell of the sequence. ``argmax``/``argmin``
     give the position inside the sequence (its first extreme, or its first NaN, as jnp)."""
     name = eqn.primitive.name
-    if _SEGMENT.get(name, "") is None:
+    if REDUCERS[name].combine is not None and _segment(name) is None:   # not an arg-reduction
         raise NoRule(f"{name} along a packed length")
     frame = ctx.frame(x.shape)
     axes = tuple(eqn.params["axes"])
@@ -694,7 +696,7 @@ def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
         x = lax.select(frame, x, filled(x.shape, fill, x.dtype))
         x, (r, p) = _others_first(eqn, x, axes, (r, p))
         exact = x.dtype == np.bool_
-        out = segments(ctx, x.astype(np.int8) if exact else x, r, p, _SEGMENT[name],
+        out = segments(ctx, x.astype(np.int8) if exact else x, r, p, _segment(name),
                         int(fill) if exact else fill)
         out = out.astype(x.dtype)
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
@@ -731,7 +733,7 @@ def _over_positions(ctx: PackedCtx, eqn, x, r: int, *packed: int):
         at = jnp.where(ctx.in_frame(n), pos, n)                      # n: dropped
         index.append(jnp.expand_dims(at, [1 + j for j in range(len(sizes)) if j != k]))
     total = filled((*sizes, *xs.shape[1 + len(packed):]), int(fill) if exact else fill, xs.dtype)
-    out = getattr(total.at[tuple(index)], _SEGMENT[name])(xs, mode="drop").astype(x.dtype)
+    out = getattr(total.at[tuple(index)], _segment(name))(xs, mode="drop").astype(x.dtype)
     return jnp.moveaxis(out, range(len(packed)), [p - (r < p) for p in packed])
 
 
@@ -911,7 +913,7 @@ def _per_cell(ctx: PackedCtx, eqn, invals):
     entry = lookup_rule(eqn.primitive)
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
-    if entry is not None and getattr(entry.rule, "inline", False):
+    if entry is not None and entry.inline:
         return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
     if entry is not None and entry.per_cell is not None:
         out_values = entry.per_cell(ctx, eqn, invals)
@@ -970,15 +972,11 @@ def _onto_rows(x: PerCell, r: int):
 # becomes one compare per cell of the scores, fused into their select as hand-written
 # segment ids are; gathered, its placement cost the packed attention step two gathers over
 # ``(B, H, T, T)``. Transcendental maths (a sinusoidal table) stays gathered.
-_RECOMPUTED = frozenset("""
-    convert_element_type eq ne lt le gt ge and or not xor add sub mul neg max min select_n
-    abs sign
-""".split())
 
 
 def _positions_recipe(eqn, reading) -> Callable | None:
     """``Known.positions`` of ``eqn``'s output from its inputs' (``reading``: value and
-    annotation each): an ``iota``, or `_RECOMPUTED` maths, a broadcast or a transpose of
+    annotation each): an ``iota``, or maths stated `Entry.positional`, a broadcast or a transpose of
     values made from positions and scalars."""
     name, params = eqn.primitive.name, eqn.params
     if name == "iota":
@@ -1002,7 +1000,8 @@ def _positions_recipe(eqn, reading) -> Callable | None:
     if name == "transpose":
         (inner,), perm = inputs, params["permutation"]
         return lambda index: inner(tuple(index[perm.index(k)] for k in range(len(perm))))
-    if name in _RECOMPUTED:
+    entry = lookup_rule(eqn.primitive)
+    if entry is not None and entry.positional:
         return lambda index: eqn.primitive.bind(
             *jnp.broadcast_arrays(*(f(index) for f in inputs)), **params)
     return None

@@ -11,7 +11,7 @@ elementwise maths and layout-only primitives, which pass through, and ``dim_as_v
 from __future__ import annotations
 
 from .._jax_internals import dim_vars
-from ._registry import (ELEMENTWISE, PAD_AND_PACK, defrule)
+from ._registry import ELEMENTWISE, PAD_AND_PACK, deffacts, defrule
 
 defrule(*"""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
@@ -21,14 +21,24 @@ defrule(*"""
     mulhi ne neg nextafter not or polygamma population_count pow random_gamma_grad real reduce_precision
     regularized_incomplete_beta rem round rsqrt select_n shift_left shift_right_arithmetic
     shift_right_logical sign sin sinh sqrt square sub tan tanh threefry2x32 xor zeta
-    broadcast_in_dim iota squeeze transpose stack unstack stop_gradient optimization_barrier device_put
+    squeeze transpose stack unstack stop_gradient optimization_barrier device_put
     sharding_constraint pvary zeros_like debug_callback debug_print
 """.split())(ELEMENTWISE)
-# Why the layout ones are safe: broadcast_in_dim maps each output position to the operand
-# position with the same index on a kept axis (or to a size-1 axis); iota's value at a logical
-# position is the same as at the exact size; transpose/squeeze only permute or drop size-1 axes;
+# Why the layout ones are safe: transpose/squeeze only permute or drop size-1 axes;
 # stack/unstack add or remove an axis of constant size (one entry per operand).
 # jax.debug callbacks return nothing the program reads (they may print padding, no more).
+
+# Index arithmetic on a small constant folds while rewriting (`_core._folded`).
+deffacts("convert_element_type", fold=lambda x, p: x.astype(p["new_dtype"]))
+# Linear in all operands: all of them zero, the result is zero (`_core._only_from_empty`).
+deffacts(*"convert_element_type add_any add sub neg copy copy_p reduce_precision transpose "
+         "squeeze".split(), linear=True)
+# Maths a packed row recomputes from each cell's position (masks made from positions).
+deffacts(*"convert_element_type eq ne lt le gt ge and or not xor add sub mul neg max min "
+         "select_n abs sign".split(), positional=True)
+# A scan's carry passes through them unchanged in kind (`_control`: does a carry accumulate).
+deffacts(*"convert_element_type transpose squeeze copy copy_p neg reduce_precision".split(),
+         carries=True)
 
 
 @defrule("dim_as_value", layout=PAD_AND_PACK)

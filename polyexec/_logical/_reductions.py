@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from ._basics import (acts_along_params, bind_eqn_with, is_sym, operand_avals)
-from ._registry import (NoRule, PAD_AND_PACK, defrule)
+from ._registry import NoRule, PAD_AND_PACK, deffacts, defrule
 from ._families import CUMULATIVE, REDUCERS
 from ._sequences import PerSequence, first_only
 
@@ -62,6 +62,10 @@ def _cumulative(ctx, eqn, invals):
     if not is_sym(x.shape[axis]):
         return None
     return ctx.accumulate(eqn, x, axis, CUMULATIVE[eqn.primitive.name], eqn.params["reverse"])
+
+
+# Linear, and a carry summed over a scan's steps passes through it (`_control`).
+deffacts("reduce_sum", linear=True, carries=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,6 +59,23 @@ class Entry:
     # through it once per column when it does not act on the value's rows axis (`_sequences`);
     # None: never per column, unless elementwise.
     acts_on: Callable | None = None
+    # A call (jit, custom_vjp, ...): a per-row value flows through its equations as through
+    # any others, rather than running it once per row (`_core._eval_row_varying`).
+    inline: bool = False
+    # ``(ctx, eqn, invals) -> outputs | None``: its rule for an operand held per row
+    # (`RowVarying`), cheaper than running the equation once per row; None where it declines.
+    row_varying: Callable | None = None
+    # ``(x: np.ndarray, params) -> np.ndarray``: index arithmetic on a small constant, folded
+    # while rewriting (`_core._folded`).
+    fold: Callable | None = None
+    # Linear: zero operands give a zero result (`_core._only_from_empty`).
+    linear: bool = False
+    # Per-position maths a packed row recomputes from each cell's position (`_packed`'s
+    # positions recipe: masks made from positions are compared per cell).
+    positional: bool = False
+    # A scan's carry passes through it unchanged in kind, one value in, one out (`_control`'s
+    # test that a carry accumulates).
+    carries: bool = False
 
 
 # Keyed by primitive name (polyexec's rules, and the user's given a name) or by the primitive
@@ -93,7 +110,9 @@ PAD_AND_PACK: tuple[Layout, ...] = ("pad", "pack")    # a rule that asks its lay
 def defrule(*names: str, layout: Layout | tuple[Layout, ...] = "pad", structural: bool = False,
             moves: Callable | None = None, moves_rows_why: str | None = None,
             window: Callable | None = None, zeroed_reads: Callable | None = None,
-            acts_on: Callable | None = None):
+            acts_on: Callable | None = None, inline: bool = False,
+            row_varying: Callable | None = None, fold: Callable | None = None,
+            linear: bool = False, positional: bool = False, carries: bool = False):
     """Register polyexec's rule for the primitives ``names`` (a decorator), like JAX's
     ``batching.primitive_batchers[p] = rule``: ``@defrule("rev")`` over the definition, or
     ``defrule(*names)(ELEMENTWISE)`` for pass-through primitives. ``layout``: the padded rule
@@ -103,11 +122,15 @@ def defrule(*names: str, layout: Layout | tuple[Layout, ...] = "pad", structural
     layout what differs (a family's: `Ctx.reduce`). ``structural``:
     the rule only recurses into the equation's programs (scan, cond, calls), so it is not
     counted as a rewrite itself. ``moves``, ``moves_rows_why``, ``window``, ``zeroed_reads``,
-    ``acts_on``: the primitive's facts (`Entry`), stated beside its padded rule. Registering
-    a slot twice is a bug, refused at import."""
+    ``acts_on``, ``inline``, ``row_varying``, ``fold``, ``linear``, ``positional``,
+    ``carries``: the primitive's facts (`Entry`), stated beside its padded rule (`deffacts`
+    states them for primitives registered together). Registering a slot twice is a bug,
+    refused at import."""
     layouts = (layout,) if isinstance(layout, str) else layout
-    facts = dict(moves=moves, moves_rows_why=moves_rows_why, window=window,
-                 zeroed_reads=zeroed_reads, acts_on=acts_on)
+    facts = _facts(moves=moves, moves_rows_why=moves_rows_why, window=window,
+                   zeroed_reads=zeroed_reads, acts_on=acts_on, inline=inline,
+                   row_varying=row_varying, fold=fold, linear=linear, positional=positional,
+                   carries=carries)
 
     def register(rule):
         for name in names:
@@ -118,12 +141,36 @@ def defrule(*names: str, layout: Layout | tuple[Layout, ...] = "pad", structural
                     if getattr(entry, slot) is not None:
                         raise OptionError(f"defrule: {name!r} already has a {one} rule")
                     entry = dataclasses.replace(
-                        entry, **{slot: rule}, **({"structural": structural, **{
-                            k: v for k, v in facts.items() if v is not None}}
-                            if slot == "rule" else {}))
+                        entry, **{slot: rule}, **({"structural": structural, **facts}
+                                                  if slot == "rule" else {}))
                 _REGISTRY[name] = entry
         return rule
     return register
+
+
+def _facts(**given) -> dict:
+    """The facts given (not None, not False)."""
+    return {k: v for k, v in given.items() if v is not None and v is not False}
+
+
+def deffacts(*names: str, row_varying: Callable | None = None, fold: Callable | None = None,
+             linear: bool = False, positional: bool = False, carries: bool = False) -> None:
+    """State facts of primitives whose padded rule is already registered (a family registered
+    in one `defrule` call, each with facts of its own), in the module that registered it:
+    ``deffacts("add", "sub", linear=True)``; or facts written after the rule (a rule for a
+    per-row operand that the padded rule's module defines below it). Stating a fact twice is
+    a bug, refused."""
+    facts = _facts(row_varying=row_varying, fold=fold, linear=linear, positional=positional,
+                   carries=carries)
+    with _REGISTRY_LOCK:
+        for name in names:
+            entry = _REGISTRY.get(name)
+            if entry is None or entry.rule is None:
+                raise OptionError(f"deffacts: {name!r} has no padded rule to state facts of")
+            twice = [k for k in facts if getattr(entry, k) not in (None, False)]
+            if twice:
+                raise OptionError(f"deffacts: {name!r} already states {twice}")
+            _REGISTRY[name] = dataclasses.replace(entry, **facts)
 
 
 def lookup_rule(primitive) -> Entry | None:

@@ -108,7 +108,7 @@ def evaluate(ctx, eqn, invals) -> list:
         out = entry.per_sequence(ctx, eqn, invals)
         if out is not None:
             return out
-    if entry is not None and getattr(entry.rule, "inline", False):
+    if entry is not None and entry.inline:
         return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
     return _per_column(ctx, eqn, invals, entry)
 

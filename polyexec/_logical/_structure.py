@@ -26,7 +26,7 @@ from .._jax_internals import definitely_equal, definitely_equal_shape, var_dim
 from ._basics import (acts_along_params, bind_eqn, filled, iota_along, is_empty, is_sym,
                       operand_avals, same_dim)
 from ._core import (place_window, take_clamped, take_rows)
-from ._registry import (NoRule, PAD_AND_PACK, defrule, padded_rule)
+from ._registry import ELEMENTWISE, PAD_AND_PACK, NoRule, deffacts, defrule, padded_rule
 from ._packed import PackedCtx, PerCell, along, by_position, onto_cells, reverse_each
 from ._sequences import PerSequence, grid_shape, held, refused, spread, to_cells
 
@@ -343,6 +343,19 @@ def keeps_length_axes(src, dst) -> bool:
 
 def _is_unit(d) -> bool:
     return not is_sym(d) and int(d) == 1
+
+
+# broadcast_in_dim maps each output position to the operand position with the same index on a
+# kept axis (or to a size-1 axis); iota's value at a logical position is the same as at the
+# exact size. Their packed rules are below.
+defrule("broadcast_in_dim", "iota")(ELEMENTWISE)
+deffacts("broadcast_in_dim", fold=lambda x, p: np.broadcast_to(
+    np.expand_dims(x, [a for a in range(len(p["shape"]))
+                       if a not in p["broadcast_dimensions"]]), p["shape"]),
+         linear=True, carries=True)
+deffacts("reshape", fold=lambda x, p: x.reshape(p["new_sizes"]), linear=True, carries=True)
+deffacts("rev", "slice", "pad", "concatenate", linear=True)
+
 
 # --------------------------------------------------------------------------------------------
 # Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'
