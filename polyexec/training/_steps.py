@@ -14,7 +14,7 @@ import optax
 from .. import Bucketed, LengthVar, Spec, bucketed
 from .._errors import OptionError
 from ._data import BatchForm
-from ._state import TrainState
+from ._state import TrainState, trainable
 
 # Loss functions see a padded batch: the examples' pytree with a leading B (the one-field
 # shorthand: tokens (B, T) and the real lengths (B,)); see `as_loss_call`.
@@ -115,15 +115,21 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     """
 
     def train_step(state: TrainState, batch, lengths):
-        params, static = eqx.partition(state.model, eqx.is_inexact_array)
+        params, rest = trainable(state.model)
         keyed = () if seed is None else (jax.random.fold_in(step_keys(seed)[0], state.step),)
 
         def loss_of(p):
-            return loss_fn(eqx.combine(p, static), batch, lengths, *keyed)
+            model = eqx.combine(p, rest)
+            loss = loss_fn(model, batch, lengths, *keyed)
+            # What the call wrote into the model's state -- an NNX Dropout's RngCount, a
+            # BatchNorm's running statistics -- is read back from it here, as nnx.jit's
+            # split/merge does; dropped, every step drew the first step's dropout mask
+            # again and the statistics never moved. (An equinox model's rest comes back as is.)
+            return loss, _written(model, rest)
 
-        loss, grads = jax.value_and_grad(loss_of)(params)
+        (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        model = eqx.combine(optax.apply_updates(params, updates), static)
+        model = eqx.combine(optax.apply_updates(params, updates), rest)
         # The global L2 norm (optax.global_norm is deprecated, its successor needs optax>=0.2.5).
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
         metrics = {"loss": loss, "grad_norm": grad_norm}
@@ -132,6 +138,19 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         return TrainState(model=model, opt_state=opt_state, step=state.step + 1), metrics
 
     return train_step
+
+
+def _written(model, rest):
+    """The state part of ``model`` (`trainable`) after a loss call, checked to be the same
+    tree as ``rest`` was before it: a layer that made new attributes during the call would
+    otherwise change the model's structure from one step to the next."""
+    _, after = trainable(model)
+    if jax.tree_util.tree_structure(after) != jax.tree_util.tree_structure(rest):
+        raise OptionError(f"fit: loss_fn: expected a call that keeps the model's structure "
+                          f"(writing only the values of its existing state), received one that "
+                          f"changed it: before {jax.tree_util.tree_structure(rest)}, after "
+                          f"{jax.tree_util.tree_structure(after)}")
+    return after
 
 
 def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
