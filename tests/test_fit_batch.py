@@ -4,6 +4,7 @@ example run alone at its exact length, padded and packed; a loss that asks for a
 step's, so a resumed run draws what an uninterrupted one does; and ``masking=False`` adds no
 row that a loss masking itself would count."""
 
+import os
 import warnings
 
 import equinox as eqx
@@ -320,3 +321,86 @@ def test_declared_specs_name_the_length_and_pack_refuses_a_pairwise_field():
                                              r"length axis"):
         training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), _never_traced, data,
                      specs={"x": px.Spec("T T")}, layout="pack", optimizer=OPT, verbose=False)
+
+
+# -- a non-finite loss or gradient (issue 49) ---------------------------------------------------
+
+
+def _regression(model, batch):          # per-cell regression: a NaN input makes the loss NaN
+    return jnp.mean((jax.vmap(jax.vmap(model))(batch["x"][..., None])[..., 0] - 1.0) ** 2)
+
+
+def _regression_data(bad: int | None = 9):
+    rng = np.random.default_rng(4)
+    data = [{"x": rng.normal(size=n).astype(np.float32)} for n in rng.integers(2, 9, 16)]
+    if bad is not None:
+        data[bad]["x"][1] = np.nan
+    return data
+
+
+def _bad_step(data, bad, batch_size=4):
+    """The 1-based step of the run whose batch holds ``data[bad]``, and that batch."""
+    lengths = np.array([len(d["x"]) for d in data])
+    plan = buckets.batch_plan(lengths, buckets.Fixed([8]), batch_size=batch_size, seed=0)
+    return next((s + 1, b) for s, b in enumerate(plan) if bad in b.indices)
+
+
+def _linear():
+    return eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0))
+
+
+def test_a_nan_input_stops_fit_naming_the_step_epoch_and_examples_and_saves_nothing_after(
+        tmp_path):
+    data = _regression_data(bad=9)
+    step, batch = _bad_step(data, 9)
+    assert step > 1                        # a good step and its checkpoint come first
+    with pytest.raises(training.NonFiniteError) as caught:
+        training.fit(_linear(), _regression, data, optimizer=optax.sgd(0.1), epochs=2,
+                     batch_size=4, buckets=[8], checkpoint_dir=tmp_path, checkpoint_every=1,
+                     verbose=False, cache=False)
+    e = caught.value
+    assert isinstance(e, px.PolyexecError) and (e.step, e.epoch) == (step, 0)
+    assert e.indices == [int(i) for i in batch.indices] and 9 in e.indices
+    assert f"step {step} (epoch 0" in str(e) and "loss nan" in str(e)
+    assert f"data[i] for i in [{', '.join(map(str, e.indices))}]" in str(e)
+    assert "on_nonfinite='skip'" in str(e)
+    # Before: fit trained on, NaN weights checkpointed at every later step, and returned.
+    saved = training.list_checkpoints(tmp_path)
+    assert [os.path.basename(p) for p in saved][-1] == f"step-{step - 1:09d}.ckpt"
+    assert e.checkpoint == saved[-1] and saved[-1] in str(e)
+    state, _ = training.load_checkpoint(saved[-1], like=training.TrainState.create(
+        _linear(), optax.sgd(0.1)))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state))
+
+
+def test_a_non_finite_gradient_of_a_finite_loss_stops_fit_too():
+    def loss(model, batch):                # sqrt at 0: the value 0, its gradient inf * 0 = nan
+        return _regression(model, batch) + jnp.sqrt(jnp.sum(model.weight) * 0.0)
+
+    with pytest.raises(training.NonFiniteError, match=r"received the gradient not finite at "
+                       r"step 1 \(epoch 0.*gradient norm nan"):
+        training.fit(_linear(), loss, _regression_data(bad=None), optimizer=optax.sgd(0.1),
+                     batch_size=4, buckets=[8], verbose=False, cache=False)
+
+
+def test_on_nonfinite_skip_leaves_the_state_of_a_bad_step_unchanged_and_trains_on():
+    data = _regression_data(bad=9)
+    step, _ = _bad_step(data, 9)
+    weights = []
+    result = training.fit(_linear(), _regression, data, optimizer=optax.adam(0.1),
+                          batch_size=4, buckets=[8], verbose=False, cache=False,
+                          on_nonfinite="skip",
+                          callbacks=[lambda info: weights.append(
+                              jax.tree_util.tree_map(np.array, (info.state.model,
+                                                                info.state.opt_state)))])
+    steps = [r for r in result.history if r["kind"] == "step"]
+    assert [r.get("skipped", False) for r in steps] == [s + 1 == step for s in range(4)]
+    # The skipped step applied nothing: parameters and Adam's moments are the step before's.
+    assert step > 1
+    assert_trees_close(weights[step - 1], weights[step - 2], rtol=0, atol=0)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(result.state))
+    epoch = result.epochs()[0]
+    assert epoch["skipped"] == 1 and np.isfinite(epoch["train_loss"])
+    good = [r for r in steps if not r.get("skipped")]
+    want = sum(r["loss"] * r["tokens"] for r in good) / sum(r["tokens"] for r in good)
+    np.testing.assert_allclose(epoch["train_loss"], want, rtol=1e-6)

@@ -30,7 +30,7 @@ from ._checkpoint import (CheckpointError, CheckpointWarning, CorruptCheckpointE
                           checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
                           load_checkpoint, read_meta, save_checkpoint, verify_checkpoint)
 from ._data import BatchForm, Examples, Field, as_examples, pad_batch
-from ._fit import FitResult, StepInfo, StopTraining, evaluate, fit
+from ._fit import FitResult, NonFiniteError, StepInfo, StopTraining, evaluate, fit
 from ._options import FitOptions
 from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel, initialize_distributed
@@ -39,7 +39,7 @@ from ._steps import (LossCall, as_loss_call, eval_step_fn, make_eval_step, make_
                      step_keys, train_step_fn)
 
 __all__ = [
-    "fit", "FitOptions", "FitResult", "StepInfo", "StopTraining", "evaluate",
+    "fit", "FitOptions", "FitResult", "StepInfo", "StopTraining", "NonFiniteError", "evaluate",
     "TrainState", "measure_cost", "choose_buckets", "BucketChoice", "choose_layout",
     "LayoutChoice", "train_step_fn",
     "eval_step_fn", "make_train_step", "make_eval_step", "step_keys", "LossCall", "as_loss_call",

@@ -29,9 +29,9 @@ import buckets as _buckets
 
 from .. import Bucketed
 from .._cache import count_compiles, enable_persistent_cache
-from .._errors import OptionError, PolymorphismError, check_int, is_int
-from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, load_checkpoint, read_meta,
-                          save_checkpoint)
+from .._errors import OptionError, PolyexecError, PolymorphismError, check_int, is_int
+from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
+                          load_checkpoint, read_meta, save_checkpoint)
 from ._auto import choose_buckets, choose_layout, rebucket
 from ._data import Batching, Examples, PackedBatching, as_examples
 from ._options import FitOptions, check_callable
@@ -46,6 +46,22 @@ from ._steps import EvalFn, LossFn, as_loss_call, make_eval_step, make_train_ste
 class StopTraining(Exception):
     """Raise from a callback to end `fit` cleanly after the current step (a checkpoint is
     written first when ``checkpoint_dir`` is set)."""
+
+
+class NonFiniteError(PolyexecError, FloatingPointError):
+    """A train step's loss or gradient was not finite (``on_nonfinite="stop"``, the default).
+
+    The step was not applied and nothing was checkpointed after the step before it. ``step``
+    (1-based, counted over the whole run, as a step record's ``step``), ``epoch`` (0-based),
+    ``indices`` (the examples of the batch, indices into ``data``; across processes this
+    process's share), ``loss`` and ``grad_norm`` say where and what; ``checkpoint`` is the last
+    one written (None when none was)."""
+
+    def __init__(self, message: str, *, step: int, epoch: int, indices: Sequence[int],
+                 loss: float, grad_norm: float, checkpoint: str | None):
+        super().__init__(message)
+        self.step, self.epoch, self.indices = step, epoch, list(indices)
+        self.loss, self.grad_norm, self.checkpoint = loss, grad_norm, checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -830,16 +846,26 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     bucket = (rows * run.dp.processes, length)
     state, metrics = _at_shape(run.train_step, bucket, state,
                                *_global(run.batching, run.dp, examples, lengths))
-    loss = float(metrics["loss"])
+    # The step's one read-back (the loss was read every step already): its finite flag comes
+    # with it, computed inside the compiled step.
+    values = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "finite")})
+    loss, grad_norm, finite = (float(values["loss"]), float(values["grad_norm"]),
+                               bool(values["finite"]))
     seconds = time.perf_counter() - start
     # The executor pads the batch to `bucket` (see Batching); across processes the other
     # shares' real tokens are estimated by this one's (a packed step holds every length).
     tokens_real = int(lengths.sum()) * (1 if run.layout == "pack" else run.dp.processes)
+    if not finite and run.options.on_nonfinite == "stop":
+        _stop_nonfinite(run, position, batch, loss, grad_norm)
     position = position.after_step(loss=loss, tokens=tokens_real, padded=bucket[0] * bucket[1],
-                                   seconds=seconds)
+                                   seconds=seconds, skipped=not finite)
     compiles, _ = run.compiles()
-    log.add(step_record(position, loss=loss, grad_norm=float(metrics["grad_norm"]),
-                        tokens=tokens_real, bucket=bucket, seconds=seconds, compiles=compiles))
+    log.add(step_record(position, loss=loss, grad_norm=grad_norm, tokens=tokens_real,
+                        bucket=bucket, seconds=seconds, compiles=compiles, skipped=not finite))
+    if not finite:
+        run.display.print(f"step {position.step} (epoch {position.epoch}): loss {loss}, gradient "
+                          f"norm {grad_norm}: not finite, skipped (on_nonfinite='skip'); "
+                          f"examples {_listed(batch.indices)}")
     run.display.step(loss=loss, rate=position.totals.tokens_per_s, bucket=bucket,
                      compiles=compiles)
     info = StepInfo(position.step, position.epoch, position.batch, loss, bucket, state)
@@ -850,6 +876,32 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
         return state, position, True
     max_steps = run.options.max_steps
     return state, position, max_steps is not None and position.step >= max_steps
+
+
+def _stop_nonfinite(run: _Run, position: Position, batch: Any, loss: float,
+                    grad_norm: float) -> None:
+    """Raise `NonFiniteError` for the step after ``position``: the step made no change (see
+    `train_step_fn`) and is not recorded as done, so nothing after the last good step is saved."""
+    step = position.step + 1
+    saved = list_checkpoints(run.options.checkpoint_dir) if run.options.checkpoint_dir else []
+    last = saved[-1] if saved else None
+    what = ("the loss" if not np.isfinite(loss) else "the gradient")
+    raise NonFiniteError(
+        f"fit: expected a finite loss and gradient at every step, received {what} not finite at "
+        f"step {step} (epoch {position.epoch}, batch {position.batch} of the epoch, 0-based): "
+        f"loss {loss}, gradient norm {grad_norm}, on the examples data[i] for i in "
+        f"{_listed(batch.indices)}; the step was not applied and training stopped"
+        + (f", the last checkpoint is {last}" if last else ", no checkpoint was written")
+        + "; check those examples (a NaN or inf in a field?) and the loss (log of 0? a "
+        "learning rate too high?), or pass on_nonfinite='skip' to skip such steps",
+        step=step, epoch=position.epoch, indices=[int(i) for i in batch.indices], loss=loss,
+        grad_norm=grad_norm, checkpoint=last)
+
+
+def _listed(indices: Sequence[int], most: int = 16) -> str:
+    """``[3, 9, 14]``: a batch's example indices, the first ``most`` of a long one."""
+    shown = ", ".join(str(int(i)) for i in list(indices)[:most])
+    return f"[{shown}{', ...' if len(indices) > most else ''}] ({len(indices)} examples)"
 
 
 def _stacked(batching: Batching | PackedBatching, dp: DataParallel, step: Bucketed, arg: Any,

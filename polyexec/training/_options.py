@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from .._errors import OptionError, check_bool, check_int
+from .._errors import OptionError, check_bool, check_int, check_option
+
+# What a step whose loss or gradient is not finite does (see `fit`).
+OnNonfinite = Literal["stop", "skip"]
 
 
 def _optional_path(value: Any, where: str) -> str | None:
@@ -62,6 +66,7 @@ class FitOptions:
     layout: str = "auto"
     train_on_padding: bool = False
     specs: Any = None
+    on_nonfinite: OnNonfinite = "stop"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, *, also: Sequence[str] = ("optimizer", "validation",
@@ -107,6 +112,7 @@ class FitOptions:
             raise OptionError(f"fit: callbacks: expected a sequence of callables "
                               f"(StepInfo) -> None, received {self.callbacks!r}")
         normalise("callbacks", tuple(self.callbacks))
+        check_option(self.on_nonfinite, typing.get_args(OnNonfinite), "fit: on_nonfinite")
         if self.layout not in ("auto", "pad", "pack"):
             raise OptionError(f"fit: layout: expected one of 'auto', 'pad', 'pack', received "
                               f"{self.layout!r}")

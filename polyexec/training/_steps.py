@@ -98,8 +98,12 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     ``jax.value_and_grad`` of ``loss_fn(model, batch, lengths)`` -- with ``seed``,
     ``loss_fn(model, batch, lengths, key)``, ``key`` the step's (`step_keys`: from ``seed``
     and ``state.step``, so a resumed run draws the keys an uninterrupted one does) -- with
-    respect to the model's floating-point arrays, then ``optimizer.update`` and ``optax.apply_updates``. ``metrics``
-    holds ``loss`` and ``grad_norm`` (and ``grads`` with ``return_grads``). It knows no sizes:
+    respect to the model's trainable arrays (`trainable`), then ``optimizer.update`` and
+    ``optax.apply_updates``; what the call writes into the model's other state (an NNX RNG
+    count, batch statistics) is kept, as ``nnx.jit`` keeps it. A step whose loss or gradient
+    is not finite changes nothing but ``step``. ``metrics`` holds ``loss``, ``grad_norm`` and
+    ``finite`` (a bool: loss and every gradient element finite; and ``grads`` with
+    ``return_grads``). It knows no sizes:
     `make_train_step` compiles it once per length bucket; ``jax.jit`` of it is the exact-shape
     reference the tests compare against.
 
@@ -130,9 +134,21 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.combine(optax.apply_updates(params, updates), rest)
+        leaves = jax.tree_util.tree_leaves(grads)
         # The global L2 norm (optax.global_norm is deprecated, its successor needs optax>=0.2.5).
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in leaves))
+        # Every gradient element checked, not the norm: a finite gradient above ~1e19 squares
+        # to inf in float32. One fused reduction per leaf, read on the host with the loss.
+        finite = jnp.isfinite(loss)
+        for g in leaves:
+            finite = finite & jnp.all(jnp.isfinite(g))
+        # A non-finite step is never applied: parameters, optimiser state and the model's
+        # written state (NaN batch statistics) stay as they were; fit stops or skips on the
+        # host. (Applied, one NaN batch made every weight NaN and was checkpointed.)
+        model, opt_state = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(finite, new, old) if eqx.is_array(new) else new,
+            (model, opt_state), (state.model, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
         if return_grads:
             metrics["grads"] = grads
         return TrainState(model=model, opt_state=opt_state, step=state.step + 1), metrics
