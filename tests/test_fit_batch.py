@@ -404,3 +404,71 @@ def test_on_nonfinite_skip_leaves_the_state_of_a_bad_step_unchanged_and_trains_o
     good = [r for r in steps if not r.get("skipped")]
     want = sum(r["loss"] * r["tokens"] for r in good) / sum(r["tokens"] for r in good)
     np.testing.assert_allclose(epoch["train_loss"], want, rtol=1e-6)
+
+
+# -- the loss contract, checked before anything compiles (issue 49) -----------------------------
+
+
+def _cells(model, batch):
+    return (jax.vmap(jax.vmap(model))(batch["x"][..., None])[..., 0] - 1.0) ** 2
+
+
+@pytest.mark.parametrize("loss, has_aux, message", [
+    (lambda m, b: jnp.mean(_cells(m, b), axis=1), False,
+     r"fit: loss_fn: expected a scalar floating-point loss \(shape \(\), e\.g\. float32\[\]; "
+     r"has_aux=True for a pair \(loss, aux\)\), received an array float32\[2\] on a batch of 2 "
+     r"examples of data: reduce it to one number"),
+    (lambda m, b: jnp.mean(_cells(m, b)).astype(jnp.int32), False,
+     r"fit: loss_fn: expected a scalar floating-point loss .*, received a scalar int32\[\]: a "
+     r"gradient needs a floating-point loss"),
+    (lambda m, b: (jnp.mean(_cells(m, b)), {"n": jnp.sum(b["x"] > 0)}), False,
+     r"fit: loss_fn: expected a scalar floating-point loss .*, received a tuple of 2: "
+     r"\(float32\[\], \{'n': int32\[\]\}\); to return \(loss, aux\), pass has_aux=True"),
+    (lambda m, b: jnp.mean(_cells(m, b)), True,
+     r"fit: loss_fn: expected a pair \(loss, aux\) \(has_aux=True\), received a scalar "
+     r"float32\[\]"),
+    (lambda m, b: (jnp.mean(_cells(m, b)), {"per_example": jnp.mean(_cells(m, b), 1)}), True,
+     r"fit: loss_fn: aux\['per_example'\]: expected a pytree of scalars .*, received an array "
+     r"float32\[2\]"),
+], ids=["vector", "int", "tuple without has_aux", "has_aux without a pair", "aux not scalar"])
+def test_a_loss_breaking_the_contract_is_refused_by_name_before_anything_compiles(
+        loss, has_aux, message):
+    # Before: a vector loss was "retraced per bucket" at <unknown location>; a tuple or an int
+    # got JAX's raw TypeError from inside the train step.
+    seen = []
+
+    def recorded(model, batch):
+        seen.append(batch["x"].shape)
+        return loss(model, batch)
+
+    with pytest.raises(px.OptionError, match=message):
+        training.fit(_linear(), recorded, _regression_data(bad=None), optimizer=optax.sgd(0.1),
+                     batch_size=4, buckets=[8], verbose=False, cache=False, has_aux=has_aux)
+    # Refused from one abstract evaluation on two examples: the step was never traced over
+    # symbolic lengths, so nothing of it compiled.
+    assert len(seen) == 1 and all(isinstance(d, int) for d in seen[0]), seen
+
+
+def test_has_aux_logs_each_steps_aux_and_its_epoch_mean_and_trains_as_without():
+    data = _regression_data(bad=None)
+
+    def with_aux(model, batch):
+        cells = _cells(model, batch)
+        return jnp.mean(cells), {"small": jnp.mean(cells < 0.5), "worst": jnp.max(cells)}
+
+    common = dict(optimizer=optax.adam(0.1), batch_size=4, buckets=[8], verbose=False,
+                  cache=False, epochs=2, validation=data[:4])
+    result = training.fit(_linear(), with_aux, data, has_aux=True, **common)
+    plain = training.fit(_linear(), lambda m, b: jnp.mean(_cells(m, b)), data, **common)
+    assert_trees_close(result.model, plain.model, rtol=0, atol=0)
+    assert result.val_loss == plain.val_loss
+    steps = [r for r in result.history if r["kind"] == "step"]
+    assert all(set(r["aux"]) == {"small", "worst"} for r in steps)
+    for epoch in result.epochs():
+        mine = [r for r in steps if r["epoch"] == epoch["epoch"]]
+        for name in ("small", "worst"):
+            want = sum(r["aux"][name] * r["tokens"] for r in mine) / sum(r["tokens"] for r in mine)
+            np.testing.assert_allclose(epoch["aux"][name], want, rtol=1e-6)
+    # Over real cells only: a fraction of them, never the padding's (1 - 0)^2 = 1 counted.
+    lengths = [len(d["x"]) for d in data]
+    assert all(0 <= r["aux"]["small"] <= 1 for r in steps) and max(lengths) > min(lengths)

@@ -40,7 +40,8 @@ from ._parallel import DataParallel, data_parallel
 from ._progress import RunDisplay
 from ._records import MetricsLog, Position, epoch_record, step_record, warmup_record
 from ._state import TrainState, copy_arrays, place
-from ._steps import EvalFn, LossFn, as_loss_call, make_eval_step, make_train_step
+from ._data import pad_batch
+from ._steps import EvalFn, LossFn, as_loss_call, check_loss, make_eval_step, make_train_step
 
 
 class StopTraining(Exception):
@@ -268,6 +269,7 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     options = FitOptions.from_kwargs(options)
     _check_outputs(options)
     run = _prepare(loss_fn, data, optimizer, validation, eval_fn, options)
+    _check_losses(run, model)
     _configure_cache(options.cache)
     # One writer per checkpoint folder, for this run only: a second run writing there is
     # refused by name instead of racing this one's pruning.
@@ -340,6 +342,9 @@ class _Run:
     train_shapes: dict = dataclasses.field(default_factory=dict)
     eval_shapes: dict = dataclasses.field(default_factory=dict)
     prediction: Any = None              # buckets="auto": `buckets.Prediction` of the choice
+    # How loss_fn and eval_fn are called (`as_loss_call`), for the contract check.
+    loss_call: Any = None
+    eval_call: Any = None
     # When `fit` was called: an epoch record's ``elapsed`` counts from here, so the time to a
     # validation loss includes choosing buckets, measuring and compiling, as a user waits it.
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -472,15 +477,30 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
                      batch_buckets=[batching.rows(top) * P, batching.rows(shortest) * P],
                      min_length=options.min_length, pad_id=options.pad_id, shardings=dp.shardings,
                      masking=options.masking, layout="auto" if packs else "pad", form=form)
-    train_step = make_train_step(loss_call, optimizer, seed=seed, **step_args)
+    train_step = make_train_step(loss_call, optimizer, seed=seed, has_aux=options.has_aux,
+                                 **step_args)
     eval_step = None
     if val is not None:
         evaluation = eval_call or loss_call
         eval_step = make_eval_step(None if eval_call else loss_call, eval_call,
                                    seed=options.seed if evaluation.wants_key else None,
-                                   **step_args)
-    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
+                                   has_aux=options.has_aux and eval_call is None, **step_args)
+    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto,
+               loss_call=loss_call, eval_call=eval_call if val is not None else None)
     return run if auto else _with_policy(run, policy)
+
+
+def _check_losses(run: _Run, model: Any) -> None:
+    """The loss contract (`check_loss`), on the first two examples as a batch, before
+    anything traces symbolically or compiles: what ``loss_fn`` (and ``eval_fn``) returned,
+    named by shape and dtype against what is expected."""
+    first = list(range(min(2, len(run.train))))   # two: a per-example loss shows as [2]
+    length = max(int(run.train.lengths[first].max()), run.options.min_length)
+    batch, lengths = pad_batch(run.train, first, len(first), length)
+    on = f" on a batch of {len(first)} example{'s' if len(first) > 1 else ''} of data"
+    check_loss(run.loss_call, model, batch, lengths, has_aux=run.options.has_aux, on=on)
+    if run.eval_call is not None:
+        check_loss(run.eval_call, model, batch, lengths, where="fit: eval_fn", pair=True)
 
 
 def _refuse_padding(run: _Run, state: TrainState, eval_fn: EvalFn | None) -> None:
@@ -848,9 +868,11 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
                                *_global(run.batching, run.dp, examples, lengths))
     # The step's one read-back (the loss was read every step already): its finite flag comes
     # with it, computed inside the compiled step.
-    values = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "finite")})
+    values = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "finite", "aux")
+                             if k in metrics})
     loss, grad_norm, finite = (float(values["loss"]), float(values["grad_norm"]),
                                bool(values["finite"]))
+    aux = _named(values["aux"]) if "aux" in values else None
     seconds = time.perf_counter() - start
     # The executor pads the batch to `bucket` (see Batching); across processes the other
     # shares' real tokens are estimated by this one's (a packed step holds every length).
@@ -858,10 +880,11 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     if not finite and run.options.on_nonfinite == "stop":
         _stop_nonfinite(run, position, batch, loss, grad_norm)
     position = position.after_step(loss=loss, tokens=tokens_real, padded=bucket[0] * bucket[1],
-                                   seconds=seconds, skipped=not finite)
+                                   seconds=seconds, skipped=not finite, aux=aux)
     compiles, _ = run.compiles()
     log.add(step_record(position, loss=loss, grad_norm=grad_norm, tokens=tokens_real,
-                        bucket=bucket, seconds=seconds, compiles=compiles, skipped=not finite))
+                        bucket=bucket, seconds=seconds, compiles=compiles, skipped=not finite,
+                        aux=aux))
     if not finite:
         run.display.print(f"step {position.step} (epoch {position.epoch}): loss {loss}, gradient "
                           f"norm {grad_norm}: not finite, skipped (on_nonfinite='skip'); "
@@ -896,6 +919,16 @@ def _stop_nonfinite(run: _Run, position: Position, batch: Any, loss: float,
         "learning rate too high?), or pass on_nonfinite='skip' to skip such steps",
         step=step, epoch=position.epoch, indices=[int(i) for i in batch.indices], loss=loss,
         grad_norm=grad_norm, checkpoint=last)
+
+
+def _named(aux: Any) -> dict[str, float]:
+    """A loss's aux (a pytree of scalars) as ``{name: value}`` for the records: a dict's keys
+    (``{"accuracy": a}`` -> ``accuracy``), nested ones joined by dots, a bare scalar ``aux``."""
+    named = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        named[".".join(parts) or "aux"] = float(value)
+    return named
 
 
 def _listed(indices: Sequence[int], most: int = 16) -> str:

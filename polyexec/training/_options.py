@@ -67,6 +67,7 @@ class FitOptions:
     train_on_padding: bool = False
     specs: Any = None
     on_nonfinite: OnNonfinite = "stop"
+    has_aux: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, *, also: Sequence[str] = ("optimizer", "validation",
@@ -97,7 +98,8 @@ class FitOptions:
                                       optional=optional))
         if self.batch_size is None and self.max_tokens is None:
             normalise("batch_size", 32)
-        for name in ("shuffle", "masking", "warmup", "resume", "verbose", "train_on_padding"):
+        for name in ("shuffle", "masking", "warmup", "resume", "verbose", "train_on_padding",
+                     "has_aux"):
             check_bool(getattr(self, name), f"fit: {name}")
         if self.progress is not None:
             check_bool(self.progress, "fit: progress")

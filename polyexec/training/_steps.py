@@ -92,7 +92,7 @@ def as_loss_call(fn: Callable, where: str, *, one_field: bool) -> LossCall:
 
 
 def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-                  return_grads: bool = False, seed: int | None = None):
+                  return_grads: bool = False, seed: int | None = None, has_aux: bool = False):
     """The pure train step ``(state, batch, lengths) -> (new_state, metrics)``.
 
     ``jax.value_and_grad`` of ``loss_fn(model, batch, lengths)`` -- with ``seed``,
@@ -103,7 +103,8 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     count, batch statistics) is kept, as ``nnx.jit`` keeps it. A step whose loss or gradient
     is not finite changes nothing but ``step``. ``metrics`` holds ``loss``, ``grad_norm`` and
     ``finite`` (a bool: loss and every gradient element finite; and ``grads`` with
-    ``return_grads``). It knows no sizes:
+    ``return_grads``). With ``has_aux`` the loss returns ``(loss, aux)``, as for
+    ``jax.value_and_grad(..., has_aux=True)``, and ``metrics["aux"]`` is ``aux``. It knows no sizes:
     `make_train_step` compiles it once per length bucket; ``jax.jit`` of it is the exact-shape
     reference the tests compare against.
 
@@ -125,13 +126,14 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         def loss_of(p):
             model = eqx.combine(p, rest)
             loss = loss_fn(model, batch, lengths, *keyed)
+            loss, aux = loss if has_aux else (loss, None)
             # What the call wrote into the model's state -- an NNX Dropout's RngCount, a
             # BatchNorm's running statistics -- is read back from it here, as nnx.jit's
             # split/merge does; dropped, every step drew the first step's dropout mask
             # again and the statistics never moved. (An equinox model's rest comes back as is.)
-            return loss, _written(model, rest)
+            return loss, (_written(model, rest), aux)
 
-        (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        (loss, (rest, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.combine(optax.apply_updates(params, updates), rest)
         leaves = jax.tree_util.tree_leaves(grads)
@@ -149,11 +151,99 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             lambda new, old: jnp.where(finite, new, old) if eqx.is_array(new) else new,
             (model, opt_state), (state.model, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        if has_aux:
+            metrics["aux"] = aux
         if return_grads:
             metrics["grads"] = grads
         return TrainState(model=model, opt_state=opt_state, step=state.step + 1), metrics
 
     return train_step
+
+
+def check_loss(call: LossCall, model, batch, lengths, *, where: str = "fit: loss_fn",
+               has_aux: bool = False, pair: bool = False, on: str = "") -> None:
+    """Refuse, before anything compiles, a loss whose result breaks the contract: a scalar
+    floating-point loss (``has_aux``: a pair ``(loss, aux)``, ``aux`` a pytree of scalars,
+    logged per epoch); ``pair``: an ``eval_fn``'s ``(summed loss, count)`` of two scalars.
+    ``on`` says what the batch was (`` on a batch of 2 examples``), for the message.
+
+    Read with ``jax.eval_shape`` on one example batch: nothing compiles. (Unchecked, a vector
+    loss was refused as a shape-polymorphism problem at ``<unknown location>``, a tuple or an
+    int got JAX's raw ``TypeError`` from inside the train step.) A loss that fails to trace
+    on this batch is left to the step's own trace, which reports it with the user's line.
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> call = as_loss_call(lambda model, batch: batch * model, "fit: loss_fn", one_field=False)
+    >>> check_loss(call, 2.0, np.ones((1, 3), np.float32), np.array([3], np.int32))
+    Traceback (most recent call last):
+    polyexec._errors.OptionError: fit: loss_fn: expected a scalar floating-point loss (shape (), e.g. float32[]; has_aux=True for a pair (loss, aux)), received an array float32[1,3]: reduce it to one number (e.g. .mean())
+    """
+    key = jax.random.key(0) if call.wants_key else None
+    try:
+        # filter_: a model's non-array leaves (functions, names) are static, as in the step.
+        out = eqx.filter_eval_shape(lambda m, b, n: call(m, b, n, key), model, batch, lengths)
+    except Exception:      # noqa: BLE001 -- the step's own trace reports it, at the user's line
+        return
+    if pair:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2
+                and all(_is_scalar(x) or isinstance(x, (int, float)) for x in out)):
+            raise OptionError(f"{where}: expected a pair (summed loss, count) of two scalars, "
+                              f"received {_described(out)}")
+        return
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise OptionError(f"{where}: expected a pair (loss, aux) (has_aux=True), received "
+                              f"{_described(out)}")
+        out, aux = out
+        bad = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(aux)[0]
+               if not _is_scalar(x)]
+        if bad:
+            path, x = bad[0]
+            raise OptionError(f"{where}: aux{jax.tree_util.keystr(path)}: expected a pytree of "
+                              f"scalars (each averaged over the epoch and logged), received "
+                              f"{_described(x)}")
+    expected = ("expected a scalar floating-point loss (shape (), e.g. float32[]"
+                + ("" if has_aux else "; has_aux=True for a pair (loss, aux)") + ")")
+    if isinstance(out, (tuple, list)):
+        raise OptionError(f"{where}: {expected}, received {_described(out)}"
+                          + ("" if has_aux or len(out) != 2 else
+                             "; to return (loss, aux), pass has_aux=True"))
+    if not isinstance(out, jax.ShapeDtypeStruct):
+        raise OptionError(f"{where}: {expected}, received {_described(out)}")
+    if out.shape != ():
+        raise OptionError(f"{where}: {expected}, received {_described(out)}{on}: reduce it to "
+                          f"one number (e.g. .mean())")
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        raise OptionError(f"{where}: {expected}, received {_described(out)}: a gradient needs a "
+                          f"floating-point loss (cast with .astype(jnp.float32), or compute it "
+                          f"from floats)")
+
+
+def _is_scalar(x) -> bool:
+    return (isinstance(x, jax.ShapeDtypeStruct) and x.shape == ()
+            and (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)))
+
+
+def _described(x) -> str:
+    """What a function returned, by shapes and dtypes: ``an array float32[4]``, ``a tuple of
+    2: (float32[], {'n': int32[]})``."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return f"{'a scalar' if x.shape == () else 'an array'} {_shape(x)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}: {_shape(x)}"
+    return f"{type(x).__name__}: {_shape(x)}"
+
+
+def _shape(x) -> str:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return f"{x.dtype.name}[{','.join(map(str, x.shape))}]"
+    if isinstance(x, tuple):
+        return "(" + ", ".join(map(_shape, x)) + ("," if len(x) == 1 else "") + ")"
+    if isinstance(x, list):
+        return "[" + ", ".join(map(_shape, x)) + "]"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_shape(v)}" for k, v in x.items()) + "}"
+    return repr(x)
 
 
 def _written(model, rest):
@@ -170,12 +260,13 @@ def _written(model, rest):
 
 
 def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
-                 seed: int | None = None):
+                 seed: int | None = None, has_aux: bool = False):
     """The pure eval step ``(model, batch, lengths) -> (total, count)``.
 
     With ``eval_fn`` (returning a summed loss and the number of terms it sums, e.g. predicted
     tokens) averages across batches are exact. Without it, ``loss_fn``'s mean is weighted by
-    the batch's real tokens, ``sum(lengths)``. With ``seed``, the function is called with the
+    the batch's real tokens, ``sum(lengths)`` (with ``has_aux``, the loss of its ``(loss,
+    aux)``). With ``seed``, the function is called with the
     evaluation key of `step_keys` last (the same for every batch and epoch).
     """
     def keyed():     # made inside the trace: a key is no constant of the program
@@ -188,7 +279,9 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *
     elif loss_fn is not None:
         def eval_step(model, batch, lengths):
             count = jnp.sum(lengths).astype(jnp.float32)
-            return loss_fn(model, batch, lengths, *keyed()).astype(jnp.float32) * count, count
+            loss = loss_fn(model, batch, lengths, *keyed())
+            loss = loss[0] if has_aux else loss
+            return loss.astype(jnp.float32) * count, count
     else:
         raise OptionError("eval_step_fn: expected loss_fn or eval_fn, received neither")
     return eval_step
@@ -225,7 +318,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     donate: bool = True,
                     return_grads: bool = False, masking: bool = True,
                     layout: str = "pad", form: BatchForm | None = None,
-                    seed: int | None = None) -> Bucketed:
+                    seed: int | None = None, has_aux: bool = False) -> Bucketed:
     """`train_step_fn` as a `px.bucketed` function, compiled once per (B, T) bucket.
 
     ``state`` is not length-polymorphic (its arrays keep their shapes) and is donated, so XLA
@@ -234,7 +327,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     ``masking=False`` turns off the executor's logical-length rewrite; ``layout`` is
     `px.bucketed`'s (``"auto"`` for `choose_layout`, which pins pad or pack by cost).
     ``form``: the batch's `BatchForm` (default: tokens ``(B, T)`` int32); ``seed``: the loss
-    takes a key last (`train_step_fn`).
+    takes a key last; ``has_aux``: it returns ``(loss, aux)`` (`train_step_fn`).
 
     >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
     >>> from polyexec.training import TrainState, make_train_step
@@ -250,7 +343,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     (1, 1, False)
     """
     return _bucketed_step(train_step_fn(loss_fn, optimizer, return_grads=return_grads,
-                                        seed=seed),
+                                        seed=seed, has_aux=has_aux),
                           name="train_step", length_buckets=length_buckets,
                           batch_buckets=batch_buckets, min_length=min_length, pad_id=pad_id,
                           shardings=shardings, masking=masking, layout=layout,
@@ -261,10 +354,11 @@ def make_eval_step(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None,
                    length_buckets: Sequence[int], batch_buckets: Sequence[int],
                    min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
                    masking: bool = True, layout: str = "pad", form: BatchForm | None = None,
-                   seed: int | None = None) -> Bucketed:
+                   seed: int | None = None, has_aux: bool = False) -> Bucketed:
     """`eval_step_fn` as a `px.bucketed` function: ``(model, batch, lengths) -> (total,
     count)``."""
-    return _bucketed_step(eval_step_fn(loss_fn, eval_fn, seed=seed), name="eval_step",
+    return _bucketed_step(eval_step_fn(loss_fn, eval_fn, seed=seed, has_aux=has_aux),
+                          name="eval_step",
                           layout=layout, length_buckets=length_buckets,
                           batch_buckets=batch_buckets, min_length=min_length, pad_id=pad_id,
                           shardings=shardings, masking=masking, form=form)
