@@ -87,6 +87,17 @@ def test_cli_rejects_a_bad_flag_with_one_line_and_no_traceback():
     (["--buckets", "optimal:x"], "argument --buckets: 'optimal:x': expected K an int >= 1"),
     (["--buckets", "fixed:8,0"], "argument --buckets: 'fixed:8,0': Fixed: sizes[1]: expected"),
     (["--no-cache", "--cache-dir", "x"], "argument --cache-dir: not allowed with argument --no-cache"),
+    # Before JAX sees it: `bad:addr` crashed JAX's runtime (rc 139).
+    (["--coordinator", "bad:addr", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535 (e.g. "
+     "10.0.0.2:1234), received 'bad:addr'"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535"),
+    (["--coordinator", "localhost:65536", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535"),
+    (["--coordinator", ":80", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535"),
+    (["--coordinator-timeout", "0"], "argument --coordinator-timeout: expected an int >= 1"),
     # Found out after parsing, by the code that knows: still one line.
     (["--limit", "40", "--cap", "64", "--buckets", "fixed:8"],
      "--buckets: expected a largest bucket >= the longest training sentence"),

@@ -60,6 +60,16 @@ def _int_flag(minimum: int, *, zero: str | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _coordinator(text: str) -> str:
+    """An argparse type: ``HOST:PORT``, checked before JAX sees it (``bad:addr`` crashed its
+    runtime)."""
+    try:
+        training.parse_coordinator(text, "--coordinator")
+    except px.OptionError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--coordinator: ")) from None
+    return text
+
+
 def _positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (``--lr inf`` trained to a NaN loss)."""
     try:
@@ -125,8 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_int_flag(1),
                    help="data-parallel over this many local devices (default: all)")
     multi = p.add_argument_group("more than one process (jax.distributed; see the README)")
-    multi.add_argument("--coordinator", metavar="HOST:PORT",
+    multi.add_argument("--coordinator", metavar="HOST:PORT", type=_coordinator,
                        help="process 0's address; every process passes the same one")
+    multi.add_argument("--coordinator-timeout", type=_int_flag(1), default=60, metavar="SECONDS",
+                       help="seconds to reach the coordinator and for every process to join; "
+                            "then the run fails with a message (default 60)")
     multi.add_argument("--num-processes", type=_int_flag(1), help="processes in the run")
     multi.add_argument("--process-id", type=_int_flag(0), help="this process's index, from 0")
     multi.add_argument("--heartbeat-timeout", type=_int_flag(1), default=100,
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         processes = training.initialize_distributed(
             args.coordinator, args.num_processes, args.process_id,
-            heartbeat_timeout=args.heartbeat_timeout)
+            heartbeat_timeout=args.heartbeat_timeout, timeout=args.coordinator_timeout)
         check_outputs(args)
         return run(args)
     except (px.OptionError, px.PolymorphismError) as e:
