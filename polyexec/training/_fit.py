@@ -118,8 +118,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ``warmup=True``, ``warmup_workers``, ``checkpoint_dir``, ``checkpoint_every``,
     ``keep_checkpoints=3``, ``resume=True``, ``max_steps``, ``metrics_file``, ``callbacks``,
     ``progress``, ``verbose=True``, ``console``, ``masking=True``, ``layout="auto"``,
-    ``train_on_padding=False``, ``specs=None``) are the fields of `FitOptions`, declared and
-    checked there; what they do is below.
+    ``train_on_padding=False``, ``specs=None``, ``on_nonfinite="stop"``, ``has_aux=False``)
+    are the fields of `FitOptions`, declared and checked there; what they do is below.
 
     ``data`` (and ``validation``) is a sequence of variable-length examples, each a pytree of
     arrays of one structure (``{"tokens": (T,) int, "label": () int, "tags": (T,) int}``) or,
@@ -192,6 +192,30 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     loads the executables instead of compiling them. ``cache=False`` means "do not turn ours
     on": a cache you configured yourself (``jax.config``, ``JAX_COMPILATION_CACHE_DIR``) stays
     on; ``px.disable_persistent_cache()`` turns it off.
+
+    The loss contract, checked before anything compiles (``jax.eval_shape`` on the first two
+    examples): ``loss_fn`` returns a scalar floating-point loss; a vector, an integer or a
+    tuple is an `OptionError` naming ``loss_fn``, what it returned (shape and dtype) and what
+    is expected. ``has_aux=True``: it returns ``(loss, aux)`` (as ``jax.value_and_grad(...,
+    has_aux=True)`` takes it), ``aux`` a pytree of scalars (``{"accuracy": a}``), recorded in
+    each step record's ``"aux"`` and, weighted by real tokens as the loss is, in each epoch
+    record's ``"aux"`` (and its printed summary).
+
+    The model's state: the optimiser trains the floating-point arrays (of a Flax NNX model its
+    ``nnx.Param``s, as ``nnx.Optimizer(..., wrt=nnx.Param)``); what the loss call writes into
+    the rest -- an ``nnx.Dropout``'s RNG count, an ``nnx.BatchNorm``'s running statistics,
+    computed over the real tokens only, padded or packed -- is carried to the next step as
+    ``nnx.jit`` with ``nnx.split``/``nnx.merge`` carries it, and is in ``result.model`` and
+    in every checkpoint. (The eval step writes nothing back: validation changes no state.)
+
+    Non-finite steps: the train step computes whether its loss and every gradient element are
+    finite, and a step that is not is never applied (parameters, optimiser and model state
+    stay as they were). ``on_nonfinite="stop"`` (the default) then ends the run with
+    `NonFiniteError` naming the step, the epoch and the batch's example indices (``data[i]``),
+    having written no checkpoint after the last good step; ``"skip"`` goes on to the next
+    batch, the step recorded with ``"skipped": True`` and left out of the epoch's train loss
+    (the epoch record counts ``"skipped"``). The flag comes back with the loss, which the loop
+    reads every step anyway: no extra device sync.
 
     Validation: after every epoch, ``eval_fn(model, batch) -> (summed loss, count)`` over
     ``validation`` (exact mean: totals over counts; the same batch form, and ``lengths`` and
