@@ -584,6 +584,8 @@ class Bucketed:
         for segment in plan.segments:
             compiled = self._executable(plan, segment, placed.layout, placed.bucket)
             outputs = compiled(placed.inputs(segment, handed))
+            if segment.callbacks is not None:     # jax.debug.print's values, on the host
+                outputs = segment.callbacks.run(outputs)
             self._counters.add(placed.layout.stats_key(segment, placed.bucket), calls=1,
                                real_elements=placed.real, padded_elements=placed.padded)
             if segment.cut is None:
