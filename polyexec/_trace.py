@@ -507,6 +507,15 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
                       {n: tuple(sorted(s)) for n, s in splits.items()})
 
     callbacks = None
+    nested = next((e for top in jaxpr.jaxpr.eqns for sub in sub_jaxprs(top)
+                   for e in walk(sub) if e.primitive.name in DEBUG_CALLBACKS), None)
+    if nested is not None:
+        # Inside a loop, a branch or an inner jit, a call cannot become an output of the
+        # program (it may run any number of times): the export would refuse it.
+        return Failed(f"{where(nested)}: jax.debug.print/jax.debug.callback inside a "
+                      f"sub-program (a loop, a branch, an inner jit or a checkpoint): only "
+                      f"calls at the function's top level run in a bucketed program (their "
+                      f"values read back on the host); move the call out of it")
     if any(e.primitive.name in DEBUG_CALLBACKS for e in jaxpr.jaxpr.eqns):
         hoisted = hoist_callbacks(jaxpr)
         if isinstance(hoisted, Failed):

@@ -109,3 +109,17 @@ def test_fit_runs_a_loss_that_prints_and_prints_each_steps_loss(capsys):
     steps = [r["loss"] for r in result.history if r["kind"] == "step"]
     assert result.train_step.traces == 1 and len(steps) == 3
     np.testing.assert_allclose(printed, steps, rtol=1e-6)
+
+
+def test_a_callback_inside_a_loop_names_the_line_instead_of_jaxs_serialization_error():
+    def f(x, lengths):
+        def body(carry, row):
+            jax.debug.print("row {}", jnp.sum(row))
+            return carry + jnp.sum(row), None
+        return jax.lax.scan(body, 0.0, x)[0]
+
+    g = px.bucketed(f, SPECS, buckets={T: [16]})
+    with pytest.warns(UserWarning, match="sub-program"):
+        g(_ragged(), LENGTHS)
+    # Before: "<unknown location>: NotImplementedError: serialization of host_callbacks ...".
+    assert "test_debug_callbacks.py" in g.plan.reason and "top level" in g.plan.reason
