@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train even a loss the rewrite cannot keep padding out of (not "
                         "padding-safe, or retraced per bucket), which is refused otherwise: "
                         "padding may then change the loss (fit(train_on_padding=True))")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a step whose loss or gradient is not finite: stop the run, naming the "
+                        "step and its examples (default), or skip it (fit(on_nonfinite=...))")
     p.add_argument("--seed", type=_int_flag(0), default=DEFAULTS["seed"])
     p.add_argument("--target-loss", type=_positive_float, metavar="NATS",
                    help="also report the wall time at which validation first reached this loss "
@@ -191,6 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
         return run(args)
     except (px.OptionError, px.PolymorphismError) as e:
         parser.error(str(e))
+    except training.NonFiniteError as e:
+        # Not a usage error: the run itself went wrong. One line, the checkpoint kept.
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except jax.errors.JaxRuntimeError as e:
         if processes == 1:
             raise
@@ -292,6 +299,7 @@ def run(args: argparse.Namespace) -> dict:
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
         cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
         layout=args.layout if masking else "pad", train_on_padding=args.train_on_padding,
+        on_nonfinite=args.on_nonfinite,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         metrics_file=args.metrics, progress=False if args.no_progress else None, console=console)
 

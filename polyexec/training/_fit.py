@@ -955,10 +955,13 @@ def _named(aux: Any) -> dict[str, float]:
     return named
 
 
-def _listed(indices: Sequence[int], most: int = 16) -> str:
-    """``[3, 9, 14]``: a batch's example indices, the first ``most`` of a long one."""
+def _listed(indices: Sequence[int], most: int = 64) -> str:
+    """``[3, 9, 14] (3 examples)``: a batch's example indices, the first ``most`` of a long
+    one (all of them are in `NonFiniteError.indices`)."""
     shown = ", ".join(str(int(i)) for i in list(indices)[:most])
-    return f"[{shown}{', ...' if len(indices) > most else ''}] ({len(indices)} examples)"
+    more = len(indices) > most
+    return (f"[{shown}{', ...' if more else ''}] ({len(indices)} examples"
+            + ("; all in the error's .indices" if more else "") + ")")
 
 
 def _stacked(batching: Batching | PackedBatching, dp: DataParallel, step: Bucketed, arg: Any,
