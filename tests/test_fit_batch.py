@@ -472,3 +472,74 @@ def test_has_aux_logs_each_steps_aux_and_its_epoch_mean_and_trains_as_without():
     # Over real cells only: a fraction of them, never the padding's (1 - 0)^2 = 1 counted.
     lengths = [len(d["x"]) for d in data]
     assert all(0 <= r["aux"]["small"] <= 1 for r in steps) and max(lengths) > min(lengths)
+
+
+# -- equinox's functional state (eqx.nn.State) through fit (issue 49) ---------------------------
+
+
+class Centred(eqx.Module):
+    """A layer keeping a running mean of its batch in an eqx.nn.State: the mean over the
+    batch's real cells (the padding, 0, would pull it down), updated by every step."""
+
+    lin: eqx.nn.Linear
+    index: eqx.nn.StateIndex
+
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(3, 3, key=key)
+        self.index = eqx.nn.StateIndex(jnp.zeros(3))
+
+    def __call__(self, x, state):                  # x: (B, T, 3)
+        h = jax.vmap(jax.vmap(self.lin))(x)
+        mean = jnp.mean(h, axis=(0, 1))
+        return h - mean, state.set(self.index, 0.5 * state.get(self.index) + 0.5 * mean)
+
+
+def _centred_loss(model, batch, state):            # asks for the state by name
+    y, state = model(batch["x"], state)
+    return jnp.mean((y - batch["x"]) ** 2), state
+
+
+def test_fit_threads_an_eqx_state_as_a_filter_jit_loop_does(tmp_path):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2, 9, 12)
+    data = [{"x": (2 + rng.normal(size=(n, 3))).astype(np.float32)} for n in lengths]
+    result = training.fit(eqx.nn.make_with_state(Centred)(jax.random.PRNGKey(0)), _centred_loss,
+                          data, optimizer=optax.sgd(0.1), batch_size=4, epochs=2, buckets=[8],
+                          validation=data[:4], verbose=False, cache=False,
+                          checkpoint_dir=tmp_path)
+    plan = [b for e in range(2) for b in buckets.batch_plan(lengths, result.policy, batch_size=4,
+                                                            seed=0, epoch=e)]
+    model, state = eqx.nn.make_with_state(Centred)(jax.random.PRNGKey(0))
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, state, opt_state, batch):
+        (value, state), grads = eqx.filter_value_and_grad(_centred_loss, has_aux=True)(
+            model, batch, state)
+        updates, opt_state = opt.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), state, opt_state, value
+
+    losses = []
+    for b in plan:       # each batch's real cells alone, as one row: no padding anywhere
+        x = np.concatenate([data[i]["x"] for i in b.indices])[None]
+        model, state, opt_state, value = step(model, state, opt_state, {"x": x})
+        losses.append(float(value))
+    np.testing.assert_allclose([r["loss"] for r in result.history if r["kind"] == "step"],
+                               losses, rtol=1e-5)
+    trained, kept = result.model
+    np.testing.assert_allclose(kept.get(trained.index), state.get(model.index), rtol=1e-5)
+    assert np.all(np.abs(np.asarray(kept.get(trained.index))) > 0.1)   # it moved
+    np.testing.assert_allclose(trained.lin.weight, model.lin.weight, rtol=1e-5)
+    assert result.val_loss is not None
+    saved, _ = training.load_checkpoint(result.checkpoint, like=result.state)
+    np.testing.assert_array_equal(saved.model[1].get(trained.index), kept.get(trained.index))
+
+
+def test_a_loss_asking_for_state_without_an_eqx_state_is_named():
+    with pytest.raises(px.OptionError, match=r"fit: loss_fn: asks for state \(a parameter named "
+                       r"state\): expected the model as a \(model, eqx.nn.State\) pair, as "
+                       r"eqx.nn.make_with_state returns it, received Centred"):
+        training.fit(Centred(jax.random.PRNGKey(0)), _centred_loss, _regression_data(bad=None),
+                     optimizer=optax.sgd(0.1), batch_size=4, buckets=[8], verbose=False,
+                     cache=False)

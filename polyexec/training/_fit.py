@@ -206,7 +206,11 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     the rest -- an ``nnx.Dropout``'s RNG count, an ``nnx.BatchNorm``'s running statistics,
     computed over the real tokens only, padded or packed -- is carried to the next step as
     ``nnx.jit`` with ``nnx.split``/``nnx.merge`` carries it, and is in ``result.model`` and
-    in every checkpoint. (The eval step writes nothing back: validation changes no state.)
+    in every checkpoint. Equinox's functional state: pass the ``(model, state)`` pair
+    ``eqx.nn.make_with_state`` returns as ``model``, and give ``loss_fn`` a parameter named
+    ``state``: it receives the module and the state, returns ``(loss, new_state)``, and the
+    new state goes to the next step (``result.model`` is the pair). (The eval step writes
+    nothing back: validation changes no state; an ``eval_fn`` asking for ``state`` reads it.)
 
     Non-finite steps: the train step computes whether its loss and every gradient element are
     finite, and a step that is not is never applied (parameters, optimiser and model state

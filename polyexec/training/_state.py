@@ -48,7 +48,8 @@ def trainable(model: Any) -> tuple[Any, Any]:
     trains and everything else, which a train step carries through as the call left it.
 
     Trained: floating-point arrays -- of a Flax NNX model only those in an ``nnx.Param``, as
-    ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` trains. The rest is state: an ``nnx.BatchStat``
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` trains, and none in an ``eqx.nn.State``. The
+    rest is state: an ``nnx.BatchStat``
     is a float array too, but it is written by the layer (running statistics), never by
     a gradient (an optimiser with weight decay would pull it to 0); RNG counts and keys, and
     an equinox model's integer arrays, are not differentiable at all.
@@ -59,17 +60,19 @@ def trainable(model: Any) -> tuple[Any, Any]:
     ((1, 2), True)
     """
     nnx = sys.modules.get("flax.nnx")   # imported by whoever built an NNX model, else none here
-    if nnx is None:
-        return eqx.partition(model, eqx.is_inexact_array)
+    variable = nnx.Variable if nnx is not None else ()
 
     def decide(leaf):
-        if isinstance(leaf, nnx.Variable):     # an NNX variable: a pytree node over its value
+        if isinstance(leaf, eqx.nn.State):     # equinox's state (eqx.nn.make_with_state)
+            return jax.tree_util.tree_map(lambda _: False, leaf)
+        if nnx is not None and isinstance(leaf, variable):   # a pytree node over its value
             trained = isinstance(leaf, nnx.Param)
             return jax.tree_util.tree_map(lambda x: trained and eqx.is_inexact_array(x), leaf)
         return eqx.is_inexact_array(leaf)
 
-    spec = jax.tree_util.tree_map(decide, model,
-                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+    spec = jax.tree_util.tree_map(
+        decide, model, is_leaf=lambda x: isinstance(x, (eqx.nn.State, *(
+            (variable,) if nnx is not None else ()))))
     return eqx.partition(model, spec)
 
 

@@ -45,17 +45,36 @@ class LossCall:
     The batch is the second positional argument. A parameter named ``lengths`` receives the
     real lengths ``(B,)`` int32, and one named ``key`` a fresh PRNG key (by keyword). The
     one-field shorthand ``loss_fn(model, tokens, lengths)`` takes the lengths as its third
-    positional argument, whatever it names it."""
+    positional argument, whatever it names it. One named ``state`` (``wants_state``): the model
+    is an equinox ``(model, eqx.nn.State)`` pair, as ``eqx.nn.make_with_state`` returns it;
+    the function gets the module first and the state by name, and a loss returns ``(loss,
+    new_state)`` (see `call_with_state`)."""
 
     fn: Callable
     lengths: str | None       # "positional", "keyword" or None
     wants_key: bool
+    wants_state: bool = False
 
     def __call__(self, model, batch, lengths, key=None):
+        state = None
+        if self.wants_state:
+            model, state = model
         args = (model, batch) + ((lengths,) if self.lengths == "positional" else ())
         kwargs = ({"lengths": lengths} if self.lengths == "keyword" else {}) | (
-            {"key": key} if self.wants_key else {})
+            {"key": key} if self.wants_key else {}) | (
+            {"state": state} if self.wants_state else {})
         return self.fn(*args, **kwargs)
+
+
+def call_with_state(loss_fn, model, batch, lengths, *keyed):
+    """``(what loss_fn returned, the model after the call)``. A loss asking for ``state``
+    returns ``(result, new_state)``: the model comes back as ``(module, new_state)``, as the
+    functional ``eqx.nn.State`` pattern threads it; any other loss returns its result alone."""
+    out = loss_fn(model, batch, lengths, *keyed)
+    if getattr(loss_fn, "wants_state", False):
+        out, state = out
+        return out, (model[0], state)
+    return out, model
 
 
 def as_loss_call(fn: Callable, where: str, *, one_field: bool) -> LossCall:
@@ -69,7 +88,8 @@ def as_loss_call(fn: Callable, where: str, *, one_field: bool) -> LossCall:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     wants_key = "key" in named
-    rest = [p for p in positional[2:] if p.name != "key"]
+    wants_state = "state" in named
+    rest = [p for p in positional[2:] if p.name not in ("key", "state")]
     if one_field and (rest or any(p.kind == p.VAR_POSITIONAL for p in params)):
         lengths = "positional"
     elif "lengths" in named:
@@ -77,6 +97,7 @@ def as_loss_call(fn: Callable, where: str, *, one_field: bool) -> LossCall:
     else:
         lengths = None
     given = {p.name for p in positional[:2]} | ({"key"} if wants_key else set()) | (
+        {"state"} if wants_state else set()) | (
         {"lengths"} if lengths == "keyword" else
         {rest[0].name} if lengths == "positional" and rest else set())
     missing = [p.name for p in params if p.default is p.empty and p.name not in given
@@ -86,9 +107,9 @@ def as_loss_call(fn: Callable, where: str, *, one_field: bool) -> LossCall:
     if missing:
         form = "(model, tokens, lengths)" if one_field else "(model, batch)"
         raise OptionError(f"{where}: expected a callable {form} with optional parameters named "
-                          f"lengths and key, received one that also requires "
+                          f"lengths, key and state, received one that also requires "
                           f"{', '.join(map(repr, missing))}")
-    return LossCall(fn, lengths, wants_key)
+    return LossCall(fn, lengths, wants_key, wants_state)
 
 
 def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
@@ -124,13 +145,13 @@ def train_step_fn(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         keyed = () if seed is None else (jax.random.fold_in(step_keys(seed)[0], state.step),)
 
         def loss_of(p):
-            model = eqx.combine(p, rest)
-            loss = loss_fn(model, batch, lengths, *keyed)
+            loss, model = call_with_state(loss_fn, eqx.combine(p, rest), batch, lengths, *keyed)
             loss, aux = loss if has_aux else (loss, None)
             # What the call wrote into the model's state -- an NNX Dropout's RngCount, a
             # BatchNorm's running statistics -- is read back from it here, as nnx.jit's
             # split/merge does; dropped, every step drew the first step's dropout mask
-            # again and the statistics never moved. (An equinox model's rest comes back as is.)
+            # again and the statistics never moved. (An equinox model's rest comes back as
+            # is, its eqx.nn.State as the loss returned it.)
             return loss, (_written(model, rest), aux)
 
         (loss, (rest, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
@@ -179,11 +200,23 @@ def check_loss(call: LossCall, model, batch, lengths, *, where: str = "fit: loss
     polyexec._errors.OptionError: fit: loss_fn: expected a scalar floating-point loss (shape (), e.g. float32[]; has_aux=True for a pair (loss, aux)), received an array float32[1,3]: reduce it to one number (e.g. .mean())
     """
     key = jax.random.key(0) if call.wants_key else None
+    if call.wants_state and not (isinstance(model, (tuple, list)) and len(model) == 2
+                                 and isinstance(model[1], eqx.nn.State)):
+        raise OptionError(f"{where}: asks for state (a parameter named state): expected the "
+                          f"model as a (model, eqx.nn.State) pair, as eqx.nn.make_with_state "
+                          f"returns it, received {type(model).__name__}")
     try:
         # filter_: a model's non-array leaves (functions, names) are static, as in the step.
         out = eqx.filter_eval_shape(lambda m, b, n: call(m, b, n, key), model, batch, lengths)
     except Exception:      # noqa: BLE001 -- the step's own trace reports it, at the user's line
         return
+    if call.wants_state and not pair:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2
+                and isinstance(out[1], eqx.nn.State)):
+            raise OptionError(f"{where}: asks for state: expected a pair (loss, new_state) "
+                              f"(new_state the eqx.nn.State the model returned), received "
+                              f"{_described(out)}")
+        out = out[0]
     if pair:
         if not (isinstance(out, (tuple, list)) and len(out) == 2
                 and all(_is_scalar(x) or isinstance(x, (int, float)) for x in out)):
@@ -274,12 +307,12 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *
 
     if eval_fn is not None:
         def eval_step(model, batch, lengths):
-            total, count = eval_fn(model, batch, lengths, *keyed())
+            total, count = eval_fn(model, batch, lengths, *keyed())   # state read, not written
             return jnp.asarray(total, jnp.float32), jnp.asarray(count, jnp.float32)
     elif loss_fn is not None:
         def eval_step(model, batch, lengths):
             count = jnp.sum(lengths).astype(jnp.float32)
-            loss = loss_fn(model, batch, lengths, *keyed())
+            loss, _ = call_with_state(loss_fn, model, batch, lengths, *keyed())
             loss = loss[0] if has_aux else loss
             return loss.astype(jnp.float32) * count, count
     else:
