@@ -306,7 +306,8 @@ def test_a_loss_requiring_an_argument_fit_does_not_give_is_named():
         return 0.0
 
     with pytest.raises(px.OptionError, match=r"fit: loss_fn: expected a callable \(model, batch\) "
-                                             r"with optional parameters named lengths and key, "
+                                             r"with optional parameters named lengths, key and "
+                                             r"state, "
                                              r"received one that also requires 'rng'"):
         training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), loss,
                      [{"x": np.ones(3)}, {"x": np.ones(4)}], optimizer=OPT, verbose=False)
