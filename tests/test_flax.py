@@ -239,10 +239,13 @@ def test_fit_advances_an_nnx_dropout_rng_count_each_step_as_nnx_jit_does():
     lengths = rng.integers(2, 8, 12)
     data = [{"x": rng.normal(size=n).astype(np.float32)} for n in lengths]
     weights = []                     # w after each step: a weight moves where its mask kept it
+
+    def keep(info):
+        weights.append(np.array(info.state.model.w[...]))
+
     result = training.fit(Masked(nnx.Rngs(0, dropout=1)), _masked_loss, data,
                           optimizer=optax.sgd(0.05), batch_size=2, buckets=[8], verbose=False,
-                          cache=False,
-                          callbacks=[lambda info: weights.append(np.array(info.state.model.w[...]))])
+                          cache=False, callbacks=[keep])
     steps, plan = _fit_steps(result, lengths, 2)
     assert len(steps) == 6
     # Before: the count stayed 0, every step drew the first mask, 9 of 16 weights never moved.

@@ -46,6 +46,7 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
     "verify_checkpoint", "checkpoint_dir_lock", "CheckpointError", "CorruptCheckpointError",
     "CheckpointWarning",
-    "DataParallel", "data_parallel", "initialize_distributed", "parse_coordinator", "Examples", "as_examples",
+    "DataParallel", "data_parallel", "initialize_distributed", "parse_coordinator", "Examples",
+    "as_examples",
     "pad_batch", "BatchForm", "Field", "check_output_dir", "check_output_file",
 ]

@@ -86,7 +86,8 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     """Join a multi-process run (``jax.distributed.initialize``) and return the process count.
 
     With the three arguments, this process joins the run whose process 0 listens at
-    ``coordinator`` (``"host:port"``, checked first: `parse_coordinator`); without them, JAX's own detection decides
+    ``coordinator`` (``"host:port"``, checked first: `parse_coordinator`); without them, JAX's
+    own detection decides
     (``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, Slurm, Open MPI,
     Kubernetes, Cloud TPU), and outside any cluster the run is one process (returns 1). Call it
     before anything else uses JAX (afterwards, with no arguments, it only reports the count). CPU processes exchange gradients over gloo, GPUs over NCCL,
