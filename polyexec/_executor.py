@@ -237,6 +237,7 @@ class Bucketed:
         # of data-dependent variables that only a plan defines are made when first asked.
         self._sizes: dict[str, tuple[int, ...]] = {
             n: bucket_sizes(v, self._policies.get(n)) for n, v in self.variables.items()}
+        self._check_row_lengths(self.pack_rows, where)
         # Arguments every call starts with: a loaded plan's stored constants.
         self._prefix: tuple[Any, ...] = ()
         self._loaded: Plan | None = None
@@ -428,7 +429,26 @@ class Bucketed:
                                 f"use ({', '.join(self.variables)}), received {name!r}")
             policies[name] = policy
         sizes = {n: bucket_sizes(v, policies.get(n)) for n, v in self.variables.items()}
-        return self._view(_policies=policies, _sizes=sizes)
+        view = self._view(_policies=policies, _sizes=sizes)
+        view._check_row_lengths(view.pack_rows, f"{self.name}.with_buckets")
+        return view
+
+    def _check_row_lengths(self, pack_rows: Mapping[int, int], where: str) -> None:
+        """Every ``pack_rows`` key a row length: a bucket of a ragged length variable (one a
+        ``lengths_of`` input names; without one, of any). Another key was silently never used
+        (``pack_rows={7: 2}`` with row lengths 16 and 64)."""
+        if not pack_rows:
+            return
+        ragged = {leaf.lengths_of for leaf in jax.tree_util.tree_leaves(
+            self.in_specs, is_leaf=lambda x: isinstance(x, Spec)) if isinstance(leaf, Spec)
+            and leaf.lengths_of is not None}
+        names = [n for n in self._sizes if n in ragged] or list(self._sizes)
+        lengths = sorted({s for n in names for s in self._sizes[n]})
+        wrong = [k for k in pack_rows if k not in lengths]
+        if wrong:
+            raise OptionError(f"{where}: pack_rows: expected keys that are row lengths (the "
+                              f"buckets of {', '.join(names)}: {lengths}), received "
+                              f"{', '.join(map(str, wrong))}, which no row has")
 
     def with_layout(self, layout: Layout, pack_rows: Mapping[int, int] | None = None
                     ) -> "Bucketed":
@@ -450,9 +470,11 @@ class Bucketed:
         """
         where = f"{self.name}.with_layout"
         layout = check_option(layout, LAYOUTS, f"{where}: layout")
-        return self._view(layout=layout, _with_packed=self._with_packed or layout != "pad",
+        view = self._view(layout=layout, _with_packed=self._with_packed or layout != "pad",
                           pack_rows=_check_pack_rows(pack_rows, where) if pack_rows is not None
                           else self.pack_rows)
+        view._check_row_lengths(view.pack_rows, where)
+        return view
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -562,6 +584,8 @@ class Bucketed:
         for segment in plan.segments:
             compiled = self._executable(plan, segment, placed.layout, placed.bucket)
             outputs = compiled(placed.inputs(segment, handed))
+            if segment.callbacks is not None:     # jax.debug.print's values, on the host
+                outputs = segment.callbacks.run(outputs)
             self._counters.add(placed.layout.stats_key(segment, placed.bucket), calls=1,
                                real_elements=placed.real, padded_elements=placed.padded)
             if segment.cut is None:

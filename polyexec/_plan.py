@@ -183,6 +183,9 @@ class Segment:
     # The shortest ragged rows the program reads right (`_logical.RowFloor`): a shorter row is
     # refused before anything runs.
     row_floors: tuple[Any, ...] = ()
+    # jax.debug.print / jax.debug.callback taken out of the program (`_trace.HostCallbacks`):
+    # the executor calls them after each run; None when there are none.
+    callbacks: Any = None
 
     @property
     def exported(self) -> Any:
@@ -465,6 +468,14 @@ class Plan:
         if self.exported is None:
             raise PolymorphismError(f"cannot save plan {self.name}: reshaping is impossible, so "
                                     f"there is no size-independent program ({self.reason})")
+        held = [s.callbacks for s in self.segments if s.callbacks is not None]
+        if held:
+            raise PolyexecError(f"cannot save plan {self.name}: expected a program that a process "
+                                f"without the Python code can run, received one that calls back "
+                                f"into Python (jax.debug.print / jax.debug.callback at "
+                                f"{'; '.join(h.describe() for h in held)}); it runs and compiles "
+                                f"here as any plan, but a saved program cannot call Python: "
+                                f"remove those calls to save it")
         if self.mode != "single":
             raise PolyexecError(f"cannot save plan {self.name}: saving a plan with data-dependent "
                                 f"sizes ({len(self.segments)} segment(s), {self.mode}) is not "

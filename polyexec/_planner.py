@@ -252,7 +252,8 @@ def _segment(context: _dynamic.Context, index: int, cuts: tuple[CutPoint, ...],
                    out_tree=out_tree, out_paths=tuple(out_paths), padding_reason=padding_reason,
                    live_variables=tuple(v for v in variables if v.name in live_names),
                    live_inputs=tuple(live_inputs), cut=context.cut, inputs_from=cuts,
-                   count_names=count_names, row_floors=(*traced.floors, *floors))
+                   count_names=count_names, row_floors=(*traced.floors, *floors),
+                   callbacks=traced.callbacks)
 
 
 def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
@@ -278,7 +279,8 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
                             if masking and padding_reason is None else Program(
             reason=f"the pad layout is not exact either: {padding_reason}"))
     segment = Segment(0, convention, programs, traced.jaxpr, traced.out_tree, traced.out_paths,
-                      padding_reason, **everything, row_floors=(*traced.floors, *floors))
+                      padding_reason, **everything, row_floors=(*traced.floors, *floors),
+                      callbacks=traced.callbacks)
     return Plan(name, tuple(in_vars), (segment,), Verdict(padding=padding_reason), fn=fn,
                 seconds=seconds)
 

@@ -76,6 +76,8 @@ class Traced:
     lower: Callable[[], Any] = dataclasses.field(repr=False)
     # Ragged rows the trace's branches rule out (`_logical.RowFloor`, `_record_branch_floor`).
     floors: tuple[Any, ...] = ()
+    # jax.debug.print / jax.debug.callback taken out of the program (`HostCallbacks`), or None.
+    callbacks: "HostCallbacks | None" = None
 
     @functools.cached_property
     def exported(self) -> Any:
@@ -504,6 +506,24 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
                       f"symbolic == answers False), so the branch depends on the size",
                       {n: tuple(sorted(s)) for n, s in splits.items()})
 
+    callbacks = None
+    nested = next((e for top in jaxpr.jaxpr.eqns for sub in sub_jaxprs(top)
+                   for e in walk(sub) if e.primitive.name in DEBUG_CALLBACKS), None)
+    if nested is not None:
+        # Inside a loop, a branch or an inner jit, a call cannot become an output of the
+        # program (it may run any number of times): the export would refuse it.
+        return Failed(f"{where(nested)}: jax.debug.print/jax.debug.callback inside a "
+                      f"sub-program (a loop, a branch, an inner jit or a checkpoint): only "
+                      f"calls at the function's top level run in a bucketed program (their "
+                      f"values read back on the host); move the call out of it")
+    if any(e.primitive.name in DEBUG_CALLBACKS for e in jaxpr.jaxpr.eqns):
+        hoisted = hoist_callbacks(jaxpr)
+        if isinstance(hoisted, Failed):
+            return hoisted
+        jaxpr, callbacks = hoisted
+        # The program without them (their operands as outputs): no Python re-run either.
+        jitted = jax.jit(jax.extend.core.jaxpr_as_fun(jaxpr))
+
     def lower():
         # jit cached the trace above: lowering reads its jaxpr without running Python again.
         try:
@@ -511,7 +531,85 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
         except SHAPE_ERRORS as e:
             return failure(e)
 
-    return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower, tuple(floors))
+    return Traced(jaxpr, cell[0], cell[1], tuple(avals), lower, tuple(floors), callbacks)
+
+
+# -- host callbacks -------------------------------------------------------------------------------
+
+# jax.debug.print's and jax.debug.callback's primitives.
+DEBUG_CALLBACKS = frozenset({"debug_print", "debug_callback"})
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCallbacks:
+    """The ``jax.debug.print`` / ``jax.debug.callback`` calls of a program, taken out of it.
+
+    `jax.export` refuses a program that calls back into Python ("serialization of
+    host_callbacks is not yet implemented"), and it cannot be asked to keep one: the
+    executable is compiled with the Python functions it calls. So the program is exported
+    without them, each callback's operands becoming extra outputs after its own (from
+    ``start`` on), and `run` calls each one on the host with those values once the program has
+    run, in program order -- as JAX's own ``debug_callback`` does, on the values the exact
+    call computes (the rewrite keeps padding out of them). Only values of fixed shape are
+    taken out (a loss, a sum); one with a length axis is a `Failed` naming the line. A plan
+    holding callbacks runs and compiles as any other; `Plan.save` refuses it by name.
+    """
+
+    start: int
+    # Per call: (primitive, params, operands: ("out", k) an extra output or ("lit", value),
+    # the user's line).
+    calls: tuple[tuple[Any, Mapping[str, Any], tuple[tuple[str, Any], ...], str], ...]
+
+    @property
+    def outputs(self) -> int:
+        return sum(1 for *_, ops, _ in self.calls for kind, _ in ops if kind == "out")
+
+    def describe(self) -> str:
+        return ", ".join(where for *_, where in self.calls)
+
+    def run(self, outputs: Sequence[Any]) -> list[Any]:
+        """``outputs`` without the callbacks' values, after calling each callback on them."""
+        values = list(outputs[self.start:self.start + self.outputs])
+        for primitive, params, operands, _ in self.calls:
+            args = [values[k] if kind == "out" else k for kind, k in operands]
+            primitive.bind(*args, **params)      # eager: JAX's own impl calls the callback
+        return list(outputs[:self.start]) + list(outputs[self.start + self.outputs:])
+
+
+def hoist_callbacks(closed) -> "tuple[Any, HostCallbacks] | Failed":
+    """``closed`` (a ClosedJaxpr) without its top-level ``debug_print``/``debug_callback``
+    equations, their
+    operands appended to its outputs, and the `HostCallbacks` that calls them; `Failed` when
+    one prints a value with a length axis (the extra output would carry its padding)."""
+    jaxpr = closed.jaxpr
+    kept, extra, calls = [], [], []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in DEBUG_CALLBACKS:
+            kept.append(eqn)
+            continue
+        operands = []
+        for v in eqn.invars:
+            if isinstance(v, jax.extend.core.Literal):
+                operands.append(("lit", v.val))
+                continue
+            if any(export.is_symbolic_dim(d) for d in v.aval.shape):
+                return Failed(f"{where(eqn)}: jax.debug.print/jax.debug.callback of a value of "
+                              f"shape {tuple(str(d) for d in v.aval.shape)}, which has a length "
+                              f"axis: a bucketed program runs on padded arrays, so only values "
+                              f"of fixed shape are called back (print a reduction, e.g. its sum "
+                              f"or its shape)")
+            operands.append(("out", len(extra)))
+            extra.append(v)
+        calls.append((eqn.primitive, dict(eqn.params), tuple(operands), where(eqn)))
+    effects = frozenset().union(*(e.effects for e in kept)) if kept else frozenset()
+    debug_info = jaxpr.debug_info
+    if debug_info is not None and isinstance(debug_info.result_paths, tuple):
+        debug_info = debug_info._replace(result_paths=(
+            *debug_info.result_paths, *(f"[debug callback {i}]" for i in range(len(extra)))))
+    new = jax.extend.core.Jaxpr(jaxpr.constvars, jaxpr.invars, [*jaxpr.outvars, *extra], kept,
+                                effects, debug_info)
+    return (jax.extend.core.ClosedJaxpr(new, closed.consts),
+            HostCallbacks(len(jaxpr.outvars), tuple(calls)))
 
 
 def _shape_failure(error: BaseException, *, jitted, run: Callable, avals: Sequence[Any],

@@ -4,6 +4,7 @@ example run alone at its exact length, padded and packed; a loss that asks for a
 step's, so a resumed run draws what an uninterrupted one does; and ``masking=False`` adds no
 row that a loss masking itself would count."""
 
+import os
 import warnings
 
 import equinox as eqx
@@ -305,7 +306,8 @@ def test_a_loss_requiring_an_argument_fit_does_not_give_is_named():
         return 0.0
 
     with pytest.raises(px.OptionError, match=r"fit: loss_fn: expected a callable \(model, batch\) "
-                                             r"with optional parameters named lengths and key, "
+                                             r"with optional parameters named lengths, key and "
+                                             r"state, "
                                              r"received one that also requires 'rng'"):
         training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), loss,
                      [{"x": np.ones(3)}, {"x": np.ones(4)}], optimizer=OPT, verbose=False)
@@ -320,3 +322,225 @@ def test_declared_specs_name_the_length_and_pack_refuses_a_pairwise_field():
                                              r"length axis"):
         training.fit(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), _never_traced, data,
                      specs={"x": px.Spec("T T")}, layout="pack", optimizer=OPT, verbose=False)
+
+
+# -- a non-finite loss or gradient (issue 49) ---------------------------------------------------
+
+
+def _regression(model, batch):          # per-cell regression: a NaN input makes the loss NaN
+    return jnp.mean((jax.vmap(jax.vmap(model))(batch["x"][..., None])[..., 0] - 1.0) ** 2)
+
+
+def _regression_data(bad: int | None = 9):
+    rng = np.random.default_rng(4)
+    data = [{"x": rng.normal(size=n).astype(np.float32)} for n in rng.integers(2, 9, 16)]
+    if bad is not None:
+        data[bad]["x"][1] = np.nan
+    return data
+
+
+def _bad_step(data, bad, batch_size=4):
+    """The 1-based step of the run whose batch holds ``data[bad]``, and that batch."""
+    lengths = np.array([len(d["x"]) for d in data])
+    plan = buckets.batch_plan(lengths, buckets.Fixed([8]), batch_size=batch_size, seed=0)
+    return next((s + 1, b) for s, b in enumerate(plan) if bad in b.indices)
+
+
+def _linear():
+    return eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0))
+
+
+def test_a_nan_input_stops_fit_naming_the_step_epoch_and_examples_and_saves_nothing_after(
+        tmp_path):
+    data = _regression_data(bad=9)
+    step, batch = _bad_step(data, 9)
+    assert step > 1                        # a good step and its checkpoint come first
+    with pytest.raises(training.NonFiniteError) as caught:
+        training.fit(_linear(), _regression, data, optimizer=optax.sgd(0.1), epochs=2,
+                     batch_size=4, buckets=[8], checkpoint_dir=tmp_path, checkpoint_every=1,
+                     verbose=False, cache=False)
+    e = caught.value
+    assert isinstance(e, px.PolyexecError) and (e.step, e.epoch) == (step, 0)
+    assert e.indices == [int(i) for i in batch.indices] and 9 in e.indices
+    assert f"step {step} (epoch 0" in str(e) and "loss nan" in str(e)
+    assert f"data[i] for i in [{', '.join(map(str, e.indices))}]" in str(e)
+    assert "on_nonfinite='skip'" in str(e)
+    # Before: fit trained on, NaN weights checkpointed at every later step, and returned.
+    saved = training.list_checkpoints(tmp_path)
+    assert [os.path.basename(p) for p in saved][-1] == f"step-{step - 1:09d}.ckpt"
+    assert e.checkpoint == saved[-1] and saved[-1] in str(e)
+    state, _ = training.load_checkpoint(saved[-1], like=training.TrainState.create(
+        _linear(), optax.sgd(0.1)))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state))
+
+
+def test_a_non_finite_gradient_of_a_finite_loss_stops_fit_too():
+    def loss(model, batch):                # sqrt at 0: the value 0, its gradient inf * 0 = nan
+        return _regression(model, batch) + jnp.sqrt(jnp.sum(model.weight) * 0.0)
+
+    with pytest.raises(training.NonFiniteError, match=r"received the gradient not finite at "
+                       r"step 1 \(epoch 0.*gradient norm nan"):
+        training.fit(_linear(), loss, _regression_data(bad=None), optimizer=optax.sgd(0.1),
+                     batch_size=4, buckets=[8], verbose=False, cache=False)
+
+
+def test_on_nonfinite_skip_leaves_the_state_of_a_bad_step_unchanged_and_trains_on():
+    data = _regression_data(bad=9)
+    step, _ = _bad_step(data, 9)
+    weights = []
+    result = training.fit(_linear(), _regression, data, optimizer=optax.adam(0.1),
+                          batch_size=4, buckets=[8], verbose=False, cache=False,
+                          on_nonfinite="skip",
+                          callbacks=[lambda info: weights.append(
+                              jax.tree_util.tree_map(np.array, (info.state.model,
+                                                                info.state.opt_state)))])
+    steps = [r for r in result.history if r["kind"] == "step"]
+    assert [r.get("skipped", False) for r in steps] == [s + 1 == step for s in range(4)]
+    # The skipped step applied nothing: parameters and Adam's moments are the step before's.
+    assert step > 1
+    assert_trees_close(weights[step - 1], weights[step - 2], rtol=0, atol=0)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(result.state))
+    epoch = result.epochs()[0]
+    assert epoch["skipped"] == 1 and np.isfinite(epoch["train_loss"])
+    good = [r for r in steps if not r.get("skipped")]
+    want = sum(r["loss"] * r["tokens"] for r in good) / sum(r["tokens"] for r in good)
+    np.testing.assert_allclose(epoch["train_loss"], want, rtol=1e-6)
+
+
+# -- the loss contract, checked before anything compiles (issue 49) -----------------------------
+
+
+def _cells(model, batch):
+    return (jax.vmap(jax.vmap(model))(batch["x"][..., None])[..., 0] - 1.0) ** 2
+
+
+@pytest.mark.parametrize("loss, has_aux, message", [
+    (lambda m, b: jnp.mean(_cells(m, b), axis=1), False,
+     r"fit: loss_fn: expected a scalar floating-point loss \(shape \(\), e\.g\. float32\[\]; "
+     r"has_aux=True for a pair \(loss, aux\)\), received an array float32\[2\] on a batch of 2 "
+     r"examples of data: reduce it to one number"),
+    (lambda m, b: jnp.mean(_cells(m, b)).astype(jnp.int32), False,
+     r"fit: loss_fn: expected a scalar floating-point loss .*, received a scalar int32\[\]: a "
+     r"gradient needs a floating-point loss"),
+    (lambda m, b: (jnp.mean(_cells(m, b)), {"n": jnp.sum(b["x"] > 0)}), False,
+     r"fit: loss_fn: expected a scalar floating-point loss .*, received a tuple of 2: "
+     r"\(float32\[\], \{'n': int32\[\]\}\); to return \(loss, aux\), pass has_aux=True"),
+    (lambda m, b: jnp.mean(_cells(m, b)), True,
+     r"fit: loss_fn: expected a pair \(loss, aux\) \(has_aux=True\), received a scalar "
+     r"float32\[\]"),
+    (lambda m, b: (jnp.mean(_cells(m, b)), {"per_example": jnp.mean(_cells(m, b), 1)}), True,
+     r"fit: loss_fn: aux\['per_example'\]: expected a pytree of scalars .*, received an array "
+     r"float32\[2\]"),
+], ids=["vector", "int", "tuple without has_aux", "has_aux without a pair", "aux not scalar"])
+def test_a_loss_breaking_the_contract_is_refused_by_name_before_anything_compiles(
+        loss, has_aux, message):
+    # Before: a vector loss was "retraced per bucket" at <unknown location>; a tuple or an int
+    # got JAX's raw TypeError from inside the train step.
+    seen = []
+
+    def recorded(model, batch):
+        seen.append(batch["x"].shape)
+        return loss(model, batch)
+
+    with pytest.raises(px.OptionError, match=message):
+        training.fit(_linear(), recorded, _regression_data(bad=None), optimizer=optax.sgd(0.1),
+                     batch_size=4, buckets=[8], verbose=False, cache=False, has_aux=has_aux)
+    # Refused from one abstract evaluation on two examples: the step was never traced over
+    # symbolic lengths, so nothing of it compiled.
+    assert len(seen) == 1 and all(isinstance(d, int) for d in seen[0]), seen
+
+
+def test_has_aux_logs_each_steps_aux_and_its_epoch_mean_and_trains_as_without():
+    data = _regression_data(bad=None)
+
+    def with_aux(model, batch):
+        cells = _cells(model, batch)
+        return jnp.mean(cells), {"small": jnp.mean(cells < 0.5), "worst": jnp.max(cells)}
+
+    common = dict(optimizer=optax.adam(0.1), batch_size=4, buckets=[8], verbose=False,
+                  cache=False, epochs=2, validation=data[:4])
+    result = training.fit(_linear(), with_aux, data, has_aux=True, **common)
+    plain = training.fit(_linear(), lambda m, b: jnp.mean(_cells(m, b)), data, **common)
+    assert_trees_close(result.model, plain.model, rtol=0, atol=0)
+    assert result.val_loss == plain.val_loss
+    steps = [r for r in result.history if r["kind"] == "step"]
+    assert all(set(r["aux"]) == {"small", "worst"} for r in steps)
+    for epoch in result.epochs():
+        mine = [r for r in steps if r["epoch"] == epoch["epoch"]]
+        for name in ("small", "worst"):
+            want = sum(r["aux"][name] * r["tokens"] for r in mine) / sum(r["tokens"] for r in mine)
+            np.testing.assert_allclose(epoch["aux"][name], want, rtol=1e-6)
+    # Over real cells only: a fraction of them, never the padding's (1 - 0)^2 = 1 counted.
+    lengths = [len(d["x"]) for d in data]
+    assert all(0 <= r["aux"]["small"] <= 1 for r in steps) and max(lengths) > min(lengths)
+
+
+# -- equinox's functional state (eqx.nn.State) through fit (issue 49) ---------------------------
+
+
+class Centred(eqx.Module):
+    """A layer keeping a running mean of its batch in an eqx.nn.State: the mean over the
+    batch's real cells (the padding, 0, would pull it down), updated by every step."""
+
+    lin: eqx.nn.Linear
+    index: eqx.nn.StateIndex
+
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(3, 3, key=key)
+        self.index = eqx.nn.StateIndex(jnp.zeros(3))
+
+    def __call__(self, x, state):                  # x: (B, T, 3)
+        h = jax.vmap(jax.vmap(self.lin))(x)
+        mean = jnp.mean(h, axis=(0, 1))
+        return h - mean, state.set(self.index, 0.5 * state.get(self.index) + 0.5 * mean)
+
+
+def _centred_loss(model, batch, state):            # asks for the state by name
+    y, state = model(batch["x"], state)
+    return jnp.mean((y - batch["x"]) ** 2), state
+
+
+def test_fit_threads_an_eqx_state_as_a_filter_jit_loop_does(tmp_path):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2, 9, 12)
+    data = [{"x": (2 + rng.normal(size=(n, 3))).astype(np.float32)} for n in lengths]
+    result = training.fit(eqx.nn.make_with_state(Centred)(jax.random.PRNGKey(0)), _centred_loss,
+                          data, optimizer=optax.sgd(0.1), batch_size=4, epochs=2, buckets=[8],
+                          validation=data[:4], verbose=False, cache=False,
+                          checkpoint_dir=tmp_path)
+    plan = [b for e in range(2) for b in buckets.batch_plan(lengths, result.policy, batch_size=4,
+                                                            seed=0, epoch=e)]
+    model, state = eqx.nn.make_with_state(Centred)(jax.random.PRNGKey(0))
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, state, opt_state, batch):
+        (value, state), grads = eqx.filter_value_and_grad(_centred_loss, has_aux=True)(
+            model, batch, state)
+        updates, opt_state = opt.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), state, opt_state, value
+
+    losses = []
+    for b in plan:       # each batch's real cells alone, as one row: no padding anywhere
+        x = np.concatenate([data[i]["x"] for i in b.indices])[None]
+        model, state, opt_state, value = step(model, state, opt_state, {"x": x})
+        losses.append(float(value))
+    np.testing.assert_allclose([r["loss"] for r in result.history if r["kind"] == "step"],
+                               losses, rtol=1e-5)
+    trained, kept = result.model
+    np.testing.assert_allclose(kept.get(trained.index), state.get(model.index), rtol=1e-5)
+    assert np.all(np.abs(np.asarray(kept.get(trained.index))) > 0.1)   # it moved
+    np.testing.assert_allclose(trained.lin.weight, model.lin.weight, rtol=1e-5)
+    assert result.val_loss is not None
+    saved, _ = training.load_checkpoint(result.checkpoint, like=result.state)
+    np.testing.assert_array_equal(saved.model[1].get(trained.index), kept.get(trained.index))
+
+
+def test_a_loss_asking_for_state_without_an_eqx_state_is_named():
+    with pytest.raises(px.OptionError, match=r"fit: loss_fn: asks for state \(a parameter named "
+                       r"state\): expected the model as a \(model, eqx.nn.State\) pair, as "
+                       r"eqx.nn.make_with_state returns it, received Centred"):
+        training.fit(Centred(jax.random.PRNGKey(0)), _centred_loss, _regression_data(bad=None),
+                     optimizer=optax.sgd(0.1), batch_size=4, buckets=[8], verbose=False,
+                     cache=False)

@@ -75,6 +75,21 @@ def test_with_layout_shares_one_trace_and_the_compiled_programs():
         f.with_layout("pack", pack_rows=[64])
 
 
+def test_pack_rows_keys_that_are_no_row_length_are_refused_by_name():
+    """Before: ``pack_rows={7: 2}`` was silently never used (no row is 7 long)."""
+    message = (r"pack_rows: expected keys that are row lengths \(the buckets of T: \[16, 64\]\), "
+               r"received 7, which no row has")
+    with pytest.raises(px.OptionError, match=r"bucketed\(total\): " + message):
+        px.bucketed(total, in_specs=SPECS, buckets={T: [16, 64]}, layout="pack", pack_rows={7: 2})
+    f = px.bucketed(total, in_specs=SPECS, buckets={T: [16, 64]}, layout="auto")
+    with pytest.raises(px.OptionError, match=r"total.with_layout: " + message):
+        f.with_layout("pack", pack_rows={7: 2, 64: 3})
+    packed = f.with_layout("pack", pack_rows={16: 2})
+    with pytest.raises(px.OptionError, match=r"total.with_buckets: pack_rows: .*\[32, 64\]\), "
+                                             r"received 16"):
+        packed.with_buckets({T: [32, 64]})
+
+
 def test_a_packing_plan_exports_its_padded_program_only_when_a_call_runs_padded():
     f = px.bucketed(total, in_specs=SPECS, buckets={T: [64], B: [2, 4]}, layout="auto")
     pad_program = lambda: f.plan.segments[0].programs["pad"]    # noqa: E731

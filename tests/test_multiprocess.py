@@ -174,3 +174,24 @@ def test_two_processes_pack_the_steps_of_one_under_batch_size(tmp_path):
     assert two == pytest.approx(one, rel=1e-5)
     assert _val_losses(tmp_path / "two.jsonl") == pytest.approx(
         _val_losses(tmp_path / "one.jsonl"), rel=1e-5)
+
+
+def test_an_unreachable_coordinator_fails_after_the_stated_timeout_with_a_message(tmp_path):
+    """Process 1 of a run whose process 0 never started: before, it waited without a word (and
+    JAX's client later aborted it blaming "another task"). Now it gives up after
+    --coordinator-timeout seconds with one line naming the address; nothing hangs."""
+    port = _free_port()                   # closed: nothing listens there
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "examples.rnn.train", *TINY, "--coordinator",
+                           f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1",
+                           "--coordinator-timeout", "2"], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    waited = time.monotonic() - started
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error == (f"python -m examples.rnn.train: error: coordinator 127.0.0.1:{port}: "
+                     f"expected process 0's coordinator listening there, received no connection "
+                     f"within 2 s (Connection refused); start process 0 with the same coordinator "
+                     f"address, check the host and port, or allow longer (the example's "
+                     f"--coordinator-timeout, initialize_distributed's timeout)"), error
+    assert waited < 60, waited             # about 2 s and an interpreter's start

@@ -87,6 +87,17 @@ def test_cli_rejects_a_bad_flag_with_one_line_and_no_traceback():
     (["--buckets", "optimal:x"], "argument --buckets: 'optimal:x': expected K an int >= 1"),
     (["--buckets", "fixed:8,0"], "argument --buckets: 'fixed:8,0': Fixed: sizes[1]: expected"),
     (["--no-cache", "--cache-dir", "x"], "argument --cache-dir: not allowed with argument --no-cache"),
+    # Before JAX sees it: `bad:addr` crashed JAX's runtime (rc 139).
+    (["--coordinator", "bad:addr", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535 (e.g. "
+     "10.0.0.2:1234), received 'bad:addr'"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535"),
+    (["--coordinator", "localhost:65536", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535"),
+    (["--coordinator", ":80", "--num-processes", "2", "--process-id", "1"],
+     "argument --coordinator: expected HOST:PORT with PORT an int from 1 to 65535"),
+    (["--coordinator-timeout", "0"], "argument --coordinator-timeout: expected an int >= 1"),
     # Found out after parsing, by the code that knows: still one line.
     (["--limit", "40", "--cap", "64", "--buckets", "fixed:8"],
      "--buckets: expected a largest bucket >= the longest training sentence"),
@@ -136,6 +147,28 @@ def test_cli_reports_fits_refusal_in_one_line_and_trains_with_train_on_padding(m
     with pytest.warns(UserWarning, match="train_step is not padding-safe"):
         out = train.main([*argv, "--train-on-padding"])
     assert out["val_loss"] > 0
+
+
+def test_cli_reports_a_non_finite_loss_in_one_line_with_its_examples(monkeypatch, capsys):
+    """A loss that is NaN stops the run (rc 1, not a usage error), one line naming the step and
+    the examples, no traceback (--on-nonfinite skip is fit's option, tested in test_fit_batch)."""
+    import jax.numpy as jnp
+
+    from examples.rnn import model
+
+    monkeypatch.setattr(train, "lm_loss", lambda m, batch: model.lm_loss(m, batch) * jnp.nan)
+    argv = ["--limit", "24", "--epochs", "1", "--hidden", "4", "--embed", "4", "--cap", "32",
+            "--buckets", "fixed:32", "--samples", "0", "--no-cache", "--no-progress"]
+    with pytest.raises(SystemExit) as exit_:
+        train.main(argv)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    *_, error = err.strip().splitlines()
+    assert re.fullmatch(r"python -m examples\.rnn\.train: error: fit: expected a finite loss and "
+                        r"gradient at every step, received the loss not finite at step 1 \(epoch "
+                        r"0, .*on the examples data\[i\] for i in \[[\d, ]+\] \(\d+ examples\).*"
+                        r"on_nonfinite='skip' to skip such steps", error), error
 
 
 def test_corpus_split_is_deterministic_and_capped():

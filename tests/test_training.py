@@ -269,6 +269,8 @@ def test_cache_false_leaves_a_compile_cache_the_user_configured(fit_in_a_users_c
     ({"progress": 0}, None, "fit: progress: expected one of True, False, received 0"),
     ({"train_on_padding": 1}, None, "fit: train_on_padding: expected one of True, False, "
                                     "received 1"),
+    ({"on_nonfinite": "ignore"}, None, "fit: on_nonfinite: expected one of 'stop', 'skip', "
+                                       "received 'ignore'"),
     ({"epoch": 2}, None, "fit: expected keyword arguments among optimizer, validation, eval_fn, "
                          "epochs, .*, received unknown 'epoch'"),
 ])

@@ -60,6 +60,16 @@ def _int_flag(minimum: int, *, zero: str | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _coordinator(text: str) -> str:
+    """An argparse type: ``HOST:PORT``, checked before JAX sees it (``bad:addr`` crashed its
+    runtime)."""
+    try:
+        training.parse_coordinator(text, "--coordinator")
+    except px.OptionError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--coordinator: ")) from None
+    return text
+
+
 def _positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (``--lr inf`` trained to a NaN loss)."""
     try:
@@ -125,8 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_int_flag(1),
                    help="data-parallel over this many local devices (default: all)")
     multi = p.add_argument_group("more than one process (jax.distributed; see docs/guides/distributed.md)")
-    multi.add_argument("--coordinator", metavar="HOST:PORT",
+    multi.add_argument("--coordinator", metavar="HOST:PORT", type=_coordinator,
                        help="process 0's address; every process passes the same one")
+    multi.add_argument("--coordinator-timeout", type=_int_flag(1), default=60, metavar="SECONDS",
+                       help="seconds to reach the coordinator and for every process to join; "
+                            "then the run fails with a message (default 60)")
     multi.add_argument("--num-processes", type=_int_flag(1), help="processes in the run")
     multi.add_argument("--process-id", type=_int_flag(0), help="this process's index, from 0")
     multi.add_argument("--heartbeat-timeout", type=_int_flag(1), default=100,
@@ -145,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train even a loss the rewrite cannot keep padding out of (not "
                         "padding-safe, or retraced per bucket), which is refused otherwise: "
                         "padding may then change the loss (fit(train_on_padding=True))")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a step whose loss or gradient is not finite: stop the run, naming the "
+                        "step and its examples (default), or skip it (fit(on_nonfinite=...))")
     p.add_argument("--seed", type=_int_flag(0), default=DEFAULTS["seed"])
     p.add_argument("--target-loss", type=_positive_float, metavar="NATS",
                    help="also report the wall time at which validation first reached this loss "
@@ -173,11 +189,15 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         processes = training.initialize_distributed(
             args.coordinator, args.num_processes, args.process_id,
-            heartbeat_timeout=args.heartbeat_timeout)
+            heartbeat_timeout=args.heartbeat_timeout, timeout=args.coordinator_timeout)
         check_outputs(args)
         return run(args)
     except (px.OptionError, px.PolymorphismError) as e:
         parser.error(str(e))
+    except training.NonFiniteError as e:
+        # Not a usage error: the run itself went wrong. One line, the checkpoint kept.
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except jax.errors.JaxRuntimeError as e:
         if processes == 1:
             raise
@@ -279,6 +299,7 @@ def run(args: argparse.Namespace) -> dict:
         max_tokens=max_tokens, buckets=policy, seed=args.seed, devices=args.devices,
         cache=False if args.no_cache else (args.cache_dir or True), masking=masking,
         layout=args.layout if masking else "pad", train_on_padding=args.train_on_padding,
+        on_nonfinite=args.on_nonfinite,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         metrics_file=args.metrics, progress=False if args.no_progress else None, console=console)
 

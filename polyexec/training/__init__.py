@@ -30,22 +30,23 @@ from ._checkpoint import (CheckpointError, CheckpointWarning, CorruptCheckpointE
                           checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
                           load_checkpoint, read_meta, save_checkpoint, verify_checkpoint)
 from ._data import BatchForm, Examples, Field, as_examples, pad_batch
-from ._fit import FitResult, StepInfo, StopTraining, evaluate, fit
+from ._fit import FitResult, NonFiniteError, StepInfo, StopTraining, evaluate, fit
 from ._options import FitOptions
 from ._outputs import check_output_dir, check_output_file
-from ._parallel import DataParallel, data_parallel, initialize_distributed
+from ._parallel import DataParallel, data_parallel, initialize_distributed, parse_coordinator
 from ._state import TrainState
 from ._steps import (LossCall, as_loss_call, eval_step_fn, make_eval_step, make_train_step,
                      step_keys, train_step_fn)
 
 __all__ = [
-    "fit", "FitOptions", "FitResult", "StepInfo", "StopTraining", "evaluate",
+    "fit", "FitOptions", "FitResult", "StepInfo", "StopTraining", "NonFiniteError", "evaluate",
     "TrainState", "measure_cost", "choose_buckets", "BucketChoice", "choose_layout",
     "LayoutChoice", "train_step_fn",
     "eval_step_fn", "make_train_step", "make_eval_step", "step_keys", "LossCall", "as_loss_call",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_meta",
     "verify_checkpoint", "checkpoint_dir_lock", "CheckpointError", "CorruptCheckpointError",
     "CheckpointWarning",
-    "DataParallel", "data_parallel", "initialize_distributed", "Examples", "as_examples",
+    "DataParallel", "data_parallel", "initialize_distributed", "parse_coordinator", "Examples",
+    "as_examples",
     "pad_batch", "BatchForm", "Field", "check_output_dir", "check_output_file",
 ]

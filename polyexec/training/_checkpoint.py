@@ -50,6 +50,7 @@ import warnings
 from typing import Any
 
 import equinox as eqx
+import jax
 
 from .._errors import OptionError
 
@@ -191,7 +192,7 @@ def save_checkpoint(directory: str | os.PathLike, state: Any, meta: dict, *, kee
                 f.write(_digest_line("0" * 64, 0))   # placeholder, same width, filled in below
                 digest = hashlib.sha256(header)
                 writer = _HashingWriter(f, digest)
-                eqx.tree_serialise_leaves(writer, state)
+                eqx.tree_serialise_leaves(writer, _keys_as_data(state))
                 f.seek(digest_at)
                 f.write(_digest_line(digest.hexdigest(), writer.size))
                 f.flush()
@@ -207,6 +208,25 @@ def save_checkpoint(directory: str | os.PathLike, state: Any, meta: dict, *, kee
         if keep is not None:
             _prune(directory, keep, target)
     return target
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _keys_as_data(tree: Any) -> Any:
+    """Typed PRNG keys (an NNX ``nnx.Dropout``'s or ``nnx.RNN``'s stream) as their uint32
+    data: numpy, which ``eqx.tree_serialise_leaves`` writes with, cannot hold a key, and the
+    save of any NNX model that kept one failed. Other leaves are written as before, byte for
+    byte, so older checkpoints still load."""
+    return jax.tree_util.tree_map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _data_as_keys(tree: Any, like: Any) -> Any:
+    """`_keys_as_data` undone: each leaf that is a key in ``like`` wrapped again, by its impl."""
+    return jax.tree_util.tree_map(
+        lambda x, k: jax.random.wrap_key_data(x, impl=jax.random.key_impl(k)) if _is_key(k)
+        else x, tree, like)
 
 
 def _digest_line(hexdigest: str, size: int) -> bytes:
@@ -470,7 +490,8 @@ def load_checkpoint(path: str | os.PathLike, like: Any) -> tuple[Any, dict]:
     if expected is not None:
         _check(path, line, [payload], expected)
     try:
-        state = eqx.tree_deserialise_leaves(io.BytesIO(payload), like)
+        state = _data_as_keys(eqx.tree_deserialise_leaves(io.BytesIO(payload),
+                                                          _keys_as_data(like)), like)
     except Exception as e:  # a different model size, optimiser or cell type
         raise OptionError(f"{os.fspath(path)}: expected a checkpoint of the state's structure "
                           f"and shapes, received one that does not match them "

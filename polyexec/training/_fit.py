@@ -29,9 +29,9 @@ import buckets as _buckets
 
 from .. import Bucketed
 from .._cache import count_compiles, enable_persistent_cache
-from .._errors import OptionError, PolymorphismError, check_int, is_int
-from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, load_checkpoint, read_meta,
-                          save_checkpoint)
+from .._errors import OptionError, PolyexecError, PolymorphismError, check_int, is_int
+from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
+                          load_checkpoint, read_meta, save_checkpoint)
 from ._auto import choose_buckets, choose_layout, rebucket
 from ._data import Batching, Examples, PackedBatching, as_examples
 from ._options import FitOptions, check_callable
@@ -40,12 +40,29 @@ from ._parallel import DataParallel, data_parallel
 from ._progress import RunDisplay
 from ._records import MetricsLog, Position, epoch_record, step_record, warmup_record
 from ._state import TrainState, copy_arrays, place
-from ._steps import EvalFn, LossFn, as_loss_call, make_eval_step, make_train_step
+from ._data import pad_batch
+from ._steps import EvalFn, LossFn, as_loss_call, check_loss, make_eval_step, make_train_step
 
 
 class StopTraining(Exception):
     """Raise from a callback to end `fit` cleanly after the current step (a checkpoint is
     written first when ``checkpoint_dir`` is set)."""
+
+
+class NonFiniteError(PolyexecError, FloatingPointError):
+    """A train step's loss or gradient was not finite (``on_nonfinite="stop"``, the default).
+
+    The step was not applied and nothing was checkpointed after the step before it. ``step``
+    (1-based, counted over the whole run, as a step record's ``step``), ``epoch`` (0-based),
+    ``indices`` (the examples of the batch, indices into ``data``; across processes this
+    process's share), ``loss`` and ``grad_norm`` say where and what; ``checkpoint`` is the last
+    one written (None when none was)."""
+
+    def __init__(self, message: str, *, step: int, epoch: int, indices: Sequence[int],
+                 loss: float, grad_norm: float, checkpoint: str | None):
+        super().__init__(message)
+        self.step, self.epoch, self.indices = step, epoch, list(indices)
+        self.loss, self.grad_norm, self.checkpoint = loss, grad_norm, checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +118,8 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ``warmup=True``, ``warmup_workers``, ``checkpoint_dir``, ``checkpoint_every``,
     ``keep_checkpoints=3``, ``resume=True``, ``max_steps``, ``metrics_file``, ``callbacks``,
     ``progress``, ``verbose=True``, ``console``, ``masking=True``, ``layout="auto"``,
-    ``train_on_padding=False``, ``specs=None``) are the fields of `FitOptions`, declared and
-    checked there; what they do is below.
+    ``train_on_padding=False``, ``specs=None``, ``on_nonfinite="stop"``, ``has_aux=False``)
+    are the fields of `FitOptions`, declared and checked there; what they do is below.
 
     ``data`` (and ``validation``) is a sequence of variable-length examples, each a pytree of
     arrays of one structure (``{"tokens": (T,) int, "label": () int, "tags": (T,) int}``) or,
@@ -175,6 +192,34 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     loads the executables instead of compiling them. ``cache=False`` means "do not turn ours
     on": a cache you configured yourself (``jax.config``, ``JAX_COMPILATION_CACHE_DIR``) stays
     on; ``px.disable_persistent_cache()`` turns it off.
+
+    The loss contract, checked before anything compiles (``jax.eval_shape`` on the first two
+    examples): ``loss_fn`` returns a scalar floating-point loss; a vector, an integer or a
+    tuple is an `OptionError` naming ``loss_fn``, what it returned (shape and dtype) and what
+    is expected. ``has_aux=True``: it returns ``(loss, aux)`` (as ``jax.value_and_grad(...,
+    has_aux=True)`` takes it), ``aux`` a pytree of scalars (``{"accuracy": a}``), recorded in
+    each step record's ``"aux"`` and, weighted by real tokens as the loss is, in each epoch
+    record's ``"aux"`` (and its printed summary).
+
+    The model's state: the optimiser trains the floating-point arrays (of a Flax NNX model its
+    ``nnx.Param``s, as ``nnx.Optimizer(..., wrt=nnx.Param)``); what the loss call writes into
+    the rest -- an ``nnx.Dropout``'s RNG count, an ``nnx.BatchNorm``'s running statistics,
+    computed over the real tokens only, padded or packed -- is carried to the next step as
+    ``nnx.jit`` with ``nnx.split``/``nnx.merge`` carries it, and is in ``result.model`` and
+    in every checkpoint. Equinox's functional state: pass the ``(model, state)`` pair
+    ``eqx.nn.make_with_state`` returns as ``model``, and give ``loss_fn`` a parameter named
+    ``state``: it receives the module and the state, returns ``(loss, new_state)``, and the
+    new state goes to the next step (``result.model`` is the pair). (The eval step writes
+    nothing back: validation changes no state; an ``eval_fn`` asking for ``state`` reads it.)
+
+    Non-finite steps: the train step computes whether its loss and every gradient element are
+    finite, and a step that is not is never applied (parameters, optimiser and model state
+    stay as they were). ``on_nonfinite="stop"`` (the default) then ends the run with
+    `NonFiniteError` naming the step, the epoch and the batch's example indices (``data[i]``),
+    having written no checkpoint after the last good step; ``"skip"`` goes on to the next
+    batch, the step recorded with ``"skipped": True`` and left out of the epoch's train loss
+    (the epoch record counts ``"skipped"``). The flag comes back with the loss, which the loop
+    reads every step anyway: no extra device sync.
 
     Validation: after every epoch, ``eval_fn(model, batch) -> (summed loss, count)`` over
     ``validation`` (exact mean: totals over counts; the same batch form, and ``lengths`` and
@@ -252,6 +297,7 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     options = FitOptions.from_kwargs(options)
     _check_outputs(options)
     run = _prepare(loss_fn, data, optimizer, validation, eval_fn, options)
+    _check_losses(run, model)
     _configure_cache(options.cache)
     # One writer per checkpoint folder, for this run only: a second run writing there is
     # refused by name instead of racing this one's pruning.
@@ -324,6 +370,9 @@ class _Run:
     train_shapes: dict = dataclasses.field(default_factory=dict)
     eval_shapes: dict = dataclasses.field(default_factory=dict)
     prediction: Any = None              # buckets="auto": `buckets.Prediction` of the choice
+    # How loss_fn and eval_fn are called (`as_loss_call`), for the contract check.
+    loss_call: Any = None
+    eval_call: Any = None
     # When `fit` was called: an epoch record's ``elapsed`` counts from here, so the time to a
     # validation loss includes choosing buckets, measuring and compiling, as a user waits it.
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -456,15 +505,30 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
                      batch_buckets=[batching.rows(top) * P, batching.rows(shortest) * P],
                      min_length=options.min_length, pad_id=options.pad_id, shardings=dp.shardings,
                      masking=options.masking, layout="auto" if packs else "pad", form=form)
-    train_step = make_train_step(loss_call, optimizer, seed=seed, **step_args)
+    train_step = make_train_step(loss_call, optimizer, seed=seed, has_aux=options.has_aux,
+                                 **step_args)
     eval_step = None
     if val is not None:
         evaluation = eval_call or loss_call
         eval_step = make_eval_step(None if eval_call else loss_call, eval_call,
                                    seed=options.seed if evaluation.wants_key else None,
-                                   **step_args)
-    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto)
+                                   has_aux=options.has_aux and eval_call is None, **step_args)
+    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto,
+               loss_call=loss_call, eval_call=eval_call if val is not None else None)
     return run if auto else _with_policy(run, policy)
+
+
+def _check_losses(run: _Run, model: Any) -> None:
+    """The loss contract (`check_loss`), on the first two examples as a batch, before
+    anything traces symbolically or compiles: what ``loss_fn`` (and ``eval_fn``) returned,
+    named by shape and dtype against what is expected."""
+    first = list(range(min(2, len(run.train))))   # two: a per-example loss shows as [2]
+    length = max(int(run.train.lengths[first].max()), run.options.min_length)
+    batch, lengths = pad_batch(run.train, first, len(first), length)
+    on = f" on a batch of {len(first)} example{'s' if len(first) > 1 else ''} of data"
+    check_loss(run.loss_call, model, batch, lengths, has_aux=run.options.has_aux, on=on)
+    if run.eval_call is not None:
+        check_loss(run.eval_call, model, batch, lengths, where="fit: eval_fn", pair=True)
 
 
 def _refuse_padding(run: _Run, state: TrainState, eval_fn: EvalFn | None) -> None:
@@ -832,16 +896,29 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     bucket = (rows * run.dp.processes, length)
     state, metrics = _at_shape(run.train_step, bucket, state,
                                *_global(run.batching, run.dp, examples, lengths))
-    loss = float(metrics["loss"])
+    # The step's one read-back (the loss was read every step already): its finite flag comes
+    # with it, computed inside the compiled step.
+    values = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "finite", "aux")
+                             if k in metrics})
+    loss, grad_norm, finite = (float(values["loss"]), float(values["grad_norm"]),
+                               bool(values["finite"]))
+    aux = _named(values["aux"]) if "aux" in values else None
     seconds = time.perf_counter() - start
     # The executor pads the batch to `bucket` (see Batching); across processes the other
     # shares' real tokens are estimated by this one's (a packed step holds every length).
     tokens_real = int(lengths.sum()) * (1 if run.layout == "pack" else run.dp.processes)
+    if not finite and run.options.on_nonfinite == "stop":
+        _stop_nonfinite(run, position, batch, loss, grad_norm)
     position = position.after_step(loss=loss, tokens=tokens_real, padded=bucket[0] * bucket[1],
-                                   seconds=seconds)
+                                   seconds=seconds, skipped=not finite, aux=aux)
     compiles, _ = run.compiles()
-    log.add(step_record(position, loss=loss, grad_norm=float(metrics["grad_norm"]),
-                        tokens=tokens_real, bucket=bucket, seconds=seconds, compiles=compiles))
+    log.add(step_record(position, loss=loss, grad_norm=grad_norm, tokens=tokens_real,
+                        bucket=bucket, seconds=seconds, compiles=compiles, skipped=not finite,
+                        aux=aux))
+    if not finite:
+        run.display.print(f"step {position.step} (epoch {position.epoch}): loss {loss}, gradient "
+                          f"norm {grad_norm}: not finite, skipped (on_nonfinite='skip'); "
+                          f"examples {_listed(batch.indices)}")
     run.display.step(loss=loss, rate=position.totals.tokens_per_s, bucket=bucket,
                      compiles=compiles)
     info = StepInfo(position.step, position.epoch, position.batch, loss, bucket, state)
@@ -852,6 +929,45 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
         return state, position, True
     max_steps = run.options.max_steps
     return state, position, max_steps is not None and position.step >= max_steps
+
+
+def _stop_nonfinite(run: _Run, position: Position, batch: Any, loss: float,
+                    grad_norm: float) -> None:
+    """Raise `NonFiniteError` for the step after ``position``: the step made no change (see
+    `train_step_fn`) and is not recorded as done, so nothing after the last good step is saved."""
+    step = position.step + 1
+    saved = list_checkpoints(run.options.checkpoint_dir) if run.options.checkpoint_dir else []
+    last = saved[-1] if saved else None
+    what = ("the loss" if not np.isfinite(loss) else "the gradient")
+    raise NonFiniteError(
+        f"fit: expected a finite loss and gradient at every step, received {what} not finite at "
+        f"step {step} (epoch {position.epoch}, batch {position.batch} of the epoch, 0-based): "
+        f"loss {loss}, gradient norm {grad_norm}, on the examples data[i] for i in "
+        f"{_listed(batch.indices)}; the step was not applied and training stopped"
+        + (f", the last checkpoint is {last}" if last else ", no checkpoint was written")
+        + "; check those examples (a NaN or inf in a field?) and the loss (log of 0? a "
+        "learning rate too high?), or pass on_nonfinite='skip' to skip such steps",
+        step=step, epoch=position.epoch, indices=[int(i) for i in batch.indices], loss=loss,
+        grad_norm=grad_norm, checkpoint=last)
+
+
+def _named(aux: Any) -> dict[str, float]:
+    """A loss's aux (a pytree of scalars) as ``{name: value}`` for the records: a dict's keys
+    (``{"accuracy": a}`` -> ``accuracy``), nested ones joined by dots, a bare scalar ``aux``."""
+    named = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        named[".".join(parts) or "aux"] = float(value)
+    return named
+
+
+def _listed(indices: Sequence[int], most: int = 64) -> str:
+    """``[3, 9, 14] (3 examples)``: a batch's example indices, the first ``most`` of a long
+    one (all of them are in `NonFiniteError.indices`)."""
+    shown = ", ".join(str(int(i)) for i in list(indices)[:most])
+    more = len(indices) > most
+    return (f"[{shown}{', ...' if more else ''}] ({len(indices)} examples"
+            + ("; all in the error's .indices" if more else "") + ")")
 
 
 def _stacked(batching: Batching | PackedBatching, dp: DataParallel, step: Bucketed, arg: Any,

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from .._errors import OptionError, check_bool, check_int
+from .._errors import OptionError, check_bool, check_int, check_option
+
+# What a step whose loss or gradient is not finite does (see `fit`).
+OnNonfinite = Literal["stop", "skip"]
 
 
 def _optional_path(value: Any, where: str) -> str | None:
@@ -62,6 +66,8 @@ class FitOptions:
     layout: str = "auto"
     train_on_padding: bool = False
     specs: Any = None
+    on_nonfinite: OnNonfinite = "stop"
+    has_aux: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, *, also: Sequence[str] = ("optimizer", "validation",
@@ -92,7 +98,8 @@ class FitOptions:
                                       optional=optional))
         if self.batch_size is None and self.max_tokens is None:
             normalise("batch_size", 32)
-        for name in ("shuffle", "masking", "warmup", "resume", "verbose", "train_on_padding"):
+        for name in ("shuffle", "masking", "warmup", "resume", "verbose", "train_on_padding",
+                     "has_aux"):
             check_bool(getattr(self, name), f"fit: {name}")
         if self.progress is not None:
             check_bool(self.progress, "fit: progress")
@@ -107,6 +114,7 @@ class FitOptions:
             raise OptionError(f"fit: callbacks: expected a sequence of callables "
                               f"(StepInfo) -> None, received {self.callbacks!r}")
         normalise("callbacks", tuple(self.callbacks))
+        check_option(self.on_nonfinite, typing.get_args(OnNonfinite), "fit: on_nonfinite")
         if self.layout not in ("auto", "pad", "pack"):
             raise OptionError(f"fit: layout: expected one of 'auto', 'pad', 'pack', received "
                               f"{self.layout!r}")

@@ -77,6 +77,9 @@ class RunDisplay:
         val = record.get("val_loss")
         text = (f"epoch {record['epoch'] + 1}: train loss {record['train_loss']:.4f}"
                 + (f", validation loss {val:.4f}" if val is not None else "")
+                + "".join(f", {name} {value:.4g}" for name, value in record.get("aux", {}).items())
+                + (f" | {record['skipped']} step(s) skipped (not finite)"
+                   if record.get("skipped") else "")
                 + f" | {record['steps']} steps, {_rate(record['tokens_per_s'])} tok/s, "
                 f"padding efficiency {record['padding_efficiency']:.3f} | "
                 f"compiles {record['compiles_epoch']} this epoch ({record['compiles']} total, "

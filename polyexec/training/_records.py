@@ -23,10 +23,28 @@ class EpochTotals:
     padded: int = 0
     steps: int = 0
     seconds: float = 0.0
+    # Steps not applied (``on_nonfinite="skip"``) and their tokens: counted in the cells the
+    # executor ran, kept out of the loss (a NaN would make the epoch's mean NaN). Defaults, so
+    # that a checkpoint written before they existed still resumes.
+    skipped: int = 0
+    skipped_tokens: int = 0
+    # has_aux: each aux value x real tokens, weighted as the loss is ({name: sum}).
+    aux_sum: dict = dataclasses.field(default_factory=dict)
 
-    def add(self, *, loss: float, tokens: int, padded: int, seconds: float) -> EpochTotals:
-        return EpochTotals(self.loss_sum + loss * tokens, self.tokens + tokens,
-                           self.padded + padded, self.steps + 1, self.seconds + seconds)
+    def add(self, *, loss: float, tokens: int, padded: int, seconds: float,
+            skipped: bool = False, aux: dict | None = None) -> EpochTotals:
+        aux_sum = dict(self.aux_sum)
+        for name, value in (aux or {}).items() if not skipped else ():
+            aux_sum[name] = aux_sum.get(name, 0.0) + value * tokens
+        return EpochTotals(self.loss_sum + (0.0 if skipped else loss * tokens),
+                           self.tokens + tokens, self.padded + padded, self.steps + 1,
+                           self.seconds + seconds, self.skipped + skipped,
+                           self.skipped_tokens + (tokens if skipped else 0), aux_sum)
+
+    @property
+    def trained_tokens(self) -> int:
+        """The real tokens of the steps applied (skipped ones excluded)."""
+        return self.tokens - self.skipped_tokens
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,10 +87,16 @@ def warmup_record(*, step: int, compiles: int, compile_seconds: float, events: d
 
 
 def step_record(position: Position, *, loss: float, grad_norm: float, tokens: int,
-                bucket: tuple[int, int], seconds: float, compiles: int) -> dict:
-    return {"kind": "step", "step": position.step, "epoch": position.epoch,
-            "position": position.batch, "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
-            "bucket": list(bucket), "seconds": seconds, "compiles": compiles}
+                bucket: tuple[int, int], seconds: float, compiles: int,
+                skipped: bool = False, aux: dict | None = None) -> dict:
+    record = {"kind": "step", "step": position.step, "epoch": position.epoch,
+              "position": position.batch, "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
+              "bucket": list(bucket), "seconds": seconds, "compiles": compiles}
+    if aux is not None:  # has_aux: the loss's aux, {name: value}
+        record["aux"] = aux
+    if skipped:          # on_nonfinite="skip": the loss or gradient was not finite
+        record["skipped"] = True
+    return record
 
 
 def epoch_record(position: Position, *, val_loss: float | None, compiles: int,
@@ -80,12 +104,17 @@ def epoch_record(position: Position, *, val_loss: float | None, compiles: int,
                  train_seconds: float, elapsed: float) -> dict:
     totals = position.totals
     return {"kind": "epoch", "epoch": position.epoch, "step": position.step,
-            "steps": totals.steps, "train_loss": totals.loss_sum / max(totals.tokens, 1),
+            "steps": totals.steps, "skipped": totals.skipped,
+            # Every step skipped: no loss to report (nan), not the 0 of an epoch with no steps.
+            "train_loss": (totals.loss_sum / max(totals.trained_tokens, 1)
+                           if totals.trained_tokens > 0 or not totals.skipped else float("nan")),
             "val_loss": val_loss, "tokens": totals.tokens, "tokens_per_s": totals.tokens_per_s,
             "padding_efficiency": totals.tokens / max(totals.padded, 1),
             "compiles": compiles, "compiles_epoch": compiles - compiles_at_start,
             "compile_seconds": compile_seconds, "seconds": seconds,
-            "train_seconds": train_seconds, "elapsed": elapsed}
+            "train_seconds": train_seconds, "elapsed": elapsed,
+            **({"aux": {name: value / max(totals.trained_tokens, 1)
+                        for name, value in totals.aux_sum.items()}} if totals.aux_sum else {})}
 
 
 class MetricsLog:

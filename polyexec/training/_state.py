@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -17,9 +18,9 @@ class TrainState(eqx.Module):
 
     An `equinox.Module`, so it is immutable and a pytree: a step takes one and returns a new
     one (optax style), and checkpoints serialise it with ``eqx.tree_serialise_leaves``.
-    ``opt_state`` is the optimiser's state for the model's floating-point arrays
-    (``eqx.filter(model, eqx.is_inexact_array)``); ``step`` is an int32 array so that it lives
-    on the device with the rest and is donated with it.
+    ``opt_state`` is the optimiser's state for the model's trainable arrays (`trainable`: its
+    floating-point arrays, of a Flax NNX model its ``nnx.Param`` ones); ``step`` is an int32
+    array so that it lives on the device with the rest and is donated with it.
 
     >>> import equinox as eqx, jax, optax
     >>> from polyexec.training import TrainState
@@ -38,8 +39,41 @@ class TrainState(eqx.Module):
             raise OptionError(f"TrainState.create: optimizer: expected an "
                               f"optax.GradientTransformation (e.g. optax.adam(1e-3)), received "
                               f"{type(optimizer).__name__}")
-        params = eqx.filter(model, eqx.is_inexact_array)
+        params, _ = trainable(model)
         return cls(model=model, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+
+
+def trainable(model: Any) -> tuple[Any, Any]:
+    """``(params, rest)``: ``model`` split (`eqx.partition`) into the arrays the optimiser
+    trains and everything else, which a train step carries through as the call left it.
+
+    Trained: floating-point arrays -- of a Flax NNX model only those in an ``nnx.Param``, as
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` trains, and none in an ``eqx.nn.State``. The
+    rest is state: an ``nnx.BatchStat``
+    is a float array too, but it is written by the layer (running statistics), never by
+    a gradient (an optimiser with weight decay would pull it to 0); RNG counts and keys, and
+    an equinox model's integer arrays, are not differentiable at all.
+
+    >>> import equinox as eqx, jax
+    >>> params, rest = trainable(eqx.nn.Linear(2, 1, key=jax.random.PRNGKey(0)))
+    >>> params.weight.shape, rest.weight is None
+    ((1, 2), True)
+    """
+    nnx = sys.modules.get("flax.nnx")   # imported by whoever built an NNX model, else none here
+    variable = nnx.Variable if nnx is not None else ()
+
+    def decide(leaf):
+        if isinstance(leaf, eqx.nn.State):     # equinox's state (eqx.nn.make_with_state)
+            return jax.tree_util.tree_map(lambda _: False, leaf)
+        if nnx is not None and isinstance(leaf, variable):   # a pytree node over its value
+            trained = isinstance(leaf, nnx.Param)
+            return jax.tree_util.tree_map(lambda x: trained and eqx.is_inexact_array(x), leaf)
+        return eqx.is_inexact_array(leaf)
+
+    spec = jax.tree_util.tree_map(
+        decide, model, is_leaf=lambda x: isinstance(x, (eqx.nn.State, *(
+            (variable,) if nnx is not None else ()))))
+    return eqx.partition(model, spec)
 
 
 def copy_arrays(tree: Any) -> Any:
