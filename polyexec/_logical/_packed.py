@@ -803,7 +803,7 @@ def _window(ctx: PackedCtx, eqn, x, monoid):
     if p["window_strides"][a] != 1 or p["base_dilation"][a] != 1 or is_sym(lo) or is_sym(hi):
         raise NoRule("a strided, base-dilated or length-padded window along a packed length "
                       "(each sequence's outputs would start at another column)")
-    combine, identity = monoid
+    combine, identity = monoid.combine, monoid.identity
     fill, step, length = identity(x.dtype), p["window_dilation"][a], eqn.outvars[0].aval.shape[a]
     out = None
     for k in range(p["window_dimensions"][a]):
@@ -884,7 +884,7 @@ def _cumulative(ctx: PackedCtx, eqn, x, a: int, monoid, reverse: bool):
     if len(rows) != 1 or len(packed) != 1:
         raise NoRule(f"{eqn.primitive.name} of a value of shape {tuple(x.shape)}, which mixes "
                       f"sequences of a packed row")
-    combine, identity = monoid
+    combine, identity = monoid.combine, monoid.identity
     n = x.shape[a]
     pos, seglen = ctx.cells(n)
     restart = pos == (ctx.at_lengths(n, seglen) - 1 if reverse else 0)
