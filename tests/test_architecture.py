@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 import polyexec as px
+from polyexec._logical._core import Ctx, Recorder
+from polyexec._logical._interface import Layout, PackedLayout
+from polyexec._logical._packed import PackedCtx
 from polyexec._logical._registry import Entry
 
 PACKAGE = pathlib.Path(px.__file__).parent
@@ -438,3 +441,30 @@ def test_every_fact_of_a_primitive_is_a_declared_field_stated_beside_its_rule():
                 if len(set(strings) & known) >= 2:
                     found.append(f"{path.name}:{node.lineno}: a table of primitive names")
     assert not found, "\n".join(found)
+
+
+def test_rules_ask_their_layout_only_through_the_declared_interface():
+    """Every ``ctx.<name>`` a family module's rule reads is declared in `Layout` (every layout)
+    or `PackedLayout` (packed rows), and each layout's context implements its interface; no
+    module-level function reaches into a context's or recorder's private names."""
+    declared = {n for n in dir(PackedLayout) if not n.startswith("_")} | set(
+        PackedLayout.__annotations__) | set(Layout.__annotations__)
+    used, private = set(), []
+    for path in sorted((PACKAGE / "_logical").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for top in tree.body:
+            for node in ast.walk(top):
+                if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                        and node.value.id in ("ctx", "recorder")):
+                    continue
+                if path.stem in FAMILIES and node.value.id == "ctx":
+                    used.add(node.attr)
+                if (node.attr.startswith("_") and not node.attr.startswith("__")
+                        and not isinstance(top, ast.ClassDef)):
+                    private.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert used - declared == set(), used - declared
+    assert not private, private
+    ctx = Ctx({}, Recorder())
+    packed = PackedCtx({}, Recorder(), var="T", rows="B", pos=None, seglen=None, sequence=None)
+    assert isinstance(ctx, Layout) and not isinstance(ctx, PackedLayout)
+    assert isinstance(packed, PackedLayout)

@@ -70,6 +70,8 @@ change, for a primitive in every layout.
   the packed layout's machinery only -- its context (`_packed.PackedCtx`: the frame, the
   family operations within each sequence), the helpers the packed rules share, and the
   per-sequence interpreter; they register no rule.
+- `_interface`: what a rule may ask of its layout (`Layout`, `PackedLayout`), declared once;
+  `_core.Ctx` and `_packed.PackedCtx` implement it.
 - `_core`: the evaluation context, the interpreter, `rewrite`; `_registry`: the one table,
   `defrule`, and `register_rule` (``px.register_rule``), which adds a rule for a primitive
   polyexec does not know; `_basics`: dimensions and values every rule uses.

@@ -91,7 +91,8 @@ class Logical:
 
 
 class Ctx:
-    """Real sizes (int32 tracers by variable name) and the recorder, for one (sub-)program.
+    """Real sizes (int32 tracers by variable name) and the recorder, for one (sub-)program:
+    the padded and ragged layouts' `_interface.Layout`, what their rules may ask.
 
     A sub-program (a scan body, a branch) gets a child context: it may read its parents'
     cached values (closing over them is fine), but what it computes stays in its own trace.

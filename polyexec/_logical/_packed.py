@@ -144,7 +144,8 @@ class PerCell:
 
 
 class PackedCtx(Ctx):
-    """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B)."""
+    """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B).
+    It implements `_interface.PackedLayout`, what the packed rules may ask."""
 
     def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
                  rows: str, pos, seglen, sequence, room: int = 0):
