@@ -52,28 +52,28 @@ def frame(ax, rows, title, note):
         ax.text(c + 0.5, 0.35, str(c), ha="center", va="center", fontsize=8, color="#555555")
 
 
-def padded(ax):
-    frame(ax, len(LENGTHS), "padded  (layout=\"pad\")",
-          "One sequence a row, every row the\nbucket's length: the array a padded\n"
-          "program runs on. Grey: padding,\nkept out of every result.")
+def one_sequence_a_row(ax, title, text, **tail):
+    """Each sequence in its own row of the bucket's length, the cells past it drawn ``tail``."""
+    frame(ax, len(LENGTHS), title, text)
     for r, n in enumerate(LENGTHS):
         for c in range(BUCKET):
             if c < n:
                 cell(ax, r, c, colour=COLOURS[r], text=NAMES[r])
             else:
-                cell(ax, r, c, hatch="///")
+                cell(ax, r, c, **tail)
+
+
+def padded(ax):
+    one_sequence_a_row(ax, "padded  (layout=\"pad\")",
+                       "One sequence a row, every row the\nbucket's length: the array a padded\n"
+                       "program runs on. Grey: padding,\nkept out of every result.", hatch="///")
 
 
 def ragged(ax):
-    frame(ax, len(LENGTHS), "ragged  (a lengths_of input)",
-          "The same rows, each its own length:\npast a row's length nothing exists\n"
-          "(means divide by the real count,\nx.shape[0] is the row's length).")
-    for r, n in enumerate(LENGTHS):
-        for c in range(BUCKET):
-            if c < n:
-                cell(ax, r, c, colour=COLOURS[r], text=NAMES[r])
-            else:
-                cell(ax, r, c, dashed=True)
+    one_sequence_a_row(ax, "ragged  (a lengths_of input)",
+                       "The same rows, each its own length:\npast a row's length nothing exists\n"
+                       "(means divide by the real count,\nx.shape[0] is the row's length).",
+                       dashed=True)
 
 
 def packed(ax):
