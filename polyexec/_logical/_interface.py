@@ -107,6 +107,10 @@ class PackedLayout(Layout, Protocol):
     def packed_axes(self, shape) -> list[int]:
         """Axes whose length is an expression of the packed variable (T, T - 1)."""
 
+    def frame_axes(self, shape, what: str, along: int | None = None) -> tuple[int, int]:
+        """``(rows axis, packed axis)`` of a value ``what`` reads, or `NoRule` when it mixes
+        sequences of a packed row."""
+
     def cells(self, d):
         """``(pos, seglen)`` of the first ``d`` columns."""
 

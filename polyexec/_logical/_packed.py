@@ -199,12 +199,9 @@ class PackedCtx(Ctx):
         if self.rows_name in names:
             return self._summed(d, self.rows_name)
         if shape is not None:
-            rows, packed = self.row_axes(shape), self.packed_axes(shape)
-            if rows:
-                if len(rows) != 1 or len(packed) != 1:
-                    raise NoRule(f"a value of shape {tuple(shape)} mixes sequences of a packed "
-                                  f"row (it needs exactly one rows axis and one packed length)")
-                return along(self.ends(shape[packed[0]]), len(shape), rows[0], packed[0])
+            if self.row_axes(shape):
+                r, p = self.frame_axes(shape, "a length")
+                return along(self.ends(shape[p]), len(shape), r, p)
             if shared is False or (shared is None and tuple(shape) in self.from_lengths_shapes):
                 raise NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
                               f"differs per sequence of a packed row, and has no rows axis to "
@@ -218,6 +215,18 @@ class PackedCtx(Ctx):
     def _has_rows(self, eqn, rows: str) -> bool:
         return any(self.row_axes(getattr(v.aval, "shape", ()))
                    for v in (*eqn.invars, *eqn.outvars))
+
+    def frame_axes(self, shape, what: str, along: int | None = None) -> tuple[int, int]:
+        """``(rows axis, packed axis)`` of a value of ``shape`` that ``what`` (``"a sort"``)
+        reads: `NoRule` unless it has exactly one of each -- more would mix sequences of a
+        packed row -- and, given ``along``, unless that axis is its packed length."""
+        rows, packed = self.row_axes(shape), self.packed_axes(shape)
+        if along is not None and along not in packed:
+            raise NoRule(f"{what} over the rows of packed rows, or over another length")
+        if len(rows) != 1 or len(packed) != 1:
+            raise NoRule(f"{what} of a value of shape {tuple(shape)}, which mixes sequences of "
+                         f"a packed row (it needs exactly one rows axis and one packed length)")
+        return rows[0], packed[0]
 
     def cells(self, d):
         """``(pos, seglen)`` of the first ``d`` columns (an axis of packed length ``d``)."""
@@ -339,13 +348,8 @@ class PackedCtx(Ctx):
         its own column: every sequence is sorted in place, every other cell stays put.
         (``argsort``'s positions are each cell's own, by the ``iota`` rule; the gradient's
         gather and scatter-add by that permutation are `_pick_cells` and `_put_cells`.)"""
-        rows, packed = self.row_axes(shape), self.packed_axes(shape)
-        if axis not in packed:
-            raise NoRule("a sort over the rows of packed rows")
-        if len(rows) != 1 or len(packed) != 1:
-            raise NoRule(f"a sort of a value of shape {tuple(shape)}, which mixes sequences of "
-                         f"a packed row")
-        return spread(self.starts(shape[axis]), shape, (rows[0], axis))
+        r, _ = self.frame_axes(shape, "a sort", along=axis)
+        return spread(self.starts(shape[axis]), shape, (r, axis))
 
     # -- what `evaluate` asks of a layout (see `Ctx`) ---------------------------------------
 
@@ -818,13 +822,8 @@ def _reversed_sequences(ctx: PackedCtx, x, a: int):
     cell at position ``p`` of a part of ``e`` cells reads its own sequence's position
     ``e - 1 - p``, at column ``start + e - 1 - p``; cells outside the frame keep their own. A
     reverse is its own transpose, so gradients come back through this rule too."""
-    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
-    if a not in packed:
-        raise NoRule("a reverse over the rows of packed rows, or over another length")
-    if len(rows) != 1 or len(packed) != 1:
-        raise NoRule(f"a reverse of a value of shape {tuple(x.shape)}, which mixes sequences "
-                      f"of a packed row")
-    return reverse_each(ctx, x, rows[0], a)
+    r, _ = ctx.frame_axes(x.shape, "a reverse", along=a)
+    return reverse_each(ctx, x, r, a)
 
 
 def reverse_each(ctx: PackedCtx, x, r: int, a: int, others=()):
@@ -879,18 +878,13 @@ def _cumulative(ctx: PackedCtx, eqn, x, a: int, monoid, reverse: bool):
     with ``reverse=True``, as the transpose of ``cumsum`` runs). Exact, where subtracting each
     sequence's prefix of the row would lose the sequence's own digits; sequential over the row
     length."""
-    rows, packed = ctx.row_axes(x.shape), ctx.packed_axes(x.shape)
-    if a not in packed:
-        raise NoRule(f"{eqn.primitive.name} over the rows of packed rows")
-    if len(rows) != 1 or len(packed) != 1:
-        raise NoRule(f"{eqn.primitive.name} of a value of shape {tuple(x.shape)}, which mixes "
-                      f"sequences of a packed row")
+    r, _ = ctx.frame_axes(x.shape, eqn.primitive.name, along=a)
     combine, identity = monoid.combine, monoid.identity
     n = x.shape[a]
     pos, seglen = ctx.cells(n)
     restart = pos == (ctx.at_lengths(n, seglen) - 1 if reverse else 0)
     columns = jnp.moveaxis(x, a, 0)
-    restarts = jnp.moveaxis(spread(restart, x.shape, (rows[0], a)), a, 0)
+    restarts = jnp.moveaxis(spread(restart, x.shape, (r, a)), a, 0)
     start = filled(columns.shape[1:], identity(x.dtype), x.dtype)
 
     def step(total, cell):
