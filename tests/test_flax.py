@@ -262,9 +262,8 @@ def test_fit_advances_an_nnx_dropout_rng_count_each_step_as_nnx_jit_does():
     assert int(reference.drop.rngs.count[...]) == 6
     assert int((np.asarray(result.model.w[...]) == 0).sum()) == \
         int((np.asarray(reference.w[...]) == 0).sum()) == 0
-    # Bitwise random equality with jax.jit: these draws have no length axis (shape (16,)), so
-    # they are JAX's own inside px.bucketed too; tighten to assert_array_equal once the
-    # executor's draws are jax.jit's bit for bit everywhere (polyexec/_logical/_random.py).
+    # The masks are nnx.jit's own (a draw is jax.jit's bit for bit inside px.bucketed); the
+    # losses and weights agree to rounding: the reference sums each batch in one row.
     np.testing.assert_allclose([s["loss"] for s in steps], losses, rtol=1e-5)
     np.testing.assert_allclose(result.model.w[...], reference.w[...], rtol=1e-5, atol=1e-6)
 
