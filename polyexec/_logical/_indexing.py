@@ -192,6 +192,16 @@ def _gather_acts_on(eqn, i, axis, shape):
     return axis == len(shape) - 1
 
 
+def within(mode, position, n):
+    """``(position, inside)``: an index into ``n`` positions (a row's, a sequence's) as a
+    gather or scatter in ``mode`` reads it. FILL_OR_DROP keeps it, inside where it falls in
+    ``[0, n)``; CLIP and PROMISE_IN_BOUNDS clamp it there, inside unless there is no position
+    at all (``n == 0``: a row or sequence of length 0)."""
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        return position, (position >= 0) & (position < n)
+    return jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+
+
 def _held_index(per_row):
     """A gather (scatter) whose index is held per row (`RowVarying`) reads (writes) each row
     at its own position when it has the one-position form (`_per_row_position`,
@@ -304,10 +314,10 @@ def _per_row_position(ctx, eqn, x, idx):
     n = ctx.length(x.shape[t], shape=x.shape)       # per row, shaped to broadcast along x
     k, others = _position_per_row(ctx, x, t, idx, component, p["mode"])
     one = tuple(1 if a == t else d for a, d in enumerate(x.shape))
-    position = jnp.broadcast_to(jnp.clip(k, 0, jnp.maximum(n - 1, 0)).astype(np.int32), one)
+    k, inside = within(p["mode"], k, n)
+    position = jnp.broadcast_to(k.astype(np.int32), one)
     out = jnp.take_along_axis(x, position, axis=t, mode="clip")
-    outside = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
-    outside = outside if others is None else outside | others
+    outside = ~inside if others is None else ~inside | others
     outside = jnp.broadcast_to(outside, one)
     out = lax.select(outside, filled(out.shape, gather_fill(p, out.dtype), out.dtype), out)
     return [lax.squeeze(out, (t,)) if t in dn.collapsed_slice_dims else out]
@@ -332,9 +342,9 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     t, component = found
     n = ctx.length(x.shape[t], shape=x.shape)
     k, others = _position_per_row(ctx, x, t, idx, component, p["mode"])
-    drop = ((k < 0) | (k >= n)) if p["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
-    drop = drop if others is None else drop | others
-    at = (iota_along(x.shape, t) == jnp.clip(k, 0, jnp.maximum(n - 1, 0))) & ~drop
+    k, inside = within(p["mode"], k, n)
+    drop = ~inside if others is None else ~inside | others
+    at = (iota_along(x.shape, t) == k) & ~drop
     if t not in dn.inserted_window_dims:
         updates = lax.squeeze(updates, (t,))
     spread = lax.broadcast_in_dim(updates, x.shape, tuple(a for a in range(x.ndim) if a != t))
@@ -504,10 +514,7 @@ def _own_position(ctx: PackedCtx, eqn, shape, index, index_map, window, batching
     if index.axis != s:
         return None
     position = jnp.reshape(jnp.moveaxis(index.value, (s, s + 1), (0, 1)), ctx.pos.shape)
-    n = ctx.at_lengths(shape[p], ctx.seglen)
-    inside = (position >= 0) & (position < n)
-    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
-        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    position, inside = within(eqn.params["mode"], position, ctx.at_lengths(shape[p], ctx.seglen))
     return r, p, s, position.astype(np.int32), inside
 
 
@@ -707,11 +714,9 @@ def _sequence_and_position(ctx: PackedCtx, eqn, shape, index, index_map, window,
     inside = (sequence >= 0) & (sequence < count)
     sequence = jnp.clip(sequence, 0, count - 1)
     row, start, length = (jnp.take(t, sequence, mode="clip") for t in _sequence_table(ctx))
-    n = ctx.at_lengths(shape[p], length)
-    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-        inside = inside & (position >= 0) & (position < n)
-    else:
-        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    position, here = within(eqn.params["mode"], position, ctx.at_lengths(shape[p], length))
+    # Clamped, a position reads its (clamped) sequence; dropped, only a real sequence's own.
+    inside = inside & here if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else here
     return r, p, row, start + position, inside
 
 
@@ -844,12 +849,9 @@ def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batchi
         row, start, length = (jnp.take(t, jnp.clip(sequence, 0, count - 1), mode="clip")
                               for t in _sequence_table(ctx))
         n = ctx.at_lengths(shape[p], length)
-    position = _as_int32(component(p))
-    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-        read = (position >= 0) & (position < n)
-        read = read if named is None else read & named
-    else:
-        position, read = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    position, read = within(eqn.params["mode"], _as_int32(component(p)), n)
+    if named is not None and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        read = read & named
     column = jnp.clip(start + position, 0, shape[p] - 1)
     comps = {p: column} if named is None else {p: column, r: row}
     components = jnp.stack([comps[a].astype(idx.dtype) if a in comps else idx[..., i]
