@@ -338,3 +338,30 @@ def test_a_draw_with_partitionable_threefry_off_is_flagged_by_line():
         x = np.ones((5, 3), np.float32)
         np.testing.assert_array_equal(g(jax.random.key(0), x),
                                       jax.jit(keep_mask)(jax.random.key(0), x))
+
+
+def test_a_draw_along_ragged_rows_counted_together_is_flagged_and_an_unragged_one_is_exact():
+    """Along ``B*T`` (``x.reshape(-1, F)``) the real cells of ragged rows lie end to end, where
+    jax.jit's exact-size draw spaces them by the longest row: flagged by line (it was exact by
+    no contract). Unragged, ``B*T`` is row-major at the real sizes: jax.jit's own bits."""
+    def flat_dropout(key, x, *lengths):
+        b, t, f = x.shape
+        flat = x.reshape(b * t, f)
+        return jnp.sum(jnp.where(jax.random.bernoulli(key, 0.5, flat.shape), flat, 0.0), 0)
+
+    def flat_bits(key, x):
+        b, t, f = x.shape
+        return jax.random.bits(key, (b * t, f)).reshape(b, t, f)
+
+    T = px.LengthVar("T", max=16)
+    B = px.LengthVar("B", max=8)
+    x = np.ones((3, 7, F), np.float32)
+    ragged = px.bucketed(flat_dropout, (None, px.Spec("B T 2", jnp.float32),
+                                        px.Spec("B", jnp.int32, lengths_of="T")),
+                         buckets={T: [8], B: [4]}, strict=True)
+    with pytest.raises(px.PolymorphismError, match="random_bits: a random draw along B\\*T"):
+        ragged(jax.random.key(1), x, np.array([5, 3, 7], np.int32))
+    unragged = px.bucketed(flat_bits, (None, px.Spec("B T 2", jnp.float32)),
+                           buckets={T: [8], B: [4]}, strict=True)
+    np.testing.assert_array_equal(unragged(jax.random.key(1), x),
+                                  jax.jit(flat_bits)(jax.random.key(1), x))

@@ -107,6 +107,15 @@ def _random_bits(ctx, eqn, invals):
     if not has_sym(shape):
         return None                 # per key: each key's draw is its own already
     _exact_draws_only(key, shape)
+    for d in shape:
+        rows = ctx.rows_of(d)
+        if rows is not None and rows in dim_vars(d):
+            # Logically the real cells of ragged rows lie end to end along ``B*T``; jax.jit's
+            # exact-size array spaces them by the longest row, padding between them.
+            raise NoRule(f"a random draw along {d}, the cells of rows ragged along {rows} "
+                         f"counted together: jax.jit's draw on the exact-size input spaces "
+                         f"them by the longest row, so no cell's index is its own; draw along "
+                         f"the rows and the length ({rows}, ...) and reshape after")
     if not has_sym(shape[1:]):
         return None                 # (T, F): the bucket's flat index is the exact one
     index = [lax.broadcasted_iota(np.int32, shape, a) for a in range(len(shape))]
