@@ -17,7 +17,6 @@ import concurrent.futures
 import copy
 import dataclasses
 import functools
-import itertools
 import os
 import threading
 import time
@@ -213,13 +212,15 @@ class Bucketed:
         # masks by itself and wants no overhead.
         self.masking = check_bool(masking, f"{where}: masking")
         # "pad": one sequence per padded row; "pack": several per row of a row-length bucket
-        # (T's buckets), the rows bucketed by B's; "auto": per call, the fewer cells.
+        # (T's buckets), the rows bucketed by B's; "auto": per call, the fewer cells. The
+        # option maps here, once, to the layouts calls may run in (`_LAYOUT_OPTIONS`).
         self.layout = check_option(layout, LAYOUTS, f"{where}: layout")
+        self._layouts, self._by_cost = _LAYOUT_OPTIONS[self.layout]
         # Whether plans hold the packed program (kept by `with_layout("pad")` copies).
-        self._with_packed = self.layout != "pad"
+        self._with_packed = any(x.own_program for x in self._layouts)
         # Rows per row length for packed calls (a packed batch plan's shapes), so a partial
         # batch runs at its row length's full shape instead of compiling a smaller one.
-        self.pack_rows = _check_pack_rows(pack_rows, where)
+        self.pack_rows = _layouts.PACK.check_rows(pack_rows, where)
         self.donate_argnums = tuple(check_int(i, f"{where}: donate_argnums", min=0)
                                     for i in donate_argnums)
         # One jax.sharding.Sharding (or None) per positional argument, applied to every array
@@ -365,36 +366,14 @@ class Bucketed:
                                    f"{self.name}.warmup")   # before anything traces
         call = self._example_call(args)
         plan = self._plan(call.signature)
-        if self.layout == "pack" and plan.can_pack:
-            jobs = [(plan.segments[0], _layouts.PACK, grid)
-                    for grid in self._packed_grids(plan, sizes)]
-        else:
-            if sizes is None:
-                names = list(self._input_names)
-                combos = [dict(zip(names, c)) for c in itertools.product(
-                    *(self.bucket_sizes(n, plan) for n in names))]
-            else:
-                combos = [{n: self.bucket_for(n, int(s), plan) for n, s in d.items()}
-                          for d in sizes]
-            jobs = [(seg, _layouts.PAD, combo) for seg, combo in self._warmup_jobs(plan, combos)]
+        # Under layout="pack", packed grids (`_layouts._Pack.warmup_buckets`); chosen per call
+        # by cost, the padded buckets.
+        layout = self._runs_in(plan) or _layouts.PAD
+        jobs = [(seg, layout, bucket) for seg, bucket
+                in layout.warmup_buckets(plan, sizes, self, list(self._input_names))]
         self._compile_all([functools.partial(self._executable, plan, seg, layout, bucket)
                            for seg, layout, bucket in jobs], max_workers, progress)
         return [bucket for _, _, bucket in jobs]
-
-    def _packed_grids(self, plan: Plan, sizes) -> list[dict[str, int]]:
-        """`warmup` under ``layout="pack"``: ``{B: rows, T: row length}`` sizes are packed
-        grids, at the rows a call of that many rows would run (``pack_rows``, else B's
-        bucket); by default every ``pack_rows`` entry, or else every B x T bucket."""
-        ((var, (_, rows_var)),) = plan.segments[0].convention.rows_at.items()
-        if sizes is None:
-            return ([{rows_var: r, var: n} for n, r in sorted(self.pack_rows.items())]
-                    or [{rows_var: r, var: n} for r in self.bucket_sizes(rows_var, plan)
-                        for n in self.bucket_sizes(var, plan)])
-        grids = []
-        for d in sizes:
-            n = self.bucket_for(var, int(d[var]), plan)
-            grids.append({var: n, rows_var: self.packed_rows(plan, rows_var, n, int(d[rows_var]))})
-        return grids
 
     def _compile_all(self, jobs: Sequence[Callable[[], Any]], max_workers, progress) -> None:
         workers = max_workers or min(len(jobs), os.cpu_count() or 1) or 1
@@ -470,9 +449,11 @@ class Bucketed:
         """
         where = f"{self.name}.with_layout"
         layout = check_option(layout, LAYOUTS, f"{where}: layout")
-        view = self._view(layout=layout, _with_packed=self._with_packed or layout != "pad",
-                          pack_rows=_check_pack_rows(pack_rows, where) if pack_rows is not None
-                          else self.pack_rows)
+        layouts, by_cost = _LAYOUT_OPTIONS[layout]
+        view = self._view(layout=layout, _layouts=layouts, _by_cost=by_cost,
+                          _with_packed=self._with_packed or any(x.own_program for x in layouts),
+                          pack_rows=_layouts.PACK.check_rows(pack_rows, where)
+                          if pack_rows is not None else self.pack_rows)
         view._check_row_lengths(view.pack_rows, where)
         return view
 
@@ -540,11 +521,11 @@ class Bucketed:
 
     def _verdict(self, plan: Plan) -> None:
         """Never silent: a plan that cannot guarantee a result warns once, or raises (strict)."""
-        if self.layout == "pack" and not plan.can_pack and not plan.reshaping_is_impossible \
-                and plan.padding_safe:
-            message = (f"{self.name} cannot run packed rows, so it runs one sequence per padded "
-                       f"row (layout='pad', the same results): {plan.packing_reason}")
-            reason = plan.packing_reason
+        # A layout the option pins (layout="pack") that cannot run the plan: it runs padded.
+        unable = None if self._by_cost else self._layouts[0].unable(plan)
+        if unable is not None and not plan.reshaping_is_impossible and plan.padding_safe:
+            message = self._layouts[0].fallback_message(self.name, unable)
+            reason = unable
         elif plan.reshaping_is_impossible:
             # The retraced program sees concrete sizes, so nothing can tell its length axes
             # from others: it runs on the padded arrays as written, unchecked.
@@ -596,25 +577,26 @@ class Bucketed:
             handed = handed + new
         return placed.unplace(segment, compiled.out_tree, outputs, self.out_specs)
 
+    def _runs_in(self, plan: Plan) -> _layouts.Layout | None:
+        """The layout every call of ``plan`` runs in: the first of the option's layouts that
+        runs it (the last, pad, runs every plan); None where the option chooses per call by
+        cost between several that run it (``auto``, `_place`)."""
+        able = [layout for layout in self._layouts if layout.runs(plan)]
+        return None if self._by_cost and len(able) > 1 else able[0]
+
     def _place(self, plan: Plan, call: _bind.BoundCall, least: Mapping[str, int]
                ) -> _layouts.Placed:
         """The layout this call runs in, and the call placed by it. ``pack`` when the plan can;
         ``auto``: the layout with fewer cells (a step's cost is per cell), equal cells staying
         padded, one sequence a row. A call pinned at a least bucket (`call_at_least`) of a
         packing function packs as usual: its rows are its own."""
-        if self.layout != "pad" and plan.can_pack:
-            packed = _layouts.PACK.place(plan, call, self)
-            if self.layout == "pack" or packed.cells < self._padded_cells(plan, packed):
+        layout = self._runs_in(plan)
+        if layout is None:       # chosen by cost: packed only when it has fewer cells
+            packed = _layouts.PACK.place(plan, call, self, least)
+            if packed.cells < packed.padded_cells(plan, self):
                 return packed
-        # Without the rewrite, code that masks itself by the lengths cannot tell a filler row
-        # (length 0) from an example: a mean over the rows would count it. So the rows a
-        # `lengths_of` input indexes run at their own number, never padded (one compile per
-        # number of rows; a hand-masked per-example mean over 3 rows came back as 3/4 of
-        # itself at a bucket of 4).
-        exact = () if self.masking else call.signature.rows_variables
-        bucket = {n: s if n in exact else max(self.bucket_for(n, s, plan), least.get(n, 0))
-                  for n, s in call.sizes.items()}
-        return _layouts.PAD.place(call, bucket)
+            layout = _layouts.PAD
+        return layout.place(plan, call, self, least)
 
     def packing_of(self, lengths: Any, *args) -> tuple[np.ndarray, int]:
         """``(row of each sequence, rows)`` of the packed grid a call with these ``lengths``
@@ -633,36 +615,23 @@ class Bucketed:
         ([1, 1, 0, 0], 2)
         """
         plan = self.plan_for(*args)
-        if self.layout != "pack" or not plan.can_pack:
-            raise OptionError(f"{self.name}.packing_of: expected a function that runs packed "
-                              f"rows (layout='pack' and a plan that can pack), received "
-                              f"layout={self.layout!r}"
-                              + ("" if plan.can_pack else f" ({plan.packing_reason})"))
-        lengths = np.asarray(lengths, np.int64).reshape(-1)
-        packing, rows = _layouts.PACK.packing(plan, lengths, self)
-        return np.asarray(packing.row), rows
+        return _layouts.PACK.packing_of(plan, lengths, self, self._runs_in(plan))
 
-    def packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int) -> int:
-        """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:
-        ``pack_rows[row_length]`` when it holds them, else B's bucket -- rounded up to a
-        multiple of the devices the rows are split over (`_layouts.row_shards`): each device
-        then holds whole rows, so each sequence lies on one device, and the added rows are
-        empty (no cell of theirs is real)."""
-        rows = self.pack_rows.get(row_length, 0)
-        if rows < max(needed, 1):
-            rows = self.bucket_for(rows_var, max(needed, 1), plan)
-        shards = _layouts.row_shards(plan.segments[0], self.in_shardings)
-        return -(-rows // shards) * shards
+    def exported_program(self, plan: Plan | None = None) -> Any:
+        """The `jax.export.Exported` the calls of ``plan`` (default: `plan`, the latest call's)
+        run: the packed rewrite where they run packed rows (``layout="pack"``), else the
+        padded program -- ``layout="auto"``'s too, which packs call by call; None where
+        reshaping is impossible (each bucket is retraced). Costs are recorded by it
+        (`polyexec.training.measure_cost`).
 
-    def _padded_cells(self, plan: Plan, packed) -> int | float:
-        """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
-        has no bucket that holds the sequences)."""
-        grid = packed.grid
-        try:
-            rows = self.bucket_for(grid.rows_var, max(len(grid.lengths), 1), plan)
-        except LengthOverflowError:
-            return float("inf")
-        return rows * self.bucket_for(grid.var, max(grid.longest, 1), plan)
+        >>> import jax.numpy as jnp, numpy as np, polyexec as px
+        >>> T = px.LengthVar("T", max=16)
+        >>> f = px.bucketed(lambda x: x * 2, in_specs=(px.Spec("T", jnp.float32),), buckets={T: [16]})
+        >>> type(f.exported_program()).__name__
+        'Exported'
+        """
+        plan = self.plan if plan is None else plan
+        return (self._runs_in(plan) or _layouts.PAD).exported(plan)
 
     def _hand_over(self, plan: Plan, cut: CutPoint, outputs: Sequence[Any],
                    sizes: dict[str, int], bucket: dict[str, int]) -> tuple[list[Any], int, int]:
@@ -702,9 +671,7 @@ class Bucketed:
         """The compiled program of one segment in one layout at one bucket (counted in the
         stats when this call compiled it)."""
         key = layout.stats_key(segment, bucket)
-        what = (f"bucket {dict(bucket)}" if layout is _layouts.PAD
-                else f"{layout.name}ed rows {dict(bucket)}")
-        return self._cached((id(segment), layout.name, key), key, what,
+        return self._cached((id(segment), layout.name, key), key, layout.describe(bucket),
                             lambda: self._compile(plan, segment, layout, bucket))
 
     def _cached(self, cache_key: tuple, stats_key: tuple, what: str,
@@ -742,36 +709,17 @@ class Bucketed:
                                     ) from None
         return _Compiled(lowered.compile(), cell[0], tuple(cell[1]))
 
-    def _warmup_jobs(self, plan: Plan, combos: Sequence[Mapping[str, int]]):
-        """(segment, bucket) pairs to compile: each segment at every given input bucket combined
-        with every bucket of its data-dependent variables (or the ones named in ``combos``)."""
-        if plan.mode == "single":
-            return [(plan.segments[0], combo) for combo in combos]
-        jobs, seen = [], set()
-        for seg in plan.segments:
-            live = [v.name for v in seg.live_variables]
-            for combo in combos:
-                fixed = {n: combo[n] for n in live if n in combo}
-                free = [n for n in live if n not in combo]
-                for values in itertools.product(*(self.bucket_sizes(n, plan) for n in free)):
-                    sizes = {**fixed, **dict(zip(free, values))}
-                    key = (id(seg), tuple(sorted(sizes.items())))
-                    if key not in seen:
-                        seen.add(key)
-                        jobs.append((seg, sizes))
-        return jobs
-
-
-def _check_pack_rows(pack_rows: Mapping[int, int] | None, where: str) -> dict[int, int]:
-    if pack_rows is not None and not isinstance(pack_rows, Mapping):
-        raise OptionError(f"{where}: pack_rows: expected a mapping row length -> rows, "
-                          f"received {pack_rows!r}")
-    return {check_int(k, f"{where}: pack_rows key (a row length)", min=1):
-            check_int(v, f"{where}: pack_rows[{k}]", min=1) for k, v in (pack_rows or {}).items()}
-
 
 Layout = Literal["pad", "pack", "auto"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
+# The one place a ``layout`` option is read by its value: the layouts its calls may run in,
+# preferred first (the last, pad, runs every plan), and whether each call chooses between
+# those that run its plan by cost (its cells) rather than running the first.
+_LAYOUT_OPTIONS: dict[str, tuple[tuple[_layouts.Layout, ...], bool]] = {
+    "pad": ((_layouts.PAD,), False),
+    "pack": ((_layouts.PACK, _layouts.PAD), False),
+    "auto": ((_layouts.PACK, _layouts.PAD), True),
+}
 
 
 class _NoBar:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from jax import export
 import buckets as _buckets
 
 from . import _bind
+from ._errors import LengthOverflowError, OptionError, check_int
 from ._jax_internals import dim_vars, evaluate_dim
 from ._plan import Plan, Segment
 from ._spec import Spec
@@ -63,9 +65,45 @@ class Placed:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A layout's name and how its program of a segment is compiled at a bucket."""
+    """A layout's name and how its program of a segment is compiled at a bucket; what differs
+    between layouts is here, asked by the executor (`Bucketed`), which never tests a name."""
 
     name: str
+    # Whether a plan holds this layout's own program only when made for it (`plan_function`'s
+    # ``pack``): the packed rewrite.
+    own_program = False
+
+    def unable(self, plan: Plan) -> str | None:
+        """Why this layout cannot run ``plan`` (naming the user's line), None when it can."""
+        return None
+
+    def runs(self, plan: Plan) -> bool:
+        return self.unable(plan) is None
+
+    def fallback_message(self, name: str, reason: str) -> str:
+        """The warning when a function pinned to this layout runs ``reason``'s plan padded."""
+        raise NotImplementedError
+
+    def describe(self, bucket: Mapping[str, int]) -> str:
+        """``bucket`` as a message names it (``CompileError``)."""
+        raise NotImplementedError
+
+    def exported(self, plan: Plan) -> Any:
+        """The `jax.export.Exported` this layout runs for ``plan`` (None where there is none:
+        reshaping is impossible)."""
+        raise NotImplementedError
+
+    def place(self, plan: Plan, call: _bind.BoundCall, sizer, least: Mapping[str, int]
+              ) -> "Placed":
+        """``call`` placed into a bucket (``sizer``, the `Bucketed`, knows the buckets; a least
+        bucket, `Bucketed.call_at_least`'s)."""
+        raise NotImplementedError
+
+    def warmup_buckets(self, plan: Plan, sizes: Sequence[Mapping[str, int]] | None, sizer,
+                       names: Sequence[str]) -> list[tuple[Segment, dict[str, int]]]:
+        """``(segment, bucket)`` pairs `Bucketed.warmup` compiles for ``sizes`` (None: every
+        bucket of the input variables ``names``)."""
+        raise NotImplementedError
 
     def stats_key(self, segment: Segment, bucket: Mapping[str, int]) -> tuple:
         raise NotImplementedError
@@ -93,15 +131,59 @@ class _Pad(Layout):
     def stats_key(self, segment, bucket):
         return tuple((v.name, bucket[v.name]) for v in segment.live_variables)
 
+    def describe(self, bucket):
+        return f"bucket {dict(bucket)}"
+
+    def exported(self, plan):
+        return plan.exported
+
     def program(self, plan, segment, bucket, counter):
         avals = segment.bucket_avals(bucket)
         program, cell = plan.program_at(segment, bucket, counter)
         return program, avals, len(avals), cell
 
-    def place(self, call: _bind.BoundCall, bucket: Mapping[str, int]) -> "_Padded":
-        """``call`` padded up to ``bucket`` (before compiling: padding may refuse)."""
+    def place(self, plan, call, sizer, least):
+        """``call`` padded up to its bucket, no smaller than ``least`` (before compiling:
+        padding may refuse)."""
+        # Without the rewrite, code that masks itself by the lengths cannot tell a filler row
+        # (length 0) from an example: a mean over the rows would count it. So the rows a
+        # `lengths_of` input indexes run at their own number, never padded (one compile per
+        # number of rows; a hand-masked per-example mean over 3 rows came back as 3/4 of
+        # itself at a bucket of 4).
+        exact = () if sizer.masking else call.signature.rows_variables
+        bucket = {n: s if n in exact else max(sizer.bucket_for(n, s, plan), least.get(n, 0))
+                  for n, s in call.sizes.items()}
         poly, real, padded = _bind.pad_inputs(call, bucket)
         return _Padded(self, call, dict(bucket), dict(call.sizes), real, padded, poly)
+
+    def warmup_buckets(self, plan, sizes, sizer, names):
+        if sizes is None:
+            combos = [dict(zip(names, c)) for c in itertools.product(
+                *(sizer.bucket_sizes(n, plan) for n in names))]
+        else:
+            combos = [{n: sizer.bucket_for(n, int(s), plan) for n, s in d.items()}
+                      for d in sizes]
+        return self._segment_buckets(plan, combos, sizer)
+
+    @staticmethod
+    def _segment_buckets(plan: Plan, combos: Sequence[Mapping[str, int]], sizer):
+        """(segment, bucket) pairs to compile: each segment at every given input bucket combined
+        with every bucket of its data-dependent variables (or the ones named in ``combos``)."""
+        if plan.mode == "single":
+            return [(plan.segments[0], combo) for combo in combos]
+        jobs, seen = [], set()
+        for seg in plan.segments:
+            live = [v.name for v in seg.live_variables]
+            for combo in combos:
+                fixed = {n: combo[n] for n in live if n in combo}
+                free = [n for n in live if n not in combo]
+                for values in itertools.product(*(sizer.bucket_sizes(n, plan) for n in free)):
+                    sizes = {**fixed, **dict(zip(free, values))}
+                    key = (id(seg), tuple(sorted(sizes.items())))
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((seg, sizes))
+        return jobs
 
 
 PAD = _Pad("pad")
@@ -204,13 +286,28 @@ def clear_ragged_tails(leaf, shape, sizes: Mapping[str, int],
 
 
 class _Pack(Layout):
+    own_program = True
+
+    def unable(self, plan):
+        return plan.packing_reason
+
+    def fallback_message(self, name, reason):
+        return (f"{name} cannot run packed rows, so it runs one sequence per padded row "
+                f"(layout='pad', the same results): {reason}")
+
+    def describe(self, bucket):
+        return f"{self.name}ed rows {dict(bucket)}"
+
+    def exported(self, plan):
+        return plan.segments[0].program(self.name).exported
+
     def stats_key(self, segment, bucket):
         """``(("rows(B)", R), ("row_length(T)", L))``."""
         ((var, (_, rows_var)),) = segment.convention.rows_at.items()
         return ((f"rows({rows_var})", bucket[rows_var]), (f"row_length({var})", bucket[var]))
 
     def program(self, plan, segment, bucket, counter):
-        packed = segment.program("pack").exported
+        packed = segment.program(self.name).exported
         avals = [jax.ShapeDtypeStruct(evaluate_shape(a.shape, bucket), a.dtype)
                  for a in packed.in_avals]
         # The convention's inputs come first; the layout arrays (pos, seglen[, sequence])
@@ -227,19 +324,20 @@ class _Pack(Layout):
             return list(avals)
         return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows) for a in avals]
 
-    def place(self, plan: Plan, call: _bind.BoundCall, sizer) -> "_Packed":
+    def place(self, plan, call, sizer, least):
         """Where ``call``'s sequences go: rows of the smallest row length (a bucket of T) that
         holds the longest, as many as first-fit needs bucketed by B's buckets or the run's
         ``pack_rows`` (``sizer``, the `Bucketed`, knows both), the sequences spread over all
         of them (`buckets.balanced_fit`): the packed program's scans stop at the last real
         column. The grid's arrays are built only when the call runs packed (`inputs`):
-        ``layout="auto"`` prices a call by its cells alone and may run it padded."""
+        ``layout="auto"`` prices a call by its cells alone and may run it padded. A least
+        bucket (`Bucketed.call_at_least`) changes nothing: a packed call's rows are its own."""
         segment = plan.segments[0]
         ((var, (at, rows_var)),) = segment.convention.rows_at.items()
         poly_at = at - segment.convention.count("array")
         lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
         packing, n_rows = self.packing(plan, lengths, sizer)
-        grid = _Grid(lengths, packing, n_rows, var, rows_var, segment.program("pack"))
+        grid = _Grid(lengths, packing, n_rows, var, rows_var, segment.program(self.name))
         return _Packed(self, call, grid, sizer.bucket_for, plan)
 
     def packing(self, plan: Plan, lengths: np.ndarray, sizer) -> tuple[Any, int]:
@@ -252,13 +350,68 @@ class _Pack(Layout):
         of the layout inputs."""
         segment = plan.segments[0]
         ((var, (_, rows_var)),) = segment.convention.rows_at.items()
-        program = segment.program("pack")
+        program = segment.program(self.name)
         cells = program.cells(lengths)
         row_length = sizer.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
         width = row_length + program.room
         first = _buckets.first_fit(cells, width)
-        n_rows = sizer.packed_rows(plan, rows_var, row_length, first.rows)
+        n_rows = self.packed_rows(plan, rows_var, row_length, first.rows, sizer)
         return _buckets.balanced_fit(cells, width, n_rows, first=first), n_rows
+
+    def packing_of(self, plan: Plan, lengths: Any, sizer, running: "Layout | None"
+                   ) -> tuple[np.ndarray, int]:
+        """`Bucketed.packing_of` of ``sizer``, whose calls of ``plan`` run in ``running``
+        (None: chosen per call): ``(row of each sequence, rows)``."""
+        if running is not self:
+            reason = self.unable(plan)
+            raise OptionError(f"{sizer.name}.packing_of: expected a function that runs packed "
+                              f"rows (layout='pack' and a plan that can pack), received "
+                              f"layout={sizer.layout!r}"
+                              + ("" if reason is None else f" ({reason})"))
+        lengths = np.asarray(lengths, np.int64).reshape(-1)
+        packing, rows = self.packing(plan, lengths, sizer)
+        return np.asarray(packing.row), rows
+
+    def packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int, sizer
+                    ) -> int:
+        """The rows a packed grid of ``row_length`` runs at when ``needed`` are filled:
+        ``sizer.pack_rows[row_length]`` when it holds them, else B's bucket -- rounded up to a
+        multiple of the devices the rows are split over (`row_shards`): each device then
+        holds whole rows, so each sequence lies on one device, and the added rows are empty
+        (no cell of theirs is real)."""
+        rows = sizer.pack_rows.get(row_length, 0)
+        if rows < max(needed, 1):
+            rows = sizer.bucket_for(rows_var, max(needed, 1), plan)
+        shards = row_shards(plan.segments[0], sizer.in_shardings)
+        return -(-rows // shards) * shards
+
+    def warmup_buckets(self, plan, sizes, sizer, names):
+        """Packed grids: ``{B: rows, T: row length}`` sizes at the rows a call of that many
+        rows would run (``pack_rows``, else B's bucket); by default every ``pack_rows`` entry,
+        or else every B x T bucket."""
+        segment = plan.segments[0]
+        ((var, (_, rows_var)),) = segment.convention.rows_at.items()
+        if sizes is None:
+            grids = ([{rows_var: r, var: n} for n, r in sorted(sizer.pack_rows.items())]
+                     or [{rows_var: r, var: n} for r in sizer.bucket_sizes(rows_var, plan)
+                         for n in sizer.bucket_sizes(var, plan)])
+        else:
+            grids = []
+            for d in sizes:
+                n = sizer.bucket_for(var, int(d[var]), plan)
+                grids.append({var: n, rows_var: self.packed_rows(plan, rows_var, n,
+                                                                 int(d[rows_var]), sizer)})
+        return [(segment, grid) for grid in grids]
+
+    @staticmethod
+    def check_rows(pack_rows: Mapping[int, int] | None, where: str) -> dict[int, int]:
+        """The ``pack_rows`` option checked: row length -> rows, both positive ints."""
+        if pack_rows is not None and not isinstance(pack_rows, Mapping):
+            raise OptionError(f"{where}: pack_rows: expected a mapping row length -> rows, "
+                              f"received {pack_rows!r}")
+        return {check_int(k, f"{where}: pack_rows key (a row length)", min=1):
+                check_int(v, f"{where}: pack_rows[{k}]", min=1)
+                for k, v in (pack_rows or {}).items()}
 
 
 PACK = _Pack("pack")
@@ -297,6 +450,16 @@ class _Packed(Placed):
     def cells(self) -> int:
         return self.grid.rows * self.grid.row_length
 
+    def padded_cells(self, plan: Plan, sizer) -> int | float:
+        """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
+        has no bucket that holds the sequences)."""
+        grid = self.grid
+        try:
+            rows = sizer.bucket_for(grid.rows_var, max(len(grid.lengths), 1), plan)
+        except LengthOverflowError:
+            return float("inf")
+        return rows * sizer.bucket_for(grid.var, max(grid.longest, 1), plan)
+
     def inputs(self, segment, handed):
         grid, poly = self.grid, []
         for arr, (spec, dtype) in zip(self.call.poly, self.call.signature.poly):
@@ -307,7 +470,7 @@ class _Packed(Placed):
                 self.padded += self.cells * rest
         flat = segment.convention.assemble(arrays=self.call.arrays, poly=poly, sizes=self.sizes)
         layout = [grid.pos, grid.seglen]
-        if segment.program("pack").reads_sequence:
+        if segment.program(self.layout.name).reads_sequence:
             layout.append(grid.sequence)
         return list(flat) + layout
 

@@ -468,3 +468,79 @@ def test_rules_ask_their_layout_only_through_the_declared_interface():
     packed = PackedCtx({}, Recorder(), var="T", rows="B", pos=None, seglen=None, sequence=None)
     assert isinstance(ctx, Layout) and not isinstance(ctx, PackedLayout)
     assert isinstance(packed, PackedLayout)
+
+
+# -- the executor asks layouts; clients read no layout's internals ---------------------------------
+
+LAYOUT_NAMES = {"pad", "pack", "auto"}
+
+
+def layout_names_read(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every string constant naming a layout or the ``auto`` option
+    (``"pad"``, ``"pack"``, ``"auto"``: a comparison, a ``match`` case, a subscript, an argument
+    such as ``program("pack")``) except in the three places the ``layout=`` option is *declared*
+    rather than branched on: the ``Literal`` type listing the valid options (what
+    ``check_option`` validates against), a parameter's default value (``layout="pad"``), and the
+    keys of the one table that maps each option, once, to the layout objects its calls may run
+    in (a dict display assigned to a module-level name). Choosing between layouts by cost
+    needs no name: it compares the cells the layout objects report."""
+    tree = ast.parse(source)
+    allowed: set[int] = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and node.value.id == "Literal"):
+            allowed |= {id(c) for c in ast.walk(node.slice)}
+        elif isinstance(node, ast.arguments):
+            allowed |= {id(c) for d in node.defaults + node.kw_defaults if d is not None
+                        for c in ast.walk(d)}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict):
+            allowed |= {id(k) for k in node.value.keys if k is not None}
+    return sorted((node.lineno, ast.get_source_segment(source, node) or "")
+                  for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in LAYOUT_NAMES
+                  and id(node) not in allowed)
+
+
+def test_the_layout_name_finder_allows_only_declarations():
+    code = ('Layout = Literal["pad", "pack", "auto"]\n'
+            'def f(layout: Layout = "pad"): ...\n'
+            'OPTIONS = {"pad": (PAD,), "pack": (PACK, PAD)}\n'
+            'if self.layout == "pack": ...\n'
+            'ok = self.layout != "pad"\n'
+            'x = seg.program("pack")\n'
+            'y = table["auto"]\n'
+            'match layout:\n    case "pad": ...\n'
+            'z = layout in ("pad", "pack")\n')
+    assert [line for line, _ in layout_names_read(code)] == [4, 5, 6, 7, 9, 10, 10]
+
+
+def test_the_executor_never_branches_on_a_layouts_name():
+    """Issue 50, item 5: the executor asks the layout objects (`_layouts.PAD`, ``PACK``) what
+    differs -- which plans they run, their warm-up buckets, placing, packing across processes,
+    their rows and grids, the program they export -- and reads the ``layout=`` option once,
+    through its table; `polyexec.training` and the benchmark read no layout's internals (a
+    segment's program by layout name, a plan's segments, the executor's layout state): they
+    ask the `Bucketed` (``exported_program``, ``packing_of``)."""
+    executor = PACKAGE / "_executor.py"
+    found = [f"_executor.py:{line}: {code}"
+             for line, code in layout_names_read(executor.read_text())]
+    assert not found, "the executor asks layout objects, not names:\n" + "\n".join(found)
+    root = PACKAGE.parent
+    internals = {"segments", "_with_packed", "_layouts", "_by_cost", "_runs_in"}
+    reads = []
+    for path in sorted([*(PACKAGE / "training").rglob("*.py"), *(root / "bench").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and node.attr in internals:
+                reads.append(f"{where}: .{node.attr}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "program"):
+                reads.append(f"{where}: .program(...)")
+            elif isinstance(node, ast.ImportFrom) and (
+                    "_layouts" in (node.module or "") or any(a.name == "_layouts"
+                                                             for a in node.names)):
+                reads.append(f"{where}: imports _layouts")
+    assert any(p.parts[-2] == "bench" for p in (root / "bench").rglob("*.py"))
+    assert not reads, ("training and the benchmark ask the Bucketed, not a layout's "
+                       "internals:\n" + "\n".join(reads))

@@ -129,9 +129,7 @@ class _Record:
         self.folder = jax.config.jax_compilation_cache_dir
         self.key = None
         # A packed step's program is its packed rewrite: its cost is not the padded one's.
-        modules = [f.plan.segments[0].program("pack").exported
-                   if f.layout == "pack" and f.plan.can_pack
-                   else getattr(f.plan, "exported", None) for f in steps]
+        modules = [f.exported_program() for f in steps]
         if self.folder and None not in modules:
             # Without debug locations: they name the caller's file and line, so the same
             # program traced from another line (or an edited script) would miss its record
