@@ -434,8 +434,9 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     ``eval_step`` (on ``eval_arg``), ``validation_lengths``, ``data_parallel``, ``batch_of``:
     as for `choose_buckets`; packed rows are the global grid's (``batch_size`` and
     ``max_tokens`` per process, as padded), a multiple of all the run's devices, which split
-    them whole (short rows that would not split evenly are not tried), and process 0's
-    timings decide on every process; a packed choice packs the eval step into the same rows
+    them whole (the steps are planned at the rows a budget holds, the grid rounded up to a
+    multiple of the devices with empty rows: the same steps at any process count), and
+    process 0's timings decide on every process; a packed choice packs the eval step into the same rows
     (``LayoutChoice.eval_step``), and an eval step that cannot pack makes the run pad.
 
     >>> import equinox as eqx, jax, numpy as np, optax
