@@ -41,9 +41,8 @@ _UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 def _exact_draws_only(key, shape) -> None:
     """Raise `NoRule` unless a per-cell counter reproduces JAX's draw of ``shape``."""
-    if not hasattr(key, "dtype") or has_sym(key.shape):
-        raise NoRule(f"a random draw of shape {shape} with a key per sequence of a packed "
-                     f"row: its bits cannot be placed by sequence")
+    if not hasattr(key, "dtype"):
+        raise NoRule(f"a random draw of shape {shape} with a key held per row or sequence")
     impl = str(jax.random.key_impl(key))
     if impl != "threefry2x32":
         raise NoRule(f"a random draw along a length with a {impl!r} key: its bits depend on "
@@ -140,6 +139,11 @@ def _random_bits_packed(ctx, eqn, invals):
     if not rows:
         return padded_rule(eqn)(ctx, eqn, invals)
     _exact_draws_only(key, shape)
+    if has_sym(key.shape):
+        # Padded, a batch of keys draws per key at its index; packed, its rows axis would
+        # have to follow each cell's sequence.
+        raise NoRule(f"a random draw of shape {shape} with a key per sequence of a packed "
+                     f"row: its bits cannot be placed by sequence")
     packed = ctx.packed_axes(shape)
     counts = [a for a, d in enumerate(shape)
               if is_sym(d) and ctx.rows_name in dim_vars(d) and a not in rows]
