@@ -87,8 +87,8 @@ room for its logical positions.
 # this package, so it always sees the full registry.
 from . import (_contractions, _control, _indexing, _pointwise, _random,  # noqa: F401
                _reductions, _structure)
-from ._core import (Logical, RowFloor, Unsupported, rewrite)
-from ._registry import (RuleContext, register_rule)
+from ._core import Logical, RowFloor, Unsupported, rewrite
+from ._registry import RuleContext, register_rule
 from ._packed import rewrite_packed
 
 __all__ = ["Logical", "RowFloor", "RuleContext", "Unsupported", "register_rule", "rewrite", "rewrite_packed"]

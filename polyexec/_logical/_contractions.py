@@ -15,8 +15,8 @@ from jax import lax
 
 from ._basics import (bind_eqn, bind_eqn_with, has_sym, highest_value, iota_along, is_sym,
                       lowest_value)
-from ._core import (fill_tail, place_window, take_clamped, windowed)
-from ._registry import (NoRule, PAD_AND_PACK, defrule, padded_rule)
+from ._core import fill_tail, place_window, take_clamped, windowed
+from ._registry import NoRule, PAD_AND_PACK, defrule, padded_rule
 from ._families import WINDOWS
 from ._packed import PackedCtx, by_position, segments, shifted_within
 from ._sequences import PerSequence, by_cell, first_only, held, refused, shapes_of

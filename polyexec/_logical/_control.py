@@ -23,9 +23,9 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import dim_vars
-from ._basics import (filled, is_sym, operand_avals, sub_jaxprs)
-from ._core import (RowVarying, eval_closed, fill_tail, take_rows)
-from ._registry import (NoRule, deffacts, defrule, lookup_rule, padded_rule)
+from ._basics import filled, is_sym, operand_avals, sub_jaxprs
+from ._core import RowVarying, eval_closed, fill_tail, take_rows
+from ._registry import NoRule, deffacts, defrule, lookup_rule, padded_rule
 from ._packed import PackedCtx
 from ._sequences import PerSequence, at_column, held, refused, spread
 

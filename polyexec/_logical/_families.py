@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from ._basics import (all_ones, highest_value, lowest_value)
+from ._basics import all_ones, highest_value, lowest_value
 
 
 class Monoid(NamedTuple):

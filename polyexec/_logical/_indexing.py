@@ -14,8 +14,8 @@ from jax import lax
 
 from ._basics import (bind_eqn_with, filled, has_sym, highest_value, iota_along, is_sym,
                       literal_start, lowest_value, one_position, operand_avals, same_dim)
-from ._core import (RowVarying, fill_tail, logical_mask, window_fits_admitted_rows)
-from ._registry import (NoRule, deffacts, defrule)
+from ._core import RowVarying, fill_tail, logical_mask, window_fits_admitted_rows
+from ._registry import NoRule, deffacts, defrule
 from ._families import SCATTERS
 from ._packed import NotPacked, PackedCtx, PerCell, packed_generic, scatter_window
 from ._sequences import PerSequence, by_cell, held, refused, spread

@@ -92,8 +92,8 @@ T alone, ``x[:, k]``, ``take_along_axis(x, (lengths - 1)[:, None, None], 1)``,
 ``h[jnp.arange(B), lengths - 1]``,
 ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
 labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
-the family modules' ``layout="per_sequence"`` ones). A per-sequence number meeting positions without the rows axis (``jnp.arange(T) /
-T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`PerCell`): it
+the family modules' ``layout="per_sequence"`` ones). A per-sequence number meeting
+positions without the rows axis (``jnp.arange(T) / T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`PerCell`): it
 stays per cell through elementwise maths and reverses, and ``x[:, index]`` with it reads each
 sequence's own positions. A value no rule keeps becomes a `NotPacked` placeholder that fails
 the plan only if something reads it (a final carry nobody reads costs nothing); everything else
@@ -119,7 +119,7 @@ from ._basics import (bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest
                       sub_jaxprs)
 from ._core import (Ctx, Logical, Recorder, RowVarying, Unsupported, eval_jaxpr, moves_ragged_rows,
                     replay, take_rows)
-from ._registry import (ELEMENTWISE, NoRule, lookup_rule)
+from ._registry import ELEMENTWISE, NoRule, lookup_rule
 from ._families import REDUCERS, SCATTERS
 from ._sequences import PerSequence, by_cell, held, spread
 from ._sequences import evaluate as _evaluate_per_sequence

@@ -32,8 +32,8 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from .._jax_internals import dim_bounds, dim_vars
-from ._basics import (has_sym, is_sym)
-from ._registry import (NoRule, defrule, padded_rule)
+from ._basics import has_sym, is_sym
+from ._registry import NoRule, defrule, padded_rule
 from ._sequences import PerSequence, grid_shape, spread
 
 _UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}

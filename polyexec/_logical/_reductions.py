@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from ._basics import (acts_along_params, bind_eqn_with, is_sym, operand_avals)
+from ._basics import acts_along_params, bind_eqn_with, is_sym, operand_avals
 from ._registry import NoRule, PAD_AND_PACK, deffacts, defrule
 from ._families import CUMULATIVE, REDUCERS
 from ._sequences import PerSequence, first_only

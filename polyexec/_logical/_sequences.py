@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._basics import (bind_eqn, filled, is_sym)
-from ._registry import (ELEMENTWISE, NoRule, lookup_rule)
+from ._basics import bind_eqn, filled, is_sym
+from ._registry import ELEMENTWISE, NoRule, lookup_rule
 
 
 @dataclasses.dataclass(frozen=True)

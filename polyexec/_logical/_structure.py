@@ -25,7 +25,7 @@ from jax import lax
 from .._jax_internals import definitely_equal, definitely_equal_shape, var_dim
 from ._basics import (acts_along_params, bind_eqn, filled, iota_along, is_empty, is_sym,
                       operand_avals, same_dim)
-from ._core import (place_window, take_clamped, take_rows)
+from ._core import place_window, take_clamped, take_rows
 from ._registry import ELEMENTWISE, PAD_AND_PACK, NoRule, deffacts, defrule, padded_rule
 from ._packed import PackedCtx, PerCell, along, by_position, onto_cells, reverse_each
 from ._sequences import PerSequence, grid_shape, held, refused, spread, to_cells
