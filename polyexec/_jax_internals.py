@@ -178,3 +178,31 @@ def backends_are_initialized() -> bool:
     """Whether JAX has started its backends (then ``jax.distributed`` can no longer join a
     cluster). Private (``xla_bridge``): every public query (``jax.devices()``) starts them."""
     return _xla_bridge.backends_are_initialized()
+
+
+# -- forms of JAX's functions for symbolic lengths ------------------------------------------------
+
+
+def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp) -> None:
+    """Install `polyexec._forms`' replacements where JAX and users look the functions up:
+    ``associative_scan`` in ``jax.lax`` and in JAX's loop module (whose cumulative reductions'
+    derivatives call it), ``fori_loop`` in ``jax.lax`` and JAX's control-flow package (which
+    ``jnp`` calls), and ``reduce_prod``'s derivative rule. Each replacement calls JAX's
+    original unless polyexec is tracing in that thread over a symbolic length. Once per
+    process (each replacement is marked ``polyexec_form``); the originals stay reachable as
+    ``__wrapped__``. Private (module attributes of
+    ``jax._src``, ``ad.primitive_jvps``): JAX has no public hook for either."""
+    import jax.lax
+    from jax._src.interpreters import ad
+    from jax._src.lax import control_flow
+    from jax._src.lax.control_flow import loops
+
+    if getattr(loops.associative_scan, "polyexec_form", False):
+        return
+    scan = prefix_scan(loops.associative_scan)
+    loop = fori_as_scan(loops.fori_loop)
+    for module in (jax.lax, control_flow, loops):
+        module.associative_scan = scan
+        module.fori_loop = loop
+    ad.primitive_jvps[_lax.reduce_prod_p] = prod_jvp(ad.primitive_jvps[_lax.reduce_prod_p],
+                                                     _lax.reduce_prod_p.bind)

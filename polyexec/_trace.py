@@ -32,6 +32,7 @@ from ._context import (ConcreteSizeRequested, binding, describe_frame, equation_
                        is_jax_internal, is_library, user_frame)
 from ._convention import Convention
 from ._errors import PolyexecError
+from ._forms import symbolic_trace
 from ._logical import RowFloor
 from ._jax_internals import (DIM_EQ_CODE, DIM_NE_CODE, DIM_ORDER_CODES, InconclusiveDimension,
                              UnexpectedDimVar, dim_bounds, dim_vars, evaluate_dim,
@@ -482,7 +483,7 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
     failure = functools.partial(_shape_failure, jitted=jitted, run=run, avals=avals, names=names,
                                 concrete=concrete, bounds=bounds or {})
     try:
-        with _comparisons_recorded(comparisons, raised, floors, below):
+        with _comparisons_recorded(comparisons, raised, floors, below), symbolic_trace():
             jaxpr = jitted.trace(*avals).jaxpr
     except ConcreteSizeRequested as e:
         line = linecache.getline(e.filename, e.lineno).strip()

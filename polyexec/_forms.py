@@ -1,0 +1,174 @@
+"""What JAX cannot trace at a symbolic length, written in operations it can.
+
+Three library functions of JAX's refuse a length that is a symbolic dimension although
+``jax.jit`` runs them at every concrete length:
+
+- ``lax.associative_scan`` ("associative scan over axis of non-constant size"): its
+  odd/even recursion has log2(T) levels. JAX itself differentiates ``cumprod``, ``cummax``,
+  ``cummin`` and ``cumlogsumexp`` with it, so their gradients fail too.
+- ``lax.fori_loop`` with a length as its bound: JAX makes it a ``while_loop`` (its trip count
+  is not a constant), which reverse-mode differentiation refuses.
+- the gradient of ``reduce_prod`` (``jnp.prod``) over a length: JAX's derivative halves the
+  axis until one element is left, comparing the length with 1 at each step.
+
+While polyexec traces a function (`symbolic_trace`; per thread) and only where the length is
+symbolic, each is computed by an equal form that JAX traces over a symbolic length and whose
+every operation has a logical rule, so padded, ragged and packed rows keep it exact:
+
+- a prefix scan runs as a Hillis-Steele scan: at level k each position combines with the one
+  2**k before it (a ``pad`` that shifts the axis, kept only where ``position >= 2**k``), for
+  as many levels as the length's upper bound needs. Causal, so the real prefix reads only real
+  cells; in packed rows the shift and the position are within each sequence, so the scan
+  restarts at every sequence start. ``reverse=True`` flips, scans and flips back, as JAX does.
+  It combines in another order than JAX's recursion: equal up to float rounding.
+- ``fori_loop(lo, T, body, init)`` runs as ``lax.scan`` over ``lo + arange(T - lo)``: what
+  JAX itself does for a constant trip count, and what polyexec already makes exact per row.
+- ``reduce_prod``'s derivative is the sum of each tangent times the product of the other
+  cells, made of exclusive cumulative products from both ends (no division, so zeros are
+  right).
+
+Everywhere else -- a concrete length, any other thread, a trace that is not polyexec's -- JAX's
+own function runs unchanged: the replacements are installed once, in JAX's modules where
+JAX's code and users' code look them up (`_jax_internals.install_symbolic_forms`), and each
+asks `active` before doing anything of its own.
+
+>>> import jax, jax.numpy as jnp, numpy as np, polyexec as px
+>>> T = px.LengthVar("T", min=1, max=64)
+>>> f = px.bucketed(lambda x: jax.lax.associative_scan(jnp.add, x), in_specs=(px.Spec("T"),))
+>>> f(np.arange(1.0, 6.0, dtype=np.float32)).tolist()
+[1.0, 3.0, 6.0, 10.0, 15.0]
+>>> f.plan.reshaping_is_impossible
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export, lax
+
+from . import _jax_internals
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def symbolic_trace() -> Iterator[None]:
+    """The block in which this thread traces a function for polyexec over symbolic lengths."""
+    depth = getattr(_state, "depth", 0)
+    _state.depth = depth + 1
+    try:
+        yield
+    finally:
+        _state.depth = depth
+
+
+def active() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+def _levels(n) -> int | None:
+    """How many doubling steps cover a symbolic length ``n`` (None: no finite upper bound)."""
+    upper = _jax_internals.dim_bounds(n)[1]
+    if not math.isfinite(upper):
+        return None
+    return max(0, math.ceil(math.log2(max(upper, 1))))
+
+
+def prefix_scan(original: Callable) -> Callable:
+    """``lax.associative_scan`` that runs as a Hillis-Steele scan over a symbolic length."""
+
+    def associative_scan(fn, elems, reverse=False, axis=0):
+        leaves, tree = jax.tree.flatten(elems)
+        if not (active() and leaves and callable(fn)):
+            return original(fn, elems, reverse=reverse, axis=axis)
+        axis = axis % max(jnp.ndim(leaves[0]), 1)
+        n = jnp.shape(leaves[0])[axis]
+        levels = _levels(n) if export.is_symbolic_dim(n) else None
+        if levels is None:
+            return original(fn, elems, reverse=reverse, axis=axis)
+        leaves = [jnp.asarray(leaf) for leaf in leaves]
+        if reverse:
+            leaves = [lax.rev(leaf, (axis,)) for leaf in leaves]
+        for k in range(levels):
+            step = 1 << k
+            kept = [lax.broadcasted_iota(np.int32, leaf.shape, axis) >= step for leaf in leaves]
+            # Position i reads i - step; where there is none it reads itself, a real value,
+            # so the combine that is thrown away cannot make a NaN that a gradient would meet.
+            earlier = [jnp.where(keep, _shifted(leaf, axis, step), leaf)
+                       for keep, leaf in zip(kept, leaves)]
+            combined = jax.tree.leaves(fn(jax.tree.unflatten(tree, earlier),
+                                          jax.tree.unflatten(tree, leaves)))
+            leaves = [jnp.where(keep, c, leaf) for keep, c, leaf in zip(kept, combined, leaves)]
+        if reverse:
+            leaves = [lax.rev(leaf, (axis,)) for leaf in leaves]
+        return jax.tree.unflatten(tree, leaves)
+
+    associative_scan.__wrapped__, associative_scan.polyexec_form = original, True
+    return associative_scan
+
+
+def _shifted(x, axis: int, step: int):
+    """``x`` moved ``step`` cells along ``axis`` (zeros enter at the start)."""
+    config = [(0, 0, 0)] * x.ndim
+    config[axis] = (step, -step, 0)
+    return lax.pad(x, jnp.zeros((), x.dtype), config)
+
+
+def fori_as_scan(original: Callable) -> Callable:
+    """``lax.fori_loop`` that runs as a scan when its trip count is a symbolic length."""
+
+    def fori_loop(lower, upper, body_fun, init_val, **kwargs):
+        symbolic = any(export.is_symbolic_dim(b) for b in (lower, upper))
+        if not (active() and symbolic and all(_is_dim(b) for b in (lower, upper))):
+            return original(lower, upper, body_fun, init_val, **kwargs)
+        unroll = kwargs.get("unroll") or 1
+        indices = lower + lax.iota(np.int32, upper - lower)
+        return lax.scan(lambda carry, i: (body_fun(i, carry), None), init_val, indices,
+                        unroll=unroll)[0]
+
+    fori_loop.__wrapped__, fori_loop.polyexec_form = original, True
+    return fori_loop
+
+
+def _is_dim(bound) -> bool:
+    return export.is_symbolic_dim(bound) or isinstance(bound, (int, np.integer))
+
+
+def prod_jvp(original: Callable, reduce_prod: Callable) -> Callable:
+    """``reduce_prod``'s derivative rule, in exclusive products over a symbolic axis."""
+
+    def jvp(primals, tangents, *, axes, **params):
+        (x,), (t,) = primals, tangents
+        if not (active() and any(export.is_symbolic_dim(x.shape[a]) for a in axes)):
+            return original(primals, tangents, axes=axes, **params)
+        others = jnp.ones_like(x)
+        # The cells j != i: those that first differ from i along axes[m], for each m -- the
+        # product along axes[m] excluding i, of x already multiplied along the later axes.
+        for m, axis in enumerate(axes):
+            later = tuple(axes[m + 1:])
+            partial = jnp.prod(x, axis=later, keepdims=True) if later else x
+            others = others * _exclusive_product(partial, axis)
+        return reduce_prod(x, axes=axes, **params), jnp.sum(t * others, axis=tuple(axes))
+
+    jvp.__wrapped__, jvp.polyexec_form = original, True
+    return jvp
+
+
+def _exclusive_product(x, axis: int):
+    """At each cell, the product of the cells before it and after it along ``axis``."""
+    def moved(v, low):
+        config = [(0, 0, 0)] * x.ndim
+        config[axis] = (low, -low, 0)
+        return lax.pad(v, jnp.ones((), x.dtype), config)
+    return (moved(lax.cumprod(x, axis), 1) * moved(lax.cumprod(x, axis, reverse=True), -1))
+
+
+_jax_internals.install_symbolic_forms(prefix_scan=prefix_scan, fori_as_scan=fori_as_scan,
+                                      prod_jvp=prod_jvp)
