@@ -14,12 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax.lax
 from jax import export
 from jax._src import core as _core
 from jax._src import source_info_util as _source_info
 from jax._src import xla_bridge as _xla_bridge
+from jax._src.interpreters import ad as _ad
 from jax._src.export import shape_poly as _shape_poly
+from jax._src.lax import control_flow as _control_flow
 from jax._src.lax import lax as _lax
+from jax._src.lax.control_flow import loops as _loops
 
 try:  # dead-code elimination is optional: without it the planner counts everything as live
     from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
@@ -190,19 +194,14 @@ def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp) -> None:
     ``jnp`` calls), and ``reduce_prod``'s derivative rule. Each replacement calls JAX's
     original unless polyexec is tracing in that thread over a symbolic length. Once per
     process (each replacement is marked ``polyexec_form``); the originals stay reachable as
-    ``__wrapped__``. Private (module attributes of
-    ``jax._src``, ``ad.primitive_jvps``): JAX has no public hook for either."""
-    import jax.lax
-    from jax._src.interpreters import ad
-    from jax._src.lax import control_flow
-    from jax._src.lax.control_flow import loops
-
-    if getattr(loops.associative_scan, "polyexec_form", False):
+    ``__wrapped__``. Private (module attributes of ``jax._src``, ``ad.primitive_jvps``): JAX
+    has no public hook for either."""
+    if getattr(_loops.associative_scan, "polyexec_form", False):
         return
-    scan = prefix_scan(loops.associative_scan)
-    loop = fori_as_scan(loops.fori_loop)
-    for module in (jax.lax, control_flow, loops):
+    scan = prefix_scan(_loops.associative_scan)
+    loop = fori_as_scan(_loops.fori_loop)
+    for module in (jax.lax, _control_flow, _loops):
         module.associative_scan = scan
         module.fori_loop = loop
-    ad.primitive_jvps[_lax.reduce_prod_p] = prod_jvp(ad.primitive_jvps[_lax.reduce_prod_p],
+    _ad.primitive_jvps[_lax.reduce_prod_p] = prod_jvp(_ad.primitive_jvps[_lax.reduce_prod_p],
                                                      _lax.reduce_prod_p.bind)

@@ -650,7 +650,8 @@ def test_a_loop_over_the_length_runs_each_row_to_its_own_end(loop, layout):
     """A ``while_loop``/``fori_loop`` over ``x.shape[1]`` of a ragged batch: each row loops to
     its own length (its step counter ends there), as the row alone does -- no step reads
     padding (NaN here). It crashed the while rule before. A packed row holds sequences of
-    different trip counts: run padded, the line named."""
+    different trip counts: run padded, the line named (a fori_loop over the length is a
+    scan over the positions to polyexec, `polyexec._forms`)."""
     lengths = [5, 1, 9, 3]
     x, rows = ragged_batch(lengths)
     f = px.bucketed(loop, in_specs=SPECS, buckets={T: [16, 64]}, layout=layout)
@@ -665,59 +666,12 @@ def test_a_loop_over_the_length_runs_each_row_to_its_own_end(loop, layout):
     if layout == "pack":
         assert not f.plan.can_pack and "test_ragged.py" in f.plan.packing_reason
         # Why, in plain words, and the form that packs.
-        assert "would need different trip counts" in f.plan.packing_reason
+        assert ("would need different trip counts" if loop is _while_rnn
+                else "are at other positions") in f.plan.packing_reason
         assert "lax.scan(step, h, jnp.swapaxes(x, 0, 1))" in f.plan.packing_reason
         assert any("cannot run packed rows" in str(w.message) for w in caught)
     else:
         assert not caught, [str(w.message) for w in caught]
-
-
-def _fori_cell(x):
-    return jax.lax.fori_loop(0, x.shape[1], lambda t, h: jnp.tanh(h @ W + x[:, t]),
-                             jnp.zeros((x.shape[0], 3)))
-
-
-def _scan_cell(x):
-    step = lambda h, t: (jnp.tanh(h @ W + x[:, t]), None)    # noqa: E731
-    return jax.lax.scan(step, jnp.zeros((x.shape[0], 3)), jnp.arange(x.shape[1]))[0]
-
-
-def _scan_cummax(x):
-    step = lambda m, t: (jnp.maximum(m, x[:, t]),) * 2       # noqa: E731
-    start = jnp.full((x.shape[0], *x.shape[2:]), -jnp.inf, x.dtype)
-    return jnp.moveaxis(jax.lax.scan(step, start, jnp.arange(x.shape[1]))[1], 0, 1)
-
-
-# Idioms JAX cannot trace over a symbolic length (so reshaping is impossible), and the form the
-# verdict names instead, which must then be exact, values and gradients.
-JAX_CANNOT = {
-    "fori_loop's gradient": (_fori_cell, _scan_cell, "jnp.arange(x.shape[1])"),
-    "associative_scan": (lambda x: jax.lax.associative_scan(jnp.add, x, axis=1),
-                         lambda x: jnp.cumsum(x, 1), "jnp.cumsum"),
-    # JAX differentiates cummax (cummin, cumprod, cumlogsumexp) with an associative scan.
-    "cummax's gradient": (lambda x: jax.lax.cummax(x, 1), _scan_cummax,
-                          "the gradients of jnp.cumprod, lax.cummax"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(JAX_CANNOT))
-def test_a_loop_jax_cannot_trace_over_a_length_names_the_form_that_works(name):
-    idiom, form, words = JAX_CANNOT[name]
-
-    def loss(g):
-        return lambda x, lengths: jax.value_and_grad(lambda x: jnp.sum(jnp.sin(g(x))))(x)
-
-    flagged = px.bucketed(loss(idiom), in_specs=SPECS, buckets={T: [16, 64]})
-    assert flagged.plan.reshaping_is_impossible and words in flagged.plan.reason
-    lengths = [5, 1, 9]
-    x, rows = ragged_batch(lengths)
-    f = px.bucketed(loss(form), in_specs=SPECS, buckets={T: [16, 64]}, strict=True)
-    value, grad = f(x, np.asarray(lengths, np.int32))
-    assert f.plan.padding_safe
-    want = [loss(form)(jnp.asarray(r[None]), None) for r in rows]
-    np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=1e-5)
-    for b, (r, (_, g)) in enumerate(zip(rows, want)):
-        np.testing.assert_allclose(grad[b, :len(r)], g[0], rtol=1e-5, atol=1e-6, err_msg=f"row {b}")
 
 
 def _scan_cell_of(w, x):

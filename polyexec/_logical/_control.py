@@ -404,7 +404,11 @@ def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
             isinstance(x, PerSequence) for x in xs):
         raise NoRule("a scan over a packed length reading a per-sequence number")
     if any(not ctx.row_axes(x.shape[1:]) for x in xs):
-        raise NoRule("a scan over a packed length whose scanned input has no rows axis")
+        raise NoRule("a scan over a packed length whose scanned input has no rows axis (a "
+                     "loop over the positions, jnp.arange(T) or a fori_loop to x.shape[1], "
+                     "reading x[:, t]: the sequences sharing a packed row are at other "
+                     "positions at each step); a scan over the length's values, "
+                     "lax.scan(step, h, jnp.swapaxes(x, 0, 1)), packs")
     if any(ctx.row_axes(s) and ctx.packed_axes(s) for s in const_shapes):
         raise NoRule("a scan over a packed length that reads a whole packed value at each step")
     carry_axes = []
