@@ -170,5 +170,19 @@ def _exclusive_product(x, axis: int):
     return (moved(lax.cumprod(x, axis), 1) * moved(lax.cumprod(x, axis, reverse=True), -1))
 
 
+def conv_padding(original: Callable, bind: Callable) -> Callable:
+    """``lax.conv_general_dilated`` as JAX calls it in its own rules (the transposes of a
+    convolution, its batching rule), taking a padding that is a symbolic dimension."""
+
+    def conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs):
+        if not (active() and not isinstance(padding, str)
+                and any(export.is_symbolic_dim(p) for pair in padding for p in pair)):
+            return original(lhs, rhs, window_strides, padding, *args, **kwargs)
+        return bind(lhs, rhs, window_strides, padding, *args, **kwargs)
+
+    conv_general_dilated.__wrapped__, conv_general_dilated.polyexec_form = original, True
+    return conv_general_dilated
+
+
 _jax_internals.install_symbolic_forms(prefix_scan=prefix_scan, fori_as_scan=fori_as_scan,
-                                      prod_jvp=prod_jvp)
+                                      prod_jvp=prod_jvp, conv_padding=conv_padding)
