@@ -15,12 +15,18 @@ import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax.lax
 from jax import export
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import source_info_util as _source_info
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.export import shape_poly as _shape_poly
+from jax._src.interpreters import ad as _ad
+from jax._src.lax import control_flow as _control_flow
+from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax
+from jax._src.lax.control_flow import loops as _loops
 
 try:  # dead-code elimination is optional: without it the planner counts everything as live
     from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
@@ -193,11 +199,8 @@ def bind_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
     (which refuses a symbolic dimension although the primitive's shape rule and lowering take
     one, as its own ``"SAME"`` padding makes them). Private (the primitive and JAX's
     canonicalisations of its parameters); no public function binds a primitive."""
-    from jax._src import dtypes
-    from jax._src.lax import convolution
-
-    dnums = convolution.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-    out_sharding = convolution.canonicalize_sharding(out_sharding, "dot_general")
+    dnums = _convolution.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    out_sharding = _convolution.canonicalize_sharding(out_sharding, "dot_general")
     if lhs_dilation is None:
         lhs_dilation = (1,) * (lhs.ndim - 2)
     if rhs_dilation is None:
@@ -206,10 +209,10 @@ def bind_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
                      hi if export.is_symbolic_dim(hi) else operator.index(hi))
                     for lo, hi in padding)
     if preferred_element_type is not None:
-        preferred_element_type = dtypes.check_and_canonicalize_user_dtype(
+        preferred_element_type = _dtypes.check_and_canonicalize_user_dtype(
             preferred_element_type, "conv_general_dilated")
     lhs, rhs = _core.auto_insert_reshard(lhs, rhs)
-    return convolution.conv_general_dilated_p.bind(
+    return _convolution.conv_general_dilated_p.bind(
         lhs, rhs, window_strides=tuple(window_strides), padding=padding,
         lhs_dilation=tuple(lhs_dilation), rhs_dilation=tuple(rhs_dilation),
         dimension_numbers=dnums, feature_group_count=feature_group_count,
@@ -229,19 +232,14 @@ def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding)
     process (each replacement is marked ``polyexec_form``); the originals stay reachable as
     ``__wrapped__``. Private (module attributes of
     ``jax._src``, ``ad.primitive_jvps``): JAX has no public hook for either."""
-    import jax.lax
-    from jax._src.interpreters import ad
-    from jax._src.lax import control_flow, convolution
-    from jax._src.lax.control_flow import loops
-
-    if getattr(loops.associative_scan, "polyexec_form", False):
+    if getattr(_loops.associative_scan, "polyexec_form", False):
         return
-    scan = prefix_scan(loops.associative_scan)
-    loop = fori_as_scan(loops.fori_loop)
-    for module in (jax.lax, control_flow, loops):
+    scan = prefix_scan(_loops.associative_scan)
+    loop = fori_as_scan(_loops.fori_loop)
+    for module in (jax.lax, _control_flow, _loops):
         module.associative_scan = scan
         module.fori_loop = loop
-    ad.primitive_jvps[_lax.reduce_prod_p] = prod_jvp(ad.primitive_jvps[_lax.reduce_prod_p],
-                                                     _lax.reduce_prod_p.bind)
-    conv = conv_padding(convolution.conv_general_dilated, bind_conv_general_dilated)
-    jax.lax.conv_general_dilated = convolution.conv_general_dilated = conv
+    _ad.primitive_jvps[_lax.reduce_prod_p] = prod_jvp(_ad.primitive_jvps[_lax.reduce_prod_p],
+                                                      _lax.reduce_prod_p.bind)
+    conv = conv_padding(_convolution.conv_general_dilated, bind_conv_general_dilated)
+    jax.lax.conv_general_dilated = _convolution.conv_general_dilated = conv
