@@ -1,6 +1,6 @@
 """What JAX cannot trace at a symbolic length, written in operations it can.
 
-Three library functions of JAX's refuse a length that is a symbolic dimension although
+Four library functions of JAX's refuse a length that is a symbolic dimension although
 ``jax.jit`` runs them at every concrete length:
 
 - ``lax.associative_scan`` ("associative scan over axis of non-constant size"): its
@@ -10,6 +10,11 @@ Three library functions of JAX's refuse a length that is a symbolic dimension al
   is not a constant), which reverse-mode differentiation refuses.
 - the gradient of ``reduce_prod`` (``jnp.prod``) over a length: JAX's derivative halves the
   axis until one element is left, comparing the length with 1 at each step.
+- ``lax.conv_general_dilated`` given a padding that depends on the length: JAX's transposes
+  of a strided convolution (``T - 2*floordiv(T - 1, 2)``), its ``jax.vmap`` rule for SAME
+  with a stride, equinox's ``Conv`` with ``padding="SAME"`` all pass one, and the function
+  checks each amount with ``operator.index``, although the primitive's shape rule and
+  lowering take it (JAX's own SAME padding is bound so).
 
 While polyexec traces a function (`symbolic_trace`; per thread) and only where the length is
 symbolic, each is computed by an equal form that JAX traces over a symbolic length and whose
@@ -26,6 +31,11 @@ every operation has a logical rule, so padded, ragged and packed rows keep it ex
 - ``reduce_prod``'s derivative is the sum of each tangent times the product of the other
   cells, made of exclusive cumulative products from both ends (no division, so zeros are
   right).
+- the convolution binds its primitive with the padding as given; its logical rule places an
+  operand whose low padding is a length expression (SAME with a stride; the input gradient,
+  input-dilated by the stride) at its logical offset, and zeroes the tails otherwise, so a
+  strided convolution's gradients w.r.t. input and kernel are exact padded and ragged. Packed
+  rows run it padded: a strided result has no room at each sequence's own column.
 
 Everywhere else -- a concrete length, any other thread, a trace that is not polyexec's -- JAX's
 own function runs unchanged: the replacements are installed once, in JAX's modules where
@@ -170,5 +180,19 @@ def _exclusive_product(x, axis: int):
     return (moved(lax.cumprod(x, axis), 1) * moved(lax.cumprod(x, axis, reverse=True), -1))
 
 
+def conv_padding(original: Callable, bind: Callable) -> Callable:
+    """``lax.conv_general_dilated`` as JAX calls it in its own rules (the transposes of a
+    convolution, its batching rule), taking a padding that is a symbolic dimension."""
+
+    def conv_general_dilated(lhs, rhs, window_strides, padding, *args, **kwargs):
+        if not (active() and not isinstance(padding, str)
+                and any(export.is_symbolic_dim(p) for pair in padding for p in pair)):
+            return original(lhs, rhs, window_strides, padding, *args, **kwargs)
+        return bind(lhs, rhs, window_strides, padding, *args, **kwargs)
+
+    conv_general_dilated.__wrapped__, conv_general_dilated.polyexec_form = original, True
+    return conv_general_dilated
+
+
 _jax_internals.install_symbolic_forms(prefix_scan=prefix_scan, fori_as_scan=fori_as_scan,
-                                      prod_jvp=prod_jvp)
+                                      prod_jvp=prod_jvp, conv_padding=conv_padding)

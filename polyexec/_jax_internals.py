@@ -11,17 +11,20 @@ API would replace it. What JAX offers publicly (``jax.export.is_symbolic_dim``,
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax.lax
 from jax import export
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import source_info_util as _source_info
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import ad as _ad
 from jax._src.export import shape_poly as _shape_poly
 from jax._src.lax import control_flow as _control_flow
+from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax
 from jax._src.lax.control_flow import loops as _loops
 
@@ -187,15 +190,47 @@ def backends_are_initialized() -> bool:
 # -- forms of JAX's functions for symbolic lengths ------------------------------------------------
 
 
-def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp) -> None:
+def bind_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
+                              rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
+                              batch_group_count=1, precision=None, preferred_element_type=None,
+                              out_sharding=None):
+    """``lax.conv_general_dilated`` with its padding taken as given, symbolic dimensions
+    included: what JAX's function does after it checks the padding with ``operator.index``
+    (which refuses a symbolic dimension although the primitive's shape rule and lowering take
+    one, as its own ``"SAME"`` padding makes them). Private (the primitive and JAX's
+    canonicalisations of its parameters); no public function binds a primitive."""
+    dnums = _convolution.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    out_sharding = _convolution.canonicalize_sharding(out_sharding, "dot_general")
+    if lhs_dilation is None:
+        lhs_dilation = (1,) * (lhs.ndim - 2)
+    if rhs_dilation is None:
+        rhs_dilation = (1,) * (rhs.ndim - 2)
+    padding = tuple((lo if export.is_symbolic_dim(lo) else operator.index(lo),
+                     hi if export.is_symbolic_dim(hi) else operator.index(hi))
+                    for lo, hi in padding)
+    if preferred_element_type is not None:
+        preferred_element_type = _dtypes.check_and_canonicalize_user_dtype(
+            preferred_element_type, "conv_general_dilated")
+    lhs, rhs = _core.auto_insert_reshard(lhs, rhs)
+    return _convolution.conv_general_dilated_p.bind(
+        lhs, rhs, window_strides=tuple(window_strides), padding=padding,
+        lhs_dilation=tuple(lhs_dilation), rhs_dilation=tuple(rhs_dilation),
+        dimension_numbers=dnums, feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count, precision=_lax.canonicalize_precision(precision),
+        preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
+def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding) -> None:
     """Install `polyexec._forms`' replacements where JAX and users look the functions up:
     ``associative_scan`` in ``jax.lax`` and in JAX's loop module (whose cumulative reductions'
     derivatives call it), ``fori_loop`` in ``jax.lax`` and JAX's control-flow package (which
-    ``jnp`` calls), and ``reduce_prod``'s derivative rule. Each replacement calls JAX's
-    original unless polyexec is tracing in that thread over a symbolic length. Once per
-    process (each replacement is marked ``polyexec_form``); the originals stay reachable as
-    ``__wrapped__``. Private (module attributes of ``jax._src``, ``ad.primitive_jvps``): JAX
-    has no public hook for either."""
+    ``jnp`` calls), ``reduce_prod``'s derivative rule, and ``conv_general_dilated`` in
+    ``jax.lax`` and JAX's convolution module (whose transposes and batching rule call it with
+    a padding that depends on the length: a stride, SAME with a stride, as equinox's ``Conv``
+    computes it). Each replacement calls JAX's original unless polyexec is tracing in that
+    thread over a symbolic length. Once per process (each replacement is marked
+    ``polyexec_form``); the originals stay reachable as ``__wrapped__``. Private (module
+    attributes of ``jax._src``, ``ad.primitive_jvps``): JAX has no public hook for either."""
     if getattr(_loops.associative_scan, "polyexec_form", False):
         return
     scan = prefix_scan(_loops.associative_scan)
@@ -204,4 +239,6 @@ def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp) -> None:
         module.associative_scan = scan
         module.fori_loop = loop
     _ad.primitive_jvps[_lax.reduce_prod_p] = prod_jvp(_ad.primitive_jvps[_lax.reduce_prod_p],
-                                                     _lax.reduce_prod_p.bind)
+                                                      _lax.reduce_prod_p.bind)
+    conv = conv_padding(_convolution.conv_general_dilated, bind_conv_general_dilated)
+    jax.lax.conv_general_dilated = _convolution.conv_general_dilated = conv

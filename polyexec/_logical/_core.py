@@ -653,6 +653,12 @@ def place_window(ctx: Ctx, x, axis, lo, interior, size, fill):
     length, and ``fill`` everywhere else. Used where the low padding is a length expression,
     or where the high padding must start at the logical end. Ragged: per row."""
     n, low = ctx.length(x.shape[axis], x.shape), ctx.length(lo, x.shape)
+    if is_sym(x.shape[axis]) and dim_bounds(x.shape[axis])[0] < 1:
+        # An axis that can be empty (a stride's output at the shortest length: an average
+        # pool's cotangent at T = 1) cannot be indexed: one fill cell after it, never valid.
+        config = [(0, 0, 0)] * x.ndim
+        config[axis] = (0, 1, 0)
+        x = lax.pad(x, jnp.asarray(fill, x.dtype), config)
     per_row = bool(jnp.ndim(n) or jnp.ndim(low))
     shape = [1] * x.ndim if per_row else [size]
     if per_row:
