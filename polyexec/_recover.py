@@ -97,19 +97,25 @@ def recoverable(failed: Failed) -> bool:
 def sample_sizes(variables: Sequence[Any]) -> list[dict[str, int]] | None:
     """The concrete sizes traced, max first (a cache filled at the max is sliced by the
     smaller traces, as equinox's RoPE table is): per variable its max, a size between, and
-    its min (at least 1); the middle sizes chosen so that no two fitted terms (``T``, ``B``,
-    ``B * T``) are affinely related over the traces and the sizes are not all of one parity.
-    None when a variable has fewer than three sizes."""
+    its min (at least `LOWEST`); the middle sizes chosen so that no two fitted terms (``T``,
+    ``B``, ``B * T``) are affinely related over the traces and the sizes are not all of one
+    parity. None when a variable has too few sizes."""
     lows = {v.name: max(v.min, LOWEST) for v in variables}
     highs = {v.name: v.max for v in variables}
     if any(highs[n] - lows[n] < 2 for n in lows):
         return None
-    mids = {n: lows[n] + max(1, (highs[n] - lows[n]) // 3) for n in lows}
+    mids = {n: lows[n] + max(2, (highs[n] - lows[n]) // 3) for n in lows}
     for n in mids:
         if len({lows[n] % 2, mids[n] % 2, highs[n] % 2}) == 1 and mids[n] + 1 < highs[n]:
             mids[n] += 1
+    if any(mids[n] >= highs[n] for n in mids):
+        return None
+    # Every other variable takes its min before its middle size: a number that grows with one
+    # variable cannot then fit an affine form of another, which moves the other way.
+    order = {n: i % 2 for i, n in enumerate(sorted(lows))}
     for _ in range(16):
-        samples = [dict(highs), dict(mids), dict(lows)]
+        samples = [dict(highs), {n: (mids, lows)[order[n]][n] for n in lows},
+                   {n: (lows, mids)[order[n]][n] for n in lows}]
         related = _related_terms(samples)
         if related is None:
             return samples
@@ -121,7 +127,10 @@ def sample_sizes(variables: Sequence[Any]) -> list[dict[str, int]] | None:
 
 
 def _terms(names: Sequence[str]) -> list[tuple[str, ...]]:
-    return [(n,) for n in names] + list(itertools.combinations_with_replacement(names, 2))
+    """What an integer of the program may be a multiple of (plus a constant): a variable, or
+    the product of two (a (B, T) array flattened). Not a square: the fewer forms, the fewer
+    that three traces could fit by coincidence."""
+    return [(n,) for n in names] + list(itertools.combinations(names, 2))
 
 
 def _related_terms(samples: Sequence[Mapping[str, int]]) -> tuple[str, ...] | None:
@@ -405,9 +414,13 @@ def _program(programs: Sequence[Any], samples, outer: str = "<unknown>") -> _Pro
             what = (f"{ours[0]}'s operands differ" if ours and mine and ours[0] == mine[0]
                     else f"{mine[0] if mine else 'the outputs'} where the other has "
                          f"{ours[0] if ours else 'the outputs'}")
+            agree = [fmt_sizes(s) for s, j in zip(samples, jaxprs)
+                     if j is template or _wiring(j) == wiring]
+            hint = (f"; the traces at {' and '.join(agree)} agree: a larger min of the length "
+                    f"may let it recover" if sizes is samples[-1] and len(agree) > 1 else "")
             raise Unrecoverable(
                 f"{at}: the program at {fmt_sizes(sizes)} differs from the one at "
-                f"{fmt_sizes(samples[0])} ({what}): its structure depends on the size")
+                f"{fmt_sizes(samples[0])} ({what}): its structure depends on the size{hint}")
     invars = tuple(_aval([j.invars[i].aval for j in jaxprs], samples, f"input {i}")
                    for i in range(len(template.invars)))
     values = [dict(zip(j.constvars, p.consts)) if closed else {}
