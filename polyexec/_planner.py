@@ -54,7 +54,7 @@ from ._plan import CutPoint, Plan, Program, Segment, Verdict
 from ._recover import recover, recoverable
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
 from ._trace import (RAISE_AT_MOST, Failed, RaisedMin, TraceCounter, Traced, concrete_jaxpr,
-                     export_flat, size_dependence, trace_symbolic, where)
+                     export_flat, fmt_sizes, size_dependence, trace_symbolic, where)
 
 
 def _wrap(fn, context: _dynamic.Context):
@@ -377,7 +377,7 @@ def _plan_at(fn, signature: Signature, variables: Mapping[str, LengthVar], *,
         recovery = _timed(seconds, "recover", recover, _wrap(fn, probe), convention, counter,
                           traced)
         if not probe.points:
-            traced = recovery.traced
+            unrecovered, traced = traced, recovery.traced
             failed = isinstance(traced, Failed)
     if failed or not context.points:
         if data_named and failed:
@@ -389,6 +389,14 @@ def _plan_at(fn, signature: Signature, variables: Mapping[str, LengthVar], *,
                 f"{name}: out_specs name {data_named}, which no input Spec uses and no "
                 f"px.compact/nonzero/loop_until/partition(..., length=...) defines")
         plan = _single(fn, name, convention, traced, masking, pack, seconds)
+        if not failed and traced.recovered and masking and plan.padding_reason is not None:
+            # Recovered, but the rewrite cannot keep padding out of it: the verdict that names
+            # the failure (and the form that traces once) says more than the rewrite's.
+            traced = dataclasses.replace(unrecovered, reason=(
+                f"{unrecovered.reason} [recovered from the traces at "
+                f"{'; '.join(fmt_sizes(s) for s in traced.recovered)}, but not padding-safe: "
+                f"{plan.padding_reason}]"))
+            plan = _single(fn, name, convention, traced, masking, pack, seconds)
         if check_sizes and not plan.reshaping_is_impossible and not traced.recovered:
             # (A recovered program was compared at three sizes already.)
             # The traced program's output shapes are the logical one's (a rewrite changes no

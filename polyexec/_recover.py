@@ -104,7 +104,8 @@ def sample_sizes(variables: Sequence[Any]) -> list[dict[str, int]] | None:
     highs = {v.name: v.max for v in variables}
     if any(highs[n] - lows[n] < 2 for n in lows):
         return None
-    mids = {n: lows[n] + max(2, (highs[n] - lows[n]) // 3) for n in lows}
+    mids = {n: lows[n] + max(2 if highs[n] - lows[n] > 2 else 1, (highs[n] - lows[n]) // 3)
+            for n in lows}
     for n in mids:
         if len({lows[n] % 2, mids[n] % 2, highs[n] % 2}) == 1 and mids[n] + 1 < highs[n]:
             mids[n] += 1

@@ -55,7 +55,7 @@ def assert_recovered(plan, layout):
 def test_recovered_idiom_is_exact_values_and_gradients(name, layout):
     g, least = IDIOMS[name]
     T = px.LengthVar("T", min=least, max=16)
-    B = px.LengthVar("B", max=4)
+    B = px.LengthVar("B", max=8)
     rng = np.random.default_rng(0)
     lengths = lengths_from(least)
     rows = [rng.normal(size=(n, F)).astype(np.float32) for n in lengths]
