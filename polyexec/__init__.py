@@ -18,7 +18,10 @@ The private modules are the pipeline's stages, each importing only the ones befo
 ``_errors`` -> ``_spec`` (LengthVar, Spec, what names mean) -> ``_bind`` (validate arguments,
 read sizes, pad) -> ``_convention`` (the one order of a program's flat inputs) -> ``_context``
 / ``_ops`` / ``_dynamic`` (what a traced function may call) -> ``_forms`` (JAX functions that
-refuse a symbolic length, in forms it traces) -> ``_trace`` (the one symbolic trace) -> ``_logical`` (rewrite to logical lengths) -> ``_serialize`` (plan files) -> ``_plan``
+refuse a symbolic length, in forms it traces) -> ``_trace`` (the one symbolic trace) ->
+``_recover`` (where that trace fails, a few concrete traces with the length axes recovered:
+one symbolic program again) -> ``_logical`` (rewrite to logical lengths) -> ``_serialize``
+(plan files) -> ``_plan``
 (the plan value: segments and verdict) -> ``_planner`` (tracing a function into its plan;
 `trace`) -> ``_cache`` (compile accounting, persistent cache) -> ``_executor`` (`bucketed`:
 caches and runs). Beneath them all, ``_jax_internals`` is the one module that reads JAX's

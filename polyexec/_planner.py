@@ -51,9 +51,10 @@ from ._convention import Convention
 from ._errors import OptionError, PolymorphismError, SpecError
 from ._jax_internals import dce_jaxpr
 from ._plan import CutPoint, Plan, Program, Segment, Verdict
+from ._recover import recover, recoverable
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
 from ._trace import (RAISE_AT_MOST, Failed, RaisedMin, TraceCounter, Traced, concrete_jaxpr,
-                     export_flat, size_dependence, trace_symbolic, where)
+                     export_flat, fmt_sizes, size_dependence, trace_symbolic, where)
 
 
 def _wrap(fn, context: _dynamic.Context):
@@ -368,6 +369,16 @@ def _plan_at(fn, signature: Signature, variables: Mapping[str, LengthVar], *,
         # a program that cannot be lowered is an error, not a fallback.
         traced = _lowered(traced)
     failed = isinstance(traced, Failed)
+    if failed and not context.points and recoverable(traced):
+        # JAX could not trace it over symbolic sizes: concrete traces with the length axes
+        # recovered may still make it one program (`_recover`); a function that reaches a
+        # partition point there is left as it is.
+        probe = new_context()
+        recovery = _timed(seconds, "recover", recover, _wrap(fn, probe), convention, counter,
+                          traced)
+        if not probe.points:
+            unrecovered, traced = traced, recovery.traced
+            failed = isinstance(traced, Failed)
     if failed or not context.points:
         if data_named and failed:
             raise PolymorphismError(
@@ -378,7 +389,16 @@ def _plan_at(fn, signature: Signature, variables: Mapping[str, LengthVar], *,
                 f"{name}: out_specs name {data_named}, which no input Spec uses and no "
                 f"px.compact/nonzero/loop_until/partition(..., length=...) defines")
         plan = _single(fn, name, convention, traced, masking, pack, seconds)
-        if check_sizes and not plan.reshaping_is_impossible:
+        if not failed and traced.recovered and masking and plan.padding_reason is not None:
+            # Recovered, but the rewrite cannot keep padding out of it: the verdict that names
+            # the failure (and the form that traces once) says more than the rewrite's.
+            traced = dataclasses.replace(unrecovered, reason=(
+                f"{unrecovered.reason} [recovered from the traces at "
+                f"{'; '.join(fmt_sizes(s) for s in traced.recovered)}, but not padding-safe: "
+                f"{plan.padding_reason}]"))
+            plan = _single(fn, name, convention, traced, masking, pack, seconds)
+        if check_sizes and not plan.reshaping_is_impossible and not traced.recovered:
+            # (A recovered program was compared at three sizes already.)
             # The traced program's output shapes are the logical one's (a rewrite changes no
             # shape), and reading them exports nothing.
             reason = _timed(seconds, "size check", size_dependence, fn, convention,

@@ -79,6 +79,8 @@ class Traced:
     floors: tuple[Any, ...] = ()
     # jax.debug.print / jax.debug.callback taken out of the program (`HostCallbacks`), or None.
     callbacks: "HostCallbacks | None" = None
+    # The concrete sizes the program was recovered from (`_recover`), empty for a symbolic trace.
+    recovered: tuple[Mapping[str, int], ...] = ()
 
     @functools.cached_property
     def exported(self) -> Any:
@@ -439,6 +441,9 @@ class Failed:
     reason: str
     split_sizes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     raise_min: RaisedMin | None = None
+    # Whether concrete traces may stand in for the symbolic one (`_recover`): not for a size
+    # asked for (`px.max_length`), a debug callback, nor a branch of the user's own code.
+    recoverable: bool = True
 
 
 def trace_symbolic(fn: Callable, convention: Convention, counter: TraceCounter,
@@ -488,7 +493,7 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
     except ConcreteSizeRequested as e:
         line = linecache.getline(e.filename, e.lineno).strip()
         return Failed(f"{e.filename}:{e.lineno}: `{line}`: px.max_length({e.name!r}) needs the "
-                      f"concrete bucket size")
+                      f"concrete bucket size", recoverable=False)
     except SHAPE_ERRORS as e:
         return failure(e)
     decided = next((c for c in comparisons if c.raised is not None), None)
@@ -496,7 +501,8 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
         r = decided.raised
         return Failed(f"{decided.where}: `{decided.text}` is decided only at {r.var} >= {r.min}, "
                       f"where polyexec traces because {r.where} needs it, and a row shorter "
-                      f"than {r.min} (declared min={r.declared}) would take the other branch")
+                      f"than {r.min} (declared min={r.declared}) would take the other branch",
+                      recoverable=False)
     if comparisons:
         first = comparisons[0]
         splits: dict[str, set[int]] = {}
@@ -516,7 +522,8 @@ def trace_program(run: Callable, avals: Sequence[Any], names: Sequence[str], cel
         return Failed(f"{where(nested)}: jax.debug.print/jax.debug.callback inside a "
                       f"sub-program (a loop, a branch, an inner jit or a checkpoint): only "
                       f"calls at the function's top level run in a bucketed program (their "
-                      f"values read back on the host); move the call out of it")
+                      f"values read back on the host); move the call out of it",
+                      recoverable=False)
     if any(e.primitive.name in DEBUG_CALLBACKS for e in jaxpr.jaxpr.eqns):
         hoisted = hoist_callbacks(jaxpr)
         if isinstance(hoisted, Failed):
@@ -623,6 +630,8 @@ def _shape_failure(error: BaseException, *, jitted, run: Callable, avals: Sequen
     raise_min = _min_deciding(error, bounds)
     if raise_min is not None:
         return Failed(failure_reason(error), raise_min=raise_min)
+    if _users_branch(error):
+        return Failed(failure_reason(error), recoverable=False)
     if user_frame(error) is None:
         # Raised while lowering (jax.export cannot lower FFT over a symbolic length): the
         # trace itself succeeded, so the equation the message names gives the line.
@@ -632,6 +641,18 @@ def _shape_failure(error: BaseException, *, jitted, run: Callable, avals: Sequen
             return Failed(f"{line}: {eqn.primitive.name}: "
                           f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
     return Failed(failure_reason(error))
+
+
+def _users_branch(error: BaseException) -> bool:
+    """Whether ``error`` is an undecidable comparison made by the user's own code (an ``if``
+    on a length): a program that branches so is reshaping-impossible, never recovered from
+    concrete traces (`_recover`). A library's comparison (equinox's RoPE cache) may be."""
+    for raised in _raised_from(error):
+        found = undecided_comparison(raised) if isinstance(raised, InconclusiveDimension) else None
+        if found is not None:
+            caller = found[1]
+            return caller is not None and not is_library(caller.f_code.co_filename)
+    return False
 
 
 def _min_deciding(error: BaseException, bounds: Mapping[str, tuple[int, int]]

@@ -587,7 +587,10 @@ def pooled(x):
     return pool(x)                     # the pool line
 
 
-print(px.trace(rotated, px.Spec("T 8", jnp.float32)).reason)
+# S has too few sizes for concrete traces to recover the layer (polyexec._recover): its
+# failure names the line.
+print(px.trace(rotated, px.Spec("S 8", jnp.float32),
+               variables=[px.LengthVar("S", min=2, max=3)]).reason)
 print(px.trace(pooled, px.Spec("3 T", jnp.float32)).reason)
 """
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import polyexec as px
+from polyexec._recover import CONCRETE_TRACES
 
 B = px.LengthVar("B", max=8)
 LENGTHS = [9, 2, 5, 1, 7]          # short and long rows, one shorter than a window of 3
@@ -179,25 +180,33 @@ def test_rope_from_the_positions_in_causal_attention_is_each_rows_own(layout):
 
 
 @pytest.mark.parametrize("cache", [None, 16, 64])
-def test_equinoxs_rope_layer_names_the_line_and_the_form_that_traces(cache):
+def test_equinoxs_rope_layer_is_recovered_from_concrete_traces_whatever_its_cache(cache):
     """What JAX raises depends on equinox's process-wide cache: empty (``float(T)``), shorter
     than T's max (``T > 16`` undecidable) or long enough (a slice at T evaluated eagerly: an
-    unexpected dimension variable, which crashed the planner). Each is the same verdict."""
+    unexpected dimension variable, which crashed the planner). Each time the layer is traced
+    at three concrete sizes and its program recovered over T (`polyexec._recover`: the table
+    at the max, sliced to T): exact, values and gradients, with no warning. Where there are
+    too few sizes to recover it, the verdict names the line and the form that traces once."""
     equinox_cache = eqx.nn._embedding.internal_rope_embedding_cache
     saved = dict(equinox_cache)
     equinox_cache.clear()
     try:
         if cache:
             _ROPE(jnp.zeros((cache, D)))
-        f = bucketed(causal_attention(_ROPE), "pad", features=D)
+        g = with_gradient(causal_attention(_ROPE))
+        f = bucketed(g, "pad", features=D)
         x = ragged_batch(LENGTHS, D)
         got, warned = call(f, x, LENGTHS)
+        assert_each_row_alone(got, g, x, LENGTHS)
+        unrecovered = px.trace(causal_attention(_ROPE), px.Spec("S 4", jnp.float32),
+                               variables=[px.LengthVar("S", min=2, max=3)])
     finally:
         equinox_cache.clear()
         equinox_cache.update(saved)
-    reason = f.plan.reason
-    assert f.plan.reshaping_is_impossible and len(warned) == 1
+    assert not f.plan.reshaping_is_impossible and f.plan.padding_safe and warned == []
+    assert f.traces == 1 + CONCRETE_TRACES
+    reason = unrecovered.reason
+    assert unrecovered.reshaping_is_impossible
     assert "test_strided.py" in reason and "q, k = embed(r @ _Q), embed(r)" in reason
     assert "RotaryPositionalEmbedding" in reason
     assert "jnp.arange(x.shape[0])[:, None] * freqs" in reason
-    assert np.asarray(got).shape[2] == D          # it ran, retraced at the bucket
