@@ -21,10 +21,9 @@ read sizes, pad) -> ``_convention`` (the one order of a program's flat inputs) -
 refuse a symbolic length, in forms it traces) -> ``_trace`` (the one symbolic trace) ->
 ``_recover`` (where that trace fails, a few concrete traces with the length axes recovered:
 one symbolic program again) -> ``_logical`` (rewrite to logical lengths) -> ``_serialize``
-(plan files) -> ``_plan``
-(the plan value: segments and verdict) -> ``_planner`` (tracing a function into its plan;
-`trace`) -> ``_cache`` (compile accounting, persistent cache) -> ``_executor`` (`bucketed`:
-caches and runs). Beneath them all, ``_jax_internals`` is the one module that reads JAX's
+(plan files) -> ``_plan`` (the plan value: segments and verdict) -> ``_planner`` (tracing a
+function into its plan; `trace`) -> ``_cache`` (compile accounting, persistent cache) ->
+``_executor`` (`bucketed`: caches and runs). Beneath them all, ``_jax_internals`` is the one module that reads JAX's
 private API (``jax._src``, private attributes of symbolic dimensions), for any stage.
 
 Beside the executor, for code that pads or measures on its own (``polyexec.training``, the
