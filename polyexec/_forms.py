@@ -83,12 +83,40 @@ def active() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
+@contextlib.contextmanager
+def concrete_trace(longest: int) -> Iterator[None]:
+    """The block in which this thread traces a function for polyexec at concrete sizes, to
+    recover its symbolic program from several (`_recover`): the forms run at every size, so
+    the programs have one structure, a prefix scan taking as many levels as ``longest`` (the
+    largest max of the plan's variables) needs whatever its axis (an axis longer than that is
+    no length: the same size in every trace)."""
+    before = getattr(_state, "longest", None)
+    _state.longest = longest
+    try:
+        yield
+    finally:
+        _state.longest = before
+
+
 def _levels(n) -> int | None:
-    """How many doubling steps cover a symbolic length ``n`` (None: no finite upper bound)."""
-    upper = _jax_internals.dim_bounds(n)[1]
-    if not math.isfinite(upper):
+    """How many doubling steps cover an axis of ``n`` cells (None: not polyexec's to scan)."""
+    longest = getattr(_state, "longest", None)
+    if longest is not None and not export.is_symbolic_dim(n):
+        upper = max(n, longest)
+    elif active() and export.is_symbolic_dim(n):
+        upper = _jax_internals.dim_bounds(n)[1]
+        if not math.isfinite(upper):
+            return None
+    else:
         return None
     return max(0, math.ceil(math.log2(max(upper, 1))))
+
+
+def _applies(*dims) -> bool:
+    """Whether a form replaces JAX's function for an operation over these axes."""
+    if getattr(_state, "longest", None) is not None:
+        return True
+    return active() and any(export.is_symbolic_dim(d) for d in dims)
 
 
 def prefix_scan(original: Callable) -> Callable:
@@ -96,11 +124,10 @@ def prefix_scan(original: Callable) -> Callable:
 
     def associative_scan(fn, elems, reverse=False, axis=0):
         leaves, tree = jax.tree.flatten(elems)
-        if not (active() and leaves and callable(fn)):
+        if not (leaves and callable(fn)):
             return original(fn, elems, reverse=reverse, axis=axis)
         axis = axis % max(jnp.ndim(leaves[0]), 1)
-        n = jnp.shape(leaves[0])[axis]
-        levels = _levels(n) if export.is_symbolic_dim(n) else None
+        levels = _levels(jnp.shape(leaves[0])[axis])
         if levels is None:
             return original(fn, elems, reverse=reverse, axis=axis)
         leaves = [jnp.asarray(leaf) for leaf in leaves]
@@ -156,7 +183,7 @@ def prod_jvp(original: Callable, reduce_prod: Callable) -> Callable:
 
     def jvp(primals, tangents, *, axes, **params):
         (x,), (t,) = primals, tangents
-        if not (active() and any(export.is_symbolic_dim(x.shape[a]) for a in axes)):
+        if not _applies(*(x.shape[a] for a in axes)):
             return original(primals, tangents, axes=axes, **params)
         others = jnp.ones_like(x)
         # The cells j != i: those that first differ from i along axes[m], for each m -- the

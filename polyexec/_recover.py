@@ -56,6 +56,7 @@ from ._convention import Convention
 from ._jax_internals import convert_element_type, dim_as_value
 from ._logical import RowFloor
 from ._spec import symbolic_dims
+from ._forms import concrete_trace
 from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, evaluate_shape, fmt_sizes,
                      trace_program, where)
 
@@ -564,7 +565,8 @@ def recover(fn: Callable, convention: Convention, counter: TraceCounter,
     traces = []
     for sizes in samples:
         try:
-            traces.append(concrete_jaxpr(fn, convention, sizes, counter))
+            with concrete_trace(max(v.max for v in variables)):
+                traces.append(concrete_jaxpr(fn, convention, sizes, counter))
         except Exception as e:  # noqa: BLE001 - it fails at a concrete size: the failure stands
             return refused(f"at {fmt_sizes(sizes)}, {describe_frame(user_frame(e))}: "
                            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

@@ -163,3 +163,24 @@ def test_another_thread_tracing_meanwhile_gets_jaxs_own_refusal():
     finally:
         done.set()
         planner.join(60)
+
+
+def test_a_prefix_scan_beside_a_table_only_concrete_traces_explain_is_recovered():
+    """equinox's RoPE needs the concrete traces of `_recover`; the prefix scan beside it then
+    runs its form at every traced size (levels from the longest max, not from each size), so
+    the programs have one structure and are recovered: exact packed, values and gradients."""
+    import equinox as eqx
+    rope = eqx.nn.RotaryPositionalEmbedding(4)
+    idioms = {"rope then ssm": lambda x: IDIOMS["ssm"](rope(jnp.concatenate([x, x[:, :1]], 1))),
+              "rope then cummax": lambda x: lax.cummax(rope(jnp.concatenate([x, x[:, :1]], 1)))}
+    f = ragged_rows(idioms, "pack")
+    lengths = [5, 2, 16, 2]
+    x, rows = batch_of(lengths, 11)
+    out = f(x, np.asarray(lengths, np.int32))
+    assert f.plan.can_pack and f.traces == 4, (f.plan.reason, f.plan.packing_reason)
+    for b, r in enumerate(rows):
+        want = jax.jit(losses(idioms))(jnp.asarray(r))
+        for name in idioms:
+            np.testing.assert_allclose(out[name][0][b], want[name][0], rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(out[name][1][b, :len(r)], want[name][1], rtol=2e-5,
+                                       atol=2e-5, err_msg=f"{name}, example {b}")
