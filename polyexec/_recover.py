@@ -67,7 +67,7 @@ CONCRETE_TRACES = 3
 # would refuse most programs. A size of 1 (and an empty row) runs the program recovered from
 # the sizes traced, as it runs any symbolic program; a ragged row shorter than a declared min
 # above this, never traced, is refused (`RowFloor`).
-LOWEST = 2
+LOWEST = 3
 
 # Call-like primitives whose body is evaluated in place: calling a jaxpr inside a jitted one
 # is what XLA inlines anyway, and a custom derivative rule has been applied already where the
@@ -324,9 +324,15 @@ def _same_value(values) -> bool:
             return all(a.shape == arrays[0].shape and a.dtype == arrays[0].dtype
                        and np.array_equal(a, arrays[0], equal_nan=a.dtype.kind in "fc")
                        for a in arrays)
-        return all(type(v) is type(first) and bool(v == first) for v in values)
+        return all(type(v) is type(first) and (bool(v == first) or _both_nan(v, first))
+                   for v in values)
     except Exception:  # noqa: BLE001 - values that cannot be compared are not the same
         return False
+
+
+def _both_nan(a, b) -> bool:
+    """A NaN parameter (a gather's ``fill_value``) is the same NaN in every trace."""
+    return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
 
 
 def _const(values, samples, what: str) -> _Const:
@@ -369,6 +375,8 @@ def _param(values, samples, what: str):
     if closed or isinstance(first, jax.extend.core.Jaxpr):
         if not all(type(v) is type(first) for v in values):
             raise Unrecoverable(f"{what}: differs between sizes")
+        if not closed and len({str(v) for v in values}) == 1:
+            return first     # no size in it (a scatter's combiner): kept as it is
         return _Sub(_program(values, samples, what.rsplit(": ", 2)[0]), closed)
     if isinstance(first, (bool, np.bool_)) or first is None:
         if _same_value(values):

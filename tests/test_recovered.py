@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,11 @@ IDIOMS = {
     "rope": (lambda x: ROPE(x), 1),
     "arange(1, T+1.0)": (lambda x: x / jnp.arange(1, x.shape[0] + 1.0)[:, None], 1),
     "convolve": (lambda x: jnp.convolve(x[:, 0], KERNEL), 3),
+    # A next-token loss after RoPE: take_along_axis (a gather filling NaN) over T - 1, whose
+    # gradient is a scatter-add with its combiner. From T = 2: JAX's take_along_axis needs
+    # T - 1 >= 1 over symbolic sizes, and the rebuild does not raise a min as the planner does.
+    "rope, next token": (lambda x: optax.softmax_cross_entropy_with_integer_labels(
+        ROPE(x)[:-1], jnp.argmax(x[1:], 1)), 2),
 }
 LAYOUTS = ["pad", "ragged", "pack"]
 
