@@ -144,7 +144,7 @@ def test_loaded_plan_in_process_matches_and_checks_its_inputs(saved):
 
 def test_non_polymorphic_plan_cannot_be_saved(tmp_path):
     T = px.LengthVar("T", min=2, max=32)
-    plan = px.trace(lambda x: x * int(x.shape[0]), px.Spec("T", jnp.float32))
+    plan = px.trace(lambda x: x * (1.0 / int(x.shape[0])), px.Spec("T", jnp.float32))
     with pytest.raises(px.PolyexecError, match=r"cannot save plan <lambda>: reshaping is "
                                                r"impossible, so there is no size-independent "
                                                r"program"):
@@ -315,7 +315,7 @@ def test_describe_shows_the_symbolic_program():
 
 def test_describe_of_a_non_polymorphic_plan_gives_the_reason():
     T = px.LengthVar("T", min=2, max=32)
-    plan = px.trace(lambda x: x * int(x.shape[0]), px.Spec("T", jnp.float32))
+    plan = px.trace(lambda x: x * (1.0 / int(x.shape[0])), px.Spec("T", jnp.float32))
     assert plan.describe().startswith("Plan <lambda>: RESHAPING IMPOSSIBLE — ")
     assert plan.reason in plan.describe()
     with pytest.raises(px.PolymorphismError):

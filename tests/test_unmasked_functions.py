@@ -116,7 +116,8 @@ CASES = {
     "cholesky": (lambda x: jnp.linalg.cholesky(x @ x.T + 5 * jnp.eye(x.shape[0])),  # flagged
                  T4, FLAGGED),
     "length == 20": (lambda x: x * 2 if x.shape[0] == 20 else x, T4, FLAGGED),  # flagged
-    "numpy table sliced": (lambda x: x + np.ones((64, 4))[: x.shape[0]], T4, FLAGGED),  # flagged
+    # Recovered from concrete traces (`_recover`): the table at the max, sliced to T.
+    "numpy table sliced": (lambda x: x + np.ones((64, 4))[: x.shape[0]], T4, EXACT),
     "fft": (lambda x: jnp.abs(jnp.fft.rfft(x, axis=0)), T4, FLAGGED),           # flagged
 }
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import polyexec as px
+from polyexec._recover import CONCRETE_TRACES
 from examples.rnn.model import CharLM, loss_fn
 
 MARK = "# <- not polymorphic"
@@ -201,9 +202,11 @@ def even_split(x):
 
 
 NOT_POLYMORPHIC = [int_of_length, python_range, branch_on_comparison, literal_maximum,
-                   asks_max_length, numpy_buffer, branch_on_equality, python_list_of_length,
-                   reshape_to_literal, math_sqrt_of_length, numpy_positions, literal_window,
-                   even_split]
+                   asks_max_length, branch_on_equality, reshape_to_literal,
+                   math_sqrt_of_length, numpy_positions, literal_window, even_split]
+# JAX cannot trace these over a symbolic length, but three concrete traces explain every number
+# that differs (`polyexec._recover`): one symbolic program again.
+RECOVERED = [numpy_buffer, python_list_of_length]
 
 
 def offending_line(fn) -> int:
@@ -229,6 +232,14 @@ def test_non_polymorphic_functions_are_caught_at_the_right_line(fn):
     # The reason quotes the offending source line itself.
     source = inspect.getsourcelines(fn)[0][offending_line(fn) - inspect.getsourcelines(fn)[1]]
     assert source.split(MARK)[0].strip() in plan.reason
+
+
+@pytest.mark.parametrize("fn", RECOVERED, ids=lambda f: f.__name__)
+def test_constants_made_from_a_length_are_recovered_from_concrete_traces(fn):
+    T, B = _vars()
+    plan = px.trace(fn, X())
+    assert not plan.reshaping_is_impossible and plan.padding_safe, plan.reason
+    assert [str(d) for d in plan.jaxpr.out_avals[0].shape] == ["B", "T"]
 
 
 def test_zoo_size():
@@ -301,17 +312,25 @@ def test_non_polymorphic_function_runs_per_bucket_with_one_warning():
         "padded arrays as written): ")
     assert f.plan.reason in messages[0]
     assert where(f.plan.reason) == (inspect.getsourcefile(prefix_sums), offending_line(prefix_sums))
-    # The slow path: one symbolic attempt, then one Python trace and one compile per bucket.
-    assert f.stats.compiles == 3 and f.traces == 1 + 3
+    # The slow path: one symbolic attempt, the concrete traces that find its structure differs
+    # with the size (`_recover`), then one Python trace and one compile per bucket.
+    assert f.stats.compiles == 3 and f.traces == 1 + CONCRETE_TRACES + 3
 
 
 def test_a_retraced_function_is_run_on_the_padded_arrays_and_the_warning_says_so():
-    # The gradient of jax.lax.cummax along a symbolic length is not implemented, so the function
-    # is retraced per bucket and sums its padding too: a result polyexec cannot guarantee.
+    # A running max unrolled over a Python range of the length has no size-independent
+    # program, so the function is retraced per bucket and sums its padding too: a result
+    # polyexec cannot guarantee.
     T, B = px.LengthVar("T", min=1, max=16), px.LengthVar("B", max=4)
 
     def running_max_total_grad(w, x, lengths):      # d/dw sum(cummax(x * w)) = sum(cummax(x))
-        return jax.grad(lambda w: jnp.sum(jax.lax.cummax(x * w, axis=1)))(w)
+        def total(w):
+            running, out = x[:, 0] * w, 0.0
+            for t in range(x.shape[1]):
+                running = jnp.maximum(running, x[:, t] * w)
+                out = out + jnp.sum(running)
+            return out
+        return jax.grad(total)(w)
 
     specs = (None, px.Spec("B T", jnp.float32), px.Spec("B", jnp.int32, lengths_of="T"))
     x, lengths = np.array([[1.0, 2.0, 3.0, 0.0]], np.float32), np.array([3], np.int32)
