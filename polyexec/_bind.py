@@ -352,10 +352,11 @@ def check_raised_mins(call: BoundCall, raised: Mapping[str, Any]) -> None:
             if need is not None and call.sizes[dim] < need.min:
                 raise SpecError(
                     f"{path}.shape[{axis}] = {call.sizes[dim]}: expected {dim} >= {need.min} for "
-                    f"this function (declared min={need.declared}): {need.where} needs it (JAX "
-                    f"cannot decide {need.comparison} below it); give the lengths of the rows "
-                    f"(a Spec with lengths_of={dim!r}) to run rows that short, or declare "
-                    f"px.LengthVar({dim!r}, min={need.min}, ...)")
+                    f"this function (declared min={need.declared}): {need.where} "
+                    f"{need.explain()}; " + ("" if need.why else
+                    f"give the lengths of the rows (a Spec with lengths_of={dim!r}) to run "
+                    f"rows that short, or ") + f"declare px.LengthVar({dim!r}, min={need.min}, "
+                    f"...)")
 
 
 def bucket_shape(spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:

@@ -4,8 +4,8 @@ Four library functions of JAX's refuse a length that is a symbolic dimension alt
 ``jax.jit`` runs them at every concrete length:
 
 - ``lax.associative_scan`` ("associative scan over axis of non-constant size"): its
-  odd/even recursion has log2(T) levels. JAX itself differentiates ``cumprod``, ``cummax``,
-  ``cummin`` and ``cumlogsumexp`` with it, so their gradients fail too.
+  odd/even recursion has log2(T) levels. JAX itself differentiates ``cumprod`` and
+  ``cumlogsumexp`` (and ``cummax``, ``cummin``) with it, so their gradients fail too.
 - ``lax.fori_loop`` with a length as its bound: JAX makes it a ``while_loop`` (its trip count
   is not a constant), which reverse-mode differentiation refuses.
 - the gradient of ``reduce_prod`` (``jnp.prod``) over a length: JAX's derivative halves the
@@ -25,7 +25,12 @@ every operation has a logical rule, so padded, ragged and packed rows keep it ex
   as many levels as the length's upper bound needs. Causal, so the real prefix reads only real
   cells; in packed rows the shift and the position are within each sequence, so the scan
   restarts at every sequence start. ``reverse=True`` flips, scans and flips back, as JAX does.
-  It combines in another order than JAX's recursion: equal up to float rounding.
+  It combines in another order than JAX's recursion: equal up to float rounding. Not for a
+  combine whose derivative splits a tie between its operands (``lax.max``, ``jnp.minimum``:
+  so not for the gradients of ``cummax`` and ``cummin``): the split follows the order of the
+  combines, so those stay JAX's own, refused over a symbolic length. A combine of one's own
+  that splits ties so (``lambda a, b: jnp.where(a > b, a, b)`` is fine; a hand-written
+  smooth max is not) gets other gradients at ties than ``jax.jit``.
 - ``fori_loop(lo, T, body, init)`` runs as ``lax.scan`` over ``lo + arange(T - lo)``: what
   JAX itself does for a constant trip count, and what polyexec already makes exact per row.
 - ``reduce_prod``'s derivative is the sum of each tangent times the product of the other
@@ -74,7 +79,8 @@ def symbolic_trace() -> Iterator[None]:
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
     try:
-        yield
+        with _jax_internals.forms_state(-1):
+            yield
     finally:
         _state.depth = depth
 
@@ -93,7 +99,8 @@ def concrete_trace(longest: int) -> Iterator[None]:
     before = getattr(_state, "longest", None)
     _state.longest = longest
     try:
-        yield
+        with _jax_internals.forms_state(longest):
+            yield
     finally:
         _state.longest = before
 
@@ -124,7 +131,7 @@ def prefix_scan(original: Callable) -> Callable:
 
     def associative_scan(fn, elems, reverse=False, axis=0):
         leaves, tree = jax.tree.flatten(elems)
-        if not (leaves and callable(fn)):
+        if not (leaves and callable(fn)) or any(fn is f for f in _TIE_SPLITTING):
             return original(fn, elems, reverse=reverse, axis=axis)
         axis = axis % max(jnp.ndim(leaves[0]), 1)
         levels = _levels(jnp.shape(leaves[0])[axis])
@@ -136,12 +143,15 @@ def prefix_scan(original: Callable) -> Callable:
         for k in range(levels):
             step = 1 << k
             kept = [lax.broadcasted_iota(np.int32, leaf.shape, axis) >= step for leaf in leaves]
-            # Position i reads i - step; where there is none it reads itself, a real value,
-            # so the combine that is thrown away cannot make a NaN that a gradient would meet.
-            earlier = [jnp.where(keep, _shifted(leaf, axis, step), leaf)
+            # Position i combines i - step with i. Where there is no i - step it combines
+            # itself with itself, thrown away; its operands hold no gradient, so a combine
+            # whose derivative is infinite there (sqrt(a*a + b*b) at 0) cannot make a NaN.
+            earlier = [jnp.where(keep, _shifted(leaf, axis, step), lax.stop_gradient(leaf))
                        for keep, leaf in zip(kept, leaves)]
+            later = [jnp.where(keep, leaf, lax.stop_gradient(leaf))
+                     for keep, leaf in zip(kept, leaves)]
             combined = jax.tree.leaves(fn(jax.tree.unflatten(tree, earlier),
-                                          jax.tree.unflatten(tree, leaves)))
+                                          jax.tree.unflatten(tree, later)))
             leaves = [jnp.where(keep, c, leaf) for keep, c, leaf in zip(kept, combined, leaves)]
         if reverse:
             leaves = [lax.rev(leaf, (axis,)) for leaf in leaves]
@@ -149,6 +159,13 @@ def prefix_scan(original: Callable) -> Callable:
 
     associative_scan.__wrapped__, associative_scan.polyexec_form = original, True
     return associative_scan
+
+
+# Combines whose derivative splits a tie between its operands: the split depends on the order
+# of the combines, which only JAX's own recursion at the exact length reproduces. Their scans
+# (and the gradients of cummax and cummin, made with lax.max and lax.min) stay JAX's: over a
+# symbolic length they are refused, and the verdict names the line.
+_TIE_SPLITTING = (lax.max, lax.min, jnp.maximum, jnp.minimum, jnp.fmax, jnp.fmin)
 
 
 def _shifted(x, axis: int, step: int):

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax.lax
 from jax import export
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import source_info_util as _source_info
@@ -218,6 +219,16 @@ def bind_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
         dimension_numbers=dnums, feature_group_count=feature_group_count,
         batch_group_count=batch_group_count, precision=_lax.canonicalize_precision(precision),
         preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
+# Which forms a trace runs (`polyexec._forms`): 0 none (JAX's own functions), -1 over symbolic
+# lengths, n > 0 at concrete sizes with prefix scans of the levels that n needs. Per thread,
+# and part of JAX's trace context, so a jitted function traced under the forms is cached apart
+# from the same function traced without them. Private (``config.int_state``): JAX offers no
+# public way to key its caches on a state of one's own.
+forms_state = _config.int_state(
+    "jax_polyexec_forms", 0, "polyexec: the forms of JAX functions this thread traces",
+    include_in_trace_context=True)
 
 
 def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding) -> None:

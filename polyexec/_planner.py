@@ -51,7 +51,7 @@ from ._convention import Convention
 from ._errors import OptionError, PolymorphismError, SpecError
 from ._jax_internals import dce_jaxpr
 from ._plan import CutPoint, Plan, Program, Segment, Verdict
-from ._recover import recover, recoverable
+from ._recover import below_traced, recover, recoverable
 from ._spec import LengthVar, Spec, bucket_sizes, call_variables, spec_leaves
 from ._trace import (RAISE_AT_MOST, Failed, RaisedMin, TraceCounter, Traced, concrete_jaxpr,
                      export_flat, fmt_sizes, size_dependence, trace_symbolic, where)
@@ -397,6 +397,11 @@ def _plan_at(fn, signature: Signature, variables: Mapping[str, LengthVar], *,
                 f"{'; '.join(fmt_sizes(s) for s in traced.recovered)}, but not padding-safe: "
                 f"{plan.padding_reason}]"))
             plan = _single(fn, name, convention, traced, masking, pack, seconds)
+        elif not failed and traced.recovered:
+            below = below_traced(convention.variables, traced.recovered,
+                                 unrecovered.reason.split(": ")[0])
+            plan = dataclasses.replace(plan, verdict=dataclasses.replace(
+                plan.verdict, raised=(*plan.verdict.raised, *below)))
         if check_sizes and not plan.reshaping_is_impossible and not traced.recovered:
             # (A recovered program was compared at three sizes already.)
             # The traced program's output shapes are the logical one's (a rewrite changes no

@@ -57,8 +57,10 @@ from ._jax_internals import convert_element_type, dim_as_value
 from ._logical import RowFloor
 from ._spec import symbolic_dims
 from ._forms import concrete_trace
-from ._trace import (Failed, TraceCounter, Traced, concrete_jaxpr, evaluate_shape, fmt_sizes,
-                     trace_program, where)
+from ._trace import (Failed, RaisedMin, TraceCounter, Traced, concrete_jaxpr, evaluate_shape,
+                     fmt_sizes, trace_program, where)
+
+
 
 # Concrete traces per recovery: each variable at its max, between, and at its min.
 CONCRETE_TRACES = 3
@@ -561,6 +563,14 @@ def recover(fn: Callable, convention: Convention, counter: TraceCounter,
     traces (`Traced`), or ``failed`` with what kept it from that. ``fn`` is the function
     `_trace.trace_symbolic` failed on; see the module's docstring."""
     variables = convention.variables
+    rows = {by for _, by in convention.rows_at.values()}
+    lengths = [v.name for v in variables if v.name not in rows]
+    if len(lengths) > 1:
+        # Three traces cannot tell two lengths' relation apart (max(T, S) fits T wherever
+        # the traces have T >= S): one length variable, besides the rows, is recovered.
+        return Recovery(dataclasses.replace(failed, reason=(
+            f"{failed.reason} [not recovered from concrete traces: it has several length "
+            f"variables ({', '.join(lengths)}), whose relations three traces cannot tell]")), ())
     samples = sample_sizes(variables)
     if samples is None:
         return Recovery(failed, ())
@@ -610,12 +620,32 @@ def recover(fn: Callable, convention: Convention, counter: TraceCounter,
         if got != want:
             return refused(f"the rebuilt program's outputs are {got} at {fmt_sizes(sizes)}, "
                            f"the trace's {want}")
-    lows = samples[-1]
-    declared = {v.name: v.min for v in variables}
-    floors = tuple(RowFloor(n, lows[n], failed.reason.split(": ")[0] if failed.reason else "",
-                            why=(f"was traced at {n} = {', '.join(str(s[n]) for s in samples)} "
-                                 f"and its program recovered from those traces; a row shorter "
-                                 f"than {lows[n]} was never traced"))
-                   for n in convention.rows_at if lows[n] > LOWEST and lows[n] == declared[n])
+    # Below the least size traced nothing was seen: a library's branch on a short length
+    # (jnp.convolve swaps its operands below the kernel's size) would go unnoticed. Ragged
+    # rows that short are refused at the call (`RowFloor`), and so are unragged sizes
+    # (`below_traced`).
+    lows = {v.name: min(s[v.name] for s in samples) for v in variables}
+    line = failed.reason.split(": ")[0] if failed.reason else ""
+    floors = tuple(RowFloor(n, lows[n], line, why=_never_traced(n, samples, lows[n]))
+                   for n in convention.rows_at if lows[n] > variables_min(variables, n))
     return Recovery(dataclasses.replace(traced, floors=(*traced.floors, *floors),
                                         recovered=tuple(samples)), tuple(samples))
+
+
+def variables_min(variables: Sequence[Any], name: str) -> int:
+    return next(v.min for v in variables if v.name == name)
+
+
+def _never_traced(name: str, samples: Sequence[Mapping[str, int]], low: int) -> str:
+    return (f"cannot be traced over a symbolic {name}; its program was recovered from the "
+            f"traces at {name} = {', '.join(str(s[name]) for s in samples)}, and a length "
+            f"below {low} was never traced (a library may branch there)")
+
+
+def below_traced(variables: Sequence[Any], samples: Sequence[Mapping[str, int]],
+                 where: str) -> tuple[RaisedMin, ...]:
+    """The variables whose declared min lies below the least size traced: an unragged size
+    there is refused by name at the call, as below a raised min (`RaisedMin`)."""
+    return tuple(RaisedMin(v.name, v.min, low, where, "", why=_never_traced(v.name, samples, low))
+                 for v in variables
+                 for low in [min(s[v.name] for s in samples)] if low > v.min)

@@ -424,10 +424,16 @@ class RaisedMin:
     min: int
     where: str
     comparison: str
+    # Why sizes below ``min`` are not run, where it is not JAX's comparison: a program
+    # recovered from concrete traces (`_recover`) was never traced below them.
+    why: str = ""
+
+    def explain(self) -> str:
+        return self.why or f"needs it (JAX cannot decide {self.comparison} below it)"
 
     def describe(self) -> str:
         return (f"{self.var} traced at {self.var} >= {self.min} (declared min={self.declared}): "
-                f"{self.where} needs it (JAX cannot decide {self.comparison} below it)")
+                f"{self.where} {self.explain()}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """JAX functions that refuse a symbolic length run in equal forms while polyexec traces
-(`polyexec._forms`): ``lax.associative_scan`` (and so the gradients of ``cumprod``,
-``cummax``, ``cummin``, ``cumlogsumexp``), ``fori_loop`` over a length, differentiated, and
+(`polyexec._forms`): ``lax.associative_scan`` (and so the gradients of ``cumprod`` and
+``cumlogsumexp``), ``fori_loop`` over a length, differentiated, and
 ``jnp.prod``'s gradient. Exact, values and gradients, in every layout, against each example
 alone under ``jax.jit``; and nothing changes for code that is not polyexec's."""
 
@@ -33,8 +33,6 @@ IDIOMS = {  # each maps one example (T, F) to an array
     "matrix products": lambda x: lax.associative_scan(
         jnp.matmul, jnp.tanh(x)[:, :, None] * jnp.eye(F) + 0.1)[:, 0],
     "cumprod": lambda x: jnp.cumprod(1 + 0.1 * x, 0),
-    "cummax": lambda x: lax.cummax(x, 0),
-    "cummin reversed": lambda x: lax.cummin(x, 0, reverse=True),
     "cumlogsumexp": lambda x: lax.cumlogsumexp(x, 0),
     "prod": lambda x: jnp.prod(1 + 0.1 * x, 0),
     "prod over both axes": lambda x: jnp.prod(1 + 0.1 * x),
@@ -172,7 +170,8 @@ def test_a_prefix_scan_beside_a_table_only_concrete_traces_explain_is_recovered(
     import equinox as eqx
     rope = eqx.nn.RotaryPositionalEmbedding(4)
     idioms = {"rope then ssm": lambda x: IDIOMS["ssm"](rope(jnp.concatenate([x, x[:, :1]], 1))),
-              "rope then cummax": lambda x: lax.cummax(rope(jnp.concatenate([x, x[:, :1]], 1)))}
+              "rope then cumprod": lambda x: jnp.cumprod(
+                  1 + 0.1 * rope(jnp.concatenate([x, x[:, :1]], 1)), 0)}
     f = ragged_rows(idioms, "pack")
     lengths = [5, 2, 16, 2]
     x, rows = batch_of(lengths, 11)
@@ -184,3 +183,37 @@ def test_a_prefix_scan_beside_a_table_only_concrete_traces_explain_is_recovered(
             np.testing.assert_allclose(out[name][0][b], want[name][0], rtol=2e-5, atol=2e-5)
             np.testing.assert_allclose(out[name][1][b, :len(r)], want[name][1], rtol=2e-5,
                                        atol=2e-5, err_msg=f"{name}, example {b}")
+
+
+def test_a_combine_that_splits_ties_stays_jaxs_own_and_is_flagged():
+    """cummax's gradient splits a tie between equal cells by the order of the combines, which
+    only JAX's recursion at the exact length gives: refused over a symbolic length, named."""
+    f = px.bucketed(jax.grad(lambda x: jnp.sum(jnp.arange(x.shape[0]) * lax.cummax(x))),
+                    in_specs=(px.Spec("T", jnp.float32),))
+    assert f.plan.reshaping_is_impossible and "test_forms.py" in f.plan.reason
+
+
+def test_a_combine_with_an_infinite_derivative_where_a_cell_meets_itself_has_no_nan():
+    """Cells with no partner at a level combine with themselves, thrown away: the running
+    L2 norm's derivative is infinite at (0, 0), and must not reach the gradient."""
+    norm = lambda a, b: jnp.sqrt(a * a + b * b)                          # noqa: E731
+    loss = lambda x: jnp.sum(lax.associative_scan(norm, x))              # noqa: E731
+    f = px.bucketed(jax.grad(loss), in_specs=(px.Spec("T", jnp.float32),), strict=True)
+    x = np.arange(5.0, dtype=np.float32)
+    np.testing.assert_allclose(f(x), jax.grad(loss)(x), rtol=1e-5)
+
+
+def test_a_helper_traced_under_the_forms_is_cached_apart_from_plain_jax():
+    """A jitted helper that `_recover` traces at concrete sizes runs the forms there; plain
+    jax.jit code calling it at those sizes afterwards gets JAX's own program."""
+    helper = jax.jit(lambda x: lax.associative_scan(jnp.add, x))
+    own = str(jax.make_jaxpr(lambda x: lax.associative_scan.__wrapped__(jnp.add, x))(
+        np.ones(3, np.float32)))
+    T3 = px.LengthVar("T", min=1, max=16)
+    f = px.bucketed(lambda x: helper(x) / float(x.shape[0]), in_specs=(px.Spec("T", jnp.float32),),
+                    variables=[T3], strict=True)
+    x = np.arange(5.0, dtype=np.float32)
+    np.testing.assert_allclose(f(x), np.cumsum(x) / 5, rtol=1e-6)
+    assert f.traces == 4 and not f.plan.reshaping_is_impossible     # concrete at 16, ..., 3
+    assert str(jax.make_jaxpr(helper)(np.ones(3, np.float32))).count("pad[") == \
+        own.count("pad[")
