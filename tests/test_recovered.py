@@ -46,6 +46,8 @@ def loss_of(g):
 
 
 def lengths_from(least):
+    """Rows from the least size traced (3) up: shorter ones are refused (tested below)."""
+    least = max(least, 3)
     return [least + 2, least, 9, 16]
 
 
@@ -206,3 +208,24 @@ def test_a_fit_is_verified_and_unique(lo_t, hi_t, lo_b, hi_b, a, b, term):
                   lambda s: s["T"] // 3 + s["B"], lambda s: s["B"] // 2, lambda s: s["T"] ** 2,
                   lambda s: (s["B"] * s["T"]) // 4):
         assert fit([wrong(s) for s in samples], samples) is None
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_length_below_the_least_size_traced_is_refused_by_name(ragged):
+    """A recovered program was never traced below its least size (3): a library may branch
+    there (jnp.convolve swaps its operands below the kernel's size), so such a length is
+    refused at the call, naming the line and the sizes traced, before anything runs."""
+    T = px.LengthVar("T", min=1, max=16)
+    B = px.LengthVar("B", max=8)
+    g = IDIOMS["rope"][0]
+    if ragged:
+        f = px.bucketed(lambda x, n: jnp.sum(jax.vmap(g)(x)),
+                        in_specs=(px.Spec("B T 4", jnp.float32),
+                                  px.Spec("B", jnp.int32, lengths_of="T")))
+        call = lambda: f(np.ones((2, 5, F), np.float32), np.array([5, 2], np.int32))  # noqa
+    else:
+        f = px.bucketed(g, in_specs=(px.Spec("T 4", jnp.float32),))
+        call = lambda: f(np.ones((2, F), np.float32))                          # noqa: E731
+    with pytest.raises(px.SpecError, match=r"3.*never traced"):
+        call()
+    assert not f.plan.reshaping_is_impossible and f.stats.compiles == 0
