@@ -816,11 +816,12 @@ _FORMS_THAT_WORK = {
         "`lax.scan(lambda h, t: (body(t, h), None), h0, jnp.arange(x.shape[1]))[0]`, which "
         "polyexec runs over each row's real length"),
     "associative scan over axis of non-constant size": (
-        "JAX's associative_scan needs a constant length, and so do the gradients of "
-        "jnp.cumprod, lax.cummax, lax.cummin and lax.cumlogsumexp, which JAX computes with it; "
-        "jnp.cumsum (values and gradients), those four without gradients, and lax.scan over "
-        "the positions for any combination with gradients each run over each row's real "
-        "length"),
+        "JAX's associative_scan needs a constant length; polyexec runs it over a symbolic "
+        "one except with a combine that splits ties between equal cells (lax.max, lax.min: "
+        "the gradients of lax.cummax and lax.cummin), whose gradient follows JAX's own order "
+        "of combines at the exact length; lax.cummax and lax.cummin without gradients, and "
+        "lax.scan over the positions (m = jnp.maximum(m, x_t)) with gradients, each run over "
+        "each row's real length"),
 }
 
 
