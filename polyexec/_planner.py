@@ -398,7 +398,7 @@ def _plan_at(fn, signature: Signature, variables: Mapping[str, LengthVar], *,
                 f"{plan.padding_reason}]"))
             plan = _single(fn, name, convention, traced, masking, pack, seconds)
         elif not failed and traced.recovered:
-            below = below_traced(convention.variables, traced.recovered,
+            below = below_traced(convention, traced.recovered,
                                  unrecovered.reason.split(": ")[0])
             plan = dataclasses.replace(plan, verdict=dataclasses.replace(
                 plan.verdict, raised=(*plan.verdict.raised, *below)))

@@ -622,18 +622,14 @@ def recover(fn: Callable, convention: Convention, counter: TraceCounter,
                            f"the trace's {want}")
     # Below the least size traced nothing was seen: a library's branch on a short length
     # (jnp.convolve swaps its operands below the kernel's size) would go unnoticed. Ragged
-    # rows that short are refused at the call (`RowFloor`), and so are unragged sizes
-    # (`below_traced`).
+    # rows that short are refused at the call (`RowFloor`; rows below a declared min are
+    # otherwise run), and so are unragged sizes (`below_traced`).
     lows = {v.name: min(s[v.name] for s in samples) for v in variables}
     line = failed.reason.split(": ")[0] if failed.reason else ""
     floors = tuple(RowFloor(n, lows[n], line, why=_never_traced(n, samples, lows[n]))
-                   for n in convention.rows_at if lows[n] > variables_min(variables, n))
+                   for n in convention.rows_at)
     return Recovery(dataclasses.replace(traced, floors=(*traced.floors, *floors),
                                         recovered=tuple(samples)), tuple(samples))
-
-
-def variables_min(variables: Sequence[Any], name: str) -> int:
-    return next(v.min for v in variables if v.name == name)
 
 
 def _never_traced(name: str, samples: Sequence[Mapping[str, int]], low: int) -> str:
@@ -642,10 +638,12 @@ def _never_traced(name: str, samples: Sequence[Mapping[str, int]], low: int) -> 
             f"below {low} was never traced (a library may branch there)")
 
 
-def below_traced(variables: Sequence[Any], samples: Sequence[Mapping[str, int]],
+def below_traced(convention: Convention, samples: Sequence[Mapping[str, int]],
                  where: str) -> tuple[RaisedMin, ...]:
-    """The variables whose declared min lies below the least size traced: an unragged size
-    there is refused by name at the call, as below a raised min (`RaisedMin`)."""
+    """The length variables whose declared min lies below the least size traced: an unragged
+    size there is refused by name at the call, as below a raised min (`RaisedMin`). Not the
+    rows of ragged lengths (``B``): a batch of one or two rows runs the recovered program."""
+    rows = {by for _, by in convention.rows_at.values()}
     return tuple(RaisedMin(v.name, v.min, low, where, "", why=_never_traced(v.name, samples, low))
-                 for v in variables
+                 for v in convention.variables if v.name not in rows
                  for low in [min(s[v.name] for s in samples)] if low > v.min)
