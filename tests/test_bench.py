@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 
@@ -22,6 +24,25 @@ from bench.workloads import Config, load_data, read_lengths_file
 
 ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-nomask,polyexec-cached"
 RANDOM = ("pad-max", "exact", "pow2", "fixed:64,160,512")
+HAS_GRAIN = importlib.util.find_spec("grain") is not None
+# The --quick runs below are shared by the tests that read them (module fixtures); under
+# `pytest -n` the tests of one fixture run on one worker (tests/conftest.py), so each run once.
+QUICK_RUN, TRAIN_RUN, INFER_RUN = (pytest.mark.xdist_group(f"bench-{name}")
+                                   for name in ("quick", "train", "infer"))
+# Timing is never asserted: the limit is timed as briefly as the CLI allows.
+BRIEF_LIMIT = ["--limit-rounds", "1", "--limit-seconds", "0.05"]
+
+
+def _run_quick(argv):
+    """``main(argv)`` with its printed output captured: (the validated JSON, the printed text
+    with rich's line wrapping undone)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main([*argv, "--no-progress"]) == 0
+    out = argv[argv.index("--json") + 1]
+    with open(out, encoding="utf-8") as fh:
+        doc = report.validate(json.load(fh))
+    return doc, " ".join(printed.getvalue().split())
 
 
 # ----------------------------------------------------------------------------- no JAX needed
@@ -465,13 +486,14 @@ def quick(tmp_path_factory):
     # Blocking warmup: every batch runs in its own bucket, so the padding accounting is exact
     # (the background warmup is exercised by test_quick_train_mode).
     # --layout pad: these tests count padded buckets (the packed choice has its own test).
-    argv = ["--quick", "--warmup", "blocking", "--layout", "pad", "--strategies", ALL,
+    argv = ["--quick", *BRIEF_LIMIT, "--warmup", "blocking", "--layout", "pad", "--strategies", ALL,
             "--json", str(out / "q.json"), "--plot", str(out / "q.png"), "--no-progress"]
     assert main(argv) == 0
     doc = json.loads((out / "q.json").read_text())
     return doc, out, config_from_args(build_parser().parse_args(argv))
 
 
+@QUICK_RUN
 def test_quick_json_matches_the_schema(quick):
     doc, out, _ = quick
     report.validate(doc)
@@ -515,6 +537,7 @@ def _schedule_shapes(cfg, name, doc=None):
     return data, policy, shapes, real
 
 
+@QUICK_RUN
 def test_quick_compile_counts_fit_each_strategy(quick):
     doc, _, cfg = quick
     by = {r["strategy"]: r for r in doc["results"]}
@@ -541,6 +564,7 @@ def test_quick_compile_counts_fit_each_strategy(quick):
     assert by["pow2"]["compiles"] == len(set(shapes)) and by["pow2"]["traces"] == 1
 
 
+@QUICK_RUN
 def test_quick_polyexec_nomask_runs_beside_polyexec(quick):
     """The same grouped batches and buckets with the logical-length rewrite off: its own compile
     cache (nothing of polyexec's found), the same padding, and the same loss (the loss masks
@@ -559,6 +583,7 @@ def test_quick_polyexec_nomask_runs_beside_polyexec(quick):
                                extra["polyexec"]["final_loss"], rtol=2e-5)
 
 
+@QUICK_RUN
 def test_quick_padding_efficiency(quick):
     doc, _, cfg = quick
     by = {r["strategy"]: r for r in doc["results"]}
@@ -576,6 +601,7 @@ def test_quick_padding_efficiency(quick):
         cfg.epochs * data.real_tokens / (batches * cfg.batch_size * cfg.cap))
 
 
+@QUICK_RUN
 def test_quick_padding_never_changes_the_loss(quick):
     """The random-batch strategies see the same batches; only the padding differs."""
     doc, _, _ = quick
@@ -584,15 +610,24 @@ def test_quick_padding_never_changes_the_loss(quick):
     np.testing.assert_allclose(losses, losses[0], rtol=2e-5)
 
 
-def test_quick_train_mode(tmp_path):
+# Train mode, one device: the random-batch strategies, pack (with grain) and polyexec, with
+# --buckets 2 (a plan that does not depend on the devices). test_quick_train_mode reads it, and
+# test_quick_devices_2_matches_one_device_on_the_same_batches compares a 2-device run with it.
+TRAIN_FLAGS = ["--quick", "--mode", "train", "--steps", "3", "--buckets", "2"]
+
+
+@pytest.fixture(scope="module")
+def train_one(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-train") / "t.json"
+    names = "pad-max,exact," + ("pack," if HAS_GRAIN else "") + "polyexec"
+    doc, _ = _run_quick([*TRAIN_FLAGS, *BRIEF_LIMIT, "--strategies", names, "--json", str(out)])
+    return doc
+
+
+@TRAIN_RUN
+def test_quick_train_mode(train_one):
     """The train step (value_and_grad + Adam) through pad-max, exact and polyexec."""
-    out = tmp_path / "t.json"
-    # Timing is not asserted here: the limit is timed as briefly as the CLI allows.
-    assert main(["--quick", "--mode", "train", "--steps", "3", "--buckets", "2",
-                 "--limit-rounds", "1", "--limit-seconds", "0.05",
-                 "--strategies", "pad-max,exact,polyexec", "--json", str(out),
-                 "--no-progress"]) == 0
-    doc = report.validate(json.loads(out.read_text()))
+    doc = train_one
     by = {r["strategy"]: r for r in doc["results"]}
     assert doc["workload"]["mode"] == "train"
     assert by["pad-max"]["compiles"] == 1
@@ -601,8 +636,7 @@ def test_quick_train_mode(tmp_path):
     assert per["polyexec"]["warmup"] == "background"
     # Batches that ran in a larger compiled bucket while theirs compiled cost padding (at most
     # twice their own bucket), never a result.
-    cfg = config_from_args(build_parser().parse_args(
-        ["--quick", "--mode", "train", "--steps", "3", "--buckets", "2"]))
+    cfg = config_from_args(build_parser().parse_args(TRAIN_FLAGS))
     _, _, shapes, real = _schedule_shapes(cfg, "polyexec")
     own = real / sum(b * t for b, t in shapes)
     assert own / 2 <= by["polyexec"]["padding_efficiency"] <= own * (1 + 1e-9)
@@ -612,66 +646,21 @@ def test_quick_train_mode(tmp_path):
     np.testing.assert_allclose(per["pad-max"]["final_loss"], per["exact"]["final_loss"], rtol=1e-4)
 
 
-def test_quick_pack_beside_polyexec(tmp_path, capsys):
-    """``--quick --strategies pack,polyexec``: the pack row (one compile, Grain's row
-    efficiency, a finite loss) and the polyexec / pack ratios in the summary. In inference
-    the weights never change, so both epochs' mean losses -- summed nats / predictions over
-    the same examples, however batched -- agree between the two."""
-    pytest.importorskip("grain")
-    from bench import packing
-    out = tmp_path / "p.json"
-    flags = ["--quick", "--steps", "3", "--buckets", "2"]
-    assert main([*flags, "--limit-rounds", "1", "--limit-seconds", "0.05",
-                 "--strategies", "pack,polyexec", "--json", str(out), "--no-progress"]) == 0
-    printed = capsys.readouterr().out
-    doc = report.validate(json.loads(out.read_text()))
-    by = {r["strategy"]: r for r in doc["results"]}
-    per = doc["workload"]["per_strategy"]
-    assert list(by) == ["pack", "polyexec"] and doc["workload"]["batching"]["pack"] == "packed"
-    assert by["pack"]["compiles"] == 1 and by["pack"]["traces"] == 1
-    cfg = config_from_args(build_parser().parse_args(flags))
-    data = load_data(cfg)
-    epochs = [packing.pack_epoch(cfg, data, e) for e in range(cfg.epochs)]
-    assert by["pack"]["padding_efficiency"] == pytest.approx(
-        packing.row_efficiency([b for ep in epochs for b in ep]))
-    assert per["pack"]["steps"] == sum(map(len, epochs))
-    assert np.isfinite(per["pack"]["epoch_loss"]).all() and np.isfinite(per["pack"]["final_loss"])
-    np.testing.assert_allclose(per["pack"]["epoch_loss"], per["polyexec"]["epoch_loss"],
-                               rtol=1e-5)
-    ratio = (f"polyexec vs pack: "
-             f"{by['polyexec']['tokens_per_s_warm'] / by['pack']['tokens_per_s_warm']:.2f}x warm, "
-             f"{by['polyexec']['tokens_per_s_cold'] / by['pack']['tokens_per_s_cold']:.2f}x cold")
-    assert ratio in " ".join(printed.split())     # rich may wrap the line
-    # Time to a loss: by default the highest last-epoch loss, which the pack row holds here
-    # (the same examples' losses agree); each strategy's seconds run to the end of the first
-    # epoch at or below it.
-    to_loss = doc["workload"]["time_to_loss"]
-    assert to_loss["target"] == max(x["epoch_loss"][-1] for x in per.values())
-    for name, x in per.items():
-        k = next(i for i, loss in enumerate(x["epoch_loss"], 1) if loss <= to_loss["target"])
-        assert to_loss["epoch"][name] == k
-        assert to_loss["seconds"][name] == pytest.approx(sum(x["epoch_seconds"][:k]))
-    assert "time to mean epoch loss <=" in " ".join(printed.split())
-
-
-def test_quick_devices_2_matches_one_device_on_the_same_batches(tmp_path, capsys):
+@TRAIN_RUN
+def test_quick_devices_2_matches_one_device_on_the_same_batches(train_one, tmp_path):
     """``--devices 2``: pack (Grain's rows, the segment-id step under jit with in/out
     shardings) and polyexec (fit's data parallelism: the bucketed step's shardings) split
     each batch's rows over a 2-device Mesh. Their batches do not depend on the devices (the
     same Grain rows; the same length-grouped plan with --buckets 2, 8 rows a batch already a
     multiple of 2), so in train mode -- Adam steps, gradients all-reduced over the devices --
-    every epoch's loss equals one device's within float reassociation. The workers get the
-    CPU device count through XLA_FLAGS; this process needs no devices of its own."""
+    every epoch's loss equals one device's (the train_one run) within float reassociation.
+    The workers get the CPU device count through XLA_FLAGS; this process needs no devices of
+    its own."""
     pytest.importorskip("grain")
-    flags = ["--quick", "--mode", "train", "--steps", "3", "--buckets", "2",
-             "--limit-rounds", "1", "--limit-seconds", "0.05", "--strategies", "pack,polyexec",
-             "--no-progress"]
-    docs = {}
-    for n in (1, 2):
-        out = tmp_path / f"d{n}.json"
-        assert main([*flags, "--devices", str(n), "--json", str(out)]) == 0
-        docs[n] = report.validate(json.loads(out.read_text()))
-    printed = capsys.readouterr().out
+    out = tmp_path / "d2.json"
+    two_doc, printed = _run_quick([*TRAIN_FLAGS, *BRIEF_LIMIT, "--strategies", "pack,polyexec",
+                                   "--devices", "2", "--json", str(out)])
+    docs = {1: train_one, 2: two_doc}
     assert "devices" not in docs[1]["workload"]             # one device: the output as before
     dev = docs[2]["workload"]["devices"]
     assert dev["count"] == 2 and dev["state_on_devices"] == {"pack": 2, "polyexec": 2}
@@ -684,16 +673,64 @@ def test_quick_devices_2_matches_one_device_on_the_same_batches(tmp_path, capsys
         np.testing.assert_allclose(two["final_loss"], one["final_loss"], rtol=1e-5)
 
 
-def test_quick_layout_auto_follows_its_prediction(tmp_path, capsys):
+# Inference, --buckets auto and --layout auto (the defaults): pack (with grain) beside polyexec
+# and polyexec-cached. test_quick_pack_beside_polyexec and
+# test_quick_layout_auto_follows_its_prediction read it.
+INFER_FLAGS = ["--quick", "--steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def infer_auto(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-infer") / "a.json"
+    names = ("pack," if HAS_GRAIN else "") + "polyexec,polyexec-cached"
+    return _run_quick([*INFER_FLAGS, *BRIEF_LIMIT, "--strategies", names, "--json", str(out)])
+
+
+@INFER_RUN
+def test_quick_pack_beside_polyexec(infer_auto):
+    """``--quick --strategies pack,polyexec,...``: the pack row (one compile, Grain's row
+    efficiency, a finite loss) and the polyexec / pack ratios in the summary. In inference
+    the weights never change, so both epochs' mean losses -- summed nats / predictions over
+    the same examples, however batched -- agree between the two."""
+    pytest.importorskip("grain")
+    from bench import packing
+    doc, printed = infer_auto
+    by = {r["strategy"]: r for r in doc["results"]}
+    per = doc["workload"]["per_strategy"]
+    assert list(by) == ["pack", "polyexec", "polyexec-cached"]
+    assert doc["workload"]["batching"]["pack"] == "packed"
+    assert by["pack"]["compiles"] == 1 and by["pack"]["traces"] == 1
+    cfg = config_from_args(build_parser().parse_args(INFER_FLAGS))
+    data = load_data(cfg)
+    epochs = [packing.pack_epoch(cfg, data, e) for e in range(cfg.epochs)]
+    assert by["pack"]["padding_efficiency"] == pytest.approx(
+        packing.row_efficiency([b for ep in epochs for b in ep]))
+    assert per["pack"]["steps"] == sum(map(len, epochs))
+    assert np.isfinite(per["pack"]["epoch_loss"]).all() and np.isfinite(per["pack"]["final_loss"])
+    np.testing.assert_allclose(per["pack"]["epoch_loss"], per["polyexec"]["epoch_loss"],
+                               rtol=1e-5)
+    ratio = (f"polyexec vs pack: "
+             f"{by['polyexec']['tokens_per_s_warm'] / by['pack']['tokens_per_s_warm']:.2f}x warm, "
+             f"{by['polyexec']['tokens_per_s_cold'] / by['pack']['tokens_per_s_cold']:.2f}x cold")
+    assert ratio in printed     # rich may wrap the line: _run_quick joins it
+    # Time to a loss: by default the highest last-epoch loss (the same examples' losses agree);
+    # each strategy's seconds run to the end of the first epoch at or below it.
+    to_loss = doc["workload"]["time_to_loss"]
+    assert to_loss["target"] == max(x["epoch_loss"][-1] for x in per.values())
+    for name, x in per.items():
+        k = next(i for i, loss in enumerate(x["epoch_loss"], 1) if loss <= to_loss["target"])
+        assert to_loss["epoch"][name] == k
+        assert to_loss["seconds"][name] == pytest.approx(sum(x["epoch_seconds"][:k]))
+    assert "time to mean epoch loss <=" in printed
+
+
+@INFER_RUN
+def test_quick_layout_auto_follows_its_prediction(infer_auto):
     """``--layout auto`` (the default): polyexec times its packed step on real batches and
     pins the layout its own predictions favour; a packed run's padding efficiency is the
     predicted one (the plans it ran are the plans it priced), in one compile that the cached
     worker then loads. The run's predicted seconds are printed beside its clock."""
-    out = tmp_path / "a.json"
-    assert main(["--quick", "--steps", "3", "--limit-rounds", "1", "--limit-seconds", "0.05",
-                 "--strategies", "polyexec,polyexec-cached", "--json", str(out),
-                 "--no-progress"]) == 0
-    doc = report.validate(json.loads(out.read_text()))
+    doc, printed = infer_auto
     by = {r["strategy"]: r for r in doc["results"]}
     auto = doc["workload"]["per_strategy"]["polyexec"]["auto"]
     pack, pad = auto["predicted_pack"], auto["predicted_pad"]
@@ -705,7 +742,6 @@ def test_quick_layout_auto_follows_its_prediction(tmp_path, capsys):
         assert by["polyexec"]["compiles"] == 1 and by["polyexec"]["traces"] == 1
         assert by["polyexec-cached"]["compiles"] == 0
         assert 1 <= auto["timed_steps"] <= 2 * len(auto["row_lengths"])
-    printed = " ".join(capsys.readouterr().out.split())
     assert "polyexec: predicted " in printed and " for the run (" in printed
     np.testing.assert_allclose(
         doc["workload"]["per_strategy"]["polyexec-cached"]["epoch_loss"],

@@ -566,6 +566,7 @@ def _table_gradients(x, lengths):
     return jax.grad(loss, argnums=(0, 1))(PE, REL)
 
 
+@jax.jit      # one program a length: the op-by-op (eager) gradient took ~8x longer
 def _table_gradients_alone(x):
     """`_table_gradients` for one sequence at its exact length."""
     return jax.grad(lambda pe, rel: jnp.sum(jax.nn.softmax(
@@ -699,6 +700,9 @@ def _medians(r):
     return jnp.median(r[:, 0]), jnp.percentile(r[:, 1], 30), jnp.median(r, axis=0)
 
 
+_medians_alone = jax.jit(_medians)     # the reference, one program a length (not op by op)
+
+
 def test_a_median_along_t_is_each_sequences_own():
     """``jnp.median`` (a sort, then the middle positions of each sequence's own length, a
     ``(B, 1)`` value broadcast along T) packs: each sequence's against it alone, the padding
@@ -710,7 +714,7 @@ def test_a_median_along_t_is_each_sequences_own():
     got = f(x, lengths)
     assert f.plan.can_pack
     for b, n in enumerate(lengths):
-        for i, (have, want) in enumerate(zip(got, _medians(jnp.asarray(x[b, :n])))):
+        for i, (have, want) in enumerate(zip(got, _medians_alone(jnp.asarray(x[b, :n])))):
             close(np.asarray(have)[b], want, f"output {i}, sequence {b} (length {n})")
 
 
@@ -755,6 +759,13 @@ def _sorting_loss(form):
 
 
 @functools.cache
+def _sorting_alone(form):
+    """The reference: the form's value and gradient on one sequence at its exact length, under
+    plain jax.jit (one program a length; op by op it took several times longer)."""
+    return jax.jit(lambda x: (SORTING[form](x), jax.grad(_sorting_loss(form))(x)))
+
+
+@functools.cache
 def _sorting_step(form):
     def step(x, lengths):
         return SORTING[form](x), jax.grad(_sorting_loss(form))(x)
@@ -784,10 +795,9 @@ def test_sorting_gathers_and_their_gradients_read_each_sequences_own_positions(f
             # is NaN, and it has no cell to send a gradient to.
             close(value[b], np.full(F, np.nan), f"value, {where}")
         elif n > 0:
-            want = np.asarray(SORTING[form](alone))[0]
+            want, want_grad = (np.asarray(a)[0] for a in _sorting_alone(form)(alone))
             close(value[b, :n] if want.ndim == 2 else value[b], want, f"value, {where}")
-            close(grad[b, :n], np.asarray(jax.grad(_sorting_loss(form))(alone))[0],
-                  f"gradient, {where}")
+            close(grad[b, :n], want_grad, f"gradient, {where}")
         assert np.all(grad[b, n:] == 0), f"gradient past the end, {where}"
         if value.ndim == 3:
             assert np.all(value[b, n:] == 0), f"value past the end, {where}"
@@ -804,6 +814,10 @@ def _top_two_loss(x):
     return jnp.sum(jnp.sin(values) * jnp.array([1.0, 0.3]))
 
 
+# The reference on one sequence at its exact length: one program a length, not op by op.
+_top_two_alone = jax.jit(lambda x: (_top_two(x), jax.grad(_top_two_loss)(x)))
+
+
 @pytest.mark.parametrize("lengths", [[5, 2, 7, 3], [8, 3, 5], [31, 2, 16, 16, 9, 23]])
 def test_top_k_along_t_is_each_sequences_own_with_its_gradient(lengths):
     """``lax.top_k`` along a packed T: each sequence's own k largest and their positions
@@ -816,11 +830,11 @@ def test_top_k_along_t_is_each_sequences_own_with_its_gradient(lengths):
     assert f.plan.can_pack, f.plan.packing_reason
     for b, n in enumerate(lengths):
         alone = jnp.asarray(x[b:b + 1, :n])
-        want_values, want_positions = _top_two(alone)
+        (want_values, want_positions), want_grad = _top_two_alone(alone)
         where = f"sequence {b} (length {n}) of {lengths}"
         close(values[b], want_values[0], f"values, {where}")
         np.testing.assert_array_equal(positions[b], want_positions[0], f"positions, {where}")
-        close(grad[b, :n], jax.grad(_top_two_loss)(alone)[0], f"gradient, {where}")
+        close(grad[b, :n], want_grad[0], f"gradient, {where}")
         assert np.all(np.asarray(grad)[b, n:] == 0), f"gradient past the end, {where}"
 
 
@@ -1067,8 +1081,17 @@ def _room_step(name):
     return px.bucketed(step, specs, buckets={var: [8, 32], B: [8]}, layout="pack", strict=True)
 
 
+@functools.cache
+def _room_alone(name):
+    """The reference: one sequence alone at its exact length, its value and the gradients of
+    the weights and of the input, under plain jax.jit (one program a length, not op by op)."""
+    per_row = ROOM[name][0]
+    return jax.jit(jax.value_and_grad(lambda w, r: _room_loss(per_row, w, r), (0, 1),
+                                      has_aux=True))
+
+
 @pytest.mark.parametrize("name", list(ROOM))
-@settings(max_examples=2)       # each sequence's reference runs eagerly; the examples cover the edges
+@settings(max_examples=2)       # each sequence's reference compiles a length; the examples cover the edges
 @given(lengths=st.lists(st.integers(1, T.max), min_size=1, max_size=B.max))
 @example(lengths=[1])
 @example(lengths=[8])                        # fills the T columns; its room lies past them
@@ -1076,7 +1099,7 @@ def _room_step(name):
 @example(lengths=[5, 1, 8, 3, 2, 1, 4, 7])
 @example(lengths=[30, 1, 32, 2])
 def test_lengths_past_t_pack_in_the_room_after_each_sequence(name, lengths):
-    per_row, _, room, var = ROOM[name]
+    _, _, room, var = ROOM[name]
     lengths = [max(n, var.min) for n in lengths]
     f = _room_step(name)
     x, _, _ = batch(lengths, seed=sum(lengths))
@@ -1087,8 +1110,7 @@ def test_lengths_past_t_pack_in_the_room_after_each_sequence(name, lengths):
     for b, n in enumerate(lengths):
         # Each sequence alone at its exact length: values, and the gradients of the input
         # and of the weights.
-        (t, out), (gw, gx) = jax.value_and_grad(
-            lambda w, r: _room_loss(per_row, w, r), (0, 1), has_aux=True)(ROOM_W, x[b, :n])
+        (t, out), (gw, gx) = _room_alone(name)(ROOM_W, x[b, :n])
         total, grad_w = total + float(t), grad_w + np.asarray(gw)
         where = f"{name}: sequence {b} (length {n}) of {lengths}"
         e = out.shape[0]
