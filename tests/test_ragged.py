@@ -793,9 +793,7 @@ NUMPY_CANNOT = {
                  "jnp.concatenate([x[:, -lo:], x, x[:, :hi]], axis=1)"),
     # Full and valid: the gradient is a convolution padded by ``min(T, 2)``, which JAX sees as
     # 2 only at ``T >= 2``: the verdict says to declare that min.
-    "convolve full": (_convolve("full"), _conv_form((2, 2)),
-                      "[(2, 2)])[0, 0]` (jax.vmap it over the rows, or give a (B, 1, T) batch); "
-                      "its gradient"),
+    # ("convolve full" is recovered from concrete traces: `tests/test_recovered.py`.)
     "convolve same": (_convolve("same"), _conv_form((1, 1)), "[(1, 1)])[0, 0]"),
     "convolve valid": (_convolve("valid"), _conv_form((0, 0)), "[(0, 0)])[0, 0]"),
 }
