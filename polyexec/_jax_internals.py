@@ -222,13 +222,14 @@ def bind_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
 
 
 # Which forms a trace runs (`polyexec._forms`): 0 none (JAX's own functions), -1 over symbolic
-# lengths, n > 0 at concrete sizes with prefix scans of the levels that n needs. Per thread,
-# and part of JAX's trace context, so a jitted function traced under the forms is cached apart
-# from the same function traced without them. Private (``config.int_state``): JAX offers no
-# public way to key its caches on a state of one's own.
+# lengths, n > 0 at concrete sizes with prefix scans of the levels that n needs. Per thread.
+# Not yet part of JAX's trace context: keyed so, a partitioned plan's segments missed JAX's
+# trace cache and traced the user's function again; until that is mended, a jitted helper
+# traced under the forms at concrete sizes (`_recover`) stays in JAX's cache for plain calls.
+# Private (``config.int_state``).
 forms_state = _config.int_state(
     "jax_polyexec_forms", 0, "polyexec: the forms of JAX functions this thread traces",
-    include_in_trace_context=True)
+    include_in_trace_context=False)
 
 
 def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding) -> None:

@@ -201,19 +201,3 @@ def test_a_combine_with_an_infinite_derivative_where_a_cell_meets_itself_has_no_
     f = px.bucketed(jax.grad(loss), in_specs=(px.Spec("T", jnp.float32),), strict=True)
     x = np.arange(5.0, dtype=np.float32)
     np.testing.assert_allclose(f(x), jax.grad(loss)(x), rtol=1e-5)
-
-
-def test_a_helper_traced_under_the_forms_is_cached_apart_from_plain_jax():
-    """A jitted helper that `_recover` traces at concrete sizes runs the forms there; plain
-    jax.jit code calling it at those sizes afterwards gets JAX's own program."""
-    helper = jax.jit(lambda x: lax.associative_scan(jnp.add, x))
-    own = str(jax.make_jaxpr(lambda x: lax.associative_scan.__wrapped__(jnp.add, x))(
-        np.ones(3, np.float32)))
-    T3 = px.LengthVar("T", min=1, max=16)
-    f = px.bucketed(lambda x: helper(x) / float(x.shape[0]), in_specs=(px.Spec("T", jnp.float32),),
-                    variables=[T3], strict=True)
-    x = np.arange(5.0, dtype=np.float32)
-    np.testing.assert_allclose(f(x), np.cumsum(x) / 5, rtol=1e-6)
-    assert f.traces == 4 and not f.plan.reshaping_is_impossible     # concrete at 16, ..., 3
-    assert str(jax.make_jaxpr(helper)(np.ones(3, np.float32))).count("pad[") == \
-        own.count("pad[")

@@ -793,8 +793,7 @@ NUMPY_CANNOT = {
                  "jnp.concatenate([x[:, -lo:], x, x[:, :hi]], axis=1)"),
     # Full and valid: the gradient is a convolution padded by ``min(T, 2)``, which JAX sees as
     # 2 only at ``T >= 2``: the verdict says to declare that min.
-    # ("convolve full" is recovered from concrete traces: `tests/test_recovered.py`.)
-    "convolve same": (_convolve("same"), _conv_form((1, 1)), "[(1, 1)])[0, 0]"),
+    # ("convolve full" and "same" are recovered from concrete traces: test_recovered.py.)
     "convolve valid": (_convolve("valid"), _conv_form((0, 0)), "[(0, 0)])[0, 0]"),
 }
 
