@@ -79,8 +79,7 @@ def symbolic_trace() -> Iterator[None]:
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
     try:
-        with _jax_internals.forms_state(-1):
-            yield
+        yield
     finally:
         _state.depth = depth
 
@@ -99,8 +98,7 @@ def concrete_trace(longest: int) -> Iterator[None]:
     before = getattr(_state, "longest", None)
     _state.longest = longest
     try:
-        with _jax_internals.forms_state(longest):
-            yield
+        yield
     finally:
         _state.longest = before
 
@@ -168,11 +166,12 @@ def prefix_scan(original: Callable) -> Callable:
 _TIE_SPLITTING = (lax.max, lax.min, jnp.maximum, jnp.minimum, jnp.fmax, jnp.fmin)
 
 
-def _shifted(x, axis: int, step: int):
-    """``x`` moved ``step`` cells along ``axis`` (zeros enter at the start)."""
+def _shifted(x, axis: int, step: int, fill=0):
+    """``x`` moved ``step`` cells along ``axis`` (toward the end; back for a negative
+    ``step``), ``fill`` entering where it leaves."""
     config = [(0, 0, 0)] * x.ndim
     config[axis] = (step, -step, 0)
-    return lax.pad(x, jnp.zeros((), x.dtype), config)
+    return lax.pad(x, jnp.asarray(fill, x.dtype), config)
 
 
 def fori_as_scan(original: Callable) -> Callable:
@@ -217,11 +216,8 @@ def prod_jvp(original: Callable, reduce_prod: Callable) -> Callable:
 
 def _exclusive_product(x, axis: int):
     """At each cell, the product of the cells before it and after it along ``axis``."""
-    def moved(v, low):
-        config = [(0, 0, 0)] * x.ndim
-        config[axis] = (low, -low, 0)
-        return lax.pad(v, jnp.ones((), x.dtype), config)
-    return (moved(lax.cumprod(x, axis), 1) * moved(lax.cumprod(x, axis, reverse=True), -1))
+    return (_shifted(lax.cumprod(x, axis), axis, 1, fill=1)
+            * _shifted(lax.cumprod(x, axis, reverse=True), axis, -1, fill=1))
 
 
 def conv_padding(original: Callable, bind: Callable) -> Callable:

@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 
 import jax.lax
 from jax import export
-from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import source_info_util as _source_info
@@ -219,17 +218,6 @@ def bind_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
         dimension_numbers=dnums, feature_group_count=feature_group_count,
         batch_group_count=batch_group_count, precision=_lax.canonicalize_precision(precision),
         preferred_element_type=preferred_element_type, out_sharding=out_sharding)
-
-
-# Which forms a trace runs (`polyexec._forms`): 0 none (JAX's own functions), -1 over symbolic
-# lengths, n > 0 at concrete sizes with prefix scans of the levels that n needs. Per thread.
-# Not yet part of JAX's trace context: keyed so, a partitioned plan's segments missed JAX's
-# trace cache and traced the user's function again; until that is mended, a jitted helper
-# traced under the forms at concrete sizes (`_recover`) stays in JAX's cache for plain calls.
-# Private (``config.int_state``).
-forms_state = _config.int_state(
-    "jax_polyexec_forms", 0, "polyexec: the forms of JAX functions this thread traces",
-    include_in_trace_context=False)
 
 
 def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding) -> None:
