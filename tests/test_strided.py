@@ -34,9 +34,10 @@ def bucketed(g, layout, min_length=1, features=3):
 
 
 def ragged_batch(lengths, features=3):
+    rng = np.random.default_rng([features, *lengths])   # the same data whichever tests ran first
     x = np.full((len(lengths), max(lengths), features), np.nan, np.float32)
     for b, n in enumerate(lengths):
-        x[b, :n] = _rng.normal(size=(n, features))
+        x[b, :n] = rng.normal(size=(n, features))
     return x
 
 
@@ -57,7 +58,9 @@ def assert_each_row_alone(got, g, x, lengths):
     for b, n in enumerate(lengths):
         for i, (have, want) in enumerate(zip(got, alone(jnp.asarray(x[b, :n])))):
             have, want = np.asarray(have)[b], np.asarray(want)
-            np.testing.assert_allclose(have[:len(want)], want, rtol=1e-5, atol=1e-5,
+            # rtol 1e-4: the bucket's program sums over more (masked) cells in another order;
+            # attention's gradient through sin() reached 2.8e-5 on one cell in CI
+            np.testing.assert_allclose(have[:len(want)], want, rtol=1e-4, atol=1e-5,
                                        err_msg=f"output {i}, row {b} (length {n})")
             assert np.all(have[len(want):] == 0), f"output {i}, row {b}: not 0 after it"
 
