@@ -1,5 +1,8 @@
-"""Shared test settings: the hypothesis profile, xdist grouping, and a tree-tolerance helper."""
+"""Shared test settings: the hypothesis profile, a fixture computed once per run, and a
+tree-tolerance helper."""
 
+import fcntl
+import json
 import os
 
 import jax
@@ -15,13 +18,24 @@ settings.register_profile("dev", max_examples=60, deadline=None, derandomize=Tru
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_configure(config):
-    # Under `-n N` (xdist's default "load" distribution) a module-scoped fixture runs again on
-    # every worker that gets one of its tests. Tests that share an expensive fixture carry
-    # @pytest.mark.xdist_group(name) and then run on one worker, computing it once; tests
-    # without the mark are still spread one by one ("loadgroup" is "load" for them).
-    if getattr(config.option, "dist", None) == "load":
-        config.option.dist = "loadgroup"
+def run_once(tmp_path_factory, name, compute):
+    """``compute()`` (a JSON value) once per test run, shared by every xdist worker.
+
+    A module-scoped fixture runs again on each worker that gets one of its tests (``pytest -n``
+    spreads them one by one). Computed under a lock in the run's shared temporary folder, the
+    first worker's result is read by the others (xdist's documented way to run a fixture
+    once; without xdist it is an ordinary call)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                   # the folder every worker's basetemp sits in
+    path = root / f"run-once-{name}.json"
+    with open(root / f"run-once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return json.loads(path.read_text())
+        value = compute()
+        path.write_text(json.dumps(value))
+        return value
 
 
 def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-5):

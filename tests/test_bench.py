@@ -7,11 +7,13 @@ import importlib.util
 import io
 import json
 import math
+import pathlib
 
 import numpy as np
 
 import buckets
 import pytest
+from conftest import run_once
 
 import polyexec as px
 from bench import report
@@ -25,10 +27,8 @@ from bench.workloads import Config, load_data, read_lengths_file
 ALL = "pad-max,exact,pow2,fixed:64,160,512,polyexec,polyexec-nomask,polyexec-cached"
 RANDOM = ("pad-max", "exact", "pow2", "fixed:64,160,512")
 HAS_GRAIN = importlib.util.find_spec("grain") is not None
-# The --quick runs below are shared by the tests that read them (module fixtures); under
-# `pytest -n` the tests of one fixture run on one worker (tests/conftest.py), so each run once.
-QUICK_RUN, TRAIN_RUN, INFER_RUN = (pytest.mark.xdist_group(f"bench-{name}")
-                                   for name in ("quick", "train", "infer"))
+# The --quick runs below are module fixtures shared by the tests that read them, each run
+# once per test run (the xdist workers share it: conftest.run_once).
 # Timing is never asserted: the limit is timed as briefly as the CLI allows.
 BRIEF_LIMIT = ["--limit-rounds", "1", "--limit-seconds", "0.05"]
 
@@ -488,12 +488,14 @@ def quick(tmp_path_factory):
     # --layout pad: these tests count padded buckets (the packed choice has its own test).
     argv = ["--quick", *BRIEF_LIMIT, "--warmup", "blocking", "--layout", "pad", "--strategies", ALL,
             "--json", str(out / "q.json"), "--plot", str(out / "q.png"), "--no-progress"]
-    assert main(argv) == 0
-    doc = json.loads((out / "q.json").read_text())
-    return doc, out, config_from_args(build_parser().parse_args(argv))
+
+    def compute():
+        assert main(argv) == 0
+        return {"doc": json.loads((out / "q.json").read_text()), "out": str(out)}
+    run = run_once(tmp_path_factory, "bench-quick", compute)
+    return run["doc"], pathlib.Path(run["out"]), config_from_args(build_parser().parse_args(argv))
 
 
-@QUICK_RUN
 def test_quick_json_matches_the_schema(quick):
     doc, out, _ = quick
     report.validate(doc)
@@ -537,7 +539,6 @@ def _schedule_shapes(cfg, name, doc=None):
     return data, policy, shapes, real
 
 
-@QUICK_RUN
 def test_quick_compile_counts_fit_each_strategy(quick):
     doc, _, cfg = quick
     by = {r["strategy"]: r for r in doc["results"]}
@@ -564,7 +565,6 @@ def test_quick_compile_counts_fit_each_strategy(quick):
     assert by["pow2"]["compiles"] == len(set(shapes)) and by["pow2"]["traces"] == 1
 
 
-@QUICK_RUN
 def test_quick_polyexec_nomask_runs_beside_polyexec(quick):
     """The same grouped batches and buckets with the logical-length rewrite off: its own compile
     cache (nothing of polyexec's found), the same padding, and the same loss (the loss masks
@@ -583,7 +583,6 @@ def test_quick_polyexec_nomask_runs_beside_polyexec(quick):
                                extra["polyexec"]["final_loss"], rtol=2e-5)
 
 
-@QUICK_RUN
 def test_quick_padding_efficiency(quick):
     doc, _, cfg = quick
     by = {r["strategy"]: r for r in doc["results"]}
@@ -601,7 +600,6 @@ def test_quick_padding_efficiency(quick):
         cfg.epochs * data.real_tokens / (batches * cfg.batch_size * cfg.cap))
 
 
-@QUICK_RUN
 def test_quick_padding_never_changes_the_loss(quick):
     """The random-batch strategies see the same batches; only the padding differs."""
     doc, _, _ = quick
@@ -620,11 +618,10 @@ TRAIN_FLAGS = ["--quick", "--mode", "train", "--steps", "3", "--buckets", "2"]
 def train_one(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-train") / "t.json"
     names = "pad-max,exact," + ("pack," if HAS_GRAIN else "") + "polyexec"
-    doc, _ = _run_quick([*TRAIN_FLAGS, *BRIEF_LIMIT, "--strategies", names, "--json", str(out)])
-    return doc
+    return run_once(tmp_path_factory, "bench-train", lambda: _run_quick(
+        [*TRAIN_FLAGS, *BRIEF_LIMIT, "--strategies", names, "--json", str(out)])[0])
 
 
-@TRAIN_RUN
 def test_quick_train_mode(train_one):
     """The train step (value_and_grad + Adam) through pad-max, exact and polyexec."""
     doc = train_one
@@ -646,7 +643,6 @@ def test_quick_train_mode(train_one):
     np.testing.assert_allclose(per["pad-max"]["final_loss"], per["exact"]["final_loss"], rtol=1e-4)
 
 
-@TRAIN_RUN
 def test_quick_devices_2_matches_one_device_on_the_same_batches(train_one, tmp_path):
     """``--devices 2``: pack (Grain's rows, the segment-id step under jit with in/out
     shardings) and polyexec (fit's data parallelism: the bucketed step's shardings) split
@@ -683,10 +679,10 @@ INFER_FLAGS = ["--quick", "--steps", "3"]
 def infer_auto(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-infer") / "a.json"
     names = ("pack," if HAS_GRAIN else "") + "polyexec,polyexec-cached"
-    return _run_quick([*INFER_FLAGS, *BRIEF_LIMIT, "--strategies", names, "--json", str(out)])
+    return tuple(run_once(tmp_path_factory, "bench-infer", lambda: _run_quick(
+        [*INFER_FLAGS, *BRIEF_LIMIT, "--strategies", names, "--json", str(out)])))
 
 
-@INFER_RUN
 def test_quick_pack_beside_polyexec(infer_auto):
     """``--quick --strategies pack,polyexec,...``: the pack row (one compile, Grain's row
     efficiency, a finite loss) and the polyexec / pack ratios in the summary. In inference
@@ -724,7 +720,6 @@ def test_quick_pack_beside_polyexec(infer_auto):
     assert "time to mean epoch loss <=" in printed
 
 
-@INFER_RUN
 def test_quick_layout_auto_follows_its_prediction(infer_auto):
     """``--layout auto`` (the default): polyexec times its packed step on real batches and
     pins the layout its own predictions favour; a packed run's padding efficiency is the

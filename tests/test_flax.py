@@ -53,7 +53,8 @@ def test_an_nnx_model_gives_each_example_its_own_values_and_gradients(layout):
     x, lengths = _batch()
     value, grad = f(model, x, lengths)
     assert f.plan.padding_safe and f.plan.can_pack == (layout == "pack")
-    alone = [value_and_grad(model, x[b:b + 1, :n]) for b, n in enumerate(LENGTHS)]
+    exact = nnx.jit(value_and_grad)        # one program a length, not op by op
+    alone = [exact(model, x[b:b + 1, :n]) for b, n in enumerate(LENGTHS)]
     np.testing.assert_allclose(value, sum(v for v, _ in alone), rtol=1e-5)
     want = jax.tree.map(lambda *g: sum(g), *[g for _, g in alone])
     for have, w in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
@@ -144,6 +145,11 @@ def _next_token_loss(model, tokens, lengths):       # unmasked: the rewrite keep
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+@nnx.jit     # the reference, one sentence at its own length: one program a length, not op by op
+def _pair_losses(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y)[0]
+
+
 @pytest.mark.parametrize("layout", ["pad", "pack"])
 def test_fit_trains_an_nnx_model_on_each_batchs_exact_loss(layout):
     """`fit` takes an NNX module as it is. With a zero learning rate every step's loss must be
@@ -172,8 +178,8 @@ def test_fit_trains_an_nnx_model_on_each_batchs_exact_loss(layout):
         plan = buckets.batch_plan(lengths, result.policy, batch_size=4, seed=0)
     assert [r["tokens"] for r in steps] == [int(lengths[b.indices].sum()) for b in plan]
     for step, batch in zip(steps, plan):
-        pairs = [optax.softmax_cross_entropy_with_integer_labels(
-            model(data[i][None, :-1]), data[i][None, 1:])[0] for i in batch.indices]
+        pairs = [_pair_losses(model, data[i][None, :-1], data[i][None, 1:])
+                 for i in batch.indices]
         want = float(jnp.concatenate(pairs).mean())
         np.testing.assert_allclose(step["loss"], want, rtol=1e-5)
 

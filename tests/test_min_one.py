@@ -3,6 +3,7 @@ needs ``T >= 2`` for JAX's own shape rules, so polyexec traces it at ``T >= 2`` 
 call's shorter rows at their own lengths -- each row exactly as it runs alone, values and
 gradients, padded and packed -- and refuses, by name, what it cannot run that way."""
 
+import functools
 import warnings
 
 import jax
@@ -54,8 +55,14 @@ def alone(losses, params, rows):
     empty mean), its gradient, and each row's own sum."""
     def mean(params):
         return jnp.concatenate([losses(params, r[None]).ravel() for r in rows]).mean()
-    value, grads = jax.value_and_grad(mean)(params)
-    return value, grads, np.array([losses(params, r[None]).sum() for r in rows])
+    # Under jax.jit: one program (and one a row length), not every op compiled alone.
+    value, grads = jax.jit(jax.value_and_grad(mean))(params)
+    return value, grads, np.array([_jitted(losses)(params, r[None]).sum() for r in rows])
+
+
+@functools.cache
+def _jitted(fn):
+    return jax.jit(fn)
 
 
 def batch(lengths, seed=0):
@@ -173,7 +180,7 @@ def test_neighbours_stacked_from_slices_at_min_1_are_each_rows_own(layout):
     for b, n in enumerate(lengths):
         x[b, :n] = np.random.default_rng(b).normal(size=(n, D))
     value, grad = f(x, np.asarray(lengths, np.int32))
-    want = [run(jnp.asarray(x[b:b + 1, :n]), None) for b, n in enumerate(lengths)]
+    want = [jax.jit(run)(jnp.asarray(x[b:b + 1, :n]), None) for b, n in enumerate(lengths)]
     np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=1e-5)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(grad[b, :n], want[b][1][0], rtol=1e-5, atol=1e-6)

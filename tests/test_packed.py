@@ -1091,7 +1091,7 @@ def _room_alone(name):
 
 
 @pytest.mark.parametrize("name", list(ROOM))
-@settings(max_examples=2)       # each sequence's reference compiles a length; the examples cover the edges
+@settings(max_examples=2)   # a reference compile per length; the examples cover the edges
 @given(lengths=st.lists(st.integers(1, T.max), min_size=1, max_size=B.max))
 @example(lengths=[1])
 @example(lengths=[8])                        # fills the T columns; its room lies past them

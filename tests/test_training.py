@@ -19,7 +19,7 @@ import buckets
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import assert_trees_close
+from conftest import assert_trees_close, run_once
 from examples.rnn.model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, masked_loss_fn
 import polyexec as px
 from polyexec import training
@@ -364,7 +364,7 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
     data = [rng.integers(97, 108, size=k) for k in rng.integers(2, 30, size=40)]
     for n in (1, 4):
         r = training.fit(model(), loss_fn, data, validation=data[:8], optimizer=opt, epochs=2,
-                         batch_size=6, buckets=[8, 16, 32], devices=n, cache=False, verbose=False)
+                         batch_size=6, buckets=[16, 32], devices=n, cache=False, verbose=False)
         out[f"fit{n}"] = [e["val_loss"] for e in r.epochs()]
         out[f"rows{n}"] = list(r.batch_buckets)
 
@@ -433,15 +433,18 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def four_devices():
-    """`DATA_PARALLEL_SCRIPT`'s results, run once in a process with 4 forced CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+def four_devices(tmp_path_factory):
+    """`DATA_PARALLEL_SCRIPT`'s results, run once in a process with 4 forced CPU devices (once
+    per test run: the xdist workers share it, conftest.run_once)."""
+    def compute():
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   JAX_PLATFORMS="cpu")
+        proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+        return json.loads(line[len("RESULT"):])
+    return run_once(tmp_path_factory, "four-devices", compute)
 
 
 def test_data_parallel_on_four_cpu_devices_matches_one_device(four_devices):
