@@ -94,18 +94,23 @@ def concrete_trace(longest: int) -> Iterator[None]:
     recover its symbolic program from several (`_recover`): the forms run at every size, so
     the programs have one structure, a prefix scan taking as many levels as ``longest`` (the
     largest max of the plan's variables) needs whatever its axis (an axis longer than that is
-    no length: the same size in every trace)."""
-    before = getattr(_state, "longest", None)
-    _state.longest = longest
-    try:
+    no length: the same size in every trace).
+
+    The block is part of JAX's trace context (`_jax_internals.concrete_forms`): a jitted
+    helper traced in it is cached apart, so plain calls of it at the same sizes afterwards
+    still get JAX's own functions."""
+    with _jax_internals.concrete_forms(longest):
         yield
-    finally:
-        _state.longest = before
+
+
+def _longest() -> int | None:
+    """The ``longest`` of the `concrete_trace` this thread is in (None: in none)."""
+    return _jax_internals.concrete_forms.value or None
 
 
 def _levels(n) -> int | None:
     """How many doubling steps cover an axis of ``n`` cells (None: not polyexec's to scan)."""
-    longest = getattr(_state, "longest", None)
+    longest = _longest()
     if longest is not None and not export.is_symbolic_dim(n):
         upper = max(n, longest)
     elif active() and export.is_symbolic_dim(n):
@@ -119,7 +124,7 @@ def _levels(n) -> int | None:
 
 def _applies(*dims) -> bool:
     """Whether a form replaces JAX's function for an operation over these axes."""
-    if getattr(_state, "longest", None) is not None:
+    if _longest() is not None:
         return True
     return active() and any(export.is_symbolic_dim(d) for d in dims)
 

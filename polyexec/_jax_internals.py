@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax.lax
 from jax import export
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import source_info_util as _source_info
@@ -218,6 +219,17 @@ def bind_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
         dimension_numbers=dnums, feature_group_count=feature_group_count,
         batch_group_count=batch_group_count, precision=_lax.canonicalize_precision(precision),
         preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
+# The ``longest`` of the concrete trace this thread runs for `polyexec._recover` (0: none), as
+# a JAX option in the trace context: jax.jit caches what a helper traces in it apart from its
+# plain calls, which must get JAX's own functions. Only concrete traces set it: a symbolic
+# trace's shapes never meet a plain call's, and keyed, a partitioned plan's segments would miss
+# JAX's cache and trace the user's function again. Private (``config.int_state``).
+concrete_forms = _config.int_state(
+    "jax_polyexec_concrete_forms", 0,
+    "polyexec: the longest size of the concrete trace this thread runs (0: none)",
+    include_in_trace_context=True)
 
 
 def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding) -> None:

@@ -24,7 +24,9 @@ reason saying what differed.
 
 Why it is safe: no number is guessed -- each one that differs is explained by a fit verified
 at a size it was not fitted on, and the min and the max are traced, so a branch on a size
-anywhere in between changes the program and is refused. A branch of the user's own code on a
+anywhere in between changes the program and is refused. The size between is divisible by many
+small numbers (`_middle`), so a branch on a size's divisibility (``T % 5 == 0``) is refused
+too; one true at none of the sizes traced (``T % 7 == 0`` from 64, 60 and 3) is not seen. A branch of the user's own code on a
 length (``if x.shape[0] > 8``) is never recovered, whatever the traces show (`recoverable`). A
 ragged row shorter than the min traced is refused at the call (a `RowFloor`).
 
@@ -100,18 +102,14 @@ def recoverable(failed: Failed) -> bool:
 def sample_sizes(variables: Sequence[Any]) -> list[dict[str, int]] | None:
     """The concrete sizes traced, max first (a cache filled at the max is sliced by the
     smaller traces, as equinox's RoPE table is): per variable its max, a size between, and
-    its min (at least `LOWEST`); the middle sizes chosen so that no two fitted terms (``T``,
-    ``B``, ``B * T``) are affinely related over the traces and the sizes are not all of one
-    parity. None when a variable has too few sizes."""
+    its min (at least `LOWEST`); the middle sizes chosen (`_middle`) so that no two fitted
+    terms (``T``, ``B``, ``B * T``) are affinely related over the traces. None when a variable
+    has too few sizes."""
     lows = {v.name: max(v.min, LOWEST) for v in variables}
     highs = {v.name: v.max for v in variables}
     if any(highs[n] - lows[n] < 2 for n in lows):
         return None
-    mids = {n: lows[n] + max(2 if highs[n] - lows[n] > 2 else 1, (highs[n] - lows[n]) // 3)
-            for n in lows}
-    for n in mids:
-        if len({lows[n] % 2, mids[n] % 2, highs[n] % 2}) == 1 and mids[n] + 1 < highs[n]:
-            mids[n] += 1
+    mids = {n: _middle(lows[n], highs[n]) for n in lows}
     if any(mids[n] >= highs[n] for n in mids):
         return None
     # Every other variable takes its min before its middle size: a number that grows with one
@@ -128,6 +126,22 @@ def sample_sizes(variables: Sequence[Any]) -> list[dict[str, int]] | None:
             return None
         mids[n] += 1
     return None
+
+
+def _middle(low: int, high: int) -> int:
+    """The size traced between ``low`` and ``high``: of another parity than both where they
+    share one, and divisible by as many small numbers as the range allows (60 between 3 and
+    64). A branch on a size that no threshold decides -- ``T % 5 == 0``, an even length --
+    changes the program at such a size, which the other traces then do not match: refused,
+    where sizes that all missed it would recover one branch's program for every length."""
+    first, target = low + (2 if high - low > 2 else 1), low + (high - low) // 3
+    near = {max(first, min(high - 1, round(target / q) * q + d))
+            for q in (2520, 720, 360, 240, 120, 60, 24, 12, 6, 2, 315, 45, 15, 3, 1)
+            for d in (-q, 0, q)}
+    if low % 2 == high % 2 and any(m % 2 != low % 2 for m in near):
+        near = {m for m in near if m % 2 != low % 2}
+    return max(sorted(near), key=lambda m: (sum(m % k == 0 for k in range(2, 17)),
+                                            -abs(m - target)))
 
 
 def _terms(names: Sequence[str]) -> list[tuple[str, ...]]:

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from jax import export, lax
 
 import polyexec as px
+from polyexec._recover import CONCRETE_TRACES
 
 T = px.LengthVar("T", min=1, max=16)
 B = px.LengthVar("B", max=8)
@@ -183,6 +184,21 @@ def test_a_prefix_scan_beside_a_table_only_concrete_traces_explain_is_recovered(
             np.testing.assert_allclose(out[name][0][b], want[name][0], rtol=2e-5, atol=2e-5)
             np.testing.assert_allclose(out[name][1][b, :len(r)], want[name][1], rtol=2e-5,
                                        atol=2e-5, err_msg=f"{name}, example {b}")
+
+
+def test_a_jitted_helper_traced_for_recovery_keeps_jaxs_own_program_for_plain_calls():
+    """The concrete traces of `_recover` run the forms at concrete sizes; a ``jax.jit`` helper
+    traced there is cached apart (the forms are part of JAX's trace context), so the user's
+    plain call of it afterwards, at a size just traced, runs JAX's own associative scan."""
+    helper = jax.jit(lambda x: lax.associative_scan(jnp.add, x))
+    T = px.LengthVar("T", min=1, max=16)
+    f = px.bucketed(lambda x: helper(x) / jnp.arange(1, x.shape[0] + 1.0),   # needs recovery
+                    in_specs=(px.Spec((T,), jnp.float32),), buckets={T: [16]})
+    f(np.ones(5, np.float32))
+    assert f.traces == 1 + CONCRETE_TRACES and not f.plan.reshaping_is_impossible
+    x = np.arange(16.0, dtype=np.float32)        # the max: traced concretely above
+    own = str(jax.make_jaxpr(lambda x: lax.associative_scan.__wrapped__(jnp.add, x))(x))
+    assert str(helper.trace(x).jaxpr) == own
 
 
 def test_a_combine_that_splits_ties_stays_jaxs_own_and_is_flagged():

@@ -139,6 +139,26 @@ def test_a_structure_that_depends_on_the_size_stays_reshaping_impossible():
     assert "not recovered" in plan.reason and "scan: length is" in plan.reason
 
 
+@pytest.mark.parametrize("period", [2, 3, 5, 4])
+def test_a_branch_on_a_lengths_divisibility_after_a_recovered_line_is_refused(period):
+    """Code after the line the symbolic trace stops at runs only at the concrete sizes, so a
+    branch there that no threshold decides is seen only where a traced size takes the other
+    side: the size between the min and the max is chosen divisible by small numbers (60 from
+    3 to 64), and the programs then differ."""
+    T = px.LengthVar("T", min=1, max=64)
+
+    def periodic(x):
+        scale = float(x.shape[0])              # needs concrete traces
+        if x.shape[0] % period == 0:
+            return jnp.sum(x, 0) / scale * 2.0
+        return jnp.sum(x, 0) / scale
+
+    plan = px.trace(periodic, px.Spec("T 4", jnp.float32), variables=[T])
+    assert plan.reshaping_is_impossible
+    assert "not recovered from the traces at T=64; T=60; T=3" in plan.reason
+    assert "structure depends on the size" in plan.reason
+
+
 def test_a_constant_that_is_not_a_prefix_is_refused():
     T = px.LengthVar("T", min=1, max=32)
 
