@@ -1,6 +1,6 @@
 """What JAX cannot trace at a symbolic length, written in operations it can.
 
-Four library functions of JAX's refuse a length that is a symbolic dimension although
+Five library functions of JAX's refuse a length that is a symbolic dimension although
 ``jax.jit`` runs them at every concrete length:
 
 - ``lax.associative_scan`` ("associative scan over axis of non-constant size"): its
@@ -15,6 +15,9 @@ Four library functions of JAX's refuse a length that is a symbolic dimension alt
   with a stride, equinox's ``Conv`` with ``padding="SAME"`` all pass one, and the function
   checks each amount with ``operator.index``, although the primitive's shape rule and
   lowering take it (JAX's own SAME padding is bound so).
+- ``jnp.searchsorted`` with its default ``method="scan"`` (and ``jnp.digitize``, which calls
+  it) over a sorted array along a length: its binary search takes ``ceil(log2(T + 1))``
+  steps, a number JAX needs as an int.
 
 While polyexec traces a function (`symbolic_trace`; per thread) and only where the length is
 symbolic, each is computed by an equal form that JAX traces over a symbolic length and whose
@@ -41,6 +44,9 @@ every operation has a logical rule, so padded, ragged and packed rows keep it ex
   input-dilated by the stride) at its logical offset, and zeroes the tails otherwise, so a
   strided convolution's gradients w.r.t. input and kernel are exact padded and ragged. Packed
   rows run it padded: a strided result has no room at each sequence's own column.
+- the search runs as JAX's own ``method="compare_all"``: each query counts the sorted cells
+  below it, the same integer (a search's answer is unique), in ``T`` comparisons a query
+  instead of log2(T) steps.
 
 Everywhere else -- a concrete length, any other thread, a trace that is not polyexec's -- JAX's
 own function runs unchanged: the replacements are installed once, in JAX's modules where
@@ -239,5 +245,23 @@ def conv_padding(original: Callable, bind: Callable) -> Callable:
     return conv_general_dilated
 
 
+def search_by_counting(original: Callable, implementation: Callable) -> Callable:
+    """JAX's searchsorted, counting instead of bisecting along a symbolic length. Bound
+    without JAX's primitive wrapper, which checks that the length fits the index type by
+    converting it to an int (``jnp.searchsorted`` has chosen that type from the length)."""
+
+    def searchsorted_via_expand(sorted_arr, query, /, *, side="left", dimension=0,
+                                batch_dims=0, method="scan", dtype="int32"):
+        if method in ("scan", "scan_unrolled") and _applies(jnp.shape(sorted_arr)[dimension]):
+            return implementation(sorted_arr, query, dimension=dimension, batch_dims=batch_dims,
+                                  side=side, dtype=np.dtype(dtype), method="compare_all")
+        return original(sorted_arr, query, side=side, dimension=dimension,
+                        batch_dims=batch_dims, method=method, dtype=dtype)
+
+    searchsorted_via_expand.__wrapped__, searchsorted_via_expand.polyexec_form = original, True
+    return searchsorted_via_expand
+
+
 _jax_internals.install_symbolic_forms(prefix_scan=prefix_scan, fori_as_scan=fori_as_scan,
-                                      prod_jvp=prod_jvp, conv_padding=conv_padding)
+                                      prod_jvp=prod_jvp, conv_padding=conv_padding,
+                                      search_by_counting=search_by_counting)

@@ -28,6 +28,7 @@ from jax._src.lax import control_flow as _control_flow
 from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax
 from jax._src.lax.control_flow import loops as _loops
+from jax._src.numpy import hijax as _numpy_hijax
 
 try:  # dead-code elimination is optional: without it the planner counts everything as live
     from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
@@ -232,17 +233,20 @@ concrete_forms = _config.int_state(
     include_in_trace_context=True)
 
 
-def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding) -> None:
+def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding,
+                           search_by_counting) -> None:
     """Install `polyexec._forms`' replacements where JAX and users look the functions up:
     ``associative_scan`` in ``jax.lax`` and in JAX's loop module (whose cumulative reductions'
     derivatives call it), ``fori_loop`` in ``jax.lax`` and JAX's control-flow package (which
     ``jnp`` calls), ``reduce_prod``'s derivative rule, and ``conv_general_dilated`` in
     ``jax.lax`` and JAX's convolution module (whose transposes and batching rule call it with
     a padding that depends on the length: a stride, SAME with a stride, as equinox's ``Conv``
-    computes it). Each replacement calls JAX's original unless polyexec is tracing in that
-    thread over a symbolic length. Once per process (each replacement is marked
-    ``polyexec_form``); the originals stay reachable as ``__wrapped__``. Private (module
-    attributes of ``jax._src``, ``ad.primitive_jvps``): JAX has no public hook for either."""
+    computes it), and the implementation behind ``jnp.searchsorted`` in JAX's ``hijax``
+    module (which ``jnp.digitize`` calls too). Each replacement calls
+    JAX's original unless polyexec is tracing in that thread over a symbolic length. Once per
+    process (each replacement is marked ``polyexec_form``); the originals stay reachable as
+    ``__wrapped__``. Private (module attributes of ``jax._src``, ``ad.primitive_jvps``): JAX
+    has no public hook for any of them."""
     if getattr(_loops.associative_scan, "polyexec_form", False):
         return
     scan = prefix_scan(_loops.associative_scan)
@@ -254,3 +258,5 @@ def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding)
                                                       _lax.reduce_prod_p.bind)
     conv = conv_padding(_convolution.conv_general_dilated, bind_conv_general_dilated)
     jax.lax.conv_general_dilated = _convolution.conv_general_dilated = conv
+    _numpy_hijax.searchsorted_via_expand = search_by_counting(
+        _numpy_hijax.searchsorted_via_expand, _numpy_hijax._searchsorted_impl)

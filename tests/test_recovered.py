@@ -126,17 +126,45 @@ def test_a_branch_of_the_users_code_on_a_length_is_never_recovered():
 
 
 def test_a_structure_that_depends_on_the_size_stays_reshaping_impossible():
-    """searchsorted's default method loops ceil(log2(T + 1)) times: a scan whose length no
-    affine form of T explains."""
+    """A loop of log2(T) steps after a line that needs concrete traces: each trace has
+    another number of equations, which no affine form of T explains."""
     T = px.LengthVar("T", min=1, max=32)
 
-    def find(x):
-        return jnp.searchsorted(jnp.cumsum(jnp.abs(x[:, 0])), jnp.array([0.5, 2.0]))  # here
+    def halvings(x):
+        scale = float(x.shape[0])              # here
+        for _ in range(int(math.log2(x.shape[0]))):
+            x = x + 1.0
+        return jnp.sum(x, 0) / scale
 
-    plan = px.trace(find, px.Spec("T 4", jnp.float32))
+    plan = px.trace(halvings, px.Spec("T 4", jnp.float32), variables=[T])
     assert plan.reshaping_is_impossible
-    assert "test_recovered.py" in plan.reason and "jnp.searchsorted(jnp.cumsum" in plan.reason
-    assert "not recovered" in plan.reason and "scan: length is" in plan.reason
+    assert "test_recovered.py" in plan.reason and "scale = float(x.shape[0])" in plan.reason
+    assert "not recovered" in plan.reason and "structure depends on the size" in plan.reason
+
+
+def test_searchsorted_along_a_length_counts_instead_of_bisecting_in_one_trace():
+    """jnp.searchsorted's default bisection takes ceil(log2(T + 1)) steps, an int JAX needs;
+    over a symbolic length it runs as JAX's own compare_all (the same integers), so it and
+    jnp.digitize, which calls it, trace once: exact in ragged padded rows."""
+    T, B = px.LengthVar("T", min=1, max=32), px.LengthVar("B", max=4)
+
+    def find(x):
+        c = jnp.cumsum(jnp.abs(x[:, 0]))
+        return jnp.searchsorted(c, jnp.array([0.5, 2.0])), jnp.digitize(c[-1] / 2, c)
+
+    f = px.bucketed(lambda x, n: jax.vmap(find)(x), (px.Spec("B T 4", jnp.float32, pad=np.nan),
+                    px.Spec("B", jnp.int32, lengths_of="T")), buckets={T: [8, 32], B: [4]},
+                    strict=True)
+    lengths = [5, 1, 13, 8]
+    x = np.full((4, 13, F), np.nan, np.float32)
+    rng = np.random.default_rng(3)
+    for b, n in enumerate(lengths):
+        x[b, :n] = rng.normal(size=(n, F))
+    got = f(x, np.asarray(lengths, np.int32))
+    assert f.traces == 1 and f.plan.padding_safe
+    for b, n in enumerate(lengths):
+        for have, want in zip(got, jax.jit(find)(jnp.asarray(x[b, :n]))):
+            np.testing.assert_array_equal(np.asarray(have)[b], want)
 
 
 @pytest.mark.parametrize("period", [2, 3, 5, 4])
