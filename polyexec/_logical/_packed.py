@@ -298,6 +298,15 @@ class PackedCtx(Ctx):
             return spread(same, shape, (r, p, q))
         return self._derive(("frame", tuple(shape)), make)
 
+    def tail_mask(self, shape, axes, shared=None):
+        """`Ctx.tail_mask`, made once per trace for a value with the rows axis: its lengths
+        there are the frame's (`length`), whatever ``shared`` says, and ``alive`` is the
+        same in every context of a trace (a scan's body has its own)."""
+        if not self.row_axes(shape):
+            return super().tail_mask(shape, axes, shared)
+        return self._derive(("tail mask", tuple(shape), frozenset(axes)),
+                            lambda: super(PackedCtx, self).tail_mask(shape, axes, shared))
+
     def frame_only(self, x, fill):
         """``x`` with ``fill`` outside its frame (see `frame`)."""
         return lax.select(self.frame(x.shape), x, filled(x.shape, fill, x.dtype))
