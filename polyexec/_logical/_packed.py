@@ -161,6 +161,7 @@ class PackedCtx(Ctx):
         # 12-layer LM's packed program had 9,296 equations (1,272 slices of ``pos``) to the
         # padded one's 4,466, and took its rewrite, export and compile time with them.
         self._derived: dict[Any, Any] = {} if derived is None else derived
+        self._shapes: dict[tuple, Any] = {} if parent is None else parent._shapes  # `_of_shape`
 
     def child(self, eqn, *, alive=None) -> "PackedCtx":
         if alive is not None and self.alive is not None:
@@ -185,13 +186,32 @@ class PackedCtx(Ctx):
     # -- axes -----------------------------------------------------------------------------------
 
     def row_axes(self, shape, rows: str | None = None) -> list[int]:
-        return [i for i, s in enumerate(shape) if is_sym(s) and str(s) == self.rows_name]
+        return list(self._axes_of(shape)[0])
 
     def packed_axes(self, shape) -> list[int]:
         """Axes whose length is an expression of the packed variable (T, T - 1), not a count
         over the rows."""
-        return [i for i, s in enumerate(shape)
-                if self.var in dim_vars(s) and self.rows_name not in dim_vars(s)]
+        return list(self._axes_of(shape)[1])
+
+    def _of_shape(self, what: str, shape, work: Callable[[tuple], Any]):
+        """``work(shape)``, worked out once per rewrite and shape (it must read nothing but
+        the shape and what is fixed for the rewrite): the rules and the interpreter ask
+        about a few dozen shapes some 19,000 times in the 12-layer LM, and each answer reads
+        every symbolic dimension's text or variables."""
+        key = (what, tuple(shape))
+        if key not in self._shapes:
+            self._shapes[key] = work(key[1])
+        return self._shapes[key]
+
+    def _axes_of(self, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(rows axes, packed axes)`` of ``shape``."""
+        def work(shape):
+            names = [dim_vars(d) for d in shape]
+            return (tuple(i for i, d in enumerate(shape)
+                          if is_sym(d) and str(d) == self.rows_name),
+                    tuple(i for i, n in enumerate(names)
+                          if self.var in n and self.rows_name not in n))
+        return self._of_shape("axes", shape, work)
 
     def rows_of(self, d) -> str | None:
         return self.rows_name if self.var in dim_vars(d) else None
@@ -411,22 +431,28 @@ class PackedCtx(Ctx):
 
     def refusal(self, eqn, invals) -> str | None:
         for v in eqn.outvars:
-            shape = getattr(v.aval, "shape", ())
-            for d in shape:
-                if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
-                                                               self.rows_name, self.room):
-                    return (f"the length {d} can exceed its sequence's room in a packed row "
-                            f"(a packed row leaves {self.room} cell(s) after each sequence; "
-                            f"T + c with a constant c packs)")
-                # A per-position value without rows has no frame to keep.
-                if self.row_axes(shape) and not _keeps_start_columns(
-                        self.recorder, d, self.var, self.rows_name):
-                    return (f"the length {d} is shorter than its sequence by more than a "
-                            f"constant (a stride: x[:, ::2], a strided convolution): the "
-                            f"part of a sequence that starts mid-row would lie past the end "
-                            f"of the shorter packed row, so its outputs cannot start at its "
-                            f"own column")
+            why = self._of_shape("refusal", getattr(v.aval, "shape", ()), self._refuses)
+            if why is not None:
+                return why
         return moves_ragged_rows(self, eqn)
+
+    def _refuses(self, shape) -> str | None:
+        """Why no equation can make a value of ``shape`` in packed rows, None when one can."""
+        for d in shape:
+            if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
+                                                           self.rows_name, self.room):
+                return (f"the length {d} can exceed its sequence's room in a packed row "
+                        f"(a packed row leaves {self.room} cell(s) after each sequence; "
+                        f"T + c with a constant c packs)")
+            # A per-position value without rows has no frame to keep.
+            if self.row_axes(shape) and not _keeps_start_columns(
+                    self.recorder, d, self.var, self.rows_name):
+                return (f"the length {d} is shorter than its sequence by more than a "
+                        f"constant (a stride: x[:, ::2], a strided convolution): the "
+                        f"part of a sequence that starts mid-row would lie past the end "
+                        f"of the shorter packed row, so its outputs cannot start at its "
+                        f"own column")
+        return None
 
     def rule_for(self, eqn, entry):
         return entry.packed if entry is not None and entry.packed is not None else packed_generic
@@ -515,15 +541,16 @@ def room_of(d, var: str) -> int:
 def _room_needed(jaxpr, var: str) -> int:
     """The room a packed program leaves after each sequence: the largest `room_of` any value
     of ``jaxpr`` (every program inside it included) has along the packed variable ``var``."""
-    room, stack = 0, [jaxpr]
+    dims, stack = set(), [jaxpr]
     while stack:
         j = stack.pop()
         values = [*j.invars, *(v for eqn in j.eqns for v in eqn.outvars)]
         for v in values:
-            for d in getattr(getattr(v, "aval", None), "shape", ()):
-                room = max(room, room_of(d, var))
+            dims.update(getattr(getattr(v, "aval", None), "shape", ()))
         stack.extend(p for eqn in j.eqns for p in sub_jaxprs(eqn.params))
-    return room
+    # Each distinct dimension once: `room_of` does symbolic arithmetic, and the 12-layer
+    # LM's values have some 8,000 dimensions, a few dozen of them distinct.
+    return max((room_of(d, var) for d in dims), default=0)
 
 
 def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
