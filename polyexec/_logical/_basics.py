@@ -160,6 +160,8 @@ def operand_avals(eqn) -> list:
 
 
 def same_dim(a, b) -> bool:
+    if a is b:          # a symbolic dimension's `==` subtracts the two, even from itself
+        return True
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - dimensions of different scopes do not compare

@@ -395,6 +395,11 @@ class Ctx:
         """``x`` with ``fill`` past the logical length of each of ``axes`` (`fill_tail`)."""
         return fill_tail(self, x, axes, fill, shared)
 
+    def tail_mask(self, shape, axes, shared=None):
+        """`logical_mask` of a value of ``shape``, as `fill_tail` and the zeroed reads ask
+        for it (packed rows keep each one they make)."""
+        return logical_mask(self, shape, axes, shared)
+
     def exact_extent(self, d):
         """The size of an axis of length ``d`` in the exact-size call ``jax.jit`` would see:
         the real sizes, a ragged length at its longest row, the rows at the call's rows (in
@@ -592,7 +597,7 @@ def fill_tail(ctx: Ctx, x, axes, fill, shared=None):
 
 
 def _masked(ctx: Ctx, x, axes, fill, shared):
-    mask = logical_mask(ctx, x.shape, axes, shared)
+    mask = ctx.tail_mask(x.shape, axes, shared)
     return x if mask is None else lax.select(mask, x, filled(x.shape, fill, x.dtype))
 
 

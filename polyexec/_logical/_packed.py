@@ -148,32 +148,70 @@ class PackedCtx(Ctx):
     It implements `_interface.PackedLayout`, what the packed rules may ask."""
 
     def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
-                 rows: str, pos, seglen, sequence, room: int = 0):
+                 rows: str, pos, seglen, sequence, room: int = 0, derived=None):
         super().__init__(sizes, recorder, parent, eqn, {var: (None, rows)}, alive)
         self.var, self.rows_name, self.pos, self.seglen = var, rows, pos, seglen
         self.sequence = sequence
         # The cells after each sequence that belong to it (``pos`` n, n + 1, ...): an axis of
         # ``T + c`` (c <= room) holds the sequence's positions past n there.
         self.room = room
+        # What the rules derive from ``pos`` and ``seglen`` alone (a length's cells, its frame,
+        # its sequences' start and end columns), made once per trace (`_derive`): every
+        # masked contraction, reduction and zeroed tail asks again. Made at each ask, the
+        # 12-layer LM's packed program had 9,296 equations (1,272 slices of ``pos``) to the
+        # padded one's 4,466, and took its rewrite, export and compile time with them.
+        self._derived: dict[Any, Any] = {} if derived is None else derived
+        self._shapes: dict[tuple, Any] = {} if parent is None else parent._shapes  # `_of_shape`
 
     def child(self, eqn, *, alive=None) -> "PackedCtx":
         if alive is not None and self.alive is not None:
             alive = lax.bitwise_and(alive, self.alive)
+        # A call's equations run in this very trace (inlined): they share what it derived. A
+        # loop's body or a branch is traced on its own, and derives its own (this trace's
+        # values there would be constants closed over by another program).
+        entry = lookup_rule(eqn.primitive) if eqn is not None else None
         return PackedCtx(self.sizes, self.recorder, self, eqn,
                           self.alive if alive is None else alive, var=self.var,
                           rows=self.rows_name, pos=self.pos, seglen=self.seglen,
-                          sequence=self.sequence, room=self.room)
+                          sequence=self.sequence, room=self.room,
+                          derived=self._derived if entry is not None and entry.inline else None)
+
+    def _derive(self, key, make):
+        """``make()``, once per trace and ``key`` (see ``_derived``): it must read nothing
+        but the layout inputs and the sizes, the same in every context of a trace."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     # -- axes -----------------------------------------------------------------------------------
 
     def row_axes(self, shape, rows: str | None = None) -> list[int]:
-        return [i for i, s in enumerate(shape) if is_sym(s) and str(s) == self.rows_name]
+        return list(self._axes_of(shape)[0])
 
     def packed_axes(self, shape) -> list[int]:
         """Axes whose length is an expression of the packed variable (T, T - 1), not a count
         over the rows."""
-        return [i for i, s in enumerate(shape)
-                if self.var in dim_vars(s) and self.rows_name not in dim_vars(s)]
+        return list(self._axes_of(shape)[1])
+
+    def _of_shape(self, what: str, shape, work: Callable[[tuple], Any]):
+        """``work(shape)``, worked out once per rewrite and shape (it must read nothing but
+        the shape and what is fixed for the rewrite): the rules and the interpreter ask
+        about a few dozen shapes some 19,000 times in the 12-layer LM, and each answer reads
+        every symbolic dimension's text or variables."""
+        key = (what, tuple(shape))
+        if key not in self._shapes:
+            self._shapes[key] = work(key[1])
+        return self._shapes[key]
+
+    def _axes_of(self, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(rows axes, packed axes)`` of ``shape``."""
+        def work(shape):
+            names = [dim_vars(d) for d in shape]
+            return (tuple(i for i, d in enumerate(shape)
+                          if is_sym(d) and str(d) == self.rows_name),
+                    tuple(i for i, n in enumerate(names)
+                          if self.var in n and self.rows_name not in n))
+        return self._of_shape("axes", shape, work)
 
     def rows_of(self, d) -> str | None:
         return self.rows_name if self.var in dim_vars(d) else None
@@ -230,8 +268,8 @@ class PackedCtx(Ctx):
 
     def cells(self, d):
         """``(pos, seglen)`` of the first ``d`` columns (an axis of packed length ``d``)."""
-        return (lax.slice_in_dim(self.pos, 0, d, axis=1),
-                lax.slice_in_dim(self.seglen, 0, d, axis=1))
+        return self._derive(("cells", d), lambda: (lax.slice_in_dim(self.pos, 0, d, axis=1),
+                                                   lax.slice_in_dim(self.seglen, 0, d, axis=1)))
 
     def sequence_index(self, d):
         """``(rows, d)`` int32 of the first ``d`` columns: each cell's sequence's index in the
@@ -242,35 +280,52 @@ class PackedCtx(Ctx):
 
     def in_frame(self, d):
         """``(rows, d)`` bool: the cells inside the frame of an axis of packed length ``d``."""
-        pos, seglen = self.cells(d)
-        return (pos >= 0) & (pos < self.at_lengths(d, seglen))
+        def make():
+            pos, seglen = self.cells(d)
+            return (pos >= 0) & (pos < self.at_lengths(d, seglen))
+        return self._derive(("in_frame", d), make)
 
     def starts(self, d, fill: int | None = None):
         """``(rows, d)`` int32: per cell in the frame of an axis of packed length ``d``, the
         column where its sequence starts (the same in every axis: the frame); ``fill``
         elsewhere (None: the cell's own column)."""
-        pos, _ = self.cells(d)
-        column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-        return jnp.where(self.in_frame(d), column - pos, column if fill is None else fill)
+        def make():
+            pos, _ = self.cells(d)
+            column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+            return jnp.where(self.in_frame(d), column - pos, column if fill is None else fill)
+        return self._derive(("starts", d, fill), make)
 
     def sequence_starts(self):
         """``(rows, columns)`` int32: per cell of a sequence (its real cells, or the one cell a
         sequence of length 0 holds its per-sequence values at) the column where the sequence
         starts; elsewhere the cell's own column."""
-        column = lax.broadcasted_iota(np.int32, jnp.shape(self.pos), 1)
-        return jnp.where(self.pos >= 0, column - self.pos, column)
+        def make():
+            column = lax.broadcasted_iota(np.int32, jnp.shape(self.pos), 1)
+            return jnp.where(self.pos >= 0, column - self.pos, column)
+        return self._derive(("sequence_starts",), make)
 
     def frame(self, shape):
         """bool ``shape``: the cells of a value with one rows axis and one or two packed
         lengths that hold a real position (one axis), or a pair of real positions of the same
         sequence (two axes: attention's scores)."""
-        (r,), packed = self.row_axes(shape), self.packed_axes(shape)
-        if len(packed) == 1:
-            return spread(self.in_frame(shape[packed[0]]), shape, (r, packed[0]))
-        p, q = packed
-        same = (self.starts(shape[p], -1)[:, :, None]
-                == self.starts(shape[q], -2)[:, None, :])          # (rows, p, q)
-        return spread(same, shape, (r, p, q))
+        def make():
+            (r,), packed = self.row_axes(shape), self.packed_axes(shape)
+            if len(packed) == 1:
+                return spread(self.in_frame(shape[packed[0]]), shape, (r, packed[0]))
+            p, q = packed
+            same = (self.starts(shape[p], -1)[:, :, None]
+                    == self.starts(shape[q], -2)[:, None, :])          # (rows, p, q)
+            return spread(same, shape, (r, p, q))
+        return self._derive(("frame", tuple(shape)), make)
+
+    def tail_mask(self, shape, axes, shared=None):
+        """`Ctx.tail_mask`, made once per trace for a value with the rows axis: its lengths
+        there are the frame's (`length`), whatever ``shared`` says, and ``alive`` is the
+        same in every context of a trace (a scan's body has its own)."""
+        if not self.row_axes(shape):
+            return super().tail_mask(shape, axes, shared)
+        return self._derive(("tail mask", tuple(shape), frozenset(axes)),
+                            lambda: super(PackedCtx, self).tail_mask(shape, axes, shared))
 
     def frame_only(self, x, fill):
         """``x`` with ``fill`` outside its frame (see `frame`)."""
@@ -279,9 +334,12 @@ class PackedCtx(Ctx):
     def ends(self, d):
         """``(rows, d)`` int32: per cell, the column where its sequence's part ends (-1 in
         padding), so ``column < ends`` is the frame."""
-        pos, seglen = self.cells(d)
-        column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
-        return jnp.where(pos >= 0, column - pos + self.at_lengths(d, seglen), -1).astype(np.int32)
+        def make():
+            pos, seglen = self.cells(d)
+            column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+            return jnp.where(pos >= 0, column - pos + self.at_lengths(d, seglen),
+                             -1).astype(np.int32)
+        return self._derive(("ends", d), make)
 
     def at_lengths(self, d, seglen, *, as_value: bool = False):
         """``d`` at each cell's sequence length (``seglen``): never below 0 as the length of
@@ -373,22 +431,28 @@ class PackedCtx(Ctx):
 
     def refusal(self, eqn, invals) -> str | None:
         for v in eqn.outvars:
-            shape = getattr(v.aval, "shape", ())
-            for d in shape:
-                if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
-                                                               self.rows_name, self.room):
-                    return (f"the length {d} can exceed its sequence's room in a packed row "
-                            f"(a packed row leaves {self.room} cell(s) after each sequence; "
-                            f"T + c with a constant c packs)")
-                # A per-position value without rows has no frame to keep.
-                if self.row_axes(shape) and not _keeps_start_columns(
-                        self.recorder, d, self.var, self.rows_name):
-                    return (f"the length {d} is shorter than its sequence by more than a "
-                            f"constant (a stride: x[:, ::2], a strided convolution): the "
-                            f"part of a sequence that starts mid-row would lie past the end "
-                            f"of the shorter packed row, so its outputs cannot start at its "
-                            f"own column")
+            why = self._of_shape("refusal", getattr(v.aval, "shape", ()), self._refuses)
+            if why is not None:
+                return why
         return moves_ragged_rows(self, eqn)
+
+    def _refuses(self, shape) -> str | None:
+        """Why no equation can make a value of ``shape`` in packed rows, None when one can."""
+        for d in shape:
+            if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
+                                                           self.rows_name, self.room):
+                return (f"the length {d} can exceed its sequence's room in a packed row "
+                        f"(a packed row leaves {self.room} cell(s) after each sequence; "
+                        f"T + c with a constant c packs)")
+            # A per-position value without rows has no frame to keep.
+            if self.row_axes(shape) and not _keeps_start_columns(
+                    self.recorder, d, self.var, self.rows_name):
+                return (f"the length {d} is shorter than its sequence by more than a "
+                        f"constant (a stride: x[:, ::2], a strided convolution): the "
+                        f"part of a sequence that starts mid-row would lie past the end "
+                        f"of the shorter packed row, so its outputs cannot start at its "
+                        f"own column")
+        return None
 
     def rule_for(self, eqn, entry):
         return entry.packed if entry is not None and entry.packed is not None else packed_generic
@@ -477,15 +541,16 @@ def room_of(d, var: str) -> int:
 def _room_needed(jaxpr, var: str) -> int:
     """The room a packed program leaves after each sequence: the largest `room_of` any value
     of ``jaxpr`` (every program inside it included) has along the packed variable ``var``."""
-    room, stack = 0, [jaxpr]
+    dims, stack = set(), [jaxpr]
     while stack:
         j = stack.pop()
         values = [*j.invars, *(v for eqn in j.eqns for v in eqn.outvars)]
         for v in values:
-            for d in getattr(getattr(v, "aval", None), "shape", ()):
-                room = max(room, room_of(d, var))
+            dims.update(getattr(getattr(v, "aval", None), "shape", ()))
         stack.extend(p for eqn in j.eqns for p in sub_jaxprs(eqn.params))
-    return room
+    # Each distinct dimension once: `room_of` does symbolic arithmetic, and the 12-layer
+    # LM's values have some 8,000 dimensions, a few dozen of them distinct.
+    return max((room_of(d, var) for d in dims), default=0)
 
 
 def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
