@@ -242,11 +242,11 @@ def install_symbolic_forms(*, prefix_scan, fori_as_scan, prod_jvp, conv_padding,
     ``jax.lax`` and JAX's convolution module (whose transposes and batching rule call it with
     a padding that depends on the length: a stride, SAME with a stride, as equinox's ``Conv``
     computes it), and the implementation behind ``jnp.searchsorted`` in JAX's ``hijax``
-    module (which ``jnp.digitize`` calls too). Each replacement calls
-    JAX's original unless polyexec is tracing in that thread over a symbolic length. Once per
-    process (each replacement is marked ``polyexec_form``); the originals stay reachable as
-    ``__wrapped__``. Private (module attributes of ``jax._src``, ``ad.primitive_jvps``): JAX
-    has no public hook for any of them."""
+    module (which ``jnp.digitize`` calls too). Each replacement calls JAX's original unless
+    polyexec is tracing in that thread over a symbolic length. Once per process (each
+    replacement is marked ``polyexec_form``); the originals stay reachable as ``__wrapped__``.
+    Private (module attributes of ``jax._src``, ``ad.primitive_jvps``): JAX has no public hook
+    for any of them."""
     if getattr(_loops.associative_scan, "polyexec_form", False):
         return
     scan = prefix_scan(_loops.associative_scan)

@@ -26,9 +26,10 @@ Why it is safe: no number is guessed -- each one that differs is explained by a 
 at a size it was not fitted on, and the min and the max are traced, so a branch on a size
 anywhere in between changes the program and is refused. The size between is divisible by many
 small numbers (`_middle`), so a branch on a size's divisibility (``T % 5 == 0``) is refused
-too; one true at none of the sizes traced (``T % 7 == 0`` from 64, 60 and 3) is not seen. A branch of the user's own code on a
-length (``if x.shape[0] > 8``) is never recovered, whatever the traces show (`recoverable`). A
-ragged row shorter than the min traced is refused at the call (a `RowFloor`).
+too; one true at none of the sizes traced (``T % 7 == 0`` from 64, 60 and 3) is not seen. A
+branch of the user's own code on a length (``if x.shape[0] > 8``) is never recovered, whatever
+the traces show (`recoverable`). A ragged row shorter than the min traced is refused at the
+call (a `RowFloor`).
 
 >>> import jax.numpy as jnp, polyexec as px
 >>> T = px.LengthVar("T", min=1, max=64)
