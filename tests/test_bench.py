@@ -487,12 +487,9 @@ def quick(tmp_path_factory):
     # (the background warmup is exercised by test_quick_train_mode).
     # --layout pad: these tests count padded buckets (the packed choice has its own test).
     argv = ["--quick", *BRIEF_LIMIT, "--warmup", "blocking", "--layout", "pad", "--strategies", ALL,
-            "--json", str(out / "q.json"), "--plot", str(out / "q.png"), "--no-progress"]
-
-    def compute():
-        assert main(argv) == 0
-        return {"doc": json.loads((out / "q.json").read_text()), "out": str(out)}
-    run = run_once(tmp_path_factory, "bench-quick", compute)
+            "--json", str(out / "q.json"), "--plot", str(out / "q.png")]
+    run = run_once(tmp_path_factory, "bench-quick",
+                   lambda: {"doc": _run_quick(argv)[0], "out": str(out)})
     return run["doc"], pathlib.Path(run["out"]), config_from_args(build_parser().parse_args(argv))
 
 

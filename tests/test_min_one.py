@@ -180,7 +180,7 @@ def test_neighbours_stacked_from_slices_at_min_1_are_each_rows_own(layout):
     for b, n in enumerate(lengths):
         x[b, :n] = np.random.default_rng(b).normal(size=(n, D))
     value, grad = f(x, np.asarray(lengths, np.int32))
-    want = [jax.jit(run)(jnp.asarray(x[b:b + 1, :n]), None) for b, n in enumerate(lengths)]
+    want = [_jitted(run)(jnp.asarray(x[b:b + 1, :n]), None) for b, n in enumerate(lengths)]
     np.testing.assert_allclose(value, sum(v for v, _ in want), rtol=1e-5)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(grad[b, :n], want[b][1][0], rtol=1e-5, atol=1e-6)

@@ -791,7 +791,7 @@ NUMPY_CANNOT = {
     "pad wrap": (lambda x: jnp.pad(x, ((0, 0), (1, 2), (0, 0)), mode="wrap"),
                  lambda x: jnp.concatenate([x[:, -1:], x, x[:, :2]], axis=1),
                  "jnp.concatenate([x[:, -lo:], x, x[:, :hi]], axis=1)"),
-    # Full and valid: the gradient is a convolution padded by ``min(T, 2)``, which JAX sees as
+    # Valid: the gradient is a convolution padded by ``min(T, 2)``, which JAX sees as
     # 2 only at ``T >= 2``: the verdict says to declare that min.
     # ("convolve full" and "same" are recovered from concrete traces: test_recovered.py.)
     "convolve valid": (_convolve("valid"), _conv_form((0, 0)), "[(0, 0)])[0, 0]"),
@@ -811,7 +811,7 @@ def test_a_numpy_idiom_jax_cannot_trace_names_the_form_that_works(name):
     x, rows = ragged_batch(lengths)
     g = _with_gradient(form)
     min_length = 2 if "declare px.LengthVar('T', min=2, ...)" in flagged.plan.reason else 1
-    assert min_length == (2 if name in ("convolve full", "convolve valid") else 1)
+    assert min_length == (2 if name == "convolve valid" else 1)
     t = px.LengthVar("T", min=min_length, max=64)
     f = px.bucketed(lambda x, lengths: g(x), in_specs=SPECS, buckets={t: [16, 64]}, strict=True)
     value, grad = f(x, np.asarray(lengths, np.int32))
