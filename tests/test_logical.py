@@ -445,6 +445,16 @@ def test_a_program_without_length_sensitive_operations_is_left_alone():
     assert (logical.rewritten, logical.unsupported) == (0, ())
 
 
+def test_a_zeroed_tail_is_masked_once_through_a_transpose():
+    """``x`` is summed over T, so its tail is zeroed where it is made; ``-x.T @ y`` (what a
+    backward pass writes) contracts the transposed, negated ``x`` over T and reads that same
+    zeroed tail: one select for ``x``, one for ``y``, none again, and still exact."""
+    case = Case(lambda x, y: (jnp.sum(x, axis=0), -x.T @ y), (("T", 4), ("T", 3)))
+    replayed = jax.make_jaxpr(program(case).logical.fn)(*program(case).exported.in_avals)
+    assert [e.primitive.name for e in replayed.jaxpr.eqns].count("select_n") == 2
+    assert_exact(case, {"T": 5}, {"T": 8})
+
+
 def test_non_monotone_length_is_reported():
     case, _ = TABLE["slice to 16 - T"]
     (u,) = program(case).logical.unsupported

@@ -634,6 +634,17 @@ def _zero_read_tails(ctx: Ctx, reads, v, x, known: Known) -> tuple[Any, Known]:
     return (x, known) if out is x else (out, Known(zeroed=axes))
 
 
+def _zeroed_through(eqn, scope) -> Known:
+    """The annotation of an elementwise equation's output: its operand's zeroed tails, where
+    its primitive keeps zeros (`Entry.zeroed_through`: ``neg``, a transpose)."""
+    entry = lookup_rule(eqn.primitive)
+    if (entry is None or entry.zeroed_through is None or entry.rule is not ELEMENTWISE
+            or len(scope) != 1):
+        return PLAIN
+    zeroed = scope[0][1].zeroed
+    return Known(zeroed=entry.zeroed_through(eqn, zeroed)) if zeroed else PLAIN
+
+
 def take_clamped(ctx: Ctx, x, idx, axis):
     """``x`` indexed along ``axis`` by the int32 vector ``idx`` (clamped: positions whose index
     falls outside are beyond a logical length, so their value does not matter)."""
@@ -859,7 +870,7 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
                 positions = (k.positions if k is not None else
                              ctx.positions_of(eqn, scope[:len(invals)])
                              if len(eqn.outvars) == 1 else None)
-                k = k or PLAIN
+                k = k or _zeroed_through(eqn, scope)
                 k = Known(k.zeroed, k.from_lengths or ctx.from_lengths_of(x, scope[:len(invals)]),
                           positions)
                 env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k)

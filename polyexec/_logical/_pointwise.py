@@ -36,6 +36,12 @@ deffacts(*"convert_element_type add_any add sub neg copy copy_p reduce_precision
 # Maths a packed row recomputes from each cell's position (masks made from positions).
 deffacts(*"convert_element_type eq ne lt le gt ge and or not xor add sub mul neg max min "
          "select_n abs sign".split(), positional=True)
+# Zeros stay zeros: a tail zeroed in the operand is zeroed in the result, along the same axis
+# or, through a transpose (output axis i is operand axis permutation[i]), the one it moves to.
+deffacts(*"convert_element_type copy copy_p neg reduce_precision".split(),
+         zeroed_through=lambda eqn, axes: axes)
+deffacts("transpose", zeroed_through=lambda eqn, axes: frozenset(
+    i for i, a in enumerate(eqn.params["permutation"]) if a in axes))
 # A scan's carry passes through them unchanged in kind (`_control`: does a carry accumulate).
 deffacts(*"convert_element_type transpose squeeze copy copy_p neg reduce_precision".split(),
          carries=True)

@@ -54,6 +54,11 @@ class Entry:
     # ``eqn -> [(operand index, axes)]``: the length axes it reads an operand across with the
     # tail zeroed (a contraction, a sum), zeroed once where the operand is made.
     zeroed_reads: Callable | None = None
+    # ``(eqn, axes) -> axes``: an elementwise primitive of one operand that keeps its zeros
+    # (``neg``; ``transpose``, which moves them to other axes): the output's zeroed tails
+    # (`_core.Known.zeroed`) from the operand's, so a reader does not mask them again (the
+    # transposes of a backward pass read across the rows with their tails zeroed).
+    zeroed_through: Callable | None = None
     # ``(eqn, i, axis, shape) -> bool``: whether it combines or moves the entries of operand
     # ``i`` (of ``shape``) along ``axis``. In packed rows a value held per sequence runs
     # through it once per column when it does not act on the value's rows axis (`_sequences`);
@@ -154,14 +159,15 @@ def _facts(**given) -> dict:
 
 
 def deffacts(*names: str, row_varying: Callable | None = None, fold: Callable | None = None,
-             linear: bool = False, positional: bool = False, carries: bool = False) -> None:
+             linear: bool = False, positional: bool = False, carries: bool = False,
+             zeroed_through: Callable | None = None) -> None:
     """State facts of primitives whose padded rule is already registered (a family registered
     in one `defrule` call, each with facts of its own), in the module that registered it:
     ``deffacts("add", "sub", linear=True)``; or facts written after the rule (a rule for a
-    per-row operand that the padded rule's module defines below it). Stating a fact twice is
-    a bug, refused."""
+    per-row operand that the padded rule's module defines below it); ``zeroed_through`` only
+    here (the elementwise family's). Stating a fact twice is a bug, refused."""
     facts = _facts(row_varying=row_varying, fold=fold, linear=linear, positional=positional,
-                   carries=carries)
+                   carries=carries, zeroed_through=zeroed_through)
     with _REGISTRY_LOCK:
         for name in names:
             entry = _REGISTRY.get(name)
