@@ -635,6 +635,29 @@ def test_the_last_token_of_an_empty_row(layout):
         assert np.isfinite(grad[[0, 2]]).all() and np.isfinite(grad[1]).all(), name
 
 
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_an_index_past_a_rows_end_reads_and_differentiates_as_jax_jit_on_the_row(layout):
+    """``h[jnp.arange(B), k]`` with ``k`` past a row's end: the gather (PROMISE_IN_BOUNDS)
+    clamps, reading the row's last position, and its transpose, a scatter-add in the same
+    mode, drops the update, as XLA does -- so ``jax.jit`` on the row alone gives a gradient
+    of 0 there, and so must every layout."""
+    lengths, k = [5, 3, 9], np.array([2, 6, 8], np.int32)
+    x, rows = ragged_batch(lengths)
+
+    def value_and_grad(x, k):
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x[_ARANGE(x), k])))(x)
+    f = px.bucketed(lambda x, k, lengths: value_and_grad(x, k), layout=layout,
+                    in_specs=(SPECS[0], px.Spec("B", jnp.int32), SPECS[1]), buckets={T: [16]})
+    value, grad = f(x, k, np.asarray(lengths, np.int32))
+    assert f.plan.can_pack == (layout == "pack"), f.plan.packing_reason
+    want_value = 0.0
+    for b, r in enumerate(rows):
+        want, want_grad = jax.jit(value_and_grad)(r[None], k[b:b + 1])
+        want_value += float(want)
+        np.testing.assert_allclose(grad[b, :len(r)], want_grad[0], rtol=1e-6, err_msg=f"row {b}")
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+
+
 def _while_rnn(x, lengths):
     """An RNN written as a while loop over the batch's length (``t < x.shape[1]``)."""
     def body(carry):

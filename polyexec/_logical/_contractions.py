@@ -377,14 +377,13 @@ def _against_cells(ctx, eqn, invals, shapes):
     k = 0 if isinstance(invals[0], PerSequence) else 1          # the per-sequence operand
     seq, other = invals[k], invals[1 - k]
     (sc, oc), (sb, ob) = ((lc, rc), (lb, rb)) if k == 0 else ((rc, lc), (rb, lb))
-    rows, packed = ctx.row_axes(shapes[1 - k]), ctx.packed_axes(shapes[1 - k])
-    a = seq.axis
-    if (isinstance(other, PerSequence) or a is None or len(rows) != 1 or len(packed) != 1
-            or a not in sb or rows[0] not in ob or sb.index(a) != ob.index(rows[0])
-            or packed[0] in oc):
+    frame, a = ctx.one_frame(shapes[1 - k]), seq.axis
+    if (isinstance(other, PerSequence) or a is None or frame is None
+            or a not in sb or frame[0] not in ob or sb.index(a) != ob.index(frame[0])
+            or frame[1] in oc):
         raise NoRule("a contraction of a per-sequence value with a value along a packed "
                       "length, not batched over the rows")
-    (p,) = packed
+    _, p = frame
     cells = lax.slice_in_dim(seq.value, 0, shapes[1 - k][p], axis=a + 1)
     moved = tuple(d + (d > a) for d in sc), (*(d + (d > a) for d in sb), a + 1)
     ours, theirs = moved, (oc, (*ob, p))

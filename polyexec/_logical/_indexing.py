@@ -1,9 +1,10 @@
 """Rules for indexing: ``dynamic_slice``, ``dynamic_update_slice``, ``gather``, ``scatter*``.
 
-Start indices are clamped (or dropped, in FILL_OR_DROP mode) against logical bounds, with room
-padded at the end where a logical start would not fit physically; scattered rows and window
-elements beyond a logical length are dropped, made the combiner's identity, or (plain scatter,
-update slice) overwritten back with the operand, so they never land in a logical position.
+Start indices are clamped (or dropped, where XLA drops them: `drops`) against logical bounds,
+with room padded at the end where a logical start would not fit physically; scattered rows and
+window elements beyond a logical length are dropped, made the combiner's identity, or (plain
+scatter, update slice) overwritten back with the operand, so they never land in a logical
+position.
 """
 
 from __future__ import annotations
@@ -192,12 +193,22 @@ def _gather_acts_on(eqn, i, axis, shape):
     return axis == len(shape) - 1
 
 
-def within(mode, position, n):
-    """``(position, inside)``: an index into ``n`` positions (a row's, a sequence's) as a
-    gather or scatter in ``mode`` reads it. FILL_OR_DROP keeps it, inside where it falls in
-    ``[0, n)``; CLIP and PROMISE_IN_BOUNDS clamp it there, inside unless there is no position
-    at all (``n == 0``: a row or sequence of length 0)."""
-    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+def drops(eqn) -> bool:
+    """Whether ``eqn`` (a gather or a scatter) drops an index outside its bounds -- a gather
+    fills there, a scatter skips the update -- rather than clamping it: FILL_OR_DROP, and a
+    scatter in PROMISE_IN_BOUNDS mode, whose out-of-bounds updates XLA skips (it clamps a
+    gather's index), as ``jax.jit`` at the exact size does."""
+    mode = eqn.params["mode"]
+    return mode == lax.GatherScatterMode.FILL_OR_DROP or (
+        mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS and eqn.primitive.name != "gather")
+
+
+def within(eqn, position, n):
+    """``(position, inside)``: an index into ``n`` positions (a row's, a sequence's) as the
+    gather or scatter ``eqn`` reads it. One that `drops` keeps it, inside where it falls in
+    ``[0, n)``; any other clamps it there, inside unless there is no position at all
+    (``n == 0``: a row or sequence of length 0)."""
+    if drops(eqn):
         return position, (position >= 0) & (position < n)
     return jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
 
@@ -233,8 +244,7 @@ def _gather(ctx, eqn, invals):
     if all(b is None for b in bounds):
         return None             # only the indices' batch axes are lengths: per position
     x = _room(ctx, x, p["slice_sizes"], room)
-    fill_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
-    comps, oob = _bounded_indices(idx, bounds, check=fill_mode, clamp=True)
+    comps, oob = _bounded_indices(idx, bounds, check=drops(eqn), clamp=True)
     idx = jnp.stack(comps, axis=-1) if comps else idx
     (out,) = bind_eqn_with(eqn, [x, idx])
     if oob is not None:
@@ -279,18 +289,18 @@ def _one_index(idx) -> bool:
     return jnp.ndim(idx.value if held else idx) == 1 + held
 
 
-def _position_per_row(ctx, x, t, idx, component, mode):
+def _position_per_row(ctx, eqn, x, t, idx, component):
     """The position each row reads along ``t``, shaped to broadcast along ``x``: one index
     for all rows, or each row's own (held per row, `RowVarying`: ``x[:, t]`` inside a scan
     over ``jnp.arange(x.shape[1])``, which JAX normalises by ``x.shape[1]``, each row's
-    length); and where, in FILL_OR_DROP mode, the other components (starts of whole axes,
+    length); and where, if the equation `drops`, the other components (starts of whole axes,
     which fit only at 0) put the window out of bounds (None: nowhere)."""
     if isinstance(idx, RowVarying):
         (axis,) = ctx.row_axes(x.shape, idx.rows)
         one = tuple(d if a == axis else 1 for a, d in enumerate(x.shape))
         idx = lax.broadcast_in_dim(idx.value, (*one, idx.value.shape[-1]), (axis, x.ndim))
     k, others = idx[..., component], None
-    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+    if drops(eqn):
         for c in range(idx.shape[-1]):
             if c != component:
                 bad = idx[..., c] != 0
@@ -301,7 +311,7 @@ def _position_per_row(ctx, x, t, idx, component, mode):
 def _per_row_position(ctx, eqn, x, idx):
     """``x[:, k]`` of a ``(B, T, ...)`` value whose ``T`` differs per row: each row's own
     position ``k``, clamped into its own length as at its exact size (the gather's fill
-    outside it in FILL_OR_DROP mode, and in a row of length 0, which has no position); None
+    outside it where the gather `drops`, and in a row of length 0, which has no position); None
     for any other gather. ``k`` may differ per row (`_position_per_row`)."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
     if not _one_index(idx):
@@ -312,9 +322,9 @@ def _per_row_position(ctx, eqn, x, idx):
         return None
     t, component = found
     n = ctx.length(x.shape[t], shape=x.shape)       # per row, shaped to broadcast along x
-    k, others = _position_per_row(ctx, x, t, idx, component, p["mode"])
+    k, others = _position_per_row(ctx, eqn, x, t, idx, component)
     one = tuple(1 if a == t else d for a, d in enumerate(x.shape))
-    k, inside = within(p["mode"], k, n)
+    k, inside = within(eqn, k, n)
     position = jnp.broadcast_to(k.astype(np.int32), one)
     out = jnp.take_along_axis(x, position, axis=t, mode="clip")
     outside = ~inside if others is None else ~inside | others
@@ -325,8 +335,8 @@ def _per_row_position(ctx, eqn, x, idx):
 
 def _per_row_put(ctx, eqn, x, idx, updates):
     """The transpose of `_per_row_position` (``x.at[:, k].add(u)``, ``.set``): each row's
-    update into its own position ``k`` (clamped into its length, or dropped outside it in
-    FILL_OR_DROP mode, and in a row of length 0); None for any other scatter."""
+    update into its own position ``k`` (clamped into its length, or dropped outside it where
+    the scatter `drops`, and in a row of length 0); None for any other scatter."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
     if eqn.primitive.name not in ("scatter-add", "scatter") or not _one_index(idx):
         return None
@@ -341,8 +351,8 @@ def _per_row_put(ctx, eqn, x, idx, updates):
         return None
     t, component = found
     n = ctx.length(x.shape[t], shape=x.shape)
-    k, others = _position_per_row(ctx, x, t, idx, component, p["mode"])
-    k, inside = within(p["mode"], k, n)
+    k, others = _position_per_row(ctx, eqn, x, t, idx, component)
+    k, inside = within(eqn, k, n)
     drop = ~inside if others is None else ~inside | others
     at = (iota_along(x.shape, t) == k) & ~drop
     if t not in dn.inserted_window_dims:
@@ -425,9 +435,9 @@ def _scatter(ctx, eqn, invals):
         if rows or (window_tail and name == "scatter"):
             raise NoRule("a scatter without indices whose rows or windows are lengths")
         return bind_eqn_with(eqn, [x, idx, updates])
-    # Clamp (CLIP, PROMISE_IN_BOUNDS) or drop (FILL_OR_DROP) against the logical bounds, then
-    # drop rows beyond the updates' logical lengths by sending them out of bounds.
-    drop_mode = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+    # Clamp (CLIP) or drop (`drops`) against the logical bounds, then drop rows beyond the
+    # updates' logical lengths by sending them out of bounds.
+    drop_mode = drops(eqn)
     big = np.array(jnp.iinfo(idx.dtype).max, idx.dtype)
     comps, drop = _bounded_indices(idx, bounds, check=drop_mode, clamp=not drop_mode)
     batch_shape = idx.shape[:-1]
@@ -466,25 +476,21 @@ def _position(ctx: PackedCtx, eqn, shape, index, index_map, window):
     position per grid cell (``k``, or ``n - 1`` for ``x[:, -1]``, whose ``T - 1`` is a number
     per sequence) and whether it is inside the sequence's part of the axis; None for any
     other indexing."""
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    k = len(index_map)
-    if (len(rows) != 1 or len(packed) != 1 or tuple(eqn.invars[1].aval.shape) != (k,)
-            or packed[0] not in index_map or window[packed[0]] != 1
+    frame, k = ctx.one_frame(shape), len(index_map)
+    if (frame is None or tuple(eqn.invars[1].aval.shape) != (k,)
+            or frame[1] not in index_map or window[frame[1]] != 1
             or (isinstance(index, PerSequence) and index.axis is not None)
-            or any(a != packed[0] and not same_dim(window[a], shape[a])
+            or any(a != frame[1] and not same_dim(window[a], shape[a])
                    for a in range(len(shape)))
-            or (k > 1 and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP)):
+            or (k > 1 and drops(eqn))):
         return None
-    (p,) = packed
+    _, p = frame
     i = list(index_map).index(p)
     if isinstance(index, PerSequence):
         position = index.value[..., i]
     else:
         position = jnp.broadcast_to(jnp.asarray(index)[i], ctx.pos.shape)
-    n = ctx.at_lengths(shape[p], ctx.seglen)
-    inside = (position >= 0) & (position < n)
-    if eqn.params["mode"] == lax.GatherScatterMode.CLIP:
-        position, inside = jnp.clip(position, 0, n - 1), n > 0
+    position, inside = within(eqn, position, ctx.at_lengths(shape[p], ctx.seglen))
     return p, position.astype(np.int32), inside
 
 
@@ -496,11 +502,11 @@ def _own_position(ctx: PackedCtx, eqn, shape, index, index_map, window, batching
     entry of the others, its index a number per sequence. ``(r, p, s, position, inside)``:
     the rows and packed axes, the index's rows axis, the position per grid cell and whether
     it is inside the sequence's part of the axis; None for any other indexing."""
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    frame = ctx.one_frame(shape)
     operand_batching, index_batching = (tuple(b) for b in batching)
-    if len(rows) != 1 or len(packed) != 1 or operand_batching != tuple(rows):
+    if frame is None or operand_batching != frame[:1]:
         return None
-    (r,), (p,) = rows, packed
+    r, p = frame
     (s,) = index_batching
     if (ctx.row_axes(index_shape) != [s] or tuple(index_map) != (p,) or window[p] != 1
             or any(a not in (r, p) and not same_dim(window[a], shape[a])
@@ -514,7 +520,7 @@ def _own_position(ctx: PackedCtx, eqn, shape, index, index_map, window, batching
     if index.axis != s:
         return None
     position = jnp.reshape(jnp.moveaxis(index.value, (s, s + 1), (0, 1)), ctx.pos.shape)
-    position, inside = within(eqn.params["mode"], position, ctx.at_lengths(shape[p], ctx.seglen))
+    position, inside = within(eqn, position, ctx.at_lengths(shape[p], ctx.seglen))
     return r, p, s, position.astype(np.int32), inside
 
 
@@ -646,9 +652,8 @@ def _pick(ctx: PackedCtx, eqn, invals):
     picked = jnp.take_along_axis(xs, jnp.expand_dims(column, tuple(range(2, xs.ndim))), axis=1,
                                  mode="clip")
     # Outside the sequence the gather's fill (a sequence of length 0 has no position to clamp
-    # to, whatever the mode).
-    outside = ~inside if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else n <= 0
-    keep = jnp.expand_dims(~outside, tuple(range(2, xs.ndim)))
+    # to, whatever the mode: `within`).
+    keep = jnp.expand_dims(inside, tuple(range(2, xs.ndim)))
     picked = jnp.where(keep, picked, jnp.asarray(gather_fill(eqn.params, x.dtype), x.dtype))
     if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
         picked = jnp.expand_dims(picked, 2 + p - (r < p))
@@ -695,16 +700,16 @@ def _sequence_and_position(ctx: PackedCtx, eqn, shape, index, index_map, window,
     shape ``(B, 2)``), picks a row of the logical batch -- a sequence -- and a position of
     the packed axis, and every entry of the other axes. As in the pad layout, the row is
     clamped into the real sequences and the position into that sequence's own part of the
-    axis (the gather's fill, or a dropped update, outside them in FILL_OR_DROP mode, and in a
-    sequence of length 0, which has no cell). ``(r, p, row, column, inside)``: the operand's
-    rows and packed axes, and per grid cell (its sequence's pair) the packed row and column
-    read, and whether they hold that position; None for any other indexing."""
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if (len(rows) != 1 or len(packed) != 1 or any(tuple(b) for b in batching)
+    axis (the gather's fill, or a dropped update, outside them where the equation `drops`,
+    and in a sequence of length 0, which has no cell). ``(r, p, row, column, inside)``: the
+    operand's rows and packed axes, and per grid cell (its sequence's pair) the packed row
+    and column read, and whether they hold that position; None for any other indexing."""
+    frame = ctx.one_frame(shape)
+    if (frame is None or any(tuple(b) for b in batching)
             or not isinstance(index, PerSequence) or index.axis != 0
-            or len(index_shape) != 2 or set(index_map) != {rows[0], packed[0]}):
+            or len(index_shape) != 2 or set(index_map) != set(frame)):
         return None
-    (r,), (p,) = rows, packed
+    r, p = frame
     if any(window[a] != 1 if a in (r, p) else not same_dim(window[a], shape[a])
            for a in range(len(shape))):
         return None
@@ -714,9 +719,9 @@ def _sequence_and_position(ctx: PackedCtx, eqn, shape, index, index_map, window,
     inside = (sequence >= 0) & (sequence < count)
     sequence = jnp.clip(sequence, 0, count - 1)
     row, start, length = (jnp.take(t, sequence, mode="clip") for t in _sequence_table(ctx))
-    position, here = within(eqn.params["mode"], position, ctx.at_lengths(shape[p], length))
+    position, here = within(eqn, position, ctx.at_lengths(shape[p], length))
     # Clamped, a position reads its (clamped) sequence; dropped, only a real sequence's own.
-    inside = inside & here if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else here
+    inside = inside & here if drops(eqn) else here
     return r, p, row, start + position, inside
 
 
@@ -799,8 +804,8 @@ def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batchi
     the row (``x[jnp.arange(B)[:, None], idx]``), where each cell indexes the sequence it
     names, wherever it is packed (`_sequence_table`), as `_sequence_and_position` does for
     one index per sequence. Per entry of the index, as at each sequence's exact length: CLIP
-    and PROMISE_IN_BOUNDS clamp the position into the sequence's own ``[0, n - 1]``; outside
-    it FILL_OR_DROP fills (drops); a sequence of length 0 has no cell to read in any mode.
+    clamps the position into the sequence's own ``[0, n - 1]``, and an equation that `drops`
+    fills (drops) outside it; a sequence of length 0 has no cell to read in any mode.
 
     ``(components, read, real)``: the index's components in its dtype (the packed row and
     the column for the row and packed ones, every component in bounds), whether each entry
@@ -810,12 +815,11 @@ def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batchi
     if (isinstance(index, (PerSequence, PerCell, NotPacked)) or not hasattr(index, "shape")
             or len(index_shape) < 2):
         return None
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
     cells = tuple(index_shape[:-1])
-    index_rows, index_packed = ctx.row_axes(cells), ctx.packed_axes(cells)
-    if len(rows) != 1 or len(packed) != 1 or len(index_rows) != 1 or len(index_packed) != 1:
+    frame, index_frame = ctx.one_frame(shape), ctx.one_frame(cells)
+    if frame is None or index_frame is None:
         return None
-    (r,), (p,), (s,), (q,) = rows, packed, index_rows, index_packed
+    (r, p), (s, q) = frame, index_frame
     # Any other axis of the index repeats a cell's index (a fixed number of them).
     if any(is_sym(d) for a, d in enumerate(cells) if a not in (s, q)):
         return None
@@ -849,8 +853,8 @@ def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batchi
         row, start, length = (jnp.take(t, jnp.clip(sequence, 0, count - 1), mode="clip")
                               for t in _sequence_table(ctx))
         n = ctx.at_lengths(shape[p], length)
-    position, read = within(eqn.params["mode"], _as_int32(component(p)), n)
-    if named is not None and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+    position, read = within(eqn, _as_int32(component(p)), n)
+    if named is not None and drops(eqn):
         read = read & named
     column = jnp.clip(start + position, 0, shape[p] - 1)
     comps = {p: column} if named is None else {p: column, r: row}
@@ -859,11 +863,11 @@ def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batchi
     return components, read, real
 
 
-def _clamped_others(components, index_map, shape, window, mode, skip):
-    """``components`` with those of the axes not in ``skip`` clamped into their bounds in
-    CLIP and PROMISE_IN_BOUNDS mode, so that a scatter bound in FILL_OR_DROP mode (to drop
-    chosen entries) keeps the equation's own mode for them."""
-    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+def _clamped_others(eqn, components, index_map, shape, window, skip):
+    """``components`` with those of the axes not in ``skip`` clamped into their bounds unless
+    the scatter ``eqn`` `drops`, so that bound in FILL_OR_DROP mode (to drop chosen entries)
+    it keeps its own mode for them."""
+    if drops(eqn):
         return components
     for i, a in enumerate(index_map):
         if a not in skip:
@@ -919,9 +923,9 @@ def _put_cells(ctx: PackedCtx, eqn, invals):
     if found is None:
         return None
     components, read, real = found
-    (r,), (p,) = ctx.row_axes(shape), ctx.packed_axes(shape)
-    components = _clamped_others(components, dn.scatter_dims_to_operand_dims, shape, window,
-                                 eqn.params["mode"], (r, p))
+    r, p = ctx.one_frame(shape)
+    components = _clamped_others(eqn, components, dn.scatter_dims_to_operand_dims, shape,
+                                 window, (r, p))
     # Dropped: sent past the end of the packed axis, which FILL_OR_DROP skips.
     past = list(dn.scatter_dims_to_operand_dims).index(p)
     beyond = jnp.asarray(x.shape[p], components.dtype)
@@ -988,14 +992,14 @@ def _gather_at_positions(ctx: PackedCtx, eqn, invals, shapes, out):
     gather = eqn.primitive.name == "gather"
     index_map = dn.start_index_map if gather else dn.scatter_dims_to_operand_dims
     collapsed = dn.collapsed_slice_dims if gather else dn.inserted_window_dims
-    rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
+    frame = ctx.one_frame(shape)
     where = shapes[1][:-1]             # the index's own axes: one packed length
-    if not (len(rows) == 1 and len(packed) == 1 and tuple(index_map) == tuple(packed)
-            and tuple(collapsed) == tuple(packed) and not dn.operand_batching_dims
+    if not (frame is not None and tuple(index_map) == frame[1:]
+            and tuple(collapsed) == frame[1:] and not dn.operand_batching_dims
             and shapes[1][-1] == 1 and len(where) == 1 and ctx.packed_axes(where)):
         raise NoRule(f"{eqn.primitive.name} with a per-cell index of another form than "
                       f"x[:, index]")
-    (r,), (p,) = rows, packed
+    r, p = frame
     window = (dn.offset_dims if gather else dn.update_window_dims)
     kept = [d for d in range(len(shape)) if d != p]
     if tuple(window) != tuple(d if d < p else d + 1 for d in range(len(kept))) or (
@@ -1005,10 +1009,7 @@ def _gather_at_positions(ctx: PackedCtx, eqn, invals, shapes, out):
     m = where[0]                       # the cells read (written): the index's length
     position = lax.slice_in_dim(index.value[..., 0], 0, m, axis=1).astype(np.int32)
     pos, seglen = ctx.cells(m)
-    n = ctx.at_lengths(shape[p], seglen)
-    inside = (position >= 0) & (position < n)
-    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
-        position, inside = jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
+    position, inside = within(eqn, position, ctx.at_lengths(shape[p], seglen))
     column = jnp.where(inside & ctx.in_frame(m), ctx.starts(m, 0) + position, -1)
     xs = jnp.moveaxis(x, (r, p), (0, 1))
     at = jnp.expand_dims(column, tuple(range(2, xs.ndim)))

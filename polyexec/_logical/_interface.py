@@ -107,6 +107,9 @@ class PackedLayout(Layout, Protocol):
     def packed_axes(self, shape) -> list[int]:
         """Axes whose length is an expression of the packed variable (T, T - 1)."""
 
+    def one_frame(self, shape) -> tuple[int, int] | None:
+        """``(rows axis, packed axis)`` of a value with exactly one of each, else None."""
+
     def frame_axes(self, shape, what: str, along: int | None = None) -> tuple[int, int]:
         """``(rows axis, packed axis)`` of a value ``what`` reads, or `NoRule` when it mixes
         sequences of a packed row."""

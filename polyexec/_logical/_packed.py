@@ -254,17 +254,21 @@ class PackedCtx(Ctx):
         return any(self.row_axes(getattr(v.aval, "shape", ()))
                    for v in (*eqn.invars, *eqn.outvars))
 
+    def one_frame(self, shape) -> tuple[int, int] | None:
+        """``(rows axis, packed axis)`` of a value of ``shape`` with exactly one of each, None
+        for any other: more would mix sequences of a packed row."""
+        rows, packed = self._axes_of(shape)
+        return (rows[0], packed[0]) if len(rows) == 1 and len(packed) == 1 else None
+
     def frame_axes(self, shape, what: str, along: int | None = None) -> tuple[int, int]:
-        """``(rows axis, packed axis)`` of a value of ``shape`` that ``what`` (``"a sort"``)
-        reads: `NoRule` unless it has exactly one of each -- more would mix sequences of a
-        packed row -- and, given ``along``, unless that axis is its packed length."""
-        rows, packed = self.row_axes(shape), self.packed_axes(shape)
-        if along is not None and along not in packed:
+        """`one_frame` of a value of ``shape`` that ``what`` (``"a sort"``) reads: `NoRule`
+        where there is none and, given ``along``, unless that axis is its packed length."""
+        if along is not None and along not in self.packed_axes(shape):
             raise NoRule(f"{what} over the rows of packed rows, or over another length")
-        if len(rows) != 1 or len(packed) != 1:
+        if (frame := self.one_frame(shape)) is None:
             raise NoRule(f"{what} of a value of shape {tuple(shape)}, which mixes sequences of "
                          f"a packed row (it needs exactly one rows axis and one packed length)")
-        return rows[0], packed[0]
+        return frame
 
     def cells(self, d):
         """``(pos, seglen)`` of the first ``d`` columns (an axis of packed length ``d``)."""

@@ -173,10 +173,10 @@ def to_cells(ctx, x: PerSequence, shape, out):
     """A per-sequence operand of an elementwise equation along a packed length (``h[:, None]
     + x`` after jnp's ``(B, 1, H)`` broadcast, ``x / x.shape[1]``): each cell reads its own
     sequence's entry, as a value of the output's ``shape``."""
-    rows, packed = ctx.row_axes(out), ctx.packed_axes(out)
-    if len(rows) != 1 or len(packed) != 1:
+    frame = ctx.one_frame(out)
+    if frame is None:
         raise NoRule(f"a per-sequence value meets a value of shape {tuple(out)}")
-    (r,), (p,) = rows, packed
+    r, p = frame
     if x.axis is None:
         if shape != ():
             raise NoRule("a per-sequence number of more than one entry meets a packed length")

@@ -561,10 +561,10 @@ def _concatenate_packed(ctx: PackedCtx, eqn, invals):
 def _joined_per_sequence(ctx: PackedCtx, invals, shapes, out, a: int):
     """The pieces ``invals`` (logical ``shapes``) joined along the packed axis ``a`` of
     ``out`` (`_concatenate_packed`)."""
-    rows = ctx.row_axes(out)
-    if len(rows) != 1 or len(ctx.packed_axes(out)) != 1:
+    frame = ctx.one_frame(out)
+    if frame is None:
         raise NoRule("concatenate along a packed length of a value without one rows axis")
-    (r,) = rows
+    r, _ = frame
     pos, seglen = ctx.cells(out[a])
     column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
     result, offset = None, jnp.zeros_like(pos)
@@ -628,10 +628,10 @@ def _split_packed(ctx: PackedCtx, eqn, invals):
         if is_sym(shape[a]):
             raise NoRule("split along the rows of packed rows")
         return None
-    rows = ctx.row_axes(shape)
-    if len(rows) != 1 or len(ctx.packed_axes(shape)) != 1:
+    frame = ctx.one_frame(shape)
+    if frame is None:
         raise NoRule("split along a packed length of a value without one rows axis")
-    (r,) = rows
+    r, _ = frame
     # The operand with its rows and packed axes first; parts are cut from it by cell.
     moved = jnp.moveaxis(x, (r, a), (0, 1))
     # Per cell: where its sequence's next part starts (the sizes of the parts before it).
