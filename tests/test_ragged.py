@@ -635,17 +635,28 @@ def test_the_last_token_of_an_empty_row(layout):
         assert np.isfinite(grad[[0, 2]]).all() and np.isfinite(grad[1]).all(), name
 
 
+PAST_THE_END = {    # (index form, k per row): k past the end of rows 1 and 3
+    "h[arange(B), k]": lambda x, k: x[_ARANGE(x), k],
+    "h[:, 3]": lambda x, k: x[:, 3],
+    "h[:, -2]": lambda x, k: x[:, -2],
+    "h.at[:, 3].add(2.0)": lambda x, k: x.at[:, 3].add(2.0),
+}
+
+
 @pytest.mark.parametrize("layout", ["pad", "pack"])
-def test_an_index_past_a_rows_end_reads_and_differentiates_as_jax_jit_on_the_row(layout):
-    """``h[jnp.arange(B), k]`` with ``k`` past a row's end: the gather (PROMISE_IN_BOUNDS)
-    clamps, reading the row's last position, and its transpose, a scatter-add in the same
-    mode, drops the update, as XLA does -- so ``jax.jit`` on the row alone gives a gradient
-    of 0 there, and so must every layout."""
-    lengths, k = [5, 3, 9], np.array([2, 6, 8], np.int32)
+@pytest.mark.parametrize("name", sorted(PAST_THE_END))
+def test_an_index_past_a_rows_end_reads_and_differentiates_as_jax_jit_on_the_row(name, layout):
+    """An index past a row's end (PROMISE_IN_BOUNDS, jnp's indexing mode), as ``jax.jit`` on
+    the row alone runs it: ``h[jnp.arange(B), k]`` is a gather there, which clamps the read,
+    and its transpose a scatter-add, which XLA skips -- a gradient of 0; ``h[:, 3]`` and
+    ``h[:, -2]`` are a dynamic slice there (only over a symbolic length a gather), which
+    clamps the read and its gradient alike."""
+    g = PAST_THE_END[name]
+    lengths, k = [5, 3, 9, 1], np.array([2, 6, 8, 4], np.int32)
     x, rows = ragged_batch(lengths)
 
     def value_and_grad(x, k):
-        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x[_ARANGE(x), k])))(x)
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(g(x, k))))(x)
     f = px.bucketed(lambda x, k, lengths: value_and_grad(x, k), layout=layout,
                     in_specs=(SPECS[0], px.Spec("B", jnp.int32), SPECS[1]), buckets={T: [16]})
     value, grad = f(x, k, np.asarray(lengths, np.int32))

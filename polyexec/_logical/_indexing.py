@@ -193,22 +193,26 @@ def _gather_acts_on(eqn, i, axis, shape):
     return axis == len(shape) - 1
 
 
-def drops(eqn) -> bool:
-    """Whether ``eqn`` (a gather or a scatter) drops an index outside its bounds -- a gather
-    fills there, a scatter skips the update -- rather than clamping it: FILL_OR_DROP, and a
-    scatter in PROMISE_IN_BOUNDS mode, whose out-of-bounds updates XLA skips (it clamps a
-    gather's index), as ``jax.jit`` at the exact size does."""
+def drops(eqn, *, sliced: bool = False) -> bool:
+    """Whether ``eqn`` (a gather or a scatter) drops an index outside its bounds, as
+    ``jax.jit`` at the exact size does -- a gather fills there, a scatter skips the update --
+    rather than clamping it: FILL_OR_DROP; and a scatter in PROMISE_IN_BOUNDS mode, whose
+    out-of-bounds updates XLA skips (it clamps a gather's index), unless ``sliced``: one
+    position of an axis for every row, ``x[:, k]``, which jnp indexes with a gather only over
+    a symbolic length -- at an exact size it takes a (dynamic) slice, which clamps the start
+    for the read and its gradient alike."""
     mode = eqn.params["mode"]
     return mode == lax.GatherScatterMode.FILL_OR_DROP or (
-        mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS and eqn.primitive.name != "gather")
+        mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS and eqn.primitive.name != "gather"
+        and not sliced)
 
 
-def within(eqn, position, n):
+def within(eqn, position, n, *, sliced: bool = False):
     """``(position, inside)``: an index into ``n`` positions (a row's, a sequence's) as the
-    gather or scatter ``eqn`` reads it. One that `drops` keeps it, inside where it falls in
-    ``[0, n)``; any other clamps it there, inside unless there is no position at all
-    (``n == 0``: a row or sequence of length 0)."""
-    if drops(eqn):
+    gather or scatter ``eqn`` reads it (``sliced``: see `drops`). One that `drops` keeps it,
+    inside where it falls in ``[0, n)``; any other clamps it there, inside unless there is no
+    position at all (``n == 0``: a row or sequence of length 0)."""
+    if drops(eqn, sliced=sliced):
         return position, (position >= 0) & (position < n)
     return jnp.clip(position, 0, jnp.maximum(n - 1, 0)), n > 0
 
@@ -300,7 +304,7 @@ def _position_per_row(ctx, eqn, x, t, idx, component):
         one = tuple(d if a == axis else 1 for a, d in enumerate(x.shape))
         idx = lax.broadcast_in_dim(idx.value, (*one, idx.value.shape[-1]), (axis, x.ndim))
     k, others = idx[..., component], None
-    if drops(eqn):
+    if drops(eqn, sliced=True):
         for c in range(idx.shape[-1]):
             if c != component:
                 bad = idx[..., c] != 0
@@ -324,7 +328,7 @@ def _per_row_position(ctx, eqn, x, idx):
     n = ctx.length(x.shape[t], shape=x.shape)       # per row, shaped to broadcast along x
     k, others = _position_per_row(ctx, eqn, x, t, idx, component)
     one = tuple(1 if a == t else d for a, d in enumerate(x.shape))
-    k, inside = within(eqn, k, n)
+    k, inside = within(eqn, k, n, sliced=True)
     position = jnp.broadcast_to(k.astype(np.int32), one)
     out = jnp.take_along_axis(x, position, axis=t, mode="clip")
     outside = ~inside if others is None else ~inside | others
@@ -352,7 +356,7 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     t, component = found
     n = ctx.length(x.shape[t], shape=x.shape)
     k, others = _position_per_row(ctx, eqn, x, t, idx, component)
-    k, inside = within(eqn, k, n)
+    k, inside = within(eqn, k, n, sliced=True)
     drop = ~inside if others is None else ~inside | others
     at = (iota_along(x.shape, t) == k) & ~drop
     if t not in dn.inserted_window_dims:
@@ -482,7 +486,7 @@ def _position(ctx: PackedCtx, eqn, shape, index, index_map, window):
             or (isinstance(index, PerSequence) and index.axis is not None)
             or any(a != frame[1] and not same_dim(window[a], shape[a])
                    for a in range(len(shape)))
-            or (k > 1 and drops(eqn))):
+            or (k > 1 and drops(eqn, sliced=True))):
         return None
     _, p = frame
     i = list(index_map).index(p)
@@ -490,7 +494,7 @@ def _position(ctx: PackedCtx, eqn, shape, index, index_map, window):
         position = index.value[..., i]
     else:
         position = jnp.broadcast_to(jnp.asarray(index)[i], ctx.pos.shape)
-    position, inside = within(eqn, position, ctx.at_lengths(shape[p], ctx.seglen))
+    position, inside = within(eqn, position, ctx.at_lengths(shape[p], ctx.seglen), sliced=True)
     return p, position.astype(np.int32), inside
 
 
