@@ -640,6 +640,10 @@ PAST_THE_END = {    # (index form, k per row): k past the end of rows 1 and 3
     "h[:, 3]": lambda x, k: x[:, 3],
     "h[:, -2]": lambda x, k: x[:, -2],
     "h.at[:, 3].add(2.0)": lambda x, k: x.at[:, 3].add(2.0),
+    "h.at[:, 3].set(2.0, mode='promise_in_bounds')":
+        lambda x, k: x.at[:, 3].set(2.0, mode="promise_in_bounds"),
+    "h.at[:, -2].add(2.0, mode='promise_in_bounds')":
+        lambda x, k: x.at[:, -2].add(2.0, mode="promise_in_bounds"),
 }
 
 
@@ -650,7 +654,8 @@ def test_an_index_past_a_rows_end_reads_and_differentiates_as_jax_jit_on_the_row
     the row alone runs it: ``h[jnp.arange(B), k]`` is a gather there, which clamps the read,
     and its transpose a scatter-add, which XLA skips -- a gradient of 0; ``h[:, 3]`` and
     ``h[:, -2]`` are a dynamic slice there (only over a symbolic length a gather), which
-    clamps the read and its gradient alike."""
+    clamps the read and its gradient alike; ``h.at[:, 3].set(v, mode="promise_in_bounds")``
+    is a scatter at every size, which XLA skips there."""
     g = PAST_THE_END[name]
     lengths, k = [5, 3, 9, 1], np.array([2, 6, 8, 4], np.int32)
     x, rows = ragged_batch(lengths)

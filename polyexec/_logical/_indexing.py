@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import source_info_util
 
 from ._basics import (bind_eqn_with, filled, has_sym, highest_value, iota_along, is_sym,
                       literal_start, lowest_value, one_position, operand_avals, same_dim)
@@ -197,14 +198,24 @@ def drops(eqn, *, sliced: bool = False) -> bool:
     """Whether ``eqn`` (a gather or a scatter) drops an index outside its bounds, as
     ``jax.jit`` at the exact size does -- a gather fills there, a scatter skips the update --
     rather than clamping it: FILL_OR_DROP; and a scatter in PROMISE_IN_BOUNDS mode, whose
-    out-of-bounds updates XLA skips (it clamps a gather's index), unless ``sliced``: one
-    position of an axis for every row, ``x[:, k]``, which jnp indexes with a gather only over
-    a symbolic length -- at an exact size it takes a (dynamic) slice, which clamps the start
-    for the read and its gradient alike."""
+    out-of-bounds updates XLA skips (it clamps a gather's index), except the gradient of a
+    ``sliced`` read: one position of an axis for every row, ``x[:, k]``, which jnp reads with
+    a gather only over a symbolic length -- at an exact size it takes a (dynamic) slice, which
+    clamps the start for the read and its gradient alike. That gradient is the scatter-add
+    JAX's autodiff writes as the gather's transpose; ``x.at[:, k].set(v, mode=...)`` is a
+    scatter at every size, and drops."""
     mode = eqn.params["mode"]
     return mode == lax.GatherScatterMode.FILL_OR_DROP or (
         mode == lax.GatherScatterMode.PROMISE_IN_BOUNDS and eqn.primitive.name != "gather"
-        and not sliced)
+        and not (sliced and _transposes_a_read(eqn)))
+
+
+def _transposes_a_read(eqn) -> bool:
+    """Whether ``eqn`` is the scatter-add autodiff makes of a gather: the name stack the
+    interpreter evaluates it under (`_core.eval_jaxpr`: its programs' and its own, a
+    backward loop's body included) is a transpose's, as ``jax.grad`` writes it."""
+    return (eqn.primitive.name == "scatter-add"
+            and "transpose(" in str(source_info_util.current_name_stack()))
 
 
 def within(eqn, position, n, *, sliced: bool = False):
