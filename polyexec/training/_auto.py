@@ -53,10 +53,10 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     (`fit`'s examples stacked), for which ``grid`` is needed.
 
     The fastest of several (`SAMPLES` in all by default): one timed call is one noisy sample.
-    A first call after a compile ran 1.3-1.5x the next ones (77 against 52 us a cell for the
-    pydoc GRU's packed rows), and on a shared 2-core machine one call in a few ran up to 2x
-    the others; priced by one call, a run was predicted 1.3x and once 1.9x its clock. A
-    slow call is noise a faster one reveals; no call runs faster than the step can.
+    A first call after a compile ran 1.2-1.8x the next two (the pydoc GRU's 8 packed rows of
+    1,024 on 2 shared CPU cores: 0.91 and 1.37 s against 0.72-0.76 s), and priced by that
+    call alone the example's runs were predicted 1.15-1.33x, once 1.9x, their clock. A slow
+    call is noise a faster one reveals; no call runs faster than the step can.
 
     ``extra_compiles``: a second step compiled at the same shape whose compile seconds are
     added (each length bucket compiles the eval step as well as the train step).
