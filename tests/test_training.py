@@ -23,6 +23,7 @@ from conftest import assert_trees_close, run_once
 from examples.rnn.model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, masked_loss_fn
 import polyexec as px
 from polyexec import training
+from polyexec.training import _auto as _measuring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -556,6 +557,8 @@ def test_auto_refits_when_the_run_is_extended(auto_fit):
 # -- the measurement behind "auto": an outlier sample does not decide ------------------------
 
 SLOW, USUAL, COMPILE = 10.0, 1e-3, 1.0
+# The real ones, wrapped afresh by each fake_clock (a second one must not wrap the first).
+REAL_TIMED_STEP, REAL_COMPILE_AT = _measuring._timed_step, _measuring.compile_at
 
 
 def fake_clock(monkeypatch, slow=lambda i: False):
@@ -564,20 +567,18 @@ def fake_clock(monkeypatch, slow=lambda i: False):
     seconds, or ``SLOW`` where ``slow(i)`` for the i-th call from 0 (an outlier, such as a
     first call after a compile on a busy machine); each compile reports ``COMPILE``. Returns
     the list the (rows, length) of every timed call is appended to, in order."""
-    from polyexec.training import _auto
     calls = []
-    real_step, real_compile = _auto._timed_step, _auto.compile_at
 
     def timed(step, arg, tokens, lengths):
-        _, output = real_step(step, arg, tokens, lengths)
+        _, output = REAL_TIMED_STEP(step, arg, tokens, lengths)
         calls.append(tuple(jax.tree_util.tree_leaves(tokens)[0].shape))
         return (SLOW if slow(len(calls) - 1) else USUAL), output
 
     def compile_at(steps, shape):
-        return COMPILE * len(steps), real_compile(steps, shape)[1]
+        return COMPILE * len(steps), REAL_COMPILE_AT(steps, shape)[1]
 
-    monkeypatch.setattr(_auto, "_timed_step", timed)
-    monkeypatch.setattr(_auto, "compile_at", compile_at)
+    monkeypatch.setattr(_measuring, "_timed_step", timed)
+    monkeypatch.setattr(_measuring, "compile_at", compile_at)
     return calls
 
 
@@ -596,7 +597,6 @@ def test_choose_layout_times_three_calls_and_a_slow_one_does_not_decide(monkeypa
     kept): three timed calls at the packed grid, the fastest counting. A first call 10,000x
     the others changes neither the cost nor the layout; every call that slow -- what one
     slow sample would have priced -- changes the layout (so the outlier could have decided)."""
-    from polyexec.training import _auto
     tokens = np.random.default_rng(0).integers(1, 9, (len(LAYOUT_LENGTHS), 64)).astype(np.int32)
 
     def examples(indices):
@@ -617,7 +617,7 @@ def test_choose_layout_times_three_calls_and_a_slow_one_does_not_decide(monkeypa
 
     usual, calls = choose(lambda i: False)
     assert usual.layout == "pack" and usual.pack_rows == {64: 4}, usual.describe()
-    assert len(calls) == _auto.SAMPLES == 3
+    assert len(calls) == _measuring.SAMPLES == 3
     if real_batches:        # every timed call a real batch's step, kept as the run's first
         assert len(usual.first_steps) == 3
     else:
@@ -638,8 +638,6 @@ def test_fit_prices_its_run_by_the_fastest_of_three_calls(monkeypatch):
     prices packed rows above padded buckets: the run pads (this used to fail in fit while
     printing the choice: the padded buckets priced by the packed measurement have no
     measurement of their own)."""
-    from polyexec.training import _auto
-
     def run(slow):
         calls = fake_clock(monkeypatch, slow)
         # A linear model: the test is about the measurement; a GRU's compiles took seconds.
@@ -652,7 +650,7 @@ def test_fit_prices_its_run_by_the_fastest_of_three_calls(monkeypatch):
     result, calls = run(lambda i: i == 0)
     assert result.layout == "pack"
     (grid,) = set(calls)
-    assert len(calls) == _auto.SAMPLES and grid[1] == max(result.policy.sizes)
+    assert len(calls) == _measuring.SAMPLES and grid[1] == max(result.policy.sizes)
     prediction = result.prediction
     assert prediction.compiles == 0
     assert prediction.step_seconds == pytest.approx(prediction.cells * USUAL / (grid[0] * grid[1]))
