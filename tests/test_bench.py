@@ -733,7 +733,9 @@ def test_quick_layout_auto_follows_its_prediction(infer_auto):
             auto["predicted_padding_efficiency"])
         assert by["polyexec"]["compiles"] == 1 and by["polyexec"]["traces"] == 1
         assert by["polyexec-cached"]["compiles"] == 0
-        assert 1 <= auto["timed_steps"] <= 2 * len(auto["row_lengths"])
+        # The fastest of three timed calls a row length prices it: real batches where the
+        # plan has them (kept as the run's first), padding for the rest (not counted here).
+        assert 1 <= auto["timed_steps"] <= 3 * len(auto["row_lengths"])
     assert "polyexec: predicted " in printed and " for the run (" in printed
     np.testing.assert_allclose(
         doc["workload"]["per_strategy"]["polyexec-cached"]["epoch_loss"],

@@ -236,11 +236,12 @@ def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fix
         n = LENGTHS[indices].astype(np.int32)
         return tokens[indices, :int(n.max())], n
 
-    first, second = buckets.packed_batch_plan(LENGTHS, [64], rows=4, seed=3, epoch=0)[:2]
+    plan = buckets.packed_batch_plan(LENGTHS, [64], rows=4, seed=3, epoch=0)
+    first = plan[0]
     px.enable_persistent_cache(str(tmp_path))
     try:
-        # The first run times the plan's first two batches (a first call after a compile runs
-        # slow), the second on the first one's output. The second run loads the program from
+        # The first run times the plan's first three batches (a first call after a compile runs
+        # slow), each on the last one's output. The second run loads the program from
         # the persistent cache and its recorded cost: nothing is timed, yet the first batch
         # still runs once and is kept.
         for run in range(2):
@@ -249,14 +250,15 @@ def test_choose_layout_keeps_the_measured_first_batch_as_the_runs_first_step(fix
             choice = choose_layout(step, _state(), LENGTHS, epochs=2, max_tokens=256, seed=3,
                                    examples=examples, next_arg=lambda output: output[0])
             kept = choice.first_steps
-            assert len(kept) == (2 if run == 0 else 1)
+            assert len(kept) == (_auto.SAMPLES if run == 0 else 1) == (3 if run == 0 else 1)
             (batch, output) = kept[0]
             np.testing.assert_array_equal(batch.indices, first.indices)
             # That batch's step from the initial state: the run goes on from it.
             assert_trees_close(output, choice.step(_state(), *examples(first.indices)))
-            if run == 0:
-                np.testing.assert_array_equal(kept[1][0].indices, second.indices)
-                assert_trees_close(kept[1][1], choice.step(output[0], *examples(second.indices)))
+            for i in range(1, len(kept)):       # the plan's next batches, each on the last
+                np.testing.assert_array_equal(kept[i][0].indices, plan[i].indices)
+                assert_trees_close(kept[i][1], choice.step(kept[i - 1][1][0],
+                                                           *examples(plan[i].indices)))
             # Epoch 0 takes them first, then every other example once.
             plan = choice.epoch_plan(LENGTHS, epoch=0, seed=3)
             assert plan[:len(kept)] == [b for b, _ in kept]
@@ -302,13 +304,15 @@ def test_choose_layout_adds_shorter_rows_when_their_cells_measure_cheaper(monkey
                            layout="auto")
     choice = choose_layout(step, _state(), lengths, epochs=3, max_tokens=256, examples=examples,
                            next_arg=lambda output: output[0])
-    # The timed calls ran the two-length plan's first two batches of each row length (the
-    # faster of two counts), each on the last one's output: all kept, in that order, as the
-    # run's first steps.
+    # The timed calls ran the two-length plan's first three batches of each row length (the
+    # fastest counts), each on the last one's output: all kept, in that order, as the run's
+    # first steps.
     plan = buckets.packed_batch_plan(lengths, [16, 64], max_tokens=256, epoch=0)
     kept = choice.first_steps
-    expected = [b for n in (64, 16) for b in [b for b in plan if b.row_length == n][:2]]
+    expected = [b for n in (64, 16) for b in [b for b in plan if b.row_length == n][:3]]
+    # The plan has two batches of rows of 64 (a padding call, not kept, is their third sample).
     assert [b.indices.tolist() for b, _ in kept] == [b.indices.tolist() for b in expected]
+    assert [b.row_length for b, _ in kept] == [64, 64, 16, 16, 16]
     state = _state()
     for batch, output in kept:
         assert_trees_close(output, choice.step(state, *examples(batch.indices)))

@@ -23,6 +23,7 @@ from conftest import assert_trees_close, run_once
 from examples.rnn.model import CharLM, loss_and_count, loss_fn, masked_loss_and_count, masked_loss_fn
 import polyexec as px
 from polyexec import training
+from polyexec.training import _auto as _measuring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -551,6 +552,108 @@ def test_auto_refits_when_the_run_is_extended(auto_fit):
     assert longer.prediction.steps == len(buckets.batch_plan(
         np.maximum([len(s) for s in AUTO_DATA], 2), longer.policy, batch_size=8))  # ... for 1 epoch
     assert [r["epoch"] for r in longer.epochs()] == [0, 1, 2]
+
+
+# -- the measurement behind "auto": an outlier sample does not decide ------------------------
+
+SLOW, USUAL, COMPILE = 10.0, 1e-3, 1.0
+# The real ones, wrapped afresh by each fake_clock (a second one must not wrap the first).
+REAL_TIMED_STEP, REAL_COMPILE_AT = _measuring._timed_step, _measuring.compile_at
+
+
+def fake_clock(monkeypatch, slow=lambda i: False):
+    """`measure_cost`'s clock replaced, so that nothing here depends on this machine's speed:
+    each timed call still runs the step (a run may keep its output) but reports ``USUAL``
+    seconds, or ``SLOW`` where ``slow(i)`` for the i-th call from 0 (an outlier, such as a
+    first call after a compile on a busy machine); each compile reports ``COMPILE``. Returns
+    the list the (rows, length) of every timed call is appended to, in order."""
+    calls = []
+
+    def timed(step, arg, tokens, lengths):
+        _, output = REAL_TIMED_STEP(step, arg, tokens, lengths)
+        calls.append(tuple(jax.tree_util.tree_leaves(tokens)[0].shape))
+        return (SLOW if slow(len(calls) - 1) else USUAL), output
+
+    def compile_at(steps, shape):
+        return COMPILE * len(steps), REAL_COMPILE_AT(steps, shape)[1]
+
+    monkeypatch.setattr(_measuring, "_timed_step", timed)
+    monkeypatch.setattr(_measuring, "compile_at", compile_at)
+    return calls
+
+
+def _linear_loss(model, tokens, lengths):
+    return jnp.mean(tokens.astype(jnp.float32) * model.weight[0, 0])
+
+
+# Exact-length padded buckets waste no cell here, packed rows some: dear cells pad, cheap pack.
+LAYOUT_LENGTHS = np.array([3, 5, 6, 7, 40, 41, 64, 9, 2, 12] * 8)
+
+
+@pytest.mark.parametrize("real_batches", [False, True], ids=["padding", "real-batches"])
+def test_choose_layout_times_three_calls_and_a_slow_one_does_not_decide(monkeypatch,
+                                                                        real_batches):
+    """`fit`'s measurement (padding calls) and the benchmark's (the run's first real batches,
+    kept): three timed calls at the packed grid, the fastest counting. A first call 10,000x
+    the others changes neither the cost nor the layout; every call that slow -- what one
+    slow sample would have priced -- changes the layout (so the outlier could have decided)."""
+    tokens = np.random.default_rng(0).integers(1, 9, (len(LAYOUT_LENGTHS), 64)).astype(np.int32)
+
+    def examples(indices):
+        n = LAYOUT_LENGTHS[indices].astype(np.int32)
+        return tokens[indices, :int(n.max())], n
+
+    sgd = optax.sgd(0.1)
+    # One step for the three choices: the packed program compiles once (the clock says 1 s).
+    step = training.make_train_step(_linear_loss, sgd, length_buckets=[64], batch_buckets=[4],
+                                    layout="auto")
+
+    def choose(slow):
+        calls = fake_clock(monkeypatch, slow)
+        state = training.TrainState.create(eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0)), sgd)
+        more = dict(examples=examples, next_arg=lambda out: out[0]) if real_batches else {}
+        return training.choose_layout(step, state, LAYOUT_LENGTHS, epochs=2, max_tokens=256,
+                                      **more), calls
+
+    usual, calls = choose(lambda i: False)
+    assert usual.layout == "pack" and usual.pack_rows == {64: 4}, usual.describe()
+    assert len(calls) == _measuring.SAMPLES == 3
+    if real_batches:        # every timed call a real batch's step, kept as the run's first
+        assert len(usual.first_steps) == 3
+    else:
+        assert calls == [(4, 64)] * 3 and usual.first_steps == ()
+    assert usual.cost.seconds_per_cell == USUAL / (4 * 64)
+    first_slow, calls = choose(lambda i: i == 0)
+    assert len(calls) == 3
+    assert first_slow.cost == usual.cost and first_slow.layout == usual.layout
+    assert first_slow.pack == usual.pack and first_slow.pad == usual.pad
+    all_slow, _ = choose(lambda i: True)
+    assert all_slow.layout == "pad", all_slow.describe()
+
+
+def test_fit_prices_its_run_by_the_fastest_of_three_calls(monkeypatch):
+    """`fit` (layout and buckets "auto") times three padding calls at the packed grid; the
+    first, 10,000x the others, is not in its prediction (seconds per cell from the usual
+    call), and the run trains packed, as the usual calls price it. Every call that slow
+    prices packed rows above padded buckets: the run pads (this used to fail in fit while
+    printing the choice: the padded buckets priced by the packed measurement have no
+    measurement of their own)."""
+    def run(slow):
+        calls = fake_clock(monkeypatch, slow)
+        # A linear model: the test is about the measurement; a GRU's compiles took seconds.
+        model = eqx.nn.Linear(1, 1, key=jax.random.PRNGKey(0))
+        return training.fit(model, _linear_loss, AUTO_DATA, optimizer=optax.sgd(0.1), epochs=1,
+                            batch_size=4, cache=False, verbose=False), calls
+
+    all_slow, _ = run(lambda i: True)
+    assert all_slow.layout == "pad" and all_slow.epochs()
+    result, calls = run(lambda i: i == 0)
+    assert result.layout == "pack"
+    (grid,) = set(calls)
+    assert len(calls) == _measuring.SAMPLES and grid[1] == max(result.policy.sizes)
+    prediction = result.prediction
+    assert prediction.compiles == 0
+    assert prediction.step_seconds == pytest.approx(prediction.cells * USUAL / (grid[0] * grid[1]))
 
 
 @pytest.fixture(scope="module")

@@ -33,21 +33,30 @@ from ._data import Batching, round_up
 from ._parallel import DataParallel
 from ._state import copy_arrays
 
+# Timed calls a measured shape: the fastest counts (see `measure_cost`). Three: the first
+# call after a compile and one more outlier can both be slow and still not decide the run.
+SAMPLES = 3
 # Beside JAX's persistent compile cache: what each program cost to compile and to run.
 _COSTS = "polyexec-costs.json"
 # MLIR debug locations: `#loc3 = loc(...)` lines and ` loc(#loc3)` / ` loc("x"(#loc))` suffixes.
 _LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 
 
-def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = 2,
+def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = SAMPLES,
                  extra_compiles: Bucketed | None = None, extra_arg: Any = None,
                  parallel: int = 1, on_output: Callable[[Any], None] | None = None,
                  grid: tuple[int, int] | None = None,
-                 then: Callable[[], float] | None = None) -> _buckets.CostModel:
+                 then: Sequence[Callable[[], float]] = ()) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
     ``tokens`` is the batch the step takes: token ids (B, T), or any pytree of a batch
     (`fit`'s examples stacked), for which ``grid`` is needed.
+
+    The fastest of several (`SAMPLES` in all by default): one timed call is one noisy sample.
+    A first call after a compile ran 1.2-1.8x the next two (the pydoc GRU's 8 packed rows of
+    1,024 on 2 shared CPU cores: 0.91 and 1.37 s against 0.72-0.76 s), and priced by that
+    call alone the example's runs were predicted 1.15-1.33x, once 1.9x, their clock. A slow
+    call is noise a faster one reveals; no call runs faster than the step can.
 
     ``extra_compiles``: a second step compiled at the same shape whose compile seconds are
     added (each length bucket compiles the eval step as well as the train step).
@@ -55,8 +64,8 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     background thread), so count this fraction of their seconds. ``on_output``: called with
     each timed call's output (a real batch's step, kept rather than thrown away). ``grid``:
     the (rows, row length) a packed step runs ``tokens`` at (default: ``tokens.shape``).
-    ``then``: one more timed call the caller makes after these (the next real batch, a step
-    its run takes anyway), returning its seconds; the fastest of all counts.
+    ``then``: more timed calls the caller makes after these (the next real batches, steps
+    its run takes anyway), each returning its seconds; the fastest of all counts.
 
     With JAX's persistent compile cache on, the cost is kept beside it; when the program is
     then loaded from the cache (no compile to time), the kept cost is returned, so a second run
@@ -94,7 +103,10 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
         if on_output is not None:
             call()
     else:
-        fastest = min([call() for _ in range(runs)] + ([then()] if then is not None else []))
+        if runs < 1 and not then:
+            raise OptionError(f"measure_cost: runs: expected an int >= 1 (or calls in then), "
+                              f"received {runs!r}")
+        fastest = min([call() for _ in range(runs)] + [more() for more in then])
         compile_s, per_cell = seconds, fastest / (rows * length)
         if not hit:
             record.save(compile_s, per_cell)
@@ -409,8 +421,8 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
     """Pad or pack, by predicted run time; ``step`` is a train step made with
     ``layout="auto"`` (so its one trace holds the packed program too).
 
-    A plan that can pack is compiled once and timed (the faster of two real batches' steps
-    with ``examples``, one call on padding without) at its packed shape -- rows
+    A plan that can pack is compiled once and timed (the fastest of `SAMPLES` calls: real
+    batches' steps with ``examples``, else padding) at its packed shape -- rows
     of the longest length ``L``, as few as hold about ``batch_size`` examples a step
     (`_rows_holding`: the padded layout's steps an epoch), or ``max_tokens // L`` (the same
     cells a step as padded rows) -- and that cost
@@ -531,36 +543,39 @@ def choose_layout(step: Bucketed, arg: Any, lengths: Any, *, epochs: int,
         return []
 
     def timed(packer, grid):
-        """Compile ``packer`` and time a call at ``grid`` (rows, row length): when
-        ``examples`` are given, on the first batches of that row length in ``plans`` not yet
-        run -- two, the faster counting -- each kept in ``first_steps`` and each call on the
-        last one's output; else once on padding. A first call after a compile runs slower
-        (the pydoc GRU's packed rows: 77 against 52 us a cell at 5 x 1,024, 53 against 36 at
-        20 x 256), and priced by it alone a run was predicted about 1.3x its time. A second
-        real batch is a step the run takes anyway; a second padding call would cost the cold
-        epoch a step."""
-        batches = unrun(grid[1])[:2]
-        if not batches:
-            tokens = (batch_of(*grid) if batch_of is not None
-                      else np.full(grid, pad_id, np.int32))
-            full = np.full(grid[0], grid[1], np.int32)
-        else:
-            tokens, full = examples(batches[0].indices)
+        """Compile ``packer`` and time `SAMPLES` calls at ``grid`` (rows, row length), the
+        fastest counting (`measure_cost`): when ``examples`` are given, on the first batches
+        of that row length in ``plans`` not yet run, each kept in ``first_steps`` and each
+        call on the last one's output (steps the run takes anyway: free samples); padding
+        makes up the rest (a plan with fewer such batches; all of them without ``examples``,
+        as `fit` measures), its outputs dropped."""
+        batches = unrun(grid[1])[:SAMPLES]
+        padding = (batch_of(*grid) if batch_of is not None else np.full(grid, pad_id, np.int32),
+                   np.full(grid[0], grid[1], np.int32))
 
         def keep(output):
             nonlocal on
-            if batches:
-                first_steps.append((batches[len(first_steps) - ran_before], output))
-                on = next_arg(output)
+            first_steps.append((batches[len(first_steps) - ran_before], output))
+            on = next_arg(output)
 
-        def then() -> float:         # the second batch, on the first one's output
-            took, output = _timed_step(packer, on, *examples(batches[1].indices))
-            keep(output)
-            return took
+        def real(batch) -> Callable[[], float]:      # a next batch, on the last one's output
+            def call() -> float:
+                took, output = _timed_step(packer, on, *examples(batch.indices))
+                keep(output)
+                return took
+            return call
+
+        def pad() -> float:
+            return _timed_step(packer, on, *padding)[0]
 
         ran_before = len(first_steps)
-        cost = measure_cost(packer, on, tokens, full, runs=1, parallel=parallel,
-                            on_output=keep, grid=grid, then=then if len(batches) > 1 else None)
+        if batches:
+            then = [real(b) for b in batches[1:]] + [pad] * (SAMPLES - len(batches))
+            cost = measure_cost(packer, on, *examples(batches[0].indices), runs=1,
+                                parallel=parallel, on_output=keep, grid=grid, then=then)
+        else:
+            cost = measure_cost(packer, on, *padding, runs=SAMPLES, parallel=parallel,
+                                grid=grid)
         # Every process runs its rows of the same grid; process 0's timing decides for all.
         return agree(cost, shards)
 

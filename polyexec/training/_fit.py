@@ -703,11 +703,16 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
             run.display.print(f"layout (auto): pad, {choice.reason}")
         choice = choice.buckets
     if known is None:
-        (rows, top), cost, policy = choice.measured_at, choice.cost, choice.policy
+        policy = choice.policy
+        # Priced by choose_layout's packed measurement (said above), the buckets were not
+        # measured themselves: their choice has no cost of its own.
+        measured = ""
+        if choice.measured_at is not None:
+            (rows, top), cost = choice.measured_at, choice.cost
+            measured = (f"; measured at B={rows}, T={top}: compile {cost.compile_seconds:.2f} s "
+                        f"(train + eval), step {cost.step_seconds(rows, top):.3f} s")
         run.display.print(
-            f"buckets (auto, for {remaining} epoch(s); measured at B={rows}, T={top}: compile "
-            f"{cost.compile_seconds:.2f} s (train + eval), step {cost.step_seconds(rows, top):.3f} "
-            f"s): T={list(policy.sizes)}"
+            f"buckets (auto, for {remaining} epoch(s){measured}): T={list(policy.sizes)}"
             + (f", partial batches at their own rows for T={list(policy.partial_rows)}"
                if policy.partial_rows else "")
             + f"\n  predicted: {policy.prediction.describe()}")
