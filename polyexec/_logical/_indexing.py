@@ -211,10 +211,15 @@ def drops(eqn, *, sliced: bool = False) -> bool:
 
 
 def _transposes_a_read(eqn) -> bool:
-    """Whether ``eqn`` is the scatter-add autodiff makes of a gather: the name stack the
-    interpreter evaluates it under (`_core.eval_jaxpr`: its programs' and its own, a
-    backward loop's body included) is a transpose's, as ``jax.grad`` writes it."""
-    return (eqn.primitive.name == "scatter-add"
+    """Whether ``eqn`` is the scatter-add autodiff makes of jnp's read at a static index:
+    the name stack the interpreter evaluates it under (`_core.eval_jaxpr`: its programs'
+    and its own, a backward loop's body included) is a transpose's, as ``jax.grad`` writes
+    it, and it keeps the sorted, unique indices jnp declares for such a read. The gathers
+    JAX's own rules write (the JVP of ``x.at[:, k].min(v)``) declare neither, and stay
+    gathers at an exact size: their transposes drop."""
+    p = eqn.params
+    return (eqn.primitive.name == "scatter-add" and p["indices_are_sorted"]
+            and p["unique_indices"]
             and "transpose(" in str(source_info_util.current_name_stack()))
 
 
