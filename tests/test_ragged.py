@@ -647,6 +647,8 @@ PAST_THE_END = {    # (index form, k per row): k past the end of rows 1 and 3
     # JAX's JVP of a scatter-min/max gathers at the index and writes the gather's transpose:
     # a scatter-add that drops at every size, like the scatter (it was NaN there before).
     "h.at[:, -2].min(0.5)": lambda x, k: x.at[:, -2].min(0.5),
+    "h.at[:, 3].max(0.5, mode='clip')": lambda x, k: x.at[:, 3].max(0.5, mode="clip"),
+    "h.at[:, 3].multiply(2.0)": lambda x, k: x.at[:, 3].multiply(2.0),
     "vmap(r.at[-3].max(0.5))": lambda x, k: jax.vmap(lambda r: r.at[-3].max(0.5))(x),
 }
 

@@ -358,7 +358,7 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     update into its own position ``k`` (clamped into its length, or dropped outside it where
     the scatter `drops`, and in a row of length 0); None for any other scatter."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
-    if eqn.primitive.name not in ("scatter-add", "scatter") or not _one_index(idx):
+    if eqn.primitive.name not in SCATTERS or not _one_index(idx):
         return None
     window = [1] * x.ndim
     for a, u in zip([a for a in range(x.ndim) if a not in dn.inserted_window_dims],
@@ -378,9 +378,17 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     if t not in dn.inserted_window_dims:
         updates = lax.squeeze(updates, (t,))
     spread = lax.broadcast_in_dim(updates, x.shape, tuple(a for a in range(x.ndim) if a != t))
-    if eqn.primitive.name == "scatter":
-        return [lax.select(at, spread, x)]
-    return [x + lax.select(at, spread, filled(x.shape, 0, x.dtype))]
+    if eqn.primitive.name == "scatter-add":      # no select of x: its tail stays zeroed
+        return [x + lax.select(at, spread, filled(x.shape, 0, x.dtype))]
+    return [lax.select(at, _written(eqn, x, spread), x)]
+
+
+def _written(eqn, old, update):
+    """What the scatter ``eqn`` leaves at a position it writes once (one update a position,
+    as a one-position index writes): its family's combiner of the old value and the update
+    (`SCATTERS`); a plain ``scatter`` leaves the update."""
+    family = SCATTERS[eqn.primitive.name]
+    return update if family is None else family.combine(old, update)
 
 
 def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
@@ -482,7 +490,7 @@ def _scatter(ctx, eqn, invals):
 
 
 deffacts("gather", row_varying=_held_index(_per_row_position))
-deffacts("scatter-add", "scatter", row_varying=_held_index(_per_row_put))
+deffacts(*SCATTERS, row_varying=_held_index(_per_row_put))
 
 # --------------------------------------------------------------------------------------------
 # Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'
@@ -582,7 +590,7 @@ def _put_own(ctx: PackedCtx, eqn, invals):
     x, index, updates = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
     update_shape = eqn.invars[2].aval.shape
-    if isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter"):
+    if isinstance(x, PerSequence) or eqn.primitive.name not in SCATTERS:
         return None
     window = scatter_window(eqn)
     found = _own_position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
@@ -638,16 +646,17 @@ def _put_ranked(ctx: PackedCtx, eqn, invals):
 
 def _write_at_positions(ctx: PackedCtx, eqn, x, cells, position, inside, r: int, p: int):
     """``x`` with each sequence's cell at ``position`` (per cell, where ``inside``) set to
-    ``cells`` there (``scatter``) or added to (``scatter-add``): the write-back of a packed
-    per-sequence index, the transpose of reading one."""
+    ``cells`` there (``scatter``), added to (``scatter-add``), or combined as the scatter
+    does (`_written`): the write-back of a packed per-sequence index, the transpose of reading
+    one."""
     shape = eqn.invars[0].aval.shape
     n = shape[p]
     pos, _ = ctx.cells(n)
     at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
     at = spread(at & ctx.in_frame(n), shape, (r, p))
-    if eqn.primitive.name == "scatter":
-        return [lax.select(at, cells, x)]
-    return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
+    if eqn.primitive.name == "scatter-add":
+        return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
+    return [lax.select(at, _written(eqn, x, cells), x)]
 
 
 def _pick(ctx: PackedCtx, eqn, invals):
@@ -688,7 +697,7 @@ def _put(ctx: PackedCtx, eqn, invals):
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
     update_shape = eqn.invars[2].aval.shape
     kept = len(shape) - len(dn.inserted_window_dims)
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in SCATTERS
             or dn.operand_batching_dims or tuple(dn.update_window_dims) != tuple(range(kept))):
         return None
     window = list(update_shape)
@@ -932,7 +941,7 @@ def _put_cells(ctx: PackedCtx, eqn, invals):
     x, index, updates = invals
     dn = eqn.params["dimension_numbers"]
     shape = eqn.invars[0].aval.shape
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
+    if (isinstance(x, PerSequence) or eqn.primitive.name not in SCATTERS
             or isinstance(updates, (PerSequence, PerCell, NotPacked)) or ctx.alive is not None):
         # Inside a packed scan a row's update may come from a cell that is not real there.
         return None
@@ -967,7 +976,7 @@ def _pick_any(ctx: PackedCtx, eqn, invals):
     return None
 
 
-@defrule("scatter-add", "scatter", layout="per_sequence")
+@defrule(*SCATTERS, layout="per_sequence")
 def _put_any(ctx: PackedCtx, eqn, invals):
     """The transposes of `_pick_any`."""
     for put in (_put, _put_own, _put_ranked, _put_sequences, _put_cells):
@@ -983,7 +992,7 @@ def _gather_packed(ctx: PackedCtx, eqn, invals):
     return picked if picked is not None else packed_generic(ctx, eqn, invals)
 
 
-@defrule("scatter-add", "scatter", layout="pack")
+@defrule(*SCATTERS, layout="pack")
 def _scatter_packed(ctx: PackedCtx, eqn, invals):
     put = _put_any(ctx, eqn, invals)
     return put if put is not None else packed_generic(ctx, eqn, invals)
