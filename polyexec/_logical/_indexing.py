@@ -378,17 +378,18 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     if t not in dn.inserted_window_dims:
         updates = lax.squeeze(updates, (t,))
     spread = lax.broadcast_in_dim(updates, x.shape, tuple(a for a in range(x.ndim) if a != t))
-    if eqn.primitive.name == "scatter-add":      # no select of x: its tail stays zeroed
-        return [x + lax.select(at, spread, filled(x.shape, 0, x.dtype))]
-    return [lax.select(at, _written(eqn, x, spread), x)]
+    return [_written(eqn, x, at, spread)]
 
 
-def _written(eqn, old, update):
-    """What the scatter ``eqn`` leaves at a position it writes once (one update a position,
-    as a one-position index writes): its family's combiner of the old value and the update
-    (`SCATTERS`); a plain ``scatter`` leaves the update."""
+def _written(eqn, x, at, update):
+    """``x`` after the scatter ``eqn`` writes ``update`` where ``at`` holds, once a position
+    (as a one-position index writes): its family's combiner of the old value and the update
+    (`SCATTERS`); a plain ``scatter`` leaves the update. A scatter-add adds zeros elsewhere
+    rather than selecting ``x``, so a zeroed tail of ``x`` stays known as zeroed."""
+    if eqn.primitive.name == "scatter-add":
+        return x + lax.select(at, update, filled(x.shape, 0, x.dtype))
     family = SCATTERS[eqn.primitive.name]
-    return update if family is None else family.combine(old, update)
+    return lax.select(at, update if family is None else family.combine(x, update), x)
 
 
 def _bounded_indices(idx, bounds, *, check: bool, clamp: bool):
@@ -654,9 +655,7 @@ def _write_at_positions(ctx: PackedCtx, eqn, x, cells, position, inside, r: int,
     pos, _ = ctx.cells(n)
     at = (pos == lax.slice_in_dim(position, 0, n, axis=1)) & lax.slice_in_dim(inside, 0, n, axis=1)
     at = spread(at & ctx.in_frame(n), shape, (r, p))
-    if eqn.primitive.name == "scatter-add":
-        return [x + lax.select(at, cells, filled(shape, 0, x.dtype))]
-    return [lax.select(at, _written(eqn, x, cells), x)]
+    return [_written(eqn, x, at, cells)]
 
 
 def _pick(ctx: PackedCtx, eqn, invals):
