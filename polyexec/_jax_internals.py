@@ -83,6 +83,12 @@ def is_constant_dim(d) -> bool:
     """Whether ``d`` is a static integer (anything ``operator.index`` accepts, and not a
     traced value). ``jax.core.is_constant_dim`` is deprecated without a replacement;
     ``not jax.export.is_symbolic_dim(d)`` differs on tracers and non-dimensions."""
+    # Said first without JAX's check, which raises and catches a TypeError for each symbolic
+    # dimension: the rewrites ask some 40,000 times of the 12-layer LM's dimensions.
+    if type(d) is int:
+        return True
+    if export.is_symbolic_dim(d):   # no ``__index__``: JAX's check answers False too
+        return False
     return _core.is_constant_dim(d)
 
 

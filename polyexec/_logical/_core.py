@@ -400,6 +400,26 @@ class Ctx:
         for it (packed rows keep each one they make)."""
         return logical_mask(self, shape, axes, shared)
 
+    def _derive(self, key, make):
+        """``make()``: padded rows make it at each ask (packed rows keep it for the trace,
+        `_packed.PackedCtx._derive`)."""
+        return make()
+
+    def filled(self, shape, fill, dtype):
+        """`filled`; one with the rows axis is kept per trace where the layout keeps values
+        (`_derive`; packed rows, as their tail masks): the masks of the 12-layer LM's packed
+        program filled some 380 selects from a dozen such arrays, each one an equation to
+        trace and lower. Keyed by the fill's bits (-0.0 is not 0.0)."""
+        try:
+            bits = np.asarray(fill, dtype).tobytes() if isinstance(
+                fill, (bool, int, float, np.generic)) else None
+        except (OverflowError, TypeError, ValueError):
+            bits = None
+        if bits is None or not any(self.row_axes(shape, r) for _, r in self.rows.values()):
+            return filled(shape, fill, dtype)   # traced, not a dtype value, or no rows axis
+        return self._derive(("filled", tuple(shape), np.dtype(dtype), bits),
+                            lambda: filled(shape, fill, dtype))
+
     def exact_extent(self, d):
         """The size of an axis of length ``d`` in the exact-size call ``jax.jit`` would see:
         the real sizes, a ragged length at its longest row, the rows at the call's rows (in
@@ -598,7 +618,7 @@ def fill_tail(ctx: Ctx, x, axes, fill, shared=None):
 
 def _masked(ctx: Ctx, x, axes, fill, shared):
     mask = ctx.tail_mask(x.shape, axes, shared)
-    return x if mask is None else lax.select(mask, x, filled(x.shape, fill, x.dtype))
+    return x if mask is None else lax.select(mask, x, ctx.filled(x.shape, fill, x.dtype))
 
 
 def _zeroed_reads(jaxpr) -> dict:

@@ -333,7 +333,7 @@ class PackedCtx(Ctx):
 
     def frame_only(self, x, fill):
         """``x`` with ``fill`` outside its frame (see `frame`)."""
-        return lax.select(self.frame(x.shape), x, filled(x.shape, fill, x.dtype))
+        return lax.select(self.frame(x.shape), x, self.filled(x.shape, fill, x.dtype))
 
     def ends(self, d):
         """``(rows, d)`` int32: per cell, the column where its sequence's part ends (-1 in
@@ -687,17 +687,17 @@ def _implicit_broadcasts(ctx: PackedCtx, eqn, invals):
     placed by position like `_broadcast_in_dim` places it."""
     out = getattr(eqn.outvars[0].aval, "shape", ())
     rows, packed = ctx.row_axes(out), ctx.packed_axes(out)
-    if len(rows) != 1 or len(packed) not in (1, 2):
+    if len(rows) != 1 or len(packed) not in (1, 2) or eqn.primitive.name in ("transpose",
+                                                                              "squeeze"):
         return None
     r = rows[0]
     changed, new = False, []
     for x in invals:
-        if jnp.ndim(x) != len(out) or eqn.primitive.name in ("transpose", "squeeze") or not all(
-                not is_sym(d) and d == 1 or same_dim(d, o) for d, o in zip(x.shape, out)):
-            new.append(x)           # not lined up with the output axis by axis
-            continue
-        along = [t for t in packed if t in ctx.packed_axes(x.shape)]
-        if along and not is_sym(x.shape[r]):
+        # Kept as is: an operand with the rows axis (most: asked first) or not lined up.
+        along = [t for t in packed if t in ctx.packed_axes(x.shape)] if (
+            jnp.ndim(x) == len(out) and not is_sym(x.shape[r]) and all(
+                not is_sym(d) and d == 1 or same_dim(d, o) for d, o in zip(x.shape, out))) else ()
+        if along:
             dims = tuple(a for a in range(len(out)) if a != r)
             shape = tuple(out[r] if a == r else d for a, d in enumerate(x.shape))
             x = by_position(ctx, lax.squeeze(x, (r,)), dims, shape, r, along)
