@@ -393,6 +393,38 @@ def test_a_row_shorter_than_a_fixed_window_is_refused_naming_the_line(layout, tm
         loaded(x, np.array([5, 1, 2], np.int32))
 
 
+SIZED_WINDOWS = {
+    "top_k": lambda x: jax.lax.top_k(x[..., 0], 2)[0],
+    "vmap(dynamic_update_slice)": lambda x: jax.vmap(
+        lambda r, k: jax.lax.dynamic_update_slice_in_dim(r, jnp.ones((2, 3)), k, 0))(
+            x, jnp.arange(x.shape[0], dtype=jnp.int32)),
+}
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+@pytest.mark.parametrize("name", list(SIZED_WINDOWS))
+def test_an_op_jax_jit_refuses_on_a_short_row_is_refused_naming_the_line(name, layout):
+    """``top_k(x, 2)`` and an update of two positions (``jax.vmap`` writes it as a scatter)
+    do not trace at a row of 1 under ``jax.jit``. Run over the bucket they would return a
+    padding position (``top_k``'s second largest of one value) or write past the row, so such
+    a row is refused before compiling, naming the line; rows of 2 and more are exact."""
+    g = SIZED_WINDOWS[name]
+    f = px.bucketed(lambda x, lengths: g(x), in_specs=SPECS, buckets={T: [16]}, layout=layout)
+    x, _ = ragged_batch([3, 1])
+    with px.forbid_compiles(), pytest.raises(px.SpecError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # packed: the update runs padded, said once
+        f(x, np.array([3, 1], np.int32))
+    assert str(info.value).startswith("args[1][1] = 1: lengths of 'T' must be >= 2"), info.value
+    assert "test_ragged.py" in str(info.value)
+    x, rows = ragged_batch([3, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = f(x, np.array([3, 2], np.int32))
+    for b, r in enumerate(rows):
+        want = np.asarray(jax.jit(g)(r[None]))[0]
+        np.testing.assert_array_equal(np.asarray(got)[b][:len(want)], want)
+
+
 def _linspace_positions(r):
     return r * jnp.linspace(0, 1, r.shape[0])[:, None]      # jnp branches on num > 1
 
@@ -902,38 +934,56 @@ def test_a_remat_scans_weight_gradient_is_each_rows_sum(remat, layout):
     assert f.plan.can_pack or layout == "pad", f.plan.packing_reason
 
 
-# Known silent differences from jax.jit on the row, found by probing and not fixed yet: strict
-# xfails, so that the fix turns each into a failure to remove.
+FROM_LENGTHS_LAID_OUT_PER_ROW = {
+    "triu_indices": lambda s, t: s[:, jnp.triu_indices(t)[0], jnp.triu_indices(t)[1]],
+    "tril_indices": lambda s, t: s[:, jnp.tril_indices(t)[0], jnp.tril_indices(t)[1]],
+    "tile(arange)": lambda s, t: s[:, 0, jnp.tile(jnp.arange(t), 2)],
+}
 
-@pytest.mark.xfail(strict=True, reason="pairs of jnp.triu_indices(T) of a ragged T: the "
-                   "recovered program is accepted as padding-safe, but a row's pairs are not "
-                   "its own triangle's (values and gradients)")
-def test_triu_indices_of_a_ragged_length_pick_each_rows_own_pairs():
-    lengths = [5, 3, 2]
-    x, rows = ragged_batch(lengths)
+
+@pytest.mark.parametrize("name", list(FROM_LENGTHS_LAID_OUT_PER_ROW))
+def test_indices_made_from_a_ragged_length_are_each_rows_own(name):
+    """``jnp.triu_indices(T)`` flattens a ``(T, T)`` mask made from T alone, whose layout
+    differs per row: its rewrite once read T at the longest row for the mask and per row for
+    the ``divmod`` that unflattens it, and gave each shorter row pairs of neither triangle,
+    as padding-safe (``tile`` likewise repeated the longest row's positions). Such a value
+    now runs once per row, at the row's own length: values and gradients are each row's."""
+    pick = FROM_LENGTHS_LAID_OUT_PER_ROW[name]
 
     def pairs(x):
-        i, j = jnp.triu_indices(x.shape[1])
-        return jnp.einsum("btd,bsd->bts", x, x)[:, i, j]
+        s = jnp.einsum("btd,bsd->bts", x, x)
+        return pick(jnp.concatenate([s, s], 2) if "tile" in name else s, x.shape[1])
+    both = lambda x: (pairs(x), jax.grad(lambda x: jnp.sum(jnp.sin(pairs(x))))(x))  # noqa: E731
+    lengths = [5, 3, 2, 1]
+    x, rows = ragged_batch(lengths)
+    f = px.bucketed(lambda x, lengths: both(x), in_specs=SPECS, buckets={T: [16]})
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = px.bucketed(lambda x, lengths: pairs(x), in_specs=SPECS,
-                          buckets={T: [16]})(x, np.asarray(lengths, np.int32))
+        warnings.simplefilter("error")
+        out, grad = f(x, np.asarray(lengths, np.int32))
     for b, r in enumerate(rows):
-        want = jax.jit(pairs)(r[None])[0]
-        np.testing.assert_allclose(np.asarray(out)[b, :len(want)], want, rtol=1e-5)
+        want, want_grad = jax.jit(both)(r[None])
+        np.testing.assert_allclose(out[b, :want.shape[1]], want[0], rtol=1e-5, err_msg=f"row {b}")
+        np.testing.assert_allclose(grad[b, :len(r)], want_grad[0], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"row {b}")
 
 
-@pytest.mark.xfail(strict=True, reason="packed top_k ranks a sequence with lax.sort, which "
-                   "ties -0.0 and +0.0 (first by position); XLA's TopK ranks +0.0 first")
-def test_packed_top_k_ranks_positive_zero_above_negative_zero_as_jax_jit():
-    x = np.full((2, 4, 3), np.nan, np.float32)
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_top_k_ranks_zeros_and_nans_by_their_sign_as_jax_jit(layout):
+    """XLA's TopK orders floats totally: ``-NaN`` (what ``0 * inf`` gives on x86) below
+    ``-inf``, ``-0.0`` below ``+0.0``. Neither a ``-inf`` tail (padded: it outranked a row's
+    ``-NaN``) nor ``lax.sort`` (packed: it ties the zeros and puts every NaN first) ranks so."""
+    x = np.full((4, 4, 3), np.nan, np.float32)
+    nan = np.float32(np.nan)
     x[0, :4] = [[-0.0] * 3, [0.0] * 3, [-1.0] * 3, [-2.0] * 3]
     x[1, :2] = [[0.0] * 3, [-0.0] * 3]
-    lengths = np.array([4, 2], np.int32)
-    top = lambda x: jax.lax.top_k(x[..., 0], 2)[1]  # noqa: E731
-    f = px.bucketed(lambda x, lengths: top(x), in_specs=SPECS, buckets={T: [8]}, layout="pack")
-    got = f(x, lengths)
-    assert f.plan.can_pack
+    x[2, :3] = [[-nan] * 3, [1.0] * 3, [nan] * 3]
+    x[3, :2] = [[-nan] * 3, [1.0] * 3]
+    lengths = np.array([4, 2, 3, 2], np.int32)
+    top = lambda x: jax.lax.top_k(x[..., 0], 2)  # noqa: E731
+    f = px.bucketed(lambda x, lengths: top(x), in_specs=SPECS, buckets={T: [8]}, layout=layout)
+    values, positions = f(x, lengths)
+    assert f.plan.can_pack or layout == "pad"
     for b, n in enumerate(lengths):
-        np.testing.assert_array_equal(got[b], jax.jit(top)(x[None, b, :n])[0])
+        want_values, want_positions = jax.jit(top)(x[None, b, :n])
+        np.testing.assert_array_equal(positions[b], want_positions[0])
+        np.testing.assert_array_equal(np.signbit(values[b]), np.signbit(want_values[0]))

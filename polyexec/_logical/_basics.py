@@ -105,6 +105,19 @@ def lowest_value(dtype):
     return jnp.iinfo(dtype).min
 
 
+def ranked(x):
+    """``x`` as ``top_k`` orders it, as ints where it is a float: XLA's TopK compares floats
+    by their total order (``-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN``), which
+    ``lax.sort`` and ``max`` do not (they tie the zeros and put every NaN last). The float's
+    bits read as a signed int keep that order for positive floats; a negative one's magnitude
+    bits are flipped so that a larger magnitude ranks lower."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"int{jnp.dtype(x.dtype).itemsize * 8}"))
+    return lax.select(bits < 0, lax.bitwise_xor(bits, filled(bits.shape, jnp.iinfo(
+        bits.dtype).max, bits.dtype)), bits)
+
+
 def highest_value(dtype):
     dtype = np.dtype(dtype)
     if dtype == np.bool_:

@@ -30,7 +30,8 @@ from .._context import equation_line
 from .._errors import OptionError, is_int
 from .._jax_internals import dim_as_value, dim_bounds, dim_vars, evaluate_dim, var_dim
 from ._basics import (bind_eqn, bind_eqn_with, filled, has_sym, iota_along, is_empty, monotone,
-                      is_sym, like_aval, lowest_value, one_position, operand_avals, sub_jaxprs)
+                      is_sym, like_aval, lowest_value, one_position, operand_avals, ranked,
+                      sub_jaxprs)
 from ._registry import ELEMENTWISE, MOVES_ROWS_WHY, Entry, NoRule, lookup_rule
 
 
@@ -362,8 +363,10 @@ class Ctx:
         and has no axis to hold each row's: `NoRule` for the shape of an input of the current
         equation made so, unless ``shared=True`` (the rule zeroes a rows operand per row); the
         equation then runs once per row (`_eval_row_varying`).
-        Without ``shape``, a rule asking for a ragged length of an equation that has rows gets
-        `NoRule`: it reads one offset for all rows, which only a per-row rule may do."""
+        Without ``shape``, a rule asking for a ragged length of an equation that has rows, or
+        that reads a value made from lengths (a flattened ``triu(ones((T, T)))``, whose layout
+        differs per row), gets `NoRule`: it reads one offset for all rows, which only a
+        per-row rule may do."""
         rows = self.rows_of(d)
         if rows is None:
             return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
@@ -382,7 +385,8 @@ class Ctx:
                 raise NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
                               f"differs per row (ragged along {rows}), and has no {rows} axis "
                               f"to hold each row's result")
-        elif self.current is not None and self._has_rows(self.current, rows):
+        elif self.current is not None and (self._has_rows(self.current, rows)
+                                           or self.from_lengths_shapes):
             raise NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per row (ragged along {rows}); it has no per-row rule")
         return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
@@ -472,10 +476,17 @@ class Ctx:
         return take_clamped(self, x, length - 1 - iota_along((n,), 0), axis)
 
     def top_k(self, eqn, x, axis: int):
-        """``top_k`` of ``x`` along the length ``axis``: the tail becomes the dtype's lowest
-        value; top_k breaks ties towards the lower index, so a real position equal to it
-        still wins over the tail (and a row shorter than k gets the tail's positions)."""
-        return bind_eqn_with(eqn, [fill_tail(self, x, (axis,), lowest_value(x.dtype))])
+        """``top_k`` of ``x`` along the length ``axis``: ranked as ``top_k`` ranks (`ranked`),
+        the tail becomes the lowest rank; top_k breaks ties towards the lower index, so a
+        real position equal to it still wins over the tail. The values are read back at the
+        positions: a fill of the lowest float (a NaN) would rank by its bits only as long as
+        no pass canonicalises it."""
+        key = ranked(x)
+        values, positions = bind_eqn_with(eqn, [fill_tail(self, key, (axis,), lowest_value(
+            key.dtype))])
+        if key is not x:
+            values = jnp.take_along_axis(x, positions, axis, mode="clip")
+        return [values, positions]
 
     def check_relayout(self, src, dst) -> None:
         """Raise `NoRule` when this layout cannot move elements between the axes of ``src``

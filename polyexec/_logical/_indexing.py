@@ -427,8 +427,21 @@ def _scatter_acts_on(eqn, i, axis, shape):
     return a not in dn.operand_batching_dims
 
 
-@defrule("scatter", "scatter-add", acts_on=_scatter_acts_on)
-@defrule(*(name for name in SCATTERS if name not in ("scatter", "scatter-add")))
+def _scatter_window(eqn, invals):
+    """A scatter's update windows along the axes it indexes, from a start taken as traced:
+    ``jax.jit`` refuses an update window longer than its axis (``jax.vmap`` of
+    ``dynamic_update_slice``), but drops or clamps one that starts too late by its mode."""
+    dn = eqn.params["dimension_numbers"]
+    operand, updates = eqn.invars[0].aval.shape, eqn.invars[2].aval.shape
+    window_axes = [a for a in range(len(operand))
+                   if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+    sizes = {a: updates[u] for a, u in zip(window_axes, dn.update_window_dims)}
+    return [(a, None, sizes[a]) for a in dn.scatter_dims_to_operand_dims if a in sizes]
+
+
+@defrule("scatter", "scatter-add", acts_on=_scatter_acts_on, window=_scatter_window)
+@defrule(*(name for name in SCATTERS if name not in ("scatter", "scatter-add")),
+         window=_scatter_window)
 def _scatter(ctx, eqn, invals):
     x, idx, updates = invals
     p = eqn.params

@@ -115,8 +115,8 @@ from jax import lax
 
 from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._basics import (bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest_value, same_dim,
-                      sub_jaxprs)
+from ._basics import (bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest_value, ranked,
+                      same_dim, sub_jaxprs)
 from ._core import (Ctx, Logical, Recorder, RowVarying, Unsupported, eval_jaxpr, moves_ragged_rows,
                     replay, take_rows)
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
@@ -244,7 +244,8 @@ class PackedCtx(Ctx):
                 raise NoRule(f"a value of shape {tuple(shape)} reads its length {d}, which "
                               f"differs per sequence of a packed row, and has no rows axis to "
                               f"hold each sequence's result")
-        elif self.current is not None and self._has_rows(self.current, self.rows_name):
+        elif self.current is not None and (self._has_rows(self.current, self.rows_name)
+                                           or self.from_lengths_shapes):
             raise NoRule(f"{self.current.primitive.name} reads the length {d}, which differs "
                           f"per sequence of a packed row")
         # A value without rows: per position, real up to the longest sequence.
@@ -910,9 +911,9 @@ def reverse_each(ctx: PackedCtx, x, r: int, a: int, others=()):
 def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
     """`PackedCtx.top_k`: each sequence's own ``k`` largest and their positions, held at
     every cell of the sequence (`PerSequence`). Each sequence is sorted in place (its start
-    column the first key, `sort_key`), ascending by value and, among equal values, descending
-    by position, so its ``k`` largest are its last ``k`` cells read backwards, the lower
-    position first among ties, as ``top_k`` breaks them. A sequence shorter than ``k`` gets
+    column the first key, `sort_key`), ascending by value as ``top_k`` ranks it (`ranked`)
+    and, among equal values, descending by position, so its ``k`` largest are its last ``k``
+    cells read backwards, the lower position first among ties, as ``top_k`` breaks them. A sequence shorter than ``k`` gets
     the dtype's lowest value at positions ``n .. k - 1``, as its padded row does."""
     shape, k = x.shape, int(eqn.params["k"])
     if ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [a] or a != len(shape) - 1:
@@ -920,8 +921,8 @@ def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
                       f"rows first and the packed length last)")
     n = shape[a]
     position = spread(ctx.cells(n)[0], shape, (0, a))
-    _, ranked, negated = lax.sort((ctx.sort_key(shape, a), x, -position), dimension=a,
-                                  num_keys=3)
+    *_, negated, ascending = lax.sort((ctx.sort_key(shape, a), ranked(x), -position, x),
+                                      dimension=a, num_keys=3)
     # Per cell of the grid and rank j: the column holding its sequence's j-th largest.
     j = lax.broadcasted_iota(np.int32, (1, 1, k), 2)
     count = ctx.at_lengths(n, ctx.seglen)[..., None]
@@ -933,7 +934,7 @@ def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
         got = jnp.moveaxis(jnp.moveaxis(v, a, 1)[rows, column], 2, -1)
         return got, spread(real, got.shape, (0, 1, got.ndim - 1))
 
-    values, keep = pick(ranked)
+    values, keep = pick(ascending)
     values = jnp.where(keep, values, lowest_value(x.dtype))
     positions, _ = pick(-negated)
     positions = jnp.where(keep, positions, lax.broadcasted_iota(

@@ -88,12 +88,21 @@ def _sort(ctx, eqn, invals):
     return list(out[1:])
 
 
-@defrule("top_k", layout=PAD_AND_PACK)
+def _top_k_axis(eqn, x) -> int:
+    axis = eqn.params.get("axis", x.ndim - 1)
+    return axis + x.ndim if axis < 0 else axis
+
+
+def _top_k_window(eqn, invals):
+    """``top_k`` reads ``k`` positions (``jax.jit`` refuses a row shorter than ``k``): a
+    window from 0, which makes a row shorter than it refused by name (`RowFloor`)."""
+    return [(_top_k_axis(eqn, invals[0]), 0, eqn.params["k"])]
+
+
+@defrule("top_k", layout=PAD_AND_PACK, window=_top_k_window)
 def _top_k(ctx, eqn, invals):
     (x,) = invals
-    axis = eqn.params.get("axis", x.ndim - 1)
-    if axis < 0:
-        axis += x.ndim
+    axis = _top_k_axis(eqn, x)
     if not is_sym(x.shape[axis]):
         return None
     if is_sym(eqn.params["k"]):
