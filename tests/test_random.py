@@ -365,3 +365,50 @@ def test_a_draw_along_ragged_rows_counted_together_is_flagged_and_an_unragged_on
                            buckets={T: [8], B: [4]}, strict=True)
     np.testing.assert_array_equal(unragged(jax.random.key(1), x),
                                   jax.jit(flat_bits)(jax.random.key(1), x))
+
+
+KEY_FORMS = {
+    # a key per position, folded in or split off (flat index t in (T,): a prefix in any bucket)
+    "fold_in(key, t)": lambda key, x, k: x[..., 0] + jax.vmap(
+        lambda t: jax.random.uniform(jax.random.fold_in(key, t)))(jnp.arange(x.shape[1])),
+    "split(key, T)": lambda key, x, k: x[..., 0] + jax.vmap(jax.random.uniform)(
+        jax.random.split(key, x.shape[1])),
+    # a key per row: each row's draw along its own length
+    "fold_in(key, k[b])": lambda key, x, k: jax.vmap(
+        lambda r, kb: r + jax.random.uniform(jax.random.fold_in(key, kb), r.shape))(x, k),
+    "split(key, B)": lambda key, x, k: jax.vmap(
+        lambda r, kb: r + jax.random.uniform(kb, r.shape))(x, jax.random.split(key, x.shape[0])),
+}
+
+
+@pytest.mark.parametrize("name", list(KEY_FORMS))
+def test_keys_made_per_position_or_per_row_draw_what_jax_jit_draws(name):
+    """Key arrays (``fold_in``, ``split``, ``wrap``) are made key by key, so a key per
+    position of a length or per row is the same key in every bucket, and its draws are
+    ``jax.jit``'s on the exact-size input. They were flagged as not padding-safe."""
+    draw = KEY_FORMS[name]
+    lengths = np.array([5, 2, 7], np.int32)
+    x = np.where(np.arange(7)[None, :, None] < lengths[:, None, None], np.ones((1, 1, 2)),
+                 np.nan).astype(np.float32)
+    k = np.array([3, 11, 4], np.int32)
+    T, B = px.LengthVar("T", max=16), px.LengthVar("B", max=8)
+    f = px.bucketed(lambda key, x, k, lengths: draw(key, x, k),
+                    (None, px.Spec("B T 2", jnp.float32), px.Spec("B", jnp.int32),
+                     px.Spec("B", jnp.int32, lengths_of="T")), buckets={T: [16], B: [4]},
+                    strict=True)
+    got = np.asarray(f(jax.random.key(2), x, k, lengths))
+    want = np.asarray(jax.jit(draw)(jax.random.key(2), x, k))   # uniform: bits, no rounding
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(got[b, :n], want[b, :n], err_msg=f"row {b}")
+
+
+def test_a_split_into_keys_along_a_later_length_is_flagged_by_line():
+    """``split(key, (B, T))`` numbers its keys row-major over the bucket's T: refused."""
+    def draw(key, x):
+        keys = jax.random.split(key, x.shape[:2])
+        return x[..., 0] + jax.vmap(jax.vmap(jax.random.normal))(keys)
+    T, B = px.LengthVar("T", max=16), px.LengthVar("B", max=8)
+    f = px.bucketed(draw, (None, px.Spec("B T 2", jnp.float32)), buckets={T: [16], B: [4]},
+                    strict=True)
+    with pytest.raises(px.PolymorphismError, match="random_split: a split of a key into"):
+        f(jax.random.key(0), np.ones((3, 5, 2), np.float32))

@@ -33,7 +33,7 @@ from jax.extend.random import threefry2x32_p
 
 from .._jax_internals import dim_bounds, dim_vars
 from ._basics import has_sym, is_sym
-from ._registry import NoRule, defrule, padded_rule
+from ._registry import ELEMENTWISE, NoRule, defrule, padded_rule
 from ._sequences import PerSequence, grid_shape, spread
 
 _UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
@@ -93,6 +93,31 @@ def _draw_at(eqn, key, counts):
     for _ in range(key.ndim):
         draw = jax.vmap(draw)
     return draw(jax.random.key_data(key))
+
+
+# Per key: a key array's i-th key (folded with the i-th message, wrapped from the i-th data,
+# seeded from the i-th seed) is made from its own inputs alone, so a key per position of a
+# length (``jax.vmap`` of ``fold_in(key, t)`` over ``jnp.arange(T)``) or per row is the same
+# key in every bucket.
+defrule("random_fold_in", "random_wrap", "random_unwrap", "random_seed")(ELEMENTWISE)
+
+
+@defrule("random_split")
+def _random_split(ctx, eqn, invals):
+    """``random_split(key, shape)``: key ``i`` is threefry at ``i``'s flat index in
+    ``shape``, exact in any bucket when only the leading axis has a length (``split(key, B)``,
+    a key per row); further length axes would move the flat index, so refused. Each key of a
+    key array splits on its own."""
+    (key,) = invals
+    shape = tuple(eqn.params["shape"])
+    if not has_sym(shape):
+        return None
+    _exact_draws_only(key, shape)
+    if has_sym(shape[1:]):
+        raise NoRule(f"a split of a key into {shape} keys: a length past the first axis moves "
+                     f"each key's index with the bucket; split into ({shape[0]}, ...) and "
+                     f"reshape after")
+    return None
 
 
 @defrule("random_bits")
