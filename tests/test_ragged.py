@@ -968,6 +968,30 @@ def test_indices_made_from_a_ragged_length_are_each_rows_own(name):
 
 
 @pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_partition_along_a_ragged_length_is_each_rows_own(layout):
+    """``jnp.partition`` takes ``top_k(x, T - kth - 1)``: a k that is a length. Padded, the
+    tail ranks last, so each row's first ``n - kth - 1`` are its own largest: values,
+    positions and gradients as ``jax.jit`` on the row, without a verdict (it was flagged).
+    Packed rows take a constant k only, and say so (padded rows, the same results)."""
+    def parts(x):
+        return (jnp.partition(x[..., 0], 1, axis=1), jnp.argpartition(x[..., 1], 1, axis=1),
+                jax.grad(lambda x: jnp.sum(jnp.sin(jnp.partition(x[..., 2], 1, axis=1))))(x))
+    lengths = [5, 2, 9, 3]
+    x, rows = ragged_batch(lengths)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(parts, x, lengths, layout=layout)[1]
+    assert [str(w.message) for w in caught] == [] or (
+        layout == "pack" and all("jnp.partition) in packed rows" in str(w.message)
+                                 for w in caught))
+    for b, r in enumerate(rows):
+        for name, g, want in zip(("partition", "argpartition", "gradient"), got,
+                                 jax.jit(parts)(r[None])):
+            np.testing.assert_allclose(np.asarray(g)[b, :len(r)], want[0], rtol=1e-6,
+                                       err_msg=f"{name}, row {b}")
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
 def test_top_k_ranks_zeros_and_nans_by_their_sign_as_jax_jit(layout):
     """XLA's TopK orders floats totally: ``-NaN`` (what ``0 * inf`` gives on x86) below
     ``-inf``, ``-0.0`` below ``+0.0``. Neither a ``-inf`` tail (padded: it outranked a row's

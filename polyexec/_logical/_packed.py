@@ -915,7 +915,9 @@ def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
     and, among equal values, descending by position, so its ``k`` largest are its last ``k``
     cells read backwards, the lower position first among ties, as ``top_k`` breaks them. A sequence shorter than ``k`` gets
     the dtype's lowest value at positions ``n .. k - 1``, as its padded row does."""
-    shape, k = x.shape, int(eqn.params["k"])
+    shape, k = x.shape, eqn.params["k"]
+    if is_sym(k):
+        raise NoRule(f"top_k of k = {k} (jnp.partition) in packed rows")
     if ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [a] or a != len(shape) - 1:
         raise NoRule(f"top_k of a value of shape {tuple(shape)} (packed rows take it with the "
                       f"rows first and the packed length last)")
