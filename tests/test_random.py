@@ -376,16 +376,20 @@ KEY_FORMS = {
     # a key per row: each row's draw along its own length
     "fold_in(key, k[b])": lambda key, x, k: jax.vmap(
         lambda r, kb: r + jax.random.uniform(jax.random.fold_in(key, kb), r.shape))(x, k),
+    "fold_in(key, k[b]), (2, T)": lambda key, x, k: jax.vmap(lambda r, kb: r + jax.random.uniform(
+        jax.random.fold_in(key, kb), r.shape[::-1]).T)(x, k),
     "split(key, B)": lambda key, x, k: jax.vmap(
         lambda r, kb: r + jax.random.uniform(kb, r.shape))(x, jax.random.split(key, x.shape[0])),
 }
 
 
+@pytest.mark.parametrize("layout", ["pad", "pack"])
 @pytest.mark.parametrize("name", list(KEY_FORMS))
-def test_keys_made_per_position_or_per_row_draw_what_jax_jit_draws(name):
+def test_keys_made_per_position_or_per_row_draw_what_jax_jit_draws(name, layout):
     """Key arrays (``fold_in``, ``split``, ``wrap``) are made key by key, so a key per
     position of a length or per row is the same key in every bucket, and its draws are
-    ``jax.jit``'s on the exact-size input. They were flagged as not padding-safe."""
+    ``jax.jit``'s on the exact-size input. They were flagged as not padding-safe. Packed, a
+    sequence's key draws at each cell of it what its padded row draws there."""
     draw = KEY_FORMS[name]
     lengths = np.array([5, 2, 7], np.int32)
     x = np.where(np.arange(7)[None, :, None] < lengths[:, None, None], np.ones((1, 1, 2)),
@@ -395,8 +399,9 @@ def test_keys_made_per_position_or_per_row_draw_what_jax_jit_draws(name):
     f = px.bucketed(lambda key, x, k, lengths: draw(key, x, k),
                     (None, px.Spec("B T 2", jnp.float32), px.Spec("B", jnp.int32),
                      px.Spec("B", jnp.int32, lengths_of="T")), buckets={T: [16], B: [4]},
-                    strict=True)
+                    layout=layout, strict=True)
     got = np.asarray(f(jax.random.key(2), x, k, lengths))
+    assert f.plan.can_pack or layout == "pad", f.plan.packing_reason
     want = np.asarray(jax.jit(draw)(jax.random.key(2), x, k))   # uniform: bits, no rounding
     for b, n in enumerate(lengths):
         np.testing.assert_array_equal(got[b, :n], want[b, :n], err_msg=f"row {b}")

@@ -363,10 +363,9 @@ class Ctx:
         and has no axis to hold each row's: `NoRule` for the shape of an input of the current
         equation made so, unless ``shared=True`` (the rule zeroes a rows operand per row); the
         equation then runs once per row (`_eval_row_varying`).
-        Without ``shape``, a rule asking for a ragged length of an equation that has rows, or
-        that reads a value made from lengths (a flattened ``triu(ones((T, T)))``, whose layout
-        differs per row), gets `NoRule`: it reads one offset for all rows, which only a
-        per-row rule may do."""
+        Without ``shape``, a rule asking for a ragged length of an equation with rows, or
+        reading a value made from lengths (a flattened ``triu(ones((T, T)))``), gets `NoRule`:
+        it reads one offset for all rows, which only a per-row rule may do."""
         rows = self.rows_of(d)
         if rows is None:
             return self._cached("_lengths", d, lambda e: evaluate_dim(e, self.sizes))
@@ -405,18 +404,15 @@ class Ctx:
         return logical_mask(self, shape, axes, shared)
 
     def _derive(self, key, make):
-        """``make()``: padded rows make it at each ask (packed rows keep it for the trace,
-        `_packed.PackedCtx._derive`)."""
+        """``make()`` at each ask (packed rows keep it for the trace: `PackedCtx._derive`)."""
         return make()
 
     def filled(self, shape, fill, dtype):
         """`filled`; one with the rows axis is kept per trace where the layout keeps values
-        (`_derive`; packed rows, as their tail masks): the masks of the 12-layer LM's packed
-        program filled some 380 selects from a dozen such arrays, each one an equation to
-        trace and lower. Keyed by the fill's bits (-0.0 is not 0.0)."""
+        (`_derive`; packed rows: the 12-layer LM's packed program filled some 380 selects
+        from a dozen such arrays). Keyed by the fill's bits (-0.0 is not 0.0)."""
         try:
-            bits = np.asarray(fill, dtype).tobytes() if isinstance(
-                fill, (bool, int, float, np.generic)) else None
+            bits = np.asarray(fill, dtype).tobytes() if np.isscalar(fill) else None
         except (OverflowError, TypeError, ValueError):
             bits = None
         if bits is None or not any(self.row_axes(shape, r) for _, r in self.rows.values()):
@@ -476,11 +472,10 @@ class Ctx:
         return take_clamped(self, x, length - 1 - iota_along((n,), 0), axis)
 
     def top_k(self, eqn, x, axis: int):
-        """``top_k`` of ``x`` along the length ``axis``: ranked as ``top_k`` ranks (`ranked`),
-        the tail becomes the lowest rank; top_k breaks ties towards the lower index, so a
-        real position equal to it still wins over the tail. The values are read back at the
-        positions: a fill of the lowest float (a NaN) would rank by its bits only as long as
-        no pass canonicalises it."""
+        """``top_k`` of ``x`` along the length ``axis``, ranked as it ranks (`ranked`), the
+        tail at the lowest rank (ties go to the lower index: a real position wins). Values are
+        read back at the positions: a lowest-NaN fill would rank only while no pass
+        canonicalises it."""
         key = ranked(x)
         values, positions = bind_eqn_with(eqn, [fill_tail(self, key, (axis,), lowest_value(
             key.dtype))])

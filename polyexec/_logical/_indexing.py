@@ -357,7 +357,7 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     """The transpose of `_per_row_position` (``x.at[:, k].add(u)``, ``.set``): each row's
     update into its own position ``k`` (clamped into its length, or dropped outside it where
     the scatter `drops`, and in a row of length 0); None for any other scatter."""
-    p, dn = eqn.params, eqn.params["dimension_numbers"]
+    dn = eqn.params["dimension_numbers"]
     if eqn.primitive.name not in SCATTERS or not _one_index(idx):
         return None
     window = [1] * x.ndim

@@ -913,14 +913,11 @@ def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
     every cell of the sequence (`PerSequence`). Each sequence is sorted in place (its start
     column the first key, `sort_key`), ascending by value as ``top_k`` ranks it (`ranked`)
     and, among equal values, descending by position, so its ``k`` largest are its last ``k``
-    cells read backwards, the lower position first among ties, as ``top_k`` breaks them. A sequence shorter than ``k`` gets
-    the dtype's lowest value at positions ``n .. k - 1``, as its padded row does."""
+    cells read backwards, the lower position first among ties, as ``top_k`` breaks them."""
     shape, k = x.shape, eqn.params["k"]
-    if is_sym(k):
-        raise NoRule(f"top_k of k = {k} (jnp.partition) in packed rows")
-    if ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [a] or a != len(shape) - 1:
-        raise NoRule(f"top_k of a value of shape {tuple(shape)} (packed rows take it with the "
-                      f"rows first and the packed length last)")
+    if is_sym(k) or (ctx.row_axes(shape), ctx.packed_axes(shape), a) != ([0], [a], x.ndim - 1):
+        raise NoRule(f"top_k of a value of shape {tuple(shape)}, k = {k} (packed rows take a "
+                      f"constant k, the rows first and the packed length last)")
     n = shape[a]
     position = spread(ctx.cells(n)[0], shape, (0, a))
     *_, negated, ascending = lax.sort((ctx.sort_key(shape, a), ranked(x), -position, x),

@@ -78,21 +78,25 @@ def _draw_at(eqn, key, counts):
     flat indices, below 2**32: the high word is 0): JAX's partitionable threefry at that
     index, the bit widths combined as JAX combines them. A batch of keys (a key array of shape
     ``K``) draws per key, ``K`` in front, as JAX's batching of the primitive does."""
-    bit_width = eqn.params["bit_width"]
-    dtype = _UINT[bit_width]
-
     def one_key(data):          # data: uint32[2]
-        k1, k2 = (jnp.broadcast_to(data[i], counts.shape) for i in (0, 1))
-        bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
-        if bit_width == 64:
-            return (lax.shift_left(lax.convert_element_type(bits1, dtype), dtype(32))
-                    | lax.convert_element_type(bits2, dtype))
-        return lax.convert_element_type(bits1 ^ bits2, dtype)
+        return _bits(eqn, *(jnp.broadcast_to(data[i], counts.shape) for i in (0, 1)), counts)
 
     draw = one_key
     for _ in range(key.ndim):
         draw = jax.vmap(draw)
     return draw(jax.random.key_data(key))
+
+
+def _bits(eqn, k1, k2, counts):
+    """Threefry of each cell's key words ``k1, k2`` at its counter, the bit widths combined as
+    JAX combines them (all uint32 of one shape)."""
+    bit_width = eqn.params["bit_width"]
+    dtype = _UINT[bit_width]
+    bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
+    if bit_width == 64:
+        return (lax.shift_left(lax.convert_element_type(bits1, dtype), dtype(32))
+                | lax.convert_element_type(bits2, dtype))
+    return lax.convert_element_type(bits1 ^ bits2, dtype)
 
 
 # Per key: a key array's i-th key (folded with the i-th message, wrapped from the i-th data,
@@ -118,6 +122,32 @@ def _random_split(ctx, eqn, invals):
                      f"each key's index with the bucket; split into ({shape[0]}, ...) and "
                      f"reshape after")
     return None
+
+
+@defrule("random_split", layout="pack")
+def _random_split_packed(ctx, eqn, invals):
+    """``split(key, B)`` over packed rows (equinox's per-example keys for ``jax.vmap``): a
+    key per sequence, held at every cell of it (`PerSequence`): key ``b`` is threefry of the
+    key at counter ``b``, the sequence's index in the call, as its padded row's key. Keys of
+    no rows (``split(key, T)``, a key per position) are the padded rule's."""
+    (key,) = invals
+    shape = tuple(eqn.params["shape"])
+    out = tuple(eqn.outvars[0].aval.shape)
+    if not ctx.row_axes(out):
+        return padded_rule(eqn)(ctx, eqn, invals)
+    _exact_draws_only(key, shape)
+    if key.ndim or str(shape[0]) != ctx.rows_name or has_sym(shape[1:]):
+        raise NoRule(f"a split of a key into {shape} keys over packed rows: one key a "
+                     f"sequence ({ctx.rows_name}, ...) from one key is placed by sequence")
+    held_shape = grid_shape(ctx, shape, 0)
+    index = [spread(ctx.sequence_index(held_shape[1]), held_shape, (0, 1)),
+             *[lax.broadcasted_iota(np.int32, held_shape, a + 1) for a in range(1, len(shape))]]
+    counts = _flat_index(index, [ctx.exact_extent(d) for d in shape])
+    data = jax.random.key_data(key)
+    k1, k2 = (jnp.broadcast_to(data[i], held_shape) for i in (0, 1))
+    bits = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
+    return [PerSequence(jax.random.wrap_key_data(jnp.stack(bits, -1),
+                                                 impl=jax.random.key_impl(key)), 0)]
 
 
 @defrule("random_bits")
@@ -193,3 +223,27 @@ def _random_bits_packed(ctx, eqn, invals):
         else:                       # a constant axis, or another length: its own positions
             index.append(lax.broadcasted_iota(np.int32, shape, a))
     return [_draw_at(eqn, key, _flat_index(index, extents))]
+
+
+@defrule("random_bits", layout="per_sequence")
+def _random_bits_per_sequence(ctx, eqn, invals):
+    """A key per sequence (``jax.vmap`` of a draw over per-example keys: ``fold_in(key,
+    ids[b])``, ``split(key, B)``) drawing along one packed length: the cell holding position
+    ``t`` of a sequence draws with that sequence's key at ``t``'s flat index in the draw's
+    exact-size shape, as its padded row does."""
+    (key,) = invals
+    shape = tuple(eqn.params["shape"])
+    out = tuple(eqn.outvars[0].aval.shape)
+    if not isinstance(key, PerSequence) or key.axis != 0 or key.value.ndim != 2:
+        raise NoRule("a random draw with keys held per sequence other than one key a sequence")
+    _exact_draws_only(key.value, shape)
+    if ctx.one_frame(out) is None or ctx.one_frame(out)[0] != 0:
+        raise NoRule(f"a random draw of shape {shape} with a key per sequence along no packed "
+                     f"length, or several")
+    p = ctx.one_frame(out)[1]
+    data = jax.random.key_data(lax.slice_in_dim(key.value, 0, out[p], axis=1))
+    index = [spread(ctx.cells(d)[0], out, (0, p)) if a == p
+             else lax.broadcasted_iota(np.int32, out, a) for a, d in enumerate(out)][1:]
+    counts = _flat_index(index, [ctx.exact_extent(d) for d in shape])
+    k1, k2 = (spread(data[..., i], out, (0, p)) for i in (0, 1))
+    return [_bits(eqn, k1, k2, counts)]
