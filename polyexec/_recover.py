@@ -28,8 +28,9 @@ anywhere in between changes the program and is refused. The size between is divi
 small numbers (`_middle`), so a branch on a size's divisibility (``T % 5 == 0``) is refused
 too; one true at none of the sizes traced (``T % 7 == 0`` from 64, 60 and 3) is not seen. A
 branch of the user's own code on a length (``if x.shape[0] > 8``) is never recovered, whatever
-the traces show (`recoverable`). A ragged row shorter than the min traced is refused at the
-call (a `RowFloor`).
+the traces show (`recoverable`). Below the three sizes, each size down to the declared min is
+traced too and kept while the same program explains it; a ragged row shorter than the least
+kept is refused at the call (a `RowFloor`).
 
 >>> import jax.numpy as jnp, polyexec as px
 >>> T = px.LengthVar("T", min=1, max=64)
@@ -67,11 +68,10 @@ from ._trace import (Failed, RaisedMin, TraceCounter, Traced, concrete_jaxpr, ev
 
 # Concrete traces per recovery: each variable at its max, between, and at its min.
 CONCRETE_TRACES = 3
-# The least size traced: JAX writes a program differently at a unit axis (broadcasting, vmap's
-# batching rules of a batch of 1), the same computation in other equations, so a trace at 1
-# would refuse most programs. A size of 1 (and an empty row) runs the program recovered from
-# the sizes traced, as it runs any symbolic program; a ragged row shorter than a declared min
-# above this, never traced, is refused (`RowFloor`).
+# The least size a program is recovered from: JAX writes a program differently at a unit
+# axis (broadcasting, vmap's batching rules of a batch of 1), the same computation in other
+# equations, so fitting a trace at 1 would refuse many programs. The sizes below it are traced
+# only to verify the program (`_verified_below`).
 LOWEST = 3
 
 # Call-like primitives whose body is evaluated in place: calling a jaxpr inside a jitted one
@@ -636,9 +636,13 @@ def recover(fn: Callable, convention: Convention, counter: TraceCounter,
             return refused(f"the rebuilt program's outputs are {got} at {fmt_sizes(sizes)}, "
                            f"the trace's {want}")
     # Below the least size traced nothing was seen: a library's branch on a short length
-    # (jnp.convolve swaps its operands below the kernel's size) would go unnoticed. Ragged
-    # rows that short are refused at the call (`RowFloor`; rows below a declared min are
-    # otherwise run), and so are unragged sizes (`below_traced`).
+    # (jnp.convolve swaps its operands below the kernel's size) would go unnoticed. So the
+    # sizes down to the declared min are traced too, each kept while the same program
+    # explains it (`_verified_below`). Ragged rows shorter than the last one kept are refused
+    # at the call (`RowFloor`; rows below a declared min are otherwise run), and so are
+    # unragged sizes (`below_traced`).
+    samples = [*samples, *_verified_below(fn, convention, counter, lengths, samples, traces,
+                                          traced)]
     lows = {v.name: min(s[v.name] for s in samples) for v in variables}
     line = failed.reason.split(": ")[0] if failed.reason else ""
     floors = tuple(RowFloor(n, lows[n], line, why=_never_traced(n, samples, lows[n]))
@@ -647,10 +651,41 @@ def recover(fn: Callable, convention: Convention, counter: TraceCounter,
                                         recovered=tuple(samples)), tuple(samples))
 
 
+def _verified_below(fn, convention, counter, lengths, samples, traces, traced) -> list:
+    """The sizes of the one length variable below `LOWEST`, down to its declared min, at
+    which the recovered program is the one traced: from the largest down, each is traced and
+    kept while the traces with it still fit one program (every integer explained, every
+    constant a prefix) whose outputs have the trace's shapes; the first that does not (a
+    branch, or JAX writing a unit axis differently) ends the descent."""
+    if len(lengths) != 1:
+        return []
+    (name,) = lengths
+    declared = next(v.min for v in convention.variables if v.name == name)
+    least = min(samples, key=lambda s: s[name])
+    kept, jaxprs = [], [j for j, _ in traces]
+    for size in range(least[name] - 1, declared - 1, -1):
+        sizes = {**least, name: size}
+        try:
+            with concrete_trace(max(v.max for v in convention.variables)):
+                jaxpr, cell = concrete_jaxpr(fn, convention, sizes, counter)
+            if tuple(cell) != tuple(traces[0][1]):
+                break
+            _program([*jaxprs, jaxpr], [*samples, *kept, sizes])
+        except Exception:  # noqa: BLE001 - it fails or differs there: the floor stays above
+            break
+        got = [(evaluate_shape(a.shape, sizes), a.dtype) for a in traced.jaxpr.out_avals]
+        if got != [(tuple(a.shape), a.dtype) for a in jaxpr.out_avals]:
+            break
+        kept.append(sizes)
+        jaxprs.append(jaxpr)
+    return kept
+
+
 def _never_traced(name: str, samples: Sequence[Mapping[str, int]], low: int) -> str:
     return (f"cannot be traced over a symbolic {name}; its program was recovered from the "
-            f"traces at {name} = {', '.join(str(s[name]) for s in samples)}, and a length "
-            f"below {low} was never traced (a library may branch there)")
+            f"traces at {name} = {', '.join(str(s[name]) for s in samples)}, and below {low} "
+            f"its program differs from that one or was never traced (a library may branch "
+            f"there)")
 
 
 def below_traced(convention: Convention, samples: Sequence[Mapping[str, int]],

@@ -20,23 +20,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import polyexec as px
-from polyexec._recover import CONCRETE_TRACES, Affine, fit, sample_sizes
+from polyexec._recover import CONCRETE_TRACES, LOWEST, Affine, fit, sample_sizes
 
 F = 4
 ROPE = eqx.nn.RotaryPositionalEmbedding(F)
 KERNEL = jnp.array([1.0, -2.0, 0.5])
 
-# Each idiom: (T, F) -> array, and the least T it is recovered from: below 3 samples
-# jnp.convolve swaps its operands (the shorter one is the kernel), another program.
+# Each idiom: (T, F) -> array, T's declared min, and the least T it is recovered from: below
+# 3 samples jnp.convolve swaps its operands (the shorter one is the kernel), another program.
+# The sizes below LOWEST are traced down to the declared min, each kept while its program is
+# the one recovered.
 IDIOMS = {
-    "rope": (lambda x: ROPE(x), 1),
-    "arange(1, T+1.0)": (lambda x: x / jnp.arange(1, x.shape[0] + 1.0)[:, None], 1),
-    "convolve": (lambda x: jnp.convolve(x[:, 0], KERNEL), 3),
+    "rope": (lambda x: ROPE(x), 1, 1),
+    "arange(1, T+1.0)": (lambda x: x / jnp.arange(1, x.shape[0] + 1.0)[:, None], 1, 1),
+    "convolve": (lambda x: jnp.convolve(x[:, 0], KERNEL), 3, 3),
     # A next-token loss after RoPE: take_along_axis (a gather filling NaN) over T - 1, whose
     # gradient is a scatter-add with its combiner. From T = 2: JAX's take_along_axis needs
-    # T - 1 >= 1 over symbolic sizes, and the rebuild does not raise a min as the planner does.
+    # T - 1 >= 1 over symbolic sizes, and the rebuild does not raise a min as the planner does;
+    # at T = 2 JAX writes the unit axis T - 1 differently, so it is recovered from 3.
     "rope, next token": (lambda x: optax.softmax_cross_entropy_with_integer_labels(
-        ROPE(x)[:-1], jnp.argmax(x[1:], 1)), 2),
+        ROPE(x)[:-1], jnp.argmax(x[1:], 1)), 2, 3),
 }
 LAYOUTS = ["pad", "ragged", "pack"]
 
@@ -46,9 +49,14 @@ def loss_of(g):
 
 
 def lengths_from(least):
-    """Rows from the least size traced (3) up: shorter ones are refused (tested below)."""
-    least = max(least, 3)
+    """Rows from the least size recovered up: shorter ones are refused (tested below)."""
     return [least + 2, least, 9, 16]
+
+
+def concrete_traces(declared, least):
+    """The concrete traces of an idiom: `CONCRETE_TRACES` from `LOWEST` up, one a size below
+    it down to ``least``, and the one below that which ended the descent (if declared)."""
+    return CONCRETE_TRACES + max(LOWEST - least, 0) + (least > declared)
 
 
 def assert_recovered(plan, layout):
@@ -61,8 +69,8 @@ def assert_recovered(plan, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", list(IDIOMS))
 def test_recovered_idiom_is_exact_values_and_gradients(name, layout):
-    g, least = IDIOMS[name]
-    T = px.LengthVar("T", min=least, max=16)
+    g, declared, least = IDIOMS[name]
+    T = px.LengthVar("T", min=declared, max=16)
     B = px.LengthVar("B", max=8)
     rng = np.random.default_rng(0)
     lengths = lengths_from(least)
@@ -96,7 +104,7 @@ def test_recovered_idiom_is_exact_values_and_gradients(name, layout):
             np.testing.assert_allclose(np.asarray(got_g)[b, :len(r)], gr, rtol=1e-5, atol=1e-5)
     assert_recovered(f.plan, layout)
     # One symbolic trace that failed, then the concrete ones; none per bucket.
-    assert f.traces == 1 + CONCRETE_TRACES
+    assert f.traces == 1 + concrete_traces(declared, least)
 
 
 def test_a_recovered_program_is_symbolic_and_slices_the_max_size_table():
@@ -222,7 +230,7 @@ def test_a_float_of_the_length_becomes_a_value_computed_from_it():
                     buckets={T: [16, 32]}, strict=True)
     x = np.arange(20, dtype=np.float32).reshape(5, 4)
     np.testing.assert_allclose(f(x), x.mean(0), rtol=1e-6)
-    assert not f.plan.reshaping_is_impossible and f.traces == 1 + CONCRETE_TRACES
+    assert not f.plan.reshaping_is_impossible and f.traces == 1 + concrete_traces(1, 1)
 
 
 def test_code_jax_traces_symbolically_pays_no_concrete_trace():
@@ -260,12 +268,13 @@ def test_a_fit_is_verified_and_unique(lo_t, hi_t, lo_b, hi_b, a, b, term):
 
 @pytest.mark.parametrize("ragged", [False, True])
 def test_a_length_below_the_least_size_traced_is_refused_by_name(ragged):
-    """A recovered program was never traced below its least size (3): a library may branch
-    there (jnp.convolve swaps its operands below the kernel's size), so such a length is
-    refused at the call, naming the line and the sizes traced, before anything runs."""
+    """A recovered program is traced below its least size (3) only to verify it: where a
+    library branches there (jnp.convolve swaps its operands below the kernel's size), such a
+    length is refused at the call, naming the line and the sizes traced, before anything
+    runs."""
     T = px.LengthVar("T", min=1, max=16)
     B = px.LengthVar("B", max=8)
-    g = IDIOMS["rope"][0]
+    g = lambda x: jnp.convolve(x[:, 0], KERNEL)     # noqa: E731
     if ragged:
         f = px.bucketed(lambda x, n: jnp.sum(jax.vmap(g)(x)),
                         in_specs=(px.Spec("B T 4", jnp.float32),
@@ -274,6 +283,6 @@ def test_a_length_below_the_least_size_traced_is_refused_by_name(ragged):
     else:
         f = px.bucketed(g, in_specs=(px.Spec("T 4", jnp.float32),))
         call = lambda: f(np.ones((2, F), np.float32))                          # noqa: E731
-    with pytest.raises(px.SpecError, match=r"3.*never traced"):
+    with pytest.raises(px.SpecError, match=r"T = 16, (3, 12|12, 3), and below 3 its program differs"):
         call()
     assert not f.plan.reshaping_is_impossible and f.stats.compiles == 0
