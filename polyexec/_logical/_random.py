@@ -237,10 +237,11 @@ def _random_bits_per_sequence(ctx, eqn, invals):
     if not isinstance(key, PerSequence) or key.axis != 0 or key.value.ndim != 2:
         raise NoRule("a random draw with keys held per sequence other than one key a sequence")
     _exact_draws_only(key.value, shape)
-    if ctx.one_frame(out) is None or ctx.one_frame(out)[0] != 0:
+    frame = ctx.one_frame(out)
+    if frame is None or frame[0] != 0:
         raise NoRule(f"a random draw of shape {shape} with a key per sequence along no packed "
                      f"length, or several")
-    p = ctx.one_frame(out)[1]
+    p = frame[1]
     data = jax.random.key_data(lax.slice_in_dim(key.value, 0, out[p], axis=1))
     index = [spread(ctx.cells(d)[0], out, (0, p)) if a == p
              else lax.broadcasted_iota(np.int32, out, a) for a, d in enumerate(out)][1:]
