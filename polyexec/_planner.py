@@ -279,6 +279,15 @@ def _single(fn, name: str, convention: Convention, traced: Traced | Failed,
         programs["pack"] = (_timed(seconds, "packed rewrite", packed_export, traced, convention)
                             if masking and padding_reason is None else Program(
             reason=f"the pad layout is not exact either: {padding_reason}"))
+        if programs["pack"].reason is not None and not pad.built:
+            # Every call runs padded: exported now, a program JAX lowers only from a raised
+            # min (``cumsum(diff(x))``: 'T - 1' >= '1') takes the pad layout's path to it.
+            try:
+                pad.exported
+            except PolymorphismError:
+                if not isinstance(traced.exported, Failed):
+                    raise
+                return _single(fn, name, convention, traced.exported, masking, pack, seconds)
     segment = Segment(0, convention, programs, traced.jaxpr, traced.out_tree, traced.out_paths,
                       padding_reason, **everything, row_floors=(*traced.floors, *floors),
                       callbacks=traced.callbacks)

@@ -43,13 +43,14 @@ from ._spec import symbolic_dims
 # `int(T)`/`range(T)` (TypeError), `if T > 10` (InconclusiveDimensionOperation), broadcasting
 # against a literal maximum (TypeError/ValueError), indexing with one (IndexError), an op that
 # jax.export cannot lower over a symbolic size (NotImplementedError: FFT), an eager op under
-# `jax.ensure_compile_time_eval` given a symbolic size (UnexpectedDimVar: equinox's RoPE cache).
+# `jax.ensure_compile_time_eval` given a symbolic size (UnexpectedDimVar: equinox's RoPE cache),
+# a method a symbolic size lacks (AttributeError: jnp.linalg.matrix_rank's ``max(M, N).astype``).
 # jax.export and jax core each define an InconclusiveDimensionOperation (unrelated classes):
 # `int(T)` raises the first, a reshape to a literal size (`x.reshape(-1, 16)`) the second.
 SHAPE_ERRORS = (InconclusiveDimension,
                 jax.errors.InconclusiveDimensionOperation,
                 jax.errors.ConcretizationTypeError, TypeError, ValueError, IndexError,
-                NotImplementedError, UnexpectedDimVar)
+                AttributeError, NotImplementedError, UnexpectedDimVar)
 
 
 class TraceCounter:
