@@ -630,8 +630,7 @@ def recover(fn: Callable, convention: Convention, counter: TraceCounter,
     if isinstance(traced, Failed):
         return refused(f"rebuilding it over symbolic sizes failed: {traced.reason}")
     for sizes, concrete in zip(samples, jaxprs):
-        got = [(evaluate_shape(a.shape, sizes), a.dtype) for a in traced.jaxpr.out_avals]
-        want = [(tuple(a.shape), a.dtype) for a in concrete.out_avals]
+        got, want = _outputs(traced.jaxpr, sizes), _outputs(concrete)
         if got != want:
             return refused(f"the rebuilt program's outputs are {got} at {fmt_sizes(sizes)}, "
                            f"the trace's {want}")
@@ -673,12 +672,17 @@ def _verified_below(fn, convention, counter, lengths, samples, traces, traced) -
             _program([*jaxprs, jaxpr], [*samples, *kept, sizes])
         except Exception:  # noqa: BLE001 - it fails or differs there: the floor stays above
             break
-        got = [(evaluate_shape(a.shape, sizes), a.dtype) for a in traced.jaxpr.out_avals]
-        if got != [(tuple(a.shape), a.dtype) for a in jaxpr.out_avals]:
+        if _outputs(traced.jaxpr, sizes) != _outputs(jaxpr):
             break
         kept.append(sizes)
         jaxprs.append(jaxpr)
     return kept
+
+
+def _outputs(jaxpr, sizes: Mapping[str, int] | None = None) -> list:
+    """``(shape, dtype)`` of each output of ``jaxpr``, a symbolic one's shapes at ``sizes``."""
+    return [(evaluate_shape(a.shape, sizes) if sizes is not None else tuple(a.shape), a.dtype)
+            for a in jaxpr.out_avals]
 
 
 def _never_traced(name: str, samples: Sequence[Mapping[str, int]], low: int) -> str:
