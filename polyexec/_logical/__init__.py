@@ -28,7 +28,10 @@ The interpreter and the layouts
 -------------------------------
 One interpreter (`_core.eval_jaxpr`, one step `_core.evaluate` per equation) runs every
 layout. Each variable's value has one annotation beside it (`_core.Known`: the axes already
-zeroed, whether it is made from lengths alone, or from positions alone); a value held in a layout's own form -- per row
+zeroed, whether it is made from lengths alone, or from positions alone), which the step hands
+a rule by position (``ctx.operands[i]``, as JAX's batching hands a rule its operands' ``dims``)
+and a rule may state for its outputs (``ctx.results``: a call's, from its program); nothing is
+looked up by the value's identity. A value held in a layout's own form -- per row
 (`RowVarying`), per sequence or per cell of packed rows -- is a wrapper the rules see. The step
 asks the layout, which is the evaluation context (`_core.Ctx` for padded and ragged rows,
 `_packed.PackedCtx` for packed ones), what differs: how it evaluates a held value, what it

@@ -47,9 +47,9 @@ def _dot_general(ctx, eqn, invals):
     # zeroed at the longest row's length when the other operand has the rows: that one is
     # zeroed at each row's own, so no row reads past its end. Otherwise its contraction
     # differs per row with no axis to hold it (`Ctx.length` refuses).
-    lhs = fill_tail(ctx, lhs, [a for a, _ in pairs], 0,
+    lhs = fill_tail(ctx, lhs, [a for a, _ in pairs], 0, known=ctx.operands[0],
                      shared=_holds_rows(ctx, rhs.shape, [rhs.shape[b] for _, b in pairs]) or None)
-    rhs = fill_tail(ctx, rhs, [b for _, b in pairs], 0,
+    rhs = fill_tail(ctx, rhs, [b for _, b in pairs], 0, known=ctx.operands[1],
                      shared=_holds_rows(ctx, lhs.shape, [lhs.shape[a] for a, _ in pairs]) or None)
     return bind_eqn_with(eqn, [lhs, rhs])
 
@@ -73,8 +73,8 @@ def _conv(ctx, eqn, invals):
         # convolution's kernel gradient contracts the rows this way).
         if fg != 1:
             raise NoRule("grouped convolution over length features")
-        lhs = fill_tail(ctx, lhs, (lhs_spec[1],), 0)
-        rhs = fill_tail(ctx, rhs, (rhs_spec[1],), 0)
+        lhs = fill_tail(ctx, lhs, (lhs_spec[1],), 0, known=ctx.operands[0])
+        rhs = fill_tail(ctx, rhs, (rhs_spec[1],), 0, known=ctx.operands[1])
         changed = True
     if ((bg != 1 and is_sym(lhs.shape[lhs_spec[0]]))
             or (fg != 1 and is_sym(rhs.shape[rhs_spec[0]]))):
@@ -82,13 +82,13 @@ def _conv(ctx, eqn, invals):
     padding, lhs_dilation = list(p["padding"]), list(p["lhs_dilation"])
     for i, (la, ra) in enumerate(zip(lhs_spec[2:], rhs_spec[2:])):
         if is_sym(rhs.shape[ra]):
-            rhs = fill_tail(ctx, rhs, (ra,), 0)
+            rhs = fill_tail(ctx, rhs, (ra,), 0, known=ctx.operands[1])
             changed = True
         lo, hi = padding[i]
         if not is_sym(lo):
             if is_sym(lhs.shape[la]):
                 # The tail becomes zeros: the zero padding then starts at the logical end.
-                lhs = fill_tail(ctx, lhs, (la,), 0)
+                lhs = fill_tail(ctx, lhs, (la,), 0, known=ctx.operands[0])
                 changed = True
         else:
             # SAME with a stride: the low padding depends on the length. Build the padded
@@ -114,7 +114,7 @@ def _reduce_window_fixed(ctx, eqn, invals):
 def _reduce_window(ctx, eqn, invals):
     n = len(invals) // 2
     operands, inits = invals[:n], invals[n:]
-    done = windowed(ctx, operands, inits, eqn.params, "base_dilation")
+    done = windowed(ctx, operands, inits, eqn.params, "base_dilation", ctx.operands[:n])
     if done is None:
         return None
     operands, padding, base_dilation = done
@@ -136,7 +136,7 @@ def _select_and_gather_add(ctx, eqn, invals):
     # tail loses every selection; the tangents' tail is zero anyway.
     tangents, operand = invals
     fills = [0, _select_fill(eqn, operand.dtype)]
-    done = windowed(ctx, [tangents, operand], fills, eqn.params, "base_dilation")
+    done = windowed(ctx, [tangents, operand], fills, eqn.params, "base_dilation", ctx.operands)
     if done is None:
         return None
     (tangents, operand), padding, base_dilation = done
@@ -151,10 +151,10 @@ def _select_and_scatter_add(ctx, eqn, invals):
     source, operand = invals
     changed = False
     if has_sym(source.shape):
-        source = fill_tail(ctx, source, range(source.ndim), 0)
+        source = fill_tail(ctx, source, range(source.ndim), 0, known=ctx.operands[0])
         changed = True
     fill = _select_fill(eqn, operand.dtype)
-    done = windowed(ctx, [operand], [fill], eqn.params, None)
+    done = windowed(ctx, [operand], [fill], eqn.params, None, ctx.operands[1:])
     if done is None:
         return bind_eqn_with(eqn, [source, operand]) if changed else None
     (padded,), padding, _ = done

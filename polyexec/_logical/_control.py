@@ -49,7 +49,7 @@ def _scan(ctx, eqn, invals):
             return None
 
         def step(carry, x):
-            out = eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
+            out = eval_closed(ctx.child(eqn), body, [*consts, *carry, *x], ctx.operands[:nc])
             return out[:ncarry], out[ncarry:]
 
         carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=p["reverse"],
@@ -73,7 +73,7 @@ def _scan(ctx, eqn, invals):
         i, carry, ys = state
         at = stop - 1 - i if p["reverse"] else i
         x = [at_step(v, at) for v in xs]
-        out = eval_closed(ctx.child(eqn), body, [*consts, *carry, *x])
+        out = eval_closed(ctx.child(eqn), body, [*consts, *carry, *x], ctx.operands[:nc])
         ys = [_set_step(y, v.astype(y.dtype), at)
               for y, v in zip(ys, out[ncarry:])]
         return i + 1, list(out[:ncarry]), ys
@@ -163,7 +163,8 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
         x = [RowVarying(at_step(v.value, at, 1), v.rows, v.below) if isinstance(v, RowVarying)
              else at_step(v, at) for v in xs]
         here = consts if consts_at is None else consts_at(at)
-        out = eval_closed(ctx.child(eqn, alive=alive), body, [*here, *carry, *x])
+        out = eval_closed(ctx.child(eqn, alive=alive), body, [*here, *carry, *x],
+                          ctx.operands[:len(consts)])
         if any(isinstance(v, RowVarying) for v in out[:ncarry]):
             raise _NotHeld("a carry without a rows axis turns per row")
         new = [n if a is None or not freeze else by_rows(alive, n, old, a)
@@ -265,10 +266,12 @@ def _while(ctx, eqn, invals):
         return None
 
     def pred(c):
-        return eval_closed(ctx.child(eqn), p["cond_jaxpr"], [*cconsts, *c])[0]
+        return eval_closed(ctx.child(eqn), p["cond_jaxpr"], [*cconsts, *c],
+                           ctx.operands[:cn])[0]
 
     def body(c):
-        return eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c])
+        return eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c],
+                           ctx.operands[cn:cn + bn])
 
     if not eqn.params["cond_jaxpr"].out_avals[0].shape:
         # Only ragged rows give a per-row condition; the probe traces it once more, outside.
@@ -349,7 +352,10 @@ def _call(key):
     def rule(ctx, eqn, invals):
         # Inlined: the logical program is exported and run, never differentiated again, so
         # custom derivative rules have nothing left to do.
-        return eval_closed(ctx.child(eqn), eqn.params[key], invals)
+        child = ctx.child(eqn)
+        outs = eval_closed(child, eqn.params[key], invals, ctx.operands)
+        ctx.results = child.results    # what it made from lengths or positions alone
+        return outs
     return rule
 
 

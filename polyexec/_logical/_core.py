@@ -9,7 +9,8 @@ reached with the registry full. What every rule uses and needs no interpreter st
 
 Rules take ``(ctx, eqn, invals)`` and return the outputs, or None when the equation needs no
 change after all; they raise `NoRule` to report what they cannot do (a verdict naming the
-user's line, and the equation runs unchanged).
+user's line, and the equation runs unchanged). ``ctx.operands[i]`` is operand ``i``'s
+annotation (`Known`), handed by position.
 """
 from __future__ import annotations
 
@@ -91,6 +92,38 @@ class Logical:
 # The evaluation context: real sizes and the values of dimension expressions
 
 
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """What the interpreter knows of one plain value beyond its aval: its annotation, one per
+    variable of the program being evaluated, held beside the value (`eval_jaxpr`) as JAX's
+    batching holds a tracer's batch dimension.
+
+    - ``zeroed``: the length axes beyond whose logical end the value holds 0 (`fill_tail`), so
+      a reader that needs that tail zeroed (a contraction, a sum) finds it done.
+    - ``from_lengths``: made from lengths alone (`Ctx.from_lengths_of`): the same in every row,
+      but what a rule makes of its tail is each row's own (`Ctx.length`).
+
+    A value held in another form (`RowVarying`, packed rows' per-sequence and per-cell values)
+    is its own annotation: a wrapper the rules see."""
+
+    zeroed: frozenset = frozenset()
+    from_lengths: bool = False
+    # Made from positions alone (``iota`` and integer or boolean maths of it: a causal mask):
+    # its entries as a function of their indices, ``positions(index) -> value``, ``index``
+    # one int array per axis, all broadcasting together (`Ctx.positions_of`). Packed rows
+    # recompute such a value at each cell's positions instead of gathering it there.
+    positions: Callable | None = dataclasses.field(default=None, compare=False)
+
+    def passed_on(self) -> "Known":
+        """What a sub-program (a call's, a loop body's, one row's) knows of this value handed
+        to it: made from lengths or positions still, but a zeroed tail is only this context's
+        own, since a child's masks also drop its ended rows."""
+        return Known(from_lengths=self.from_lengths, positions=self.positions)
+
+
+PLAIN = Known()
+
+
 class Ctx:
     """Real sizes (int32 tracers by variable name) and the recorder, for one (sub-)program:
     the padded and ragged layouts' `_interface.Layout`, what their rules may ask.
@@ -119,15 +152,19 @@ class Ctx:
         self._lengths: dict[Any, Any] = {}
         self._physical: dict[Any, Any] = {}
         self._exact: dict[Any, Any] = {}
-        # The values the current equation reads, and those its rule zeroed (`fill_tail`), each
-        # with its annotation (`Known`): set by `eval_jaxpr` around every equation.
-        self.reading: list[tuple[Any, Known]] = []
+        # The annotations (`Known`) of the current equation's operands, by position, as JAX's
+        # batching hands a rule its operands' batch dimensions: set by `evaluate`.
+        self.operands: tuple[Known, ...] = ()
+        # The annotations of the current equation's outputs, by position, where its rule
+        # states them (a call's: what its program made from lengths or positions alone).
+        self.results: list[Known] | None = None
 
     @contextlib.contextmanager
     def applying(self, eqn, invals):
         """While a rule rewrites ``eqn``: `length` reads which of its inputs were made from
         lengths alone (``from_lengths_shapes``) and which equation asks (``current``)."""
-        self.current, self.from_lengths_shapes = eqn, self.shapes_made_from_lengths(invals)
+        self.current, self.from_lengths_shapes = eqn, frozenset(
+            tuple(x.shape) for x, k in zip(invals, self.operands) if k.from_lengths)
         try:
             yield
         finally:
@@ -139,9 +176,10 @@ class Ctx:
         return Ctx(self.sizes, self.recorder, self, eqn, self.rows,
                     self.alive if alive is None else alive)
 
-    def evaluate(self, eqn, invals) -> list:
-        """One equation's outputs in this context's layout (`evaluate`, the one interpreter)."""
-        return evaluate(self, eqn, invals)
+    def evaluate(self, eqn, invals, operands=()) -> list:
+        """One equation's outputs in this context's layout (`evaluate`, the one interpreter);
+        ``operands``: its operands' annotations by position (missing ones: `PLAIN`)."""
+        return evaluate(self, eqn, invals, operands)
 
     # -- the pad layout: what `evaluate` asks of a layout --------------------------------------
     # A packed context (`_packed.PackedCtx`) answers the same questions for packed rows.
@@ -292,21 +330,6 @@ class Ctx:
         var = next(n for n, (_, r) in self.rows.items() if r == rows)
         return self.rows[var][0].shape
 
-    def known(self, x, *, inherited: bool = False) -> "Known":
-        """The annotation of ``x`` when the current equation reads it or its rule made it (found
-        by identity: the value itself), else `PLAIN`. ``inherited``: also as a value of an
-        enclosing program's current equation (a call's operands are its caller's values), whose
-        ``from_lengths`` holds here too; a zeroed tail is only this context's own, since a
-        child's masks also drop its ended rows."""
-        ctx = self
-        while ctx is not None:
-            for y, k in reversed(ctx.reading):
-                if y is x:
-                    return k if ctx is self else Known(from_lengths=k.from_lengths,
-                                                       positions=k.positions)
-            ctx = ctx.parent if inherited else None
-        return PLAIN
-
     def from_lengths_of(self, x, reading) -> bool:
         """Whether ``x`` is made from lengths alone -- ``jnp.arange(row.shape[0])``,
         ``jnp.ones(n)``, a table cut to ``[:n, :n]``, and what elementwise code makes of them:
@@ -339,15 +362,9 @@ class Ctx:
         read it."""
         return None
 
-    def made_from_lengths(self, x) -> bool:
-        return self.known(x, inherited=True).from_lengths
-
-    def shapes_made_from_lengths(self, invals) -> frozenset:
-        return frozenset(tuple(x.shape) for x in invals if self.made_from_lengths(x))
-
     def rows_of_made_from_lengths(self, invals) -> str:
         """The rows along which the values made from lengths among ``invals`` are ragged."""
-        found = {r for x in invals if self.made_from_lengths(x)
+        found = {r for x, k in zip(invals, self.operands) if k.from_lengths
                  for r in map(self.rows_of, x.shape) if r is not None}
         if len(found) != 1:
             raise NoRule(f"values made from lengths ragged along {sorted(found)}")
@@ -394,9 +411,9 @@ class Ctx:
         return any(self.row_axes(getattr(v.aval, "shape", ()), rows)
                    for v in (*eqn.invars, *eqn.outvars))
 
-    def fill_tail(self, x, axes, fill, shared=None):
+    def fill_tail(self, x, axes, fill, shared=None, known=PLAIN):
         """``x`` with ``fill`` past the logical length of each of ``axes`` (`fill_tail`)."""
-        return fill_tail(self, x, axes, fill, shared)
+        return fill_tail(self, x, axes, fill, shared, known)
 
     def tail_mask(self, shape, axes, shared=None):
         """`logical_mask` of a value of ``shape``, as `fill_tail` and the zeroed reads ask
@@ -451,8 +468,8 @@ class Ctx:
         values follow them) over ``axes``, one of them a length: each operand's tails along
         ``axes`` become its identity in ``fills``."""
         n = len(fills)
-        return bind_eqn_with(eqn, [*(fill_tail(self, x, axes, f)
-                                     for x, f in zip(invals[:n], fills)), *invals[n:]])
+        return bind_eqn_with(eqn, [*(fill_tail(self, x, axes, f, known=k) for x, f, k in
+                                     zip(invals[:n], fills, self.operands)), *invals[n:]])
 
     def accumulate(self, eqn, x, axis: int, monoid, reverse: bool):
         """A cumulative ``eqn`` of ``x`` along the length ``axis``: a forward one reads a
@@ -460,7 +477,8 @@ class Ctx:
         the identity."""
         if not reverse:
             return None
-        return bind_eqn_with(eqn, [fill_tail(self, x, (axis,), monoid.identity(x.dtype))])
+        return bind_eqn_with(eqn, [fill_tail(self, x, (axis,), monoid.identity(x.dtype),
+                                             known=self.operands[0])])
 
     def reverse(self, x, axis: int):
         """``x`` reversed along the length ``axis`` within its real length, its tail left
@@ -478,7 +496,7 @@ class Ctx:
         canonicalises it."""
         key = ranked(x)
         values, positions = bind_eqn_with(eqn, [fill_tail(self, key, (axis,), lowest_value(
-            key.dtype))])
+            key.dtype), known=self.operands[0] if key is x else None)])
         if key is not x:
             values = jnp.take_along_axis(x, positions, axis, mode="clip")
         return [values, positions]
@@ -498,37 +516,12 @@ class Ctx:
     def window(self, eqn, x, monoid):
         """A window ``eqn`` (``reduce_window_sum``, ...) of ``x``: it reads the identity past a
         length's logical end, and from a length-dependent low padding (`windowed`)."""
-        done = windowed(self, [x], [monoid.identity(x.dtype)], eqn.params, "base_dilation")
+        done = windowed(self, [x], [monoid.identity(x.dtype)], eqn.params, "base_dilation",
+                        self.operands[:1])
         if done is None:
             return None
         (x,), padding, base_dilation = done
         return bind_eqn_with(eqn, [x], padding=padding, base_dilation=base_dilation)
-
-
-@dataclasses.dataclass(frozen=True)
-class Known:
-    """What the interpreter knows of one plain value beyond its aval: its annotation, one per
-    variable of the program being evaluated, held beside the value (`eval_jaxpr`) as JAX's
-    batching holds a tracer's batch dimension.
-
-    - ``zeroed``: the length axes beyond whose logical end the value holds 0 (`fill_tail`), so
-      a reader that needs that tail zeroed (a contraction, a sum) finds it done.
-    - ``from_lengths``: made from lengths alone (`Ctx.from_lengths_of`): the same in every row,
-      but what a rule makes of its tail is each row's own (`Ctx.length`).
-
-    A value held in another form (`RowVarying`, packed rows' per-sequence and per-cell values)
-    is its own annotation: a wrapper the rules see."""
-
-    zeroed: frozenset = frozenset()
-    from_lengths: bool = False
-    # Made from positions alone (``iota`` and integer or boolean maths of it: a causal mask):
-    # its entries as a function of their indices, ``positions(index) -> value``, ``index``
-    # one int array per axis, all broadcasting together (`Ctx.positions_of`). Packed rows
-    # recompute such a value at each cell's positions instead of gathering it there.
-    positions: Callable | None = dataclasses.field(default=None, compare=False)
-
-
-PLAIN = Known()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,20 +599,19 @@ def logical_mask(ctx: Ctx, shape, axes, shared=None):
     return mask
 
 
-def fill_tail(ctx: Ctx, x, axes, fill, shared=None):
+def fill_tail(ctx: Ctx, x, axes, fill, shared=None, known: Known | None = PLAIN):
     """``x`` with every position beyond a logical length along ``axes`` replaced by ``fill``.
-    A value made from lengths alone has no such tail for all rows at once (`Ctx.length`),
-    unless ``shared``: its reader zeroes the rows' own operand per row."""
-    if shared is None:
-        shared = not ctx.made_from_lengths(x)
+    ``known``: the annotation of ``x`` (``ctx.operands[i]`` for an operand; None: unknown,
+    as a user's rule leaves it), whose zeroed tails are kept. A value made from lengths alone
+    has no such tail for all rows at once (`Ctx.length`), unless ``shared``: its reader zeroes
+    the rows' own operand per row."""
+    if shared is None and known is not None:
+        shared = not known.from_lengths
     zero = isinstance(fill, (bool, int, float, np.generic)) and fill == 0
     axes = frozenset(axes)
-    if zero and axes <= ctx.known(x).zeroed:
+    if zero and known is not None and axes <= known.zeroed:
         return x
-    out = _masked(ctx, x, axes, fill, shared)
-    if zero and out is not x:
-        ctx.reading.append((out, Known(zeroed=axes)))
-    return out
+    return _masked(ctx, x, axes, fill, shared)
 
 
 def _masked(ctx: Ctx, x, axes, fill, shared):
@@ -660,14 +652,14 @@ def _zero_read_tails(ctx: Ctx, reads, v, x, known: Known) -> tuple[Any, Known]:
     return (x, known) if out is x else (out, Known(zeroed=axes))
 
 
-def _zeroed_through(eqn, scope) -> Known:
+def _zeroed_through(eqn, operands) -> Known:
     """The annotation of an elementwise equation's output: its operand's zeroed tails, where
     its primitive keeps zeros (`Entry.zeroed_through`: ``neg``, a transpose)."""
     entry = lookup_rule(eqn.primitive)
     if (entry is None or entry.zeroed_through is None or entry.rule is not ELEMENTWISE
-            or len(scope) != 1):
+            or len(operands) != 1):
         return PLAIN
-    zeroed = scope[0][1].zeroed
+    zeroed = operands[0].zeroed
     return Known(zeroed=entry.zeroed_through(eqn, zeroed)) if zeroed else PLAIN
 
 
@@ -720,11 +712,11 @@ def place_window(ctx: Ctx, x, axis, lo, interior, size, fill):
                       filled(taken.shape, fill, x.dtype))
 
 
-def windowed(ctx: Ctx, operands, fills, p, dilation_key):
+def windowed(ctx: Ctx, operands, fills, p, dilation_key, known):
     """A windowed read's operands (a window, a convolution, the max-pooling derivatives) whose
     tails become their fills (the padding value), with a length-dependent low padding built
-    explicitly. Returns the operands and the new padding/dilation, or None when nothing reads
-    across a length axis."""
+    explicitly; ``known``: their annotations. Returns the operands and the new
+    padding/dilation, or None when nothing reads across a length axis."""
     if any(is_sym(w) for w in p["window_dimensions"]):
         raise NoRule("a window whose size is a length")
     padding = list(p["padding"])
@@ -734,7 +726,8 @@ def windowed(ctx: Ctx, operands, fills, p, dilation_key):
         n = operands[0].shape[a]
         if not is_sym(lo):
             if is_sym(n):
-                operands = [fill_tail(ctx, x, (a,), f) for x, f in zip(operands, fills)]
+                operands = [fill_tail(ctx, x, (a,), f, known=k)
+                            for x, f, k in zip(operands, fills, known)]
                 changed = True
         else:
             size = (n - 1) * dilation[a] + 1 + lo + hi
@@ -849,7 +842,10 @@ def _only_from_empty(jaxpr) -> set[int]:
     return found
 
 
-def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
+def eval_jaxpr(ctx: Ctx, jaxpr, consts, args, known_args=()) -> list:
+    """``jaxpr``'s outputs in ``ctx``'s layout; ``known_args``: the annotations of ``args`` by
+    position (a call's operands keep what its caller knew of them; missing ones: `PLAIN`).
+    The outputs' annotations are left in ``ctx.results``."""
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -859,71 +855,70 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args) -> list:
             return np.asarray(v.val, v.aval.dtype)
         return env[v]
 
+    def annotation(v) -> Known:
+        return known.get(v, PLAIN) if isinstance(v, jax.extend.core.Var) else PLAIN
+
     reads = _zeroed_reads(jaxpr)
     unread = _only_reach_empty(jaxpr) | _only_from_empty(jaxpr)
     known: dict[Any, Known] = {}      # each variable's annotation, beside its value
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        # A caller's value passed in (a call's operands) keeps what its program knew of it.
-        caller = ctx.known(x, inherited=True)
-        env[v], known[v] = _zero_read_tails(ctx, reads, v, x,
-                                            Known(from_lengths=caller.from_lengths,
-                                                  positions=caller.positions))
+    known_args = [*known_args, *[PLAIN] * (len(args) - len(known_args))]
+    for v, x, k in zip(jaxpr.invars, args, known_args):
+        env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k.passed_on())
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        scope = [(x, known.get(v, PLAIN) if isinstance(v, jax.extend.core.Var) else PLAIN)
-                 for v, x in zip(eqn.invars, invals)]
-        outer, ctx.reading = ctx.reading, scope
+        operands = [annotation(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        try:
-            with source_info_util.user_context(eqn.source_info.traceback,
-                                               name_stack=name_stack), eqn.ctx.manager:
-                outvals = _folded(eqn, invals)
-                # Its values reach no result, or are zero whatever the layout.
-                if outvals is None and id(eqn) in unread:
-                    outvals = [like_aval(filled(v.aval.shape, 0, v.aval.dtype), v.aval)
-                               for v in eqn.outvars]
-                if outvals is None:
-                    outvals = ctx.evaluate(eqn, invals)
-        finally:
-            ctx.reading = outer
-        for v, x in zip(eqn.outvars, outvals):
+        ctx.results = None
+        with source_info_util.user_context(eqn.source_info.traceback,
+                                           name_stack=name_stack), eqn.ctx.manager:
+            outvals = _folded(eqn, invals)
+            # Its values reach no result, or are zero whatever the layout.
+            if outvals is None and id(eqn) in unread:
+                outvals = [like_aval(filled(v.aval.shape, 0, v.aval.dtype), v.aval)
+                           for v in eqn.outvars]
+            if outvals is None:
+                outvals = ctx.evaluate(eqn, invals, operands)
+        stated = ctx.results or [None] * len(outvals)
+        scope = list(zip(invals, operands))
+        for v, x, k in zip(eqn.outvars, outvals, stated):
             if not isinstance(v, jax.extend.core.DropVar):
-                # An input passed through, or a value the rule zeroed or a sub-program made,
-                # keeps its annotation; anything else may be made from lengths alone.
-                k = next((k for y, k in reversed(scope) if y is x), None)
+                # A result its rule annotated (a call's) keeps that; anything else may keep
+                # its operand's zeroed tail, or be made from lengths or positions alone.
                 positions = (k.positions if k is not None else
-                             ctx.positions_of(eqn, scope[:len(invals)])
-                             if len(eqn.outvars) == 1 else None)
-                k = k or _zeroed_through(eqn, scope)
-                k = Known(k.zeroed, k.from_lengths or ctx.from_lengths_of(x, scope[:len(invals)]),
-                          positions)
+                             ctx.positions_of(eqn, scope) if len(eqn.outvars) == 1 else None)
+                k = k or _zeroed_through(eqn, operands)
+                k = Known(k.zeroed, k.from_lengths or ctx.from_lengths_of(x, scope), positions)
                 env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k)
-    outs = [read(v) for v in jaxpr.outvars]
-    if ctx.parent is not None:
-        # What this program made from lengths or positions alone stays so for its caller (a
-        # call's results).
-        for v, x in zip(jaxpr.outvars, outs):
-            k = known.get(v, PLAIN) if isinstance(v, jax.extend.core.Var) else PLAIN
-            if k.from_lengths or k.positions is not None:
-                ctx.parent.reading.append(
-                    (x, Known(from_lengths=k.from_lengths, positions=k.positions)))
-    return outs
+    # What this program made from lengths or positions alone stays so for its caller (a
+    # call's results, `Ctx.results`).
+    ctx.results = [k.passed_on() if k.from_lengths or k.positions is not None else None
+                   for k in map(annotation, jaxpr.outvars)]
+    return [read(v) for v in jaxpr.outvars]
 
 
-def eval_closed(ctx: Ctx, closed, args) -> list:
+def eval_closed(ctx: Ctx, closed, args, known_args=()) -> list:
     if isinstance(closed, jax.extend.core.ClosedJaxpr):
-        return eval_jaxpr(ctx, closed.jaxpr, closed.consts, args)
-    return eval_jaxpr(ctx, closed, (), args)
+        return eval_jaxpr(ctx, closed.jaxpr, closed.consts, args, known_args)
+    return eval_jaxpr(ctx, closed, (), args, known_args)
 
 
-def evaluate(ctx: Ctx, eqn, invals) -> list:
-    """The interpreter's step, for every layout: one equation's outputs. The layout (the
+def evaluate(ctx: Ctx, eqn, invals, operands=()) -> list:
+    """The interpreter's step, for every layout: one equation's outputs, ``operands`` its
+    operands' annotations by position (``ctx.operands`` while it runs). The layout (the
     context: `Ctx` for padded rows, a packed context for packed ones) answers what differs --
     values it holds in a form of its own (`Ctx.held_outputs`, `Ctx.held_rule`), what it
     refuses whatever the rule (`Ctx.refusal`), its rule for a primitive (`Ctx.rule_for`), and
     what a refused equation gives (`Ctx.refused`, `Ctx.without_rule`)."""
+    outer, ctx.operands = ctx.operands, (*operands, *[PLAIN] * (len(invals) - len(operands)))
+    try:
+        return _evaluate(ctx, eqn, invals)
+    finally:
+        ctx.operands = outer
+
+
+def _evaluate(ctx: Ctx, eqn, invals) -> list:
     early = ctx.held_outputs(eqn, invals)
     if early is not None:
         return early
@@ -1111,7 +1106,7 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
         row = Ctx(sizes, ctx.recorder, ctx, ctx.eqn,
                    {n: v for n, v in ctx.rows.items() if n not in ragged})
         row.own_sizes = True
-        return tuple(row.evaluate(eqn, list(xs)))
+        return tuple(row.evaluate(eqn, list(xs), [k.passed_on() for k in ctx.operands]))
 
     below = next((x.below for x in invals if isinstance(x, RowVarying) and x.below), None)
     if below is not None and eqn.primitive.name == "convert_element_type" and jnp.issubdtype(

@@ -470,7 +470,7 @@ def _scatter(ctx, eqn, invals):
         if SCATTERS[name] is not None:
             # Window elements beyond the logical length add the combiner's identity.
             updates = fill_tail(ctx, updates, window_tail,
-                                SCATTERS[name].identity(updates.dtype))
+                                SCATTERS[name].identity(updates.dtype), known=ctx.operands[2])
         elif name != "scatter":
             raise NoRule(f"{name} with a window of a length")
     if not dn.scatter_dims_to_operand_dims:

@@ -24,6 +24,11 @@ class Layout(Protocol):
     rows: dict[str, Any]      # a ragged variable -> (its per-row lengths, its rows variable)
     alive: Any                # inside a scan over a ragged length: the rows still running
     recorder: Any             # what the rewrite found (`_core.Recorder`)
+    # The current equation's operands' annotations (`_core.Known`) by position, as JAX's
+    # batching hands a rule its operands' ``dims``; a rule may state its outputs' in
+    # ``results`` (a call's: what its program made from lengths or positions alone).
+    operands: tuple
+    results: Any
 
     # -- axes and lengths ---------------------------------------------------------------------
 
@@ -58,14 +63,13 @@ class Layout(Protocol):
     def rows_vector_shape(self, rows: str):
         """The shape of the per-row lengths of ``rows``."""
 
-    def known(self, x, *, inherited: bool = False):
-        """The annotation (`_core.Known`) of a value the current equation reads."""
 
     def child(self, eqn, *, alive=None) -> "Layout":
         """The context of a sub-program of ``eqn`` (a scan body, a branch)."""
 
-    def fill_tail(self, x, axes, fill, shared=None):
-        """``x`` with ``fill`` past the logical length of each of ``axes``."""
+    def fill_tail(self, x, axes, fill, shared=None, known=...):
+        """``x`` with ``fill`` past the logical length of each of ``axes``; ``known``: its
+        annotation (``operands[i]`` for operand ``i``; None: unknown)."""
 
     # -- the families' operations: what differs between layouts ------------------------------
 

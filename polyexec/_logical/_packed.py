@@ -991,7 +991,7 @@ def _per_cell(ctx: PackedCtx, eqn, invals):
         # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
         (r,) = rows
         return ctx.evaluate(eqn, [_onto_rows(x, r) if isinstance(x, PerCell) else x
-                                  for x in invals])
+                                  for x in invals], ctx.operands)
     raise NoRule(f"{name} of a value that differs per sequence and per position (it has no "
                   f"rows axis)")
 

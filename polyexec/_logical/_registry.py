@@ -214,7 +214,9 @@ class RuleContext:
         ``value`` (axes of constant size are left alone). A ``select``, never a multiply, so
         NaN or inf padding cannot leak: fill with the operation's identity (0 for a sum, -inf
         for a max) and the operation then reads only the real elements."""
-        return self._ctx.fill_tail(x, tuple(axes), value)
+        # Which operand ``x`` is, the rule does not say: a value of the shape of one made from
+        # lengths alone is refused for all rows at once (`Ctx.length`), never zeroed wrongly.
+        return self._ctx.fill_tail(x, tuple(axes), value, shared=None, known=None)
 
 
 def _public(rule: Callable, name: str) -> Callable:

@@ -126,7 +126,7 @@ def _per_column(ctx, eqn, invals, entry) -> list:
         # ``(1, T)`` iota, is placed by position).
         return ctx.evaluate(eqn, [to_cells(ctx, x, s, out_shapes[0])
                                   if isinstance(x, PerSequence) else x
-                                  for x, s in zip(invals, shapes)])
+                                  for x, s in zip(invals, shapes)], ctx.operands)
     if any(ctx.packed_axes(s) for s in shapes):
         raise NoRule(f"{name} of a per-sequence value and a value along a packed length")
     acts_on = None if entry is None or elementwise else entry.acts_on

@@ -410,7 +410,7 @@ def _broadcast_in_dim(ctx: PackedCtx, eqn, invals):
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
     if len(rows) != 1 or len(packed) not in (1, 2):
         return None
-    positions = ctx.known(x).positions
+    positions = ctx.operands[0].positions
     if rows[0] in dims:
         k_rows = dims.index(rows[0])
         if is_sym(x.shape[k_rows]):
