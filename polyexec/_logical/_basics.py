@@ -1,11 +1,14 @@
 """Dimensions and values every rule uses, with no interpreter state: whether a dimension is
 symbolic and grows with the lengths, the identities of the combining operations, rebinding an
-equation, and reading its parameters.
+equation, reading its parameters, and the annotation the interpreter hands a rule for each
+operand (`Known`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -203,3 +206,45 @@ def like_aval(x, aval):
     if have.dtype == aval.dtype and getattr(have, "weak_type", False) == aval.weak_type:
         return x
     return convert_element_type(x, aval.dtype, aval.weak_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """What the interpreter knows of one plain value beyond its aval: its annotation, one per
+    variable of the program being evaluated, held beside the value (`eval_jaxpr`) as JAX's
+    batching holds a tracer's batch dimension.
+
+    - ``zeroed``: the length axes beyond whose logical end the value holds 0 (`fill_tail`), so
+      a reader that needs that tail zeroed (a contraction, a sum) finds it done.
+    - ``from_lengths``: made from lengths alone (`Ctx.from_lengths_of`): the same in every row,
+      but what a rule makes of its tail is each row's own (`Ctx.length`).
+
+    Packed rows' values held per cell (``per_cell``) or not packed at all (``unpackable``)
+    are plain arrays (or None) so annotated; a value held per row (`_core.RowVarying`) or per
+    sequence (`_sequences.PerSequence`) is still a wrapper the rules see in its place."""
+
+    zeroed: frozenset = frozenset()
+    from_lengths: bool = False
+    # Made from positions alone (``iota`` and integer or boolean maths of it: a causal mask):
+    # its entries as a function of their indices, ``positions(index) -> value``, ``index``
+    # one int array per axis, all broadcasting together (`Ctx.positions_of`). Packed rows
+    # recompute such a value at each cell's positions instead of gathering it there.
+    positions: Callable | None = dataclasses.field(default=None, compare=False)
+    # Packed rows: why the value cannot be packed (a per-sequence value no rule keeps, an
+    # equation refused), naming its line. It has no value (None); what reads it is refused
+    # in turn, so the plan fails only if a result needs it (`PackedCtx.held_outputs`).
+    unpackable: str | None = None
+    # Packed rows: a value without the rows axis that differs per sequence all the same (a
+    # per-sequence number meeting positions: ``jnp.arange(T) / T``; ``T - 1 - iota``, which
+    # ``x[:, ::-1]`` indexes with), held with the rows axis in front, so cell ``(r, c)`` of
+    # a packed length holds the entry of the sequence there, at its position.
+    per_cell: bool = False
+
+    def passed_on(self) -> "Known":
+        """What a sub-program (a call's, a loop body's, one row's) knows of this value handed
+        to it, or a caller of a result of its program: all but a zeroed tail, which is only
+        this context's own, since a child's masks also drop its ended rows."""
+        return dataclasses.replace(self, zeroed=frozenset())
+
+
+PLAIN = Known()

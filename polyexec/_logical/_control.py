@@ -446,15 +446,18 @@ def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
         ctx, eqn, consts, starting, xs, carry_axes, stop,
         alive_at=_step_mask(in_frame), restart_at=_step_mask(first), freeze=False,
         consts_at=at(consts), init_at=at(init), keep=keep)
-    final = []
+    final, unread = [], []
     for c, c0, shape, a, kept in zip(carry, init, init_shapes, carry_axes, steps):
         if a is None:
             final.append(c)
-        elif kept is None:          # never read: no per-sequence copy
-            final.append(ctx.per_sequence(eqn, "the final carry of a scan")[0])
+        elif kept is None:          # never read: no per-sequence copy, not packed
+            unread.append(len(final))
+            final.append(None)
         else:
             final.append(_final_carry(ctx, kept, held(ctx, c0, shape), length,
                                       p["reverse"]))
+    if unread:
+        ctx.per_sequence(eqn, "the final carry of a scan", unread)
     return [*final, *ys]
 
 

@@ -30,9 +30,9 @@ from jax.extend import source_info_util
 from .._context import equation_line
 from .._errors import OptionError, is_int
 from .._jax_internals import dim_as_value, dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._basics import (bind_eqn, bind_eqn_with, filled, has_sym, iota_along, is_empty, monotone,
-                      is_sym, like_aval, lowest_value, one_position, operand_avals, ranked,
-                      sub_jaxprs)
+from ._basics import (PLAIN, Known, bind_eqn, bind_eqn_with, filled, has_sym, iota_along,
+                      is_empty, monotone, is_sym, like_aval, lowest_value, one_position,
+                      operand_avals, ranked, sub_jaxprs)
 from ._registry import ELEMENTWISE, MOVES_ROWS_WHY, Entry, NoRule, lookup_rule
 
 
@@ -85,43 +85,7 @@ class Logical:
 
 
 # --------------------------------------------------------------------------------------------
-# Dimensions
-
-
-# --------------------------------------------------------------------------------------------
 # The evaluation context: real sizes and the values of dimension expressions
-
-
-@dataclasses.dataclass(frozen=True)
-class Known:
-    """What the interpreter knows of one plain value beyond its aval: its annotation, one per
-    variable of the program being evaluated, held beside the value (`eval_jaxpr`) as JAX's
-    batching holds a tracer's batch dimension.
-
-    - ``zeroed``: the length axes beyond whose logical end the value holds 0 (`fill_tail`), so
-      a reader that needs that tail zeroed (a contraction, a sum) finds it done.
-    - ``from_lengths``: made from lengths alone (`Ctx.from_lengths_of`): the same in every row,
-      but what a rule makes of its tail is each row's own (`Ctx.length`).
-
-    A value held in another form (`RowVarying`, packed rows' per-sequence and per-cell values)
-    is its own annotation: a wrapper the rules see."""
-
-    zeroed: frozenset = frozenset()
-    from_lengths: bool = False
-    # Made from positions alone (``iota`` and integer or boolean maths of it: a causal mask):
-    # its entries as a function of their indices, ``positions(index) -> value``, ``index``
-    # one int array per axis, all broadcasting together (`Ctx.positions_of`). Packed rows
-    # recompute such a value at each cell's positions instead of gathering it there.
-    positions: Callable | None = dataclasses.field(default=None, compare=False)
-
-    def passed_on(self) -> "Known":
-        """What a sub-program (a call's, a loop body's, one row's) knows of this value handed
-        to it: made from lengths or positions still, but a zeroed tail is only this context's
-        own, since a child's masks also drop its ended rows."""
-        return Known(from_lengths=self.from_lengths, positions=self.positions)
-
-
-PLAIN = Known()
 
 
 class Ctx:
@@ -231,7 +195,8 @@ class Ctx:
                 pass
         return self.refused(eqn, invals, str(error))
 
-    def as_output(self, x, aval):
+    def as_output(self, x, aval, known=None):
+        """An output of a rule as the equation's result (``known``: its stated annotation)."""
         return x if isinstance(x, RowVarying) else like_aval(x, aval)
 
     def flag(self, eqn, detail: str):
@@ -346,7 +311,7 @@ class Ctx:
             if not rows or any(self.row_axes(shape, r) for r in rows):
                 return False
             for y, k in reading:
-                if k.from_lengths:
+                if k.from_lengths or k.per_cell:
                     continue
                 if isinstance(y, RowVarying) or any(
                         self.rows_of(d) is not None or str(d) in rows
@@ -496,7 +461,7 @@ class Ctx:
         canonicalises it."""
         key = ranked(x)
         values, positions = bind_eqn_with(eqn, [fill_tail(self, key, (axis,), lowest_value(
-            key.dtype), known=self.operands[0] if key is x else None)])
+            key.dtype), known=self.operands[0])])      # the key: x's, ranked elementwise
         if key is not x:
             values = jnp.take_along_axis(x, positions, axis, mode="clip")
         return [values, positions]
@@ -640,7 +605,7 @@ def _zero_read_tails(ctx: Ctx, reads, v, x, known: Known) -> tuple[Any, Known]:
     """``x`` (the value of ``v``, annotated ``known``) zeroed beyond its lengths along the axes
     its readers need zeroed (`_zeroed_reads`), with its annotation."""
     axes = reads.get(v)
-    if axes is None or not hasattr(x, "shape") or isinstance(x, RowVarying):
+    if axes is None or not hasattr(x, "shape") or isinstance(x, RowVarying) or known.per_cell:
         return x, known
     axes = frozenset(axes)
     if axes <= known.zeroed:
@@ -889,11 +854,12 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args, known_args=()) -> list:
                 positions = (k.positions if k is not None else
                              ctx.positions_of(eqn, scope) if len(eqn.outvars) == 1 else None)
                 k = k or _zeroed_through(eqn, operands)
-                k = Known(k.zeroed, k.from_lengths or ctx.from_lengths_of(x, scope), positions)
+                k = dataclasses.replace(k, from_lengths=k.from_lengths or (
+                    not k.per_cell and ctx.from_lengths_of(x, scope)), positions=positions)
                 env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k)
-    # What this program made from lengths or positions alone stays so for its caller (a
-    # call's results, `Ctx.results`).
-    ctx.results = [k.passed_on() if k.from_lengths or k.positions is not None else None
+    # What this program knows of its results stays so for its caller (a call's results,
+    # `Ctx.results`): made from lengths or positions alone, or not packed.
+    ctx.results = [None if k == PLAIN and k.positions is None else k.passed_on()
                    for k in map(annotation, jaxpr.outvars)]
     return [read(v) for v in jaxpr.outvars]
 
@@ -947,7 +913,8 @@ def _evaluate(ctx: Ctx, eqn, invals) -> list:
         return bind_eqn(eqn, invals)
     if held is not None or entry is None or not entry.structural:
         ctx.recorder.rewritten.add(id(eqn))
-    return [ctx.as_output(x, v.aval) for x, v in zip(out, eqn.outvars)]
+    stated = ctx.results or [None] * len(out)
+    return [ctx.as_output(x, v.aval, k) for x, v, k in zip(out, eqn.outvars, stated)]
 
 
 def _moved_axes(eqn) -> list[tuple[Any, tuple[int, ...]]]:

@@ -19,7 +19,7 @@ from ._basics import (bind_eqn_with, filled, has_sym, highest_value, iota_along,
 from ._core import RowVarying, fill_tail, logical_mask, window_fits_admitted_rows
 from ._registry import NoRule, deffacts, defrule
 from ._families import SCATTERS
-from ._packed import NotPacked, PackedCtx, PerCell, packed_generic, scatter_window
+from ._packed import PackedCtx, packed_generic, scatter_window
 from ._sequences import PerSequence, by_cell, held, refused, spread
 
 
@@ -853,7 +853,7 @@ def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batchi
     reads a position of its sequence (else the gather's fill, a dropped update), and whether
     the entry belongs to a cell in the frame of the index's packed length (the others are
     "don't care", and must never write); None for any other indexing."""
-    if (isinstance(index, (PerSequence, PerCell, NotPacked)) or not hasattr(index, "shape")
+    if (isinstance(index, PerSequence) or not hasattr(index, "shape")
             or len(index_shape) < 2):
         return None
     cells = tuple(index_shape[:-1])
@@ -954,7 +954,7 @@ def _put_cells(ctx: PackedCtx, eqn, invals):
     dn = eqn.params["dimension_numbers"]
     shape = eqn.invars[0].aval.shape
     if (isinstance(x, PerSequence) or eqn.primitive.name not in SCATTERS
-            or isinstance(updates, (PerSequence, PerCell, NotPacked)) or ctx.alive is not None):
+            or isinstance(updates, PerSequence) or ctx.alive is not None):
         # Inside a packed scan a row's update may come from a cell that is not real there.
         return None
     window = scatter_window(eqn)
@@ -1014,15 +1014,15 @@ def _scatter_packed(ctx: PackedCtx, eqn, invals):
 def _index_cells(ctx: PackedCtx, eqn, invals):
     """``x[:, index]`` with a per-cell index reads each sequence's own positions
     (`_gather_at_positions`, and its transpose)."""
-    if not isinstance(invals[1], PerCell) or any(
-            isinstance(v, PerCell) for k, v in enumerate(invals) if k != 1):
+    if not ctx.operands[1].per_cell or any(
+            k.per_cell for i, k in enumerate(ctx.operands) if i != 1):
         return None
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     return _gather_at_positions(ctx, eqn, invals, shapes, tuple(eqn.outvars[0].aval.shape))
 
 
 def _gather_at_positions(ctx: PackedCtx, eqn, invals, shapes, out):
-    """``x[:, index]`` along a packed length with a `PerCell` index (``x[:, ::-1]`` indexes
+    """``x[:, index]`` along a packed length with a per-cell index (``x[:, ::-1]`` indexes
     with ``T - 1 - iota``, reversed): each cell reads its own sequence's position
     ``index``, at column ``start + index``; and the transpose, a scatter-add of each cell's
     update into that column. An index outside the sequence is clamped, or dropped and filled,
@@ -1048,7 +1048,7 @@ def _gather_at_positions(ctx: PackedCtx, eqn, invals, shapes, out):
         raise NoRule(f"{eqn.primitive.name} with a per-cell index that does not keep every "
                       f"other axis in place")
     m = where[0]                       # the cells read (written): the index's length
-    position = lax.slice_in_dim(index.value[..., 0], 0, m, axis=1).astype(np.int32)
+    position = lax.slice_in_dim(index[..., 0], 0, m, axis=1).astype(np.int32)
     pos, seglen = ctx.cells(m)
     position, inside = within(eqn, position, ctx.at_lengths(shape[p], seglen))
     column = jnp.where(inside & ctx.in_frame(m), ctx.starts(m, 0) + position, -1)

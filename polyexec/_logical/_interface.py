@@ -145,5 +145,10 @@ class PackedLayout(Layout, Protocol):
     def at_lengths(self, d, seglen, *, as_value: bool = False):
         """``d`` at each cell's sequence length."""
 
-    def per_sequence(self, eqn, what: str) -> list:
-        """``eqn`` run per sequence, its results held per sequence."""
+    def held_per_cell(self, values) -> list:
+        """``values``, the current equation's outputs, held per cell (``_core.Known.per_cell``:
+        a value without the rows axis that differs per sequence, the rows axis in front)."""
+
+    def per_sequence(self, eqn, what: str, outputs=None) -> list:
+        """``eqn``'s outputs (those at ``outputs``; None: all) as ``what``, a per-sequence
+        value no rule keeps: not packed (``_core.Known.unpackable``), naming its line."""

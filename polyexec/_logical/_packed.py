@@ -93,10 +93,10 @@ T alone, ``x[:, k]``, ``take_along_axis(x, (lengths - 1)[:, None, None], 1)``,
 ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
 labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
 the family modules' ``layout="per_sequence"`` ones). A per-sequence number meeting
-positions without the rows axis (``jnp.arange(T) / T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`PerCell`): it
+positions without the rows axis (``jnp.arange(T) / T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`_core.Known.per_cell`): it
 stays per cell through elementwise maths and reverses, and ``x[:, index]`` with it reads each
-sequence's own positions. A value no rule keeps becomes a `NotPacked` placeholder that fails
-the plan only if something reads it (a final carry nobody reads costs nothing); everything else
+sequence's own positions. A value no rule keeps is annotated as not packed
+(`_core.Known.unpackable`, with no value), which fails the plan only if something reads it (a final carry nobody reads costs nothing); everything else
 is `Unsupported` with the user's line, and ``layout="auto"`` then runs the pad layout, where
 the same program is exact.
 """
@@ -115,32 +115,14 @@ from jax import lax
 
 from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._basics import (bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest_value, ranked,
-                      same_dim, sub_jaxprs)
-from ._core import (Ctx, Logical, Recorder, RowVarying, Unsupported, eval_jaxpr, moves_ragged_rows,
-                    replay, take_rows)
+from ._basics import (Known, bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest_value,
+                      ranked, same_dim, sub_jaxprs)
+from ._core import (Ctx, Logical, Recorder, RowVarying, Unsupported, eval_jaxpr,
+                    moves_ragged_rows, replay, take_rows)
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
 from ._families import REDUCERS, SCATTERS
 from ._sequences import PerSequence, by_cell, held, spread
 from ._sequences import evaluate as _evaluate_per_sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class NotPacked:
-    """A value that differs per sequence and has no cell of its own in a packed row; reading it
-    makes the program unpackable (the reason names where it was made)."""
-
-    why: str
-
-
-@dataclasses.dataclass(frozen=True)
-class PerCell:
-    """A value without the rows axis that differs per sequence all the same: a per-sequence
-    number meeting positions (``jnp.arange(T) / T``; ``T - 1 - iota``, which ``x[:, ::-1]``
-    indexes with). ``value`` is the logical value with the rows axis in front, so cell
-    ``(r, c)`` of a packed length holds the entry of the sequence there, at its position."""
-
-    value: Any
 
 
 class PackedCtx(Ctx):
@@ -418,17 +400,31 @@ class PackedCtx(Ctx):
 
     def held_outputs(self, eqn, invals) -> list | None:
         """A value that cannot be packed makes whatever reads it unpackable, at its line."""
-        marker = next((x for x in invals if isinstance(x, NotPacked)), None)
-        if marker is not None:
-            self.flag(eqn, f"reads {marker.why}")
-            return [marker] * len(eqn.outvars)
+        why = next((k.unpackable for k in self.operands if k.unpackable), None)
+        if why is not None:
+            self.flag(eqn, f"reads {why}")
+            return self.not_packed(eqn, why)
         if any(isinstance(x, RowVarying) for x in invals):   # never made here; defensive
             self.flag(eqn, "reads a per-row value")
-            return [NotPacked("a per-row value")] * len(eqn.outvars)
+            return self.not_packed(eqn, "a per-row value")
         return None
 
+    def not_packed(self, eqn, why: str, outputs=None) -> list:
+        """``eqn``'s outputs (those at ``outputs``; None: all), which cannot be packed: no
+        value, annotated with ``why`` (`Known.unpackable`)."""
+        outputs = range(len(eqn.outvars)) if outputs is None else outputs
+        self.results = [Known(unpackable=why) if i in outputs else None
+                        for i in range(len(eqn.outvars))]
+        return [None] * len(eqn.outvars)
+
+    def held_per_cell(self, values) -> list:
+        """``values``, the outputs of the current equation, held per cell (`Known.per_cell`:
+        the rows axis in front)."""
+        self.results = [Known(per_cell=True)] * len(values)
+        return values
+
     def held_rule(self, eqn, invals):
-        if any(isinstance(x, PerCell) for x in invals):
+        if any(k.per_cell for k in self.operands):
             return _per_cell
         if any(isinstance(x, PerSequence) for x in invals):
             return _evaluate_per_sequence
@@ -465,13 +461,13 @@ class PackedCtx(Ctx):
     def refused(self, eqn, invals, why: str) -> list:
         """Flagged: the plan cannot pack (it runs padded), and what reads the outputs says so."""
         self.flag(eqn, why)
-        return [NotPacked(why)] * len(eqn.outvars)
+        return self.not_packed(eqn, why)
 
     def without_rule(self, eqn, invals, error: NoRule) -> list:
         return self.refused(eqn, invals, str(error))
 
-    def as_output(self, x, aval):
-        if isinstance(x, (NotPacked, PerCell)):
+    def as_output(self, x, aval, known=None):
+        if x is None or (known is not None and known.per_cell):    # not packed, or per cell
             return x
         if isinstance(x, PerSequence):
             return PerSequence(like_aval(x.value, aval), x.axis)
@@ -482,13 +478,13 @@ class PackedCtx(Ctx):
 
     def without_rows(self, eqn, invals) -> list:
         """An elementwise equation of a per-sequence number and positions, without the rows
-        axis (``jnp.arange(T) / T``): per cell (`PerCell`)."""
+        axis (``jnp.arange(T) / T``): per cell (`Known.per_cell`)."""
         return _per_cell(self, eqn, invals)
 
-    def per_sequence(self, eqn, what: str) -> list:
+    def per_sequence(self, eqn, what: str, outputs=None) -> list:
         where = equation_line(eqn) or "<unknown>"
-        return [NotPacked(f"{what} made at {where}, a per-sequence value (a packed row holds "
-                          f"several sequences)")] * len(eqn.outvars)
+        return self.not_packed(eqn, f"{what} made at {where}, a per-sequence value (a packed "
+                                    f"row holds several sequences)", outputs)
 
 
 def along(v2, ndim: int, rows_axis: int, packed_axis: int):
@@ -966,10 +962,10 @@ def _cumulative(ctx: PackedCtx, eqn, x, a: int, monoid, reverse: bool):
 
 
 # --------------------------------------------------------------------------------------------
-# Per-cell values without rows (`PerCell`)
+# Per-cell values without rows (`Known.per_cell`)
 
 def _per_cell(ctx: PackedCtx, eqn, invals):
-    """An equation reading a `PerCell` value (or making one: `PackedCtx.without_rows`):
+    """An equation reading a per-cell value (or making one: `PackedCtx.without_rows`):
     a call runs its equations; a primitive with a per-cell rule (``defrule(...,
     layout="per_cell")``: a broadcast, a reverse, an index) runs it; elementwise maths stays
     per cell; anything else is refused."""
@@ -986,21 +982,24 @@ def _per_cell(ctx: PackedCtx, eqn, invals):
     if entry is not None and entry.rule is ELEMENTWISE:
         rows = ctx.row_axes(out)
         if not rows:
-            cells = [onto_cells(ctx, x, sh, out) for x, sh in zip(invals, shapes)]
-            return [PerCell(bind_eqn(eqn, cells)[0])]
+            cells = [onto_cells(ctx, x, sh, out, k.per_cell)
+                     for x, sh, k in zip(invals, shapes, ctx.operands)]
+            return ctx.held_per_cell([bind_eqn(eqn, cells)[0]])
         # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
         (r,) = rows
-        return ctx.evaluate(eqn, [_onto_rows(x, r) if isinstance(x, PerCell) else x
-                                  for x in invals], ctx.operands)
+        return ctx.evaluate(eqn, [_onto_rows(x, r) if k.per_cell else x
+                                  for x, k in zip(invals, ctx.operands)],
+                            [Known() if k.per_cell else k for k in ctx.operands])
     raise NoRule(f"{name} of a value that differs per sequence and per position (it has no "
                   f"rows axis)")
 
 
-def onto_cells(ctx: PackedCtx, x, shape, out):
-    """An operand of an elementwise `PerCell` equation of logical ``out``, with the rows in
-    front: a per-sequence number at each cell, a per-position value placed by position."""
-    if isinstance(x, PerCell):
-        return x.value
+def onto_cells(ctx: PackedCtx, x, shape, out, per_cell: bool):
+    """An operand (``per_cell``: held so) of an elementwise per-cell equation of logical
+    ``out``, with the rows in front: a per-sequence number at each cell, a per-position value
+    placed by position."""
+    if per_cell:
+        return x
     packed = ctx.packed_axes(out)
     rows = ctx.pos.shape[0]
     if isinstance(x, PerSequence):
@@ -1025,10 +1024,10 @@ def same_shape(a, b) -> bool:
     return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
 
 
-def _onto_rows(x: PerCell, r: int):
-    """A `PerCell` value whose logical axis ``r`` is a unit one, as a packed value with its
+def _onto_rows(x, r: int):
+    """A per-cell value whose logical axis ``r`` is a unit one, as a packed value with its
     rows there."""
-    return jnp.moveaxis(lax.squeeze(x.value, (1 + r,)), 0, r)
+    return jnp.moveaxis(lax.squeeze(x, (1 + r,)), 0, r)
 
 
 # Integer and boolean maths, as cheap to recompute per cell as a gather would be to read: a
@@ -1145,18 +1144,18 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
             a = held_per_cell(shape)
             inputs.append(x if a is None else PerSequence(x, a))
         outs = eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, inputs)
+        unpackable = [k and (k.unpackable or k.per_cell and "a per-cell value")
+                      for k in ctx.results]
         for i, (out, v) in enumerate(zip(outs, jaxpr.outvars)):
             shape = getattr(v.aval, "shape", ())
-            if held_per_cell(shape) is not None:      # returned per sequence
+            if held_per_cell(shape) is not None and not unpackable[i]:   # per sequence
                 recorder.per_sequence = True
-                outs[i] = held(ctx, out, shape).value if not isinstance(
-                    out, NotPacked) else out
-            if isinstance(outs[i], PerSequence) or isinstance(outs[i], NotPacked) or (
+                outs[i] = held(ctx, out, shape).value
+            if unpackable[i] or isinstance(outs[i], PerSequence) or (
                     ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1
                     and held_per_cell(shape) is None):
-                made = (outs[i].why if isinstance(outs[i], NotPacked)
-                        else "a per-sequence number" if isinstance(outs[i], PerSequence)
-                        else "a per-sequence value")
+                made = unpackable[i] or ("a per-sequence number" if isinstance(
+                    outs[i], PerSequence) else "a per-sequence value")
                 recorder.unsupported.setdefault(("output", i), Unsupported(
                     "output", f"output {i}", f"returns {made}"))
                 outs[i] = filled(v.aval.shape, 0, v.aval.dtype)

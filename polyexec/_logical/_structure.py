@@ -27,7 +27,7 @@ from ._basics import (acts_along_params, bind_eqn, filled, iota_along, is_empty,
                       operand_avals, same_dim)
 from ._core import place_window, take_clamped, take_rows
 from ._registry import ELEMENTWISE, PAD_AND_PACK, NoRule, deffacts, defrule, padded_rule
-from ._packed import PackedCtx, PerCell, along, by_position, onto_cells, reverse_each
+from ._packed import PackedCtx, along, by_position, onto_cells, reverse_each
 from ._sequences import PerSequence, grid_shape, held, refused, spread, to_cells
 
 
@@ -372,17 +372,16 @@ deffacts("rev", "slice", "pad", "concatenate", linear=True)
 @defrule("broadcast_in_dim", layout="per_cell")
 def _broadcast_cells(ctx: PackedCtx, eqn, invals):
     """Broadcasting a per-cell value onto the rows gives each cell its own entry."""
-    x = invals[0]
-    if not isinstance(x, PerCell):
+    v = invals[0]
+    if not ctx.operands[0].per_cell:
         return None
     out = tuple(eqn.outvars[0].aval.shape)
     dims = tuple(eqn.params["broadcast_dimensions"])
     rows = ctx.row_axes(out)
     if not rows:
-        return [PerCell(lax.broadcast_in_dim(x.value, (ctx.pos.shape[0], *out),
-                                             (0, *(d + 1 for d in dims))))]
+        return ctx.held_per_cell([lax.broadcast_in_dim(v, (ctx.pos.shape[0], *out),
+                                                       (0, *(d + 1 for d in dims)))])
     (r,) = rows
-    v = x.value
     if r in dims:                   # a unit axis onto the rows: the rows are in front
         v, dims = lax.squeeze(v, (1 + dims.index(r),)), tuple(d for d in dims if d != r)
     return [spread(v, out, (r, *dims))]
@@ -392,15 +391,15 @@ def _broadcast_cells(ctx: PackedCtx, eqn, invals):
 def _reverse_cells(ctx: PackedCtx, eqn, invals):
     """A reverse of a per-cell value along the packed length is per sequence."""
     x = invals[0]
-    if not isinstance(x, PerCell):
+    if not ctx.operands[0].per_cell:
         return None
     shape = tuple(eqn.invars[0].aval.shape)
     dims = tuple(eqn.params["dimensions"])
     packed = [d for d in dims if d in ctx.packed_axes(shape)]
     if len(packed) != 1 or len(ctx.packed_axes(shape)) != 1:
         raise NoRule("a reverse of a per-cell value along no, or more than one, length")
-    return [PerCell(reverse_each(ctx, x.value, 0, packed[0] + 1,
-                             tuple(d + 1 for d in dims if d != packed[0])))]
+    return ctx.held_per_cell([reverse_each(ctx, x, 0, packed[0] + 1,
+                                           tuple(d + 1 for d in dims if d != packed[0]))])
 
 
 @defrule("broadcast_in_dim", layout="pack")
@@ -613,10 +612,11 @@ def _concatenate_cells(ctx: PackedCtx, eqn, invals):
             isinstance(x, PerSequence) for x in invals):
         raise NoRule("concatenate of a per-cell value along no packed length, or with rows")
     rows = var_dim(ctx.rows_name, out[a].scope)
-    pieces = [onto_cells(ctx, x, s, s) for x, s in zip(invals, shapes)]
+    pieces = [onto_cells(ctx, x, s, s, k.per_cell)
+              for x, s, k in zip(invals, shapes, ctx.operands)]
     pieces = [jnp.broadcast_to(v, (ctx.pos.shape[0], *s)) for v, s in zip(pieces, shapes)]
-    return [PerCell(_joined_per_sequence(ctx, pieces, [(rows, *s) for s in shapes],
-                                         (rows, *out), a + 1))]
+    return ctx.held_per_cell([_joined_per_sequence(ctx, pieces, [(rows, *s) for s in shapes],
+                                                   (rows, *out), a + 1)])
 
 
 @defrule("split", layout=("pack", "per_sequence"))
