@@ -103,7 +103,6 @@ the same program is exact.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
