@@ -31,8 +31,8 @@ layout. Each variable's value has one annotation beside it (`_core.Known`: the a
 zeroed, whether it is made from lengths alone, or from positions alone), which the step hands
 a rule by position (``ctx.operands[i]``, as JAX's batching hands a rule its operands' ``dims``)
 and a rule may state for its outputs (``ctx.results``: a call's, from its program); nothing is
-looked up by the value's identity. A value held per cell of packed rows, or not packed at all,
-is so annotated; one held per row (`RowVarying`) or per sequence of packed rows is a wrapper
+looked up by the value's identity. A value held per row of ragged rows or per cell of packed
+rows, or not packed at all, is so annotated; one held per sequence of packed rows is a wrapper
 the rules see in the value's place. The step
 asks the layout, which is the evaluation context (`_core.Ctx` for padded and ragged rows,
 `_packed.PackedCtx` for packed ones), what differs: how it evaluates a held value, what it

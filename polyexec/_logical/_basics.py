@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -219,9 +220,9 @@ class Known:
     - ``from_lengths``: made from lengths alone (`Ctx.from_lengths_of`): the same in every row,
       but what a rule makes of its tail is each row's own (`Ctx.length`).
 
-    Packed rows' values held per cell (``per_cell``) or not packed at all (``unpackable``)
-    are plain arrays (or None) so annotated; a value held per row (`_core.RowVarying`) or per
-    sequence (`_sequences.PerSequence`) is still a wrapper the rules see in its place."""
+    Values held per row (``per_row``), per cell of packed rows (``per_cell``) or not packed at
+    all (``unpackable``) are plain arrays (or None) so annotated; a value held per sequence
+    (`_sequences.PerSequence`) is still a wrapper the rules see in its place."""
 
     zeroed: frozenset = frozenset()
     from_lengths: bool = False
@@ -239,6 +240,14 @@ class Known:
     # ``x[:, ::-1]`` indexes with), held with the rows axis in front, so cell ``(r, c)`` of
     # a packed length holds the entry of the sequence there, at its position.
     per_cell: bool = False
+    # Ragged rows: a value that differs per row although it has no axis of the rows variable
+    # ``per_row`` names (``x.shape[1]`` of a ragged ``(B, T)`` array is each row's length),
+    # held with one extra leading axis, the rows; collapsed onto the rows axis as soon as an
+    # equation's result has one. ``below``: made from a length that is negative for rows
+    # below the declared min (`_core.value_floor`, a `_core.RowFloor`): the rows that short
+    # are refused once it becomes a float.
+    per_row: str | None = None
+    below: Any = None
 
     def passed_on(self) -> "Known":
         """What a sub-program (a call's, a loop body's, one row's) knows of this value handed

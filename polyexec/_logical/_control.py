@@ -24,7 +24,8 @@ from jax import lax
 
 from .._jax_internals import dim_vars
 from ._basics import filled, is_sym, operand_avals, sub_jaxprs
-from ._core import RowVarying, eval_closed, fill_tail, take_rows
+from ._basics import PLAIN, Known
+from ._core import eval_closed, fill_tail, take_rows
 from ._registry import NoRule, deffacts, defrule, lookup_rule, padded_rule
 from ._packed import PackedCtx
 from ._sequences import PerSequence, at_column, held, refused, spread
@@ -105,11 +106,13 @@ def _ragged_scan(ctx, eqn, consts, init, xs, rows):
     # Up to the longest real row, never past it: a batch padded to its bucket (as training
     # pads it) still stops where its longest sequence does.
     stop = jnp.max(jnp.where(ctx.row_mask(rows), per_row, 0)).astype(np.int32)
-    held = [isinstance(x, RowVarying) for x in (*consts, *init, *xs)]
+    held = [bool(k.per_row) for k in ctx.operands]       # constants, carries, scanned values
+    held_ys = _held_outputs(ctx, eqn, held, rows) if any(held) else ()
     carry, ys, _ = frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop,
-                               alive_at=lambda at: at < per_row,
-                               held_ys=_held_outputs(ctx, eqn, held, rows) if any(held) else ())
+                               alive_at=lambda at: at < per_row, held_ys=held_ys)
     ctx.recorder.rewritten.add(id(eqn))
+    ctx.results = [None] * len(carry) + [Known(per_row=rows) if i < len(held_ys) and
+                                         held_ys[i] else None for i in range(len(ys))]
     return [*carry, *ys]
 
 
@@ -135,14 +138,18 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
     ``init_at(at)``, when given, are the constants and the initial carries at step ``at``
     (they differ per step in packed rows). Returns the final carries, the stacked outputs,
     and the carries after every step for those ``keep`` marks (None for the others).
-    Ragged rows: constants and scanned values may be held per row (`RowVarying`), and so are
-    the outputs per step that ``held_ys`` names (`_held_outputs`), stacked per row; a carry
-    or another output that turns out per row raises `_NotHeld`."""
+    Ragged rows: constants and scanned values may be held per row (`Known.per_row`, by their
+    operands' position), and so are the outputs per step that ``held_ys`` names
+    (`_held_outputs`), stacked per row; a carry or another output that turns out per row
+    raises `_NotHeld`."""
     p = eqn.params
     ncarry, body = p["num_carry"], p["jaxpr"]
+    consts_known = ctx.operands[:len(consts)]
+    xs_known = [Known(per_row=k.per_row, below=k.below) if k.per_row else PLAIN
+                for k in ctx.operands[len(consts) + len(init):]]
     ys0 = [filled(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
     if held_ys:
-        held_rows = next(x.rows for x in (*consts, *xs) if isinstance(x, RowVarying))
+        held_rows = next(k.per_row for k in ctx.operands if k.per_row)
         n = ctx.rows_vector_shape(held_rows)
         ys0 = [filled((*n, *y.shape), 0, y.dtype) if h else y for y, h in zip(ys0, held_ys)]
     ys0 += [filled((p["length"], *jnp.shape(c)), 0, c.dtype)
@@ -160,24 +167,25 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
             carry = [c if a is None else by_rows(restart, c0, c, a)
                      for c, c0, a in zip(carry, init if init_at is None else init_at(at),
                                          carry_axes)]
-        x = [RowVarying(at_step(v.value, at, 1), v.rows, v.below) if isinstance(v, RowVarying)
-             else at_step(v, at) for v in xs]
+        x = [at_step(v, at, 1 if k.per_row else 0) for v, k in zip(xs, xs_known)]
         here = consts if consts_at is None else consts_at(at)
-        out = eval_closed(ctx.child(eqn, alive=alive), body, [*here, *carry, *x],
-                          ctx.operands[:len(consts)])
-        if any(isinstance(v, RowVarying) for v in out[:ncarry]):
+        child = ctx.child(eqn, alive=alive)
+        out = eval_closed(child, body, [*here, *carry, *x],
+                          [*consts_known, *[PLAIN] * len(carry), *xs_known])
+        held_out = [k is not None and bool(k.per_row) for k in child.results]
+        if any(held_out[:ncarry]):
             raise _NotHeld("a carry without a rows axis turns per row")
         new = [n if a is None or not freeze else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
         kept = [n for n, k in zip(new, keep) if k]
-        ys = [_set_held_step(y, v, at) if j < len(held_ys) and held_ys[j]
-              else _set_step(y, _plain(v).astype(y.dtype), at)
-              for j, (y, v) in enumerate(zip(ys, [*out[ncarry:], *kept]))]
+        ys = [_set_held_step(y, v, at, h) if j < len(held_ys) and held_ys[j]
+              else _set_step(y, _plain(v, h).astype(y.dtype), at)
+              for j, (y, v, h) in enumerate(zip(ys, [*out[ncarry:], *kept],
+                                                [*held_out[ncarry:], *[False] * len(kept)]))]
         return i + 1, new, ys
 
     _, carry, ys = lax.while_loop(lambda s: s[0] < stop, loop, (np.int32(0), list(init), ys0))
     n_ys = len(eqn.outvars) - ncarry
-    ys[:len(held_ys)] = [RowVarying(y, held_rows) if h else y for y, h in zip(ys, held_ys)]
     kept = iter(ys[n_ys:])
     return carry, ys[:n_ys], [next(kept) if k else None for k in keep]
 
@@ -187,16 +195,16 @@ class _NotHeld(Exception):
     runs once per row instead (`_eval_row_varying`)."""
 
 
-def _plain(v):
-    if isinstance(v, RowVarying):
+def _plain(v, held: bool):
+    if held:
         raise _NotHeld("an output per step turns per row")
     return v
 
 
-def _set_held_step(y, v, at):
-    """Step ``at`` of an output stacked per row (rows first): a value held per row, or one
-    for all rows."""
-    v = v.value if isinstance(v, RowVarying) else lax.broadcast_in_dim(
+def _set_held_step(y, v, at, held: bool):
+    """Step ``at`` of an output stacked per row (rows first): a value held per row
+    (``held``), or one for all rows."""
+    v = v if held else lax.broadcast_in_dim(
         v, (y.shape[0], *jnp.shape(v)), tuple(range(1, 1 + jnp.ndim(v))))
     return lax.dynamic_update_index_in_dim(y, v.astype(y.dtype), at, 1,
                                            allow_negative_indices=False)
@@ -218,7 +226,7 @@ def _held_outputs(ctx, eqn, held, rows) -> list[bool]:
 
 
 def _scan_held(ctx, eqn, invals):
-    """A scan over a length ragged along rows that reads a value held per row (`RowVarying`):
+    """A scan over a length ragged along rows that reads a value held per row (`Known.per_row`):
     ``x.shape[1]`` as a number, which JAX's indexing reads to normalise ``x[:, t]`` in a scan
     over ``jnp.arange(x.shape[1])``, or a scanned index made from it. The ragged scan hands
     it to the body as it is (an index held per row reads each row's own position) and stacks
@@ -229,10 +237,10 @@ def _scan_held(ctx, eqn, invals):
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
     rows = ctx.rows_of(p["length"]) if is_sym(p["length"]) else None
-    if (rows is None or any(isinstance(x, RowVarying) for x in init)
-            or any(isinstance(x, RowVarying) and x.rows != rows for x in invals)
-            or not any(ctx.row_axes(jnp.shape(x), rows) for x in (*init, *xs)
-                       if not isinstance(x, RowVarying))):
+    held = [k.per_row for k in ctx.operands]
+    if (rows is None or any(held[nc:nc + ncarry]) or any(r and r != rows for r in held)
+            or not any(ctx.row_axes(jnp.shape(x), rows)
+                       for x, r in zip(invals[nc:], held[nc:]) if not r)):
         return None
     try:
         return _ragged_scan(ctx, eqn, consts, init, xs, rows)
@@ -265,31 +273,36 @@ def _while(ctx, eqn, invals):
         # Length-axis carries with no length-sensitive operation inside: per position.
         return None
 
-    def pred(c):
-        return eval_closed(ctx.child(eqn), p["cond_jaxpr"], [*cconsts, *c],
-                           ctx.operands[:cn])[0]
+    def run(key, consts, known_consts, c, known):
+        """The condition's or the body's outputs, and their annotations."""
+        child = ctx.child(eqn)
+        out = eval_closed(child, p[key], [*consts, *c], [*known_consts, *known])
+        return out, child.results
 
-    def body(c):
-        return eval_closed(ctx.child(eqn), p["body_jaxpr"], [*bconsts, *c],
-                           ctx.operands[cn:cn + bn])
+    def pred(c, known=()):
+        (ok,), (k,) = run("cond_jaxpr", cconsts, ctx.operands[:cn], c, known)
+        return ok, k
+
+    def body(c, known=()):
+        return run("body_jaxpr", bconsts, ctx.operands[cn:cn + bn], c, known)
 
     if not eqn.params["cond_jaxpr"].out_avals[0].shape:
         # Only ragged rows give a per-row condition; the probe traces it once more, outside.
-        probe = pred(list(init)) if ctx.rows else None
-        if isinstance(probe, RowVarying):
-            return _per_row_while(ctx, eqn, pred, body, init, probe.rows)
-        return list(lax.while_loop(pred, body, list(init)))
+        _, probe = pred(list(init), ctx.operands[cn + bn:]) if ctx.rows else (None, None)
+        if probe is not None and probe.per_row:
+            return _per_row_while(ctx, eqn, pred, body, init, probe.per_row)
+        return list(lax.while_loop(lambda c: pred(c)[0], lambda c: body(c)[0], list(init)))
     # A batched predicate (``jax.vmap`` of a while whose condition reads the batched values):
     # one predicate per lane, over the carries' leading axes; the loop runs while any lane
     # does and a lane's carries stop changing once its predicate is false, as JAX lowers it.
     # The lanes beyond a logical length are made false, so padding (NaN, inf) can neither
     # keep the loop running -- forever, for a condition like ``~(c >= x)`` -- nor count.
     def lanes(c):
-        live = pred(c)
+        live, _ = pred(c)
         return fill_tail(ctx, live, range(live.ndim), False)
 
     def step(c):
-        live, new = lanes(c), body(c)
+        live, (new, _) = lanes(c), body(c)
         return [lax.select(lax.broadcast_in_dim(live, jnp.shape(n), tuple(range(live.ndim))),
                            n, old) for n, old in zip(new, c)]
 
@@ -300,41 +313,41 @@ def _per_row_while(ctx, eqn, pred, body, init, rows):
     """A while loop whose condition differs per row (``t < x.shape[1]`` with lengths ragged
     along ``rows``): each row loops until its own condition fails, as ``jax.vmap`` of the loop
     over the rows would at each row's exact length. Every carry is held per row -- one
-    without a rows axis (the step counter) as a `RowVarying`, since it ends at each row's own
-    value -- and a row whose condition is false keeps its carries while the others go on.
-    Rows that are not real (padding a batch to its bucket) never run."""
+    without a rows axis (the step counter) with the rows in front (`Known.per_row`), since it
+    ends at each row's own value -- and a row whose condition is false keeps its carries
+    while the others go on. Rows that are not real (padding a batch to its bucket) never
+    run."""
     held = [not ctx.row_axes(jnp.shape(x), rows) for x in init]
+    known = [Known(per_row=rows) if h else PLAIN for h in held]
     n = ctx.rows_vector_shape(rows)
 
-    def per_row(x):
-        if isinstance(x, RowVarying):
-            return x.value
+    def per_row(x, k):
+        if k is not None and k.per_row:
+            return x
         return lax.broadcast_in_dim(x, (*n, *jnp.shape(x)), tuple(range(1, 1 + jnp.ndim(x))))
 
-    def wrap(state):
-        return [RowVarying(x, rows) if h else x for x, h in zip(state, held)]
-
-    def unwrap(values):
-        return [per_row(x) if h else x for x, h in zip(values, held)]
+    def unwrap(values, ks):
+        return [per_row(x, k) if h else x for x, k, h in zip(values, ks, held)]
 
     def live(state):
-        ok = pred(wrap(state))
-        ok = per_row(ok) if isinstance(ok, RowVarying) else lax.broadcast_in_dim(ok, n, ())
+        ok = per_row(*pred(state, known))
         real = ctx.row_mask(rows)
         return ok if real is None else lax.bitwise_and(ok, real)
 
     def step(state):
         keep = live(state)
-        new = unwrap(body(wrap(state)))
+        new = unwrap(*body(state, known))
         out = []
         for x, old, h in zip(new, state, held):
             axis = 0 if h else ctx.row_axes(jnp.shape(x), rows)[0]
             out.append(lax.select(lax.broadcast_in_dim(keep, jnp.shape(x), (axis,)), x, old))
         return out
 
-    final = lax.while_loop(lambda s: jnp.any(live(s)), step, unwrap(list(init)))
+    final = lax.while_loop(lambda s: jnp.any(live(s)), step,
+                           unwrap(list(init), [PLAIN] * len(init)))
     ctx.recorder.rewritten.add(id(eqn))
-    return wrap(final)
+    ctx.results = known
+    return final
 
 
 @defrule("cond", structural=True)

@@ -150,8 +150,8 @@ class Ctx:
 
     def held_outputs(self, eqn, invals) -> list | None:
         """The outputs of an equation that reads a value held in this layout's own form, which
-        no rule of the primitive's sees: here a per-row value (`RowVarying`), run per row."""
-        if any(isinstance(x, RowVarying) for x in invals):
+        no rule of the primitive's sees: here a per-row value (`Known.per_row`), run per row."""
+        if any(k.per_row for k in self.operands):
             return _eval_row_varying(self, eqn, invals)
         return None
 
@@ -186,7 +186,7 @@ class Ctx:
     def without_rule(self, eqn, invals, error: "NoRule") -> list:
         """A rule gave up (`NoRule`). A value made from lengths alone, reduced (or flipped...)
         along them, runs once per row at the row's own lengths, its result held per row
-        (`RowVarying`); anything else is refused with the rule's reason."""
+        (`Known.per_row`); anything else is refused with the rule's reason."""
         if self.from_lengths_shapes:
             try:
                 return _eval_row_varying(self, eqn, invals,
@@ -197,7 +197,7 @@ class Ctx:
 
     def as_output(self, x, aval, known=None):
         """An output of a rule as the equation's result (``known``: its stated annotation)."""
-        return x if isinstance(x, RowVarying) else like_aval(x, aval)
+        return x if known is not None and known.per_row else like_aval(x, aval)
 
     def flag(self, eqn, detail: str):
         """Record an equation no rule makes logical, at the user's line (`where`)."""
@@ -260,8 +260,9 @@ class Ctx:
 
     def own_length(self, eqn, d, rows: str):
         """``d`` as a number (``x.shape[1]``) in code without the rows axis when ``d`` is
-        ragged along ``rows``: each row's own, held per row (`RowVarying`)."""
-        return RowVarying(self.per_row(d, as_value=True), rows, value_floor(self, eqn, d))
+        ragged along ``rows``: each row's own, held per row (`Known.per_row`)."""
+        self.results = [Known(per_row=rows, below=value_floor(self, eqn, d))]
+        return self.per_row(d, as_value=True)
 
     def count(self, d):
         """``d`` as a number (``x.shape[0]``, ``B*T``) at the real sizes: a count over ragged
@@ -304,7 +305,7 @@ class Ctx:
         table) is not one: its tail beyond a row's end holds the other rows' positions.
         ``reading``: the equation's inputs with their annotations."""
         shape = getattr(x, "shape", None)
-        if shape is None or isinstance(x, RowVarying):
+        if shape is None:
             return False
         try:
             rows = {r for r in map(self.rows_of, shape) if r is not None}
@@ -313,7 +314,7 @@ class Ctx:
             for y, k in reading:
                 if k.from_lengths or k.per_cell:
                     continue
-                if isinstance(y, RowVarying) or any(
+                if k.per_row or any(
                         self.rows_of(d) is not None or str(d) in rows
                         for d in getattr(y, "shape", ())):
                     return False
@@ -489,19 +490,6 @@ class Ctx:
         return bind_eqn_with(eqn, [x], padding=padding, base_dilation=base_dilation)
 
 
-@dataclasses.dataclass(frozen=True)
-class RowVarying:
-    """A value that differs per row although it has no rows axis: ``x.shape[1]`` of a ragged
-    ``(B, T)`` array is each row's length. Held with one extra leading axis (the rows);
-    collapsed onto the rows axis as soon as an equation's result has one."""
-
-    value: Any
-    rows: str
-    # Made from a length that is negative for rows below the declared min (`value_floor`):
-    # the rows that short are refused once it becomes a float.
-    below: RowFloor | None = None
-
-
 class Recorder:
     """What one rewrite learns as it goes (verdicts, floors), and what it knows of the whole
     program before it starts (``ragged``, ``used``)."""
@@ -605,7 +593,7 @@ def _zero_read_tails(ctx: Ctx, reads, v, x, known: Known) -> tuple[Any, Known]:
     """``x`` (the value of ``v``, annotated ``known``) zeroed beyond its lengths along the axes
     its readers need zeroed (`_zeroed_reads`), with its annotation."""
     axes = reads.get(v)
-    if axes is None or not hasattr(x, "shape") or isinstance(x, RowVarying) or known.per_cell:
+    if axes is None or not hasattr(x, "shape") or known.per_row or known.per_cell:
         return x, known
     axes = frozenset(axes)
     if axes <= known.zeroed:
@@ -855,7 +843,8 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args, known_args=()) -> list:
                              ctx.positions_of(eqn, scope) if len(eqn.outvars) == 1 else None)
                 k = k or _zeroed_through(eqn, operands)
                 k = dataclasses.replace(k, from_lengths=k.from_lengths or (
-                    not k.per_cell and ctx.from_lengths_of(x, scope)), positions=positions)
+                    not (k.per_cell or k.per_row) and ctx.from_lengths_of(x, scope)),
+                    positions=positions)
                 env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k)
     # What this program knows of its results stays so for its caller (a call's results,
     # `Ctx.results`): made from lengths or positions alone, or not packed.
@@ -1045,7 +1034,7 @@ def window_fits_admitted_rows(ctx: Ctx, n, size, start: int) -> bool:
 
 
 def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
-    """An equation reading a per-row value (`RowVarying`), or reading a value made from
+    """An equation reading a per-row value (`Known.per_row`), or reading a value made from
     lengths alone along ``rows``' ragged lengths: run once per row (``jax.vmap`` over the held
     rows axis, the row's own lengths bound), and collapse each result onto its rows axis when
     it has one -- row ``b`` of the result is what row ``b`` computes."""
@@ -1058,14 +1047,16 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     out = held(ctx, eqn, invals) if held is not None else None
     if out is not None:
         ctx.recorder.rewritten.add(id(eqn))
-        return [ctx.as_output(x, v.aval) for x, v in zip(out, eqn.outvars)]
-    rows = rows or next(x.rows for x in invals if isinstance(x, RowVarying))
+        stated = ctx.results or [None] * len(out)
+        return [ctx.as_output(x, v.aval, k) for x, v, k in zip(out, eqn.outvars, stated)]
+    held_rows = [k.per_row for k in ctx.operands]
+    rows = rows or next(r for r in held_rows if r)
     if eqn.primitive.name == "broadcast_in_dim":
         (x,) = invals
         shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
         axes = [a for a in ctx.row_axes(shape, rows) if a not in dims]
         if len(axes) == 1:      # straight onto the rows axis: no per-row copies
-            return [lax.broadcast_in_dim(x.value, tuple(shape), (axes[0], *dims))]
+            return [lax.broadcast_in_dim(x, tuple(shape), (axes[0], *dims))]
     ragged = {n: v for n, v in ctx.rows.items() if v[1] == rows}
 
     def one_row(lengths, *xs):
@@ -1073,26 +1064,29 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
         row = Ctx(sizes, ctx.recorder, ctx, ctx.eqn,
                    {n: v for n, v in ctx.rows.items() if n not in ragged})
         row.own_sizes = True
-        return tuple(row.evaluate(eqn, list(xs), [k.passed_on() for k in ctx.operands]))
+        return tuple(row.evaluate(eqn, list(xs), [PLAIN if k.per_row else k.passed_on()
+                                                   for k in ctx.operands]))
 
-    below = next((x.below for x in invals if isinstance(x, RowVarying) and x.below), None)
+    below = next((k.below for k in ctx.operands if k.per_row and k.below), None)
     if below is not None and eqn.primitive.name == "convert_element_type" and jnp.issubdtype(
             eqn.params["new_dtype"], jnp.inexact):
         _raise_floor(ctx, below)
     lengths = [v[0] for v in ragged.values()]
-    outs = jax.vmap(one_row, in_axes=(0, *[0 if isinstance(x, RowVarying) else None
-                                          for x in invals]))(
-        lengths, *[x.value if isinstance(x, RowVarying) else x for x in invals])
-    results = []
+    outs = jax.vmap(one_row, in_axes=(0, *[0 if r else None for r in held_rows]))(
+        lengths, *invals)
+    results, stated = [], []
     for out, v in zip(outs, eqn.outvars):
         axes = ctx.row_axes(getattr(v.aval, "shape", ()), rows)
-        if not axes:
-            results.append(RowVarying(out, rows, below))
+        if not axes:            # held per row, the rows in front
+            results.append(out)
+            stated.append(Known(per_row=rows, below=below))
             continue
         if len(axes) > 1:
             raise NoRule(f"a per-row value meets a value with several {rows} axes")
         diag = jnp.diagonal(out, axis1=0, axis2=axes[0] + 1)   # (..., rows) last
         results.append(like_aval(jnp.moveaxis(diag, -1, axes[0]), v.aval))
+        stated.append(None)
+    ctx.results = stated
     return results
 
 
@@ -1138,14 +1132,15 @@ def rewrite(closed_jaxpr: jax.extend.core.ClosedJaxpr, sizes_at: Mapping[str, in
     def logical(*args):
         sizes = {name: args[at] for name, at in sizes_at.items()}
         rows = {name: (args[at], by) for name, (at, by) in (rows_at or {}).items()}
-        outs = eval_jaxpr(Ctx(sizes, recorder, rows=rows), jaxpr, closed_jaxpr.consts, args)
-        for i, out in enumerate(outs):
-            if isinstance(out, RowVarying):
+        ctx = Ctx(sizes, recorder, rows=rows)
+        outs = eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, args)
+        for i, k in enumerate(ctx.results):
+            if k is not None and k.per_row:
                 # A per-row number with no rows axis to hold it: which row's is meant?
                 recorder.unsupported.setdefault(("output", i), Unsupported(
                     "output", f"output {i}", f"a per-row value (a ragged length used as a "
-                    f"number) is returned without a {out.rows} axis to hold it"))
-                outs[i] = out.value[0]
+                    f"number) is returned without a {k.per_row} axis to hold it"))
+                outs[i] = outs[i][0]
         return tuple(outs)
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)

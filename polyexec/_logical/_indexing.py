@@ -16,7 +16,7 @@ from jax.extend import source_info_util
 
 from ._basics import (bind_eqn_with, filled, has_sym, highest_value, iota_along, is_sym,
                       literal_start, lowest_value, one_position, operand_avals, same_dim)
-from ._core import RowVarying, fill_tail, logical_mask, window_fits_admitted_rows
+from ._core import fill_tail, logical_mask, window_fits_admitted_rows
 from ._registry import NoRule, deffacts, defrule
 from ._families import SCATTERS
 from ._packed import PackedCtx, packed_generic, scatter_window
@@ -234,14 +234,14 @@ def within(eqn, position, n, *, sliced: bool = False):
 
 
 def _held_index(per_row):
-    """A gather (scatter) whose index is held per row (`RowVarying`) reads (writes) each row
+    """A gather (scatter) whose index is held per row (`Known.per_row`) reads (writes) each row
     at its own position when it has the one-position form (`_per_row_position`,
     `_per_row_put`) -- rather than running once per row over the whole operand, B times
     the work; None for any other, which does run per row (`_eval_row_varying`)."""
     def held(ctx, eqn, invals):
         x, idx, *rest = invals
-        if isinstance(x, RowVarying) or not isinstance(idx, RowVarying) or any(
-                isinstance(u, RowVarying) for u in rest):
+        if ctx.operands[0].per_row or not ctx.operands[1].per_row or any(
+                k.per_row for k in ctx.operands[2:]):
             return None
         return per_row(ctx, eqn, x, idx, *rest)
     return held
@@ -302,23 +302,23 @@ def _one_position_axis(ctx, x_shape, window, index_map, dropped, out_axes, batch
     return t, list(index_map).index(t)
 
 
-def _one_index(idx) -> bool:
-    """Whether ``idx`` is one index vector: for all rows, or one per row (held per row with
-    the rows in front)."""
-    held = isinstance(idx, RowVarying)
-    return jnp.ndim(idx.value if held else idx) == 1 + held
+def _one_index(ctx, idx) -> bool:
+    """Whether ``idx`` (the operand 1 of a gather or scatter) is one index vector: for all
+    rows, or one per row (held per row with the rows in front)."""
+    return jnp.ndim(idx) == 1 + bool(ctx.operands[1].per_row)
 
 
 def _position_per_row(ctx, eqn, x, t, idx, component):
     """The position each row reads along ``t``, shaped to broadcast along ``x``: one index
-    for all rows, or each row's own (held per row, `RowVarying`: ``x[:, t]`` inside a scan
+    for all rows, or each row's own (held per row, `Known.per_row`: ``x[:, t]`` inside a scan
     over ``jnp.arange(x.shape[1])``, which JAX normalises by ``x.shape[1]``, each row's
     length); and where, if the equation `drops`, the other components (starts of whole axes,
     which fit only at 0) put the window out of bounds (None: nowhere)."""
-    if isinstance(idx, RowVarying):
-        (axis,) = ctx.row_axes(x.shape, idx.rows)
+    rows = ctx.operands[1].per_row              # the index is operand 1
+    if rows:
+        (axis,) = ctx.row_axes(x.shape, rows)
         one = tuple(d if a == axis else 1 for a, d in enumerate(x.shape))
-        idx = lax.broadcast_in_dim(idx.value, (*one, idx.value.shape[-1]), (axis, x.ndim))
+        idx = lax.broadcast_in_dim(idx, (*one, idx.shape[-1]), (axis, x.ndim))
     k, others = idx[..., component], None
     if drops(eqn, sliced=True):
         for c in range(idx.shape[-1]):
@@ -334,7 +334,7 @@ def _per_row_position(ctx, eqn, x, idx):
     outside it where the gather `drops`, and in a row of length 0, which has no position); None
     for any other gather. ``k`` may differ per row (`_position_per_row`)."""
     p, dn = eqn.params, eqn.params["dimension_numbers"]
-    if not _one_index(idx):
+    if not _one_index(ctx, idx):
         return None
     found = _one_position_axis(ctx, x.shape, p["slice_sizes"], dn.start_index_map,
                                dn.collapsed_slice_dims, dn.offset_dims, dn.operand_batching_dims)
@@ -358,7 +358,7 @@ def _per_row_put(ctx, eqn, x, idx, updates):
     update into its own position ``k`` (clamped into its length, or dropped outside it where
     the scatter `drops`, and in a row of length 0); None for any other scatter."""
     dn = eqn.params["dimension_numbers"]
-    if eqn.primitive.name not in SCATTERS or not _one_index(idx):
+    if eqn.primitive.name not in SCATTERS or not _one_index(ctx, idx):
         return None
     window = [1] * x.ndim
     for a, u in zip([a for a in range(x.ndim) if a not in dn.inserted_window_dims],

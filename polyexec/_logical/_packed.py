@@ -116,8 +116,8 @@ from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
 from ._basics import (Known, bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest_value,
                       ranked, same_dim, sub_jaxprs)
-from ._core import (Ctx, Logical, Recorder, RowVarying, Unsupported, eval_jaxpr,
-                    moves_ragged_rows, replay, take_rows)
+from ._core import (Ctx, Logical, Recorder, Unsupported, eval_jaxpr, moves_ragged_rows, replay,
+                    take_rows)
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
 from ._families import REDUCERS, SCATTERS
 from ._sequences import PerSequence, by_cell, held, spread
@@ -403,7 +403,7 @@ class PackedCtx(Ctx):
         if why is not None:
             self.flag(eqn, f"reads {why}")
             return self.not_packed(eqn, why)
-        if any(isinstance(x, RowVarying) for x in invals):   # never made here; defensive
+        if any(k.per_row for k in self.operands):   # never made here; defensive
             self.flag(eqn, "reads a per-row value")
             return self.not_packed(eqn, "a per-row value")
         return None

@@ -68,7 +68,7 @@ class Entry:
     # any others, rather than running it once per row (`_core._eval_row_varying`).
     inline: bool = False
     # ``(ctx, eqn, invals) -> outputs | None``: its rule for an operand held per row
-    # (`RowVarying`), cheaper than running the equation once per row; None where it declines.
+    # (`Known.per_row`), cheaper than running the equation once per row; None where it declines.
     row_varying: Callable | None = None
     # ``(x: np.ndarray, params) -> np.ndarray``: index arithmetic on a small constant, folded
     # while rewriting (`_core._folded`).
