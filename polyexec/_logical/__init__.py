@@ -27,7 +27,7 @@ second buffer for every weight gradient's operand.
 The interpreter and the layouts
 -------------------------------
 One interpreter (`_core.eval_jaxpr`, one step `_core.evaluate` per equation) runs every
-layout. Each variable's value has one annotation beside it (`_core.Known`: the axes already
+layout. Each variable's value has one annotation beside it (`_basics.Known`: the axes already
 zeroed, whether it is made from lengths alone, or from positions alone), which the step hands
 a rule by position (``ctx.operands[i]``, as JAX's batching hands a rule its operands' ``dims``)
 and a rule may state for its outputs (``ctx.results``: a call's, from its program); nothing is

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from ._basics import PLAIN
+
 
 @runtime_checkable
 class Layout(Protocol):
@@ -24,7 +26,7 @@ class Layout(Protocol):
     rows: dict[str, Any]      # a ragged variable -> (its per-row lengths, its rows variable)
     alive: Any                # inside a scan over a ragged length: the rows still running
     recorder: Any             # what the rewrite found (`_core.Recorder`)
-    # The current equation's operands' annotations (`_core.Known`) by position, as JAX's
+    # The current equation's operands' annotations (`_basics.Known`) by position, as JAX's
     # batching hands a rule its operands' ``dims``; a rule may state its outputs' in
     # ``results`` (a call's: what its program made from lengths or positions alone).
     operands: tuple
@@ -67,7 +69,7 @@ class Layout(Protocol):
     def child(self, eqn, *, alive=None) -> "Layout":
         """The context of a sub-program of ``eqn`` (a scan body, a branch)."""
 
-    def fill_tail(self, x, axes, fill, shared=None, known=...):
+    def fill_tail(self, x, axes, fill, shared=None, known=PLAIN):
         """``x`` with ``fill`` past the logical length of each of ``axes``; ``known``: its
         annotation (``operands[i]`` for operand ``i``; None: unknown)."""
 
@@ -146,9 +148,9 @@ class PackedLayout(Layout, Protocol):
         """``d`` at each cell's sequence length."""
 
     def held_per_cell(self, values) -> list:
-        """``values``, the current equation's outputs, held per cell (``_core.Known.per_cell``:
+        """``values``, the current equation's outputs, held per cell (``_basics.Known.per_cell``:
         a value without the rows axis that differs per sequence, the rows axis in front)."""
 
     def per_sequence(self, eqn, what: str, outputs=None) -> list:
         """``eqn``'s outputs (those at ``outputs``; None: all) as ``what``, a per-sequence
-        value no rule keeps: not packed (``_core.Known.unpackable``), naming its line."""
+        value no rule keeps: not packed (``_basics.Known.unpackable``), naming its line."""

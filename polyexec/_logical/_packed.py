@@ -93,12 +93,13 @@ T alone, ``x[:, k]``, ``take_along_axis(x, (lengths - 1)[:, None, None], 1)``,
 ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
 labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
 the family modules' ``layout="per_sequence"`` ones). A per-sequence number meeting
-positions without the rows axis (``jnp.arange(T) / T``, the ``T - 1 - iota`` that ``x[:, ::-1]`` indexes with) is held per cell (`_core.Known.per_cell`): it
-stays per cell through elementwise maths and reverses, and ``x[:, index]`` with it reads each
-sequence's own positions. A value no rule keeps is annotated as not packed
-(`_core.Known.unpackable`, with no value), which fails the plan only if something reads it (a final carry nobody reads costs nothing); everything else
-is `Unsupported` with the user's line, and ``layout="auto"`` then runs the pad layout, where
-the same program is exact.
+positions without the rows axis (``jnp.arange(T) / T``, the ``T - 1 - iota`` that
+``x[:, ::-1]`` indexes with) is held per cell (`_basics.Known.per_cell`): it stays per cell
+through elementwise maths and reverses, and ``x[:, index]`` with it reads each sequence's own
+positions. A value no rule keeps is annotated as not packed (`_basics.Known.unpackable`, with
+no value), which fails the plan only if something reads it (a final carry nobody reads costs
+nothing); everything else is `Unsupported` with the user's line, and ``layout="auto"`` then
+runs the pad layout, where the same program is exact.
 """
 
 from __future__ import annotations

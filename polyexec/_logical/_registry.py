@@ -56,7 +56,7 @@ class Entry:
     zeroed_reads: Callable | None = None
     # ``(eqn, axes) -> axes``: an elementwise primitive of one operand that keeps its zeros
     # (``neg``; ``transpose``, which moves them to other axes): the output's zeroed tails
-    # (`_core.Known.zeroed`) from the operand's, so a reader does not mask them again (the
+    # (`_basics.Known.zeroed`) from the operand's, so a reader does not mask them again (the
     # transposes of a backward pass read across the rows with their tails zeroed).
     zeroed_through: Callable | None = None
     # ``(eqn, i, axis, shape) -> bool``: whether it combines or moves the entries of operand
