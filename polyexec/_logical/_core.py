@@ -260,7 +260,8 @@ class Ctx:
 
     def own_length(self, eqn, d, rows: str):
         """``d`` as a number (``x.shape[1]``) in code without the rows axis when ``d`` is
-        ragged along ``rows``: each row's own, held per row (`Known.per_row`)."""
+        ragged along ``rows``: each row's own, held per row; the one output of the current
+        equation, so it states its annotation (`Known.per_row`) in ``results``."""
         self.results = [Known(per_row=rows, below=value_floor(self, eqn, d))]
         return self.per_row(d, as_value=True)
 

@@ -54,7 +54,8 @@ class Layout(Protocol):
         """``d`` at each row's lengths: an int32 ``(B,)`` vector."""
 
     def own_length(self, eqn, d, rows: str):
-        """``d`` as a number (``x.shape[1]``) in per-row code: each row's own."""
+        """``d`` as a number (``x.shape[1]``) in per-row code: each row's own, the current
+        equation's one output (its held form stated in ``results``)."""
 
     def count(self, d):
         """``d`` as a number at the real sizes (a count over ragged rows sums their lengths)."""
