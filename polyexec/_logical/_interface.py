@@ -55,7 +55,8 @@ class Layout(Protocol):
 
     def own_length(self, eqn, d, rows: str):
         """``d`` as a number (``x.shape[1]``) in per-row code: each row's own, the current
-        equation's one output (its held form stated in ``results``)."""
+        equation's one output (per row: its form stated in ``results``; packed rows: a
+        `_sequences.PerSequence`)."""
 
     def count(self, d):
         """``d`` as a number at the real sizes (a count over ragged rows sums their lengths)."""
