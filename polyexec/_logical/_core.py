@@ -903,6 +903,11 @@ def _evaluate(ctx: Ctx, eqn, invals) -> list:
         return bind_eqn(eqn, invals)
     if held is not None or entry is None or not entry.structural:
         ctx.recorder.rewritten.add(id(eqn))
+    return _as_outputs(ctx, eqn, out)
+
+
+def _as_outputs(ctx: Ctx, eqn, out) -> list:
+    """A rule's outputs as ``eqn``'s results, each with what the rule stated of it."""
     stated = ctx.results or [None] * len(out)
     return [ctx.as_output(x, v.aval, k) for x, v, k in zip(out, eqn.outvars, stated)]
 
@@ -1048,8 +1053,7 @@ def _eval_row_varying(ctx: Ctx, eqn, invals, rows: str | None = None) -> list:
     out = held(ctx, eqn, invals) if held is not None else None
     if out is not None:
         ctx.recorder.rewritten.add(id(eqn))
-        stated = ctx.results or [None] * len(out)
-        return [ctx.as_output(x, v.aval, k) for x, v, k in zip(out, eqn.outvars, stated)]
+        return _as_outputs(ctx, eqn, out)
     held_rows = [k.per_row for k in ctx.operands]
     rows = rows or next(r for r in held_rows if r)
     if eqn.primitive.name == "broadcast_in_dim":

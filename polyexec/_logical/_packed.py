@@ -115,8 +115,8 @@ from jax import lax
 
 from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._basics import (Known, bind_eqn, bind_eqn_with, filled, is_sym, like_aval, lowest_value,
-                      ranked, same_dim, sub_jaxprs)
+from ._basics import (PLAIN, Known, bind_eqn, bind_eqn_with, filled, is_sym, like_aval,
+                      lowest_value, ranked, same_dim, sub_jaxprs)
 from ._core import (Ctx, Logical, Recorder, Unsupported, eval_jaxpr, moves_ragged_rows, replay,
                     take_rows)
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
@@ -989,7 +989,7 @@ def _per_cell(ctx: PackedCtx, eqn, invals):
         (r,) = rows
         return ctx.evaluate(eqn, [_onto_rows(x, r) if k.per_cell else x
                                   for x, k in zip(invals, ctx.operands)],
-                            [Known() if k.per_cell else k for k in ctx.operands])
+                            [PLAIN if k.per_cell else k for k in ctx.operands])
     raise NoRule(f"{name} of a value that differs per sequence and per position (it has no "
                   f"rows axis)")
 
