@@ -220,9 +220,10 @@ class Known:
     - ``from_lengths``: made from lengths alone (`Ctx.from_lengths_of`): the same in every row,
       but what a rule makes of its tail is each row's own (`Ctx.length`).
 
-    Values held per row (``per_row``), per cell of packed rows (``per_cell``) or not packed at
-    all (``unpackable``) are plain arrays (or None) so annotated; a value held per sequence
-    (`_sequences.PerSequence`) is still a wrapper the rules see in its place."""
+    Values held in a layout's own form -- per row (``per_row``), per sequence or per cell of
+    packed rows (``per_sequence``, ``per_cell``) -- or not packed at all (``unpackable``) are
+    plain arrays (or None) so annotated: a rule reads its operands' forms here, by position,
+    and states its outputs' in ``ctx.results``."""
 
     zeroed: frozenset = frozenset()
     from_lengths: bool = False
@@ -240,6 +241,13 @@ class Known:
     # ``x[:, ::-1]`` indexes with), held with the rows axis in front, so cell ``(r, c)`` of
     # a packed length holds the entry of the sequence there, at its position.
     per_cell: bool = False
+    # Packed rows: a value with one entry per sequence (a scan's final carry, ``x[:, -1]``,
+    # a sum over T alone, a ``(B,)`` input), held at every cell of its sequence: the logical
+    # value with the grid's columns inserted after its rows axis ``sequence_axis``, or, for
+    # a number per sequence without one (``x.shape[1]``; ``sequence_axis`` None), with
+    # leading ``(rows, columns)`` axes (`_sequences`).
+    per_sequence: bool = False
+    sequence_axis: int | None = None
     # Ragged rows: a value that differs per row although it has no axis of the rows variable
     # ``per_row`` names (``x.shape[1]`` of a ragged ``(B, T)`` array is each row's length),
     # held with one extra leading axis, the rows; collapsed onto the rows axis as soon as an

@@ -19,7 +19,7 @@ from ._core import fill_tail, place_window, take_clamped, windowed
 from ._registry import NoRule, PAD_AND_PACK, defrule, padded_rule
 from ._families import WINDOWS
 from ._packed import PackedCtx, by_position, segments, shifted_within
-from ._sequences import PerSequence, by_cell, first_only, held, refused, shapes_of
+from ._sequences import by_cell, first_only, held, refused, shapes_of
 
 
 def _contracted_tails(eqn):
@@ -190,11 +190,11 @@ def _dot_general_packed(ctx: PackedCtx, eqn, invals):
             pooled = _along_each_sequence(ctx, eqn, lhs, rhs)
             if pooled is not None:
                 return pooled
-            return ctx.per_sequence(eqn, "a contraction over a packed length alone")
+            return ctx.refuse_per_sequence(eqn, "a contraction over a packed length alone")
         if rows & c and not packed <= c:
-            return ctx.per_sequence(eqn, "a contraction over the rows alone")
+            return ctx.refuse_per_sequence(eqn, "a contraction over the rows alone")
         if rows & c and not packed and ctx.alive is None:
-            return ctx.per_sequence(eqn, "a contraction over the rows")
+            return ctx.refuse_per_sequence(eqn, "a contraction over the rows")
     return padded_rule(eqn)(ctx, eqn, invals)
 
 
@@ -249,7 +249,7 @@ def _along_each_sequence(ctx: PackedCtx, eqn, lhs, rhs):
                           dimension_numbers=numbers)
     # cells: (rows, other batch axes..., length, free axes...): each sequence's own sum.
     grid = segments(ctx, cells, 0, len(lb), "add", 0)
-    return [by_cell(grid, lb.index(lr[0]))]
+    return ctx.held_per_sequence([by_cell(grid, lb.index(lr[0]))], [lb.index(lr[0])])
 
 
 def _pairing(ctx: PackedCtx, eqn, lhs, rhs):
@@ -267,7 +267,7 @@ def _pairing(ctx: PackedCtx, eqn, lhs, rhs):
     if not any(a in lp for a in lc):
         return None
     if not ctx.packed_axes(eqn.outvars[0].aval.shape):
-        return ctx.per_sequence(eqn, "a contraction over packed lengths")
+        return ctx.refuse_per_sequence(eqn, "a contraction over packed lengths")
     return bind_eqn(eqn, [ctx.frame_only(x, 0) for x in (lhs, rhs)])
 
 
@@ -336,7 +336,7 @@ def _replace(values, i, value):
     return tuple(values)
 
 
-# Per-sequence values of packed rows (``layout="per_sequence"``, `_sequences.PerSequence`).
+# Per-sequence values of packed rows (``layout="per_sequence"``, `_basics.Known.per_sequence`).
 
 
 @defrule("dot_general", layout="per_sequence")
@@ -350,22 +350,23 @@ def _contract_sequences(ctx, eqn, invals):
         if any(ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
             return _against_cells(ctx, eqn, invals, (lhs_shape, rhs_shape))
         return None
-    if any(isinstance(x, PerSequence) and x.axis is None for x in invals) or any(
+    if any(k.per_sequence and k.sequence_axis is None for k in ctx.operands) or any(
             ctx.packed_axes(s) for s in (lhs_shape, rhs_shape)):
         raise NoRule("a contraction over the sequences of a per-sequence value and another "
                       "kind of value")
     if not (lr and rr and lr[0] in lc and rr[0] in rc and lc.index(lr[0]) == rc.index(rr[0])):
         raise NoRule("a contraction of the sequences with another axis")
     # Both at first cells only: a cell outside every sequence holds anything (NaN: 0 * NaN).
-    lhs, rhs = (PerSequence(first_only(ctx, v, 0), v.axis) for v in
-                (held(ctx, invals[0], lhs_shape), held(ctx, invals[1], rhs_shape)))
+    (lhs, la), (rhs, ra) = (held(ctx, x, s, k) for x, s, k in
+                            zip(invals, (lhs_shape, rhs_shape), ctx.operands))
+    lhs, rhs = first_only(ctx, lhs, la, 0), first_only(ctx, rhs, ra, 0)
 
     def moved(dims, a):
         return tuple(d + (d > a) for d in dims)
 
-    numbers = ((moved(lc, lhs.axis) + (lhs.axis + 1,), moved(rc, rhs.axis) + (rhs.axis + 1,)),
-               (moved(lb, lhs.axis), moved(rb, rhs.axis)))
-    return bind_eqn_with(eqn, [lhs.value, rhs.value], dimension_numbers=numbers)
+    numbers = ((moved(lc, la) + (la + 1,), moved(rc, ra) + (ra + 1,)),
+               (moved(lb, la), moved(rb, ra)))
+    return bind_eqn_with(eqn, [lhs, rhs], dimension_numbers=numbers)
 
 
 def _against_cells(ctx, eqn, invals, shapes):
@@ -374,17 +375,17 @@ def _against_cells(ctx, eqn, invals, shapes):
     the per-sequence operand read at each cell of the other's packed axis, which both then
     share as a batch axis."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    k = 0 if isinstance(invals[0], PerSequence) else 1          # the per-sequence operand
+    k = 0 if ctx.operands[0].per_sequence else 1          # the per-sequence operand
     seq, other = invals[k], invals[1 - k]
     (sc, oc), (sb, ob) = ((lc, rc), (lb, rb)) if k == 0 else ((rc, lc), (rb, lb))
-    frame, a = ctx.one_frame(shapes[1 - k]), seq.axis
-    if (isinstance(other, PerSequence) or a is None or frame is None
+    frame, a = ctx.one_frame(shapes[1 - k]), ctx.operands[k].sequence_axis
+    if (ctx.operands[1 - k].per_sequence or a is None or frame is None
             or a not in sb or frame[0] not in ob or sb.index(a) != ob.index(frame[0])
             or frame[1] in oc):
         raise NoRule("a contraction of a per-sequence value with a value along a packed "
                       "length, not batched over the rows")
     _, p = frame
-    cells = lax.slice_in_dim(seq.value, 0, shapes[1 - k][p], axis=a + 1)
+    cells = lax.slice_in_dim(seq, 0, shapes[1 - k][p], axis=a + 1)
     moved = tuple(d + (d > a) for d in sc), (*(d + (d > a) for d in sb), a + 1)
     ours, theirs = moved, (oc, (*ob, p))
     numbers = tuple(zip(ours, theirs)) if k == 0 else tuple(zip(theirs, ours))

@@ -28,7 +28,7 @@ from ._basics import PLAIN, Known
 from ._core import eval_closed, fill_tail, take_rows
 from ._registry import NoRule, deffacts, defrule, lookup_rule, padded_rule
 from ._packed import PackedCtx
-from ._sequences import PerSequence, at_column, held, refused, spread
+from ._sequences import at_column, held, per_sequence, refused, spread
 
 
 def _scanned_moves(eqn):
@@ -144,7 +144,8 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
     raises `_NotHeld`."""
     p = eqn.params
     ncarry, body = p["num_carry"], p["jaxpr"]
-    consts_known = ctx.operands[:len(consts)]
+    # A constant held per sequence is read at each step's column (``consts_at``): plain there.
+    consts_known = [PLAIN if k.per_sequence else k for k in ctx.operands[:len(consts)]]
     xs_known = [Known(per_row=k.per_row, below=k.below) if k.per_row else PLAIN
                 for k in ctx.operands[len(consts) + len(init):]]
     ys0 = [filled(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars[ncarry:]]
@@ -399,7 +400,7 @@ def _scan_packed(ctx: PackedCtx, eqn, invals):
     length = p["length"]
     has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
     if ctx.var not in dim_vars(length) or not any(has_rows):
-        if any(isinstance(x, PerSequence) for x in invals):
+        if any(k.per_sequence for k in ctx.operands):
             raise NoRule("a scan over another length than the packed one reads a "
                           "per-sequence value")
         return padded_rule(eqn)(ctx, eqn, invals)
@@ -419,8 +420,10 @@ def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
     body, length, nc = p["jaxpr"], p["length"], p["num_consts"]
     shapes = [tuple(v.aval.shape) for v in eqn.invars]
     const_shapes, init_shapes = shapes[:nc], shapes[nc:nc + len(init)]
-    if any(isinstance(v, PerSequence) and v.axis is None for v in (*consts, *init)) or any(
-            isinstance(x, PerSequence) for x in xs):
+    known = ctx.operands
+    const_known, init_known = known[:nc], known[nc:nc + len(init)]
+    if any(k.per_sequence and k.sequence_axis is None for k in known[:nc + len(init)]) or any(
+            k.per_sequence for k in known[nc + len(init):]):
         raise NoRule("a scan over a packed length reading a per-sequence number")
     if any(not ctx.row_axes(x.shape[1:]) for x in xs):
         raise NoRule("a scan over a packed length whose scanned input has no rows axis (a "
@@ -447,30 +450,36 @@ def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
     columns = lax.broadcasted_iota(np.int32, jnp.shape(in_frame), 1)
     stop = jnp.max(jnp.where(in_frame, columns + 1, 0), initial=0).astype(np.int32)
 
-    def at(values):
-        if not any(isinstance(v, PerSequence) for v in values):
+    def at(values, known):
+        if not any(k.per_sequence for k in known):
             return None
-        return lambda step: [at_column(v, step) if isinstance(v, PerSequence) else v
-                             for v in values]
+        return lambda step: [at_column(v, k.sequence_axis, step) if k.per_sequence else v
+                             for v, k in zip(values, known)]
 
-    starting = [at_column(c, 0) if isinstance(c, PerSequence) else c for c in init]
+    starting = [at_column(c, k.sequence_axis, 0) if k.per_sequence else c
+                for c, k in zip(init, init_known)]
     keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
     carry, ys, steps = frozen_scan(
         ctx, eqn, consts, starting, xs, carry_axes, stop,
         alive_at=_step_mask(in_frame), restart_at=_step_mask(first), freeze=False,
-        consts_at=at(consts), init_at=at(init), keep=keep)
-    final, unread = [], []
-    for c, c0, shape, a, kept in zip(carry, init, init_shapes, carry_axes, steps):
+        consts_at=at(consts, const_known), init_at=at(init, init_known), keep=keep)
+    final, unread, held_at = [], [], {}
+    for c, c0, k, shape, a, kept in zip(carry, init, init_known, init_shapes, carry_axes,
+                                        steps):
         if a is None:
             final.append(c)
         elif kept is None:          # never read: no per-sequence copy, not packed
             unread.append(len(final))
             final.append(None)
         else:
-            final.append(_final_carry(ctx, kept, held(ctx, c0, shape), length,
+            initial, held_at[len(final)] = held(ctx, c0, shape, k)
+            final.append(_final_carry(ctx, kept, initial, held_at[len(final)], length,
                                       p["reverse"]))
     if unread:
-        ctx.per_sequence(eqn, "the final carry of a scan", unread)
+        ctx.refuse_per_sequence(eqn, "the final carry of a scan", unread)
+    results = ctx.results or [None] * len(eqn.outvars)
+    ctx.results = [per_sequence(held_at[i]) if i in held_at else k
+                   for i, k in enumerate(results)]
     return [*final, *ys]
 
 
@@ -483,11 +492,11 @@ def _step_mask(mask):
     return lambda at: at_step(by_step, at)
 
 
-def _final_carry(ctx: PackedCtx, steps, initial: PerSequence, length, reverse: bool):
-    """Each sequence's final carry: the carry after its last step (its first, reversed), read
-    from the carries after every step (``steps``, stacked on a leading axis); a sequence with
-    no step (length 0, or 1 over ``T - 1``) keeps its initial carry."""
-    a = initial.axis
+def _final_carry(ctx: PackedCtx, steps, initial, a: int, length, reverse: bool):
+    """Each sequence's final carry, held per sequence along its rows axis ``a``: the carry
+    after its last step (its first, reversed), read from the carries after every step
+    (``steps``, stacked on a leading axis); a sequence with no step (length 0, or 1 over
+    ``T - 1``) keeps its ``initial`` carry (held per sequence)."""
     steps = jnp.moveaxis(steps, 0, a + 1)            # each row's carry after each column
     count = ctx.at_lengths(length, ctx.seglen)              # (rows, columns): each sequence's steps
     start = ctx.sequence_starts()
@@ -496,7 +505,7 @@ def _final_carry(ctx: PackedCtx, steps, initial: PerSequence, length, reverse: b
     shape[a + 1] = ctx.pos.shape[1]
     got = take_rows(ctx, steps, spread(jnp.maximum(last, 0), shape, (a, a + 1)), a + 1)
     ran = spread(count > 0, got.shape, (a, a + 1))
-    return PerSequence(lax.select(ran, got, initial.value), a)
+    return lax.select(ran, got, initial)
 
 
 def _accumulates(jaxpr, invar: int, outvar: int, ctx: PackedCtx) -> bool:

@@ -594,7 +594,8 @@ def _zero_read_tails(ctx: Ctx, reads, v, x, known: Known) -> tuple[Any, Known]:
     """``x`` (the value of ``v``, annotated ``known``) zeroed beyond its lengths along the axes
     its readers need zeroed (`_zeroed_reads`), with its annotation."""
     axes = reads.get(v)
-    if axes is None or not hasattr(x, "shape") or known.per_row or known.per_cell:
+    if (axes is None or not hasattr(x, "shape") or known.per_row or known.per_cell
+            or known.per_sequence):
         return x, known
     axes = frozenset(axes)
     if axes <= known.zeroed:
@@ -844,7 +845,8 @@ def eval_jaxpr(ctx: Ctx, jaxpr, consts, args, known_args=()) -> list:
                              ctx.positions_of(eqn, scope) if len(eqn.outvars) == 1 else None)
                 k = k or _zeroed_through(eqn, operands)
                 k = dataclasses.replace(k, from_lengths=k.from_lengths or (
-                    not (k.per_cell or k.per_row) and ctx.from_lengths_of(x, scope)),
+                    not (k.per_cell or k.per_row or k.per_sequence)
+                    and ctx.from_lengths_of(x, scope)),
                     positions=positions)
                 env[v], known[v] = _zero_read_tails(ctx, reads, v, x, k)
     # What this program knows of its results stays so for its caller (a call's results,

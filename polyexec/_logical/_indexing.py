@@ -20,7 +20,7 @@ from ._core import fill_tail, logical_mask, window_fits_admitted_rows
 from ._registry import NoRule, deffacts, defrule
 from ._families import SCATTERS
 from ._packed import PackedCtx, packed_generic, scatter_window
-from ._sequences import PerSequence, by_cell, held, refused, spread
+from ._sequences import by_cell, held, refused, spread
 
 
 def _room(ctx, x, window, axes):
@@ -521,15 +521,15 @@ def _position(ctx: PackedCtx, eqn, shape, index, index_map, window):
     frame, k = ctx.one_frame(shape), len(index_map)
     if (frame is None or tuple(eqn.invars[1].aval.shape) != (k,)
             or frame[1] not in index_map or window[frame[1]] != 1
-            or (isinstance(index, PerSequence) and index.axis is not None)
+            or (ctx.operands[1].per_sequence and ctx.operands[1].sequence_axis is not None)
             or any(a != frame[1] and not same_dim(window[a], shape[a])
                    for a in range(len(shape)))
             or (k > 1 and drops(eqn, sliced=True))):
         return None
     _, p = frame
     i = list(index_map).index(p)
-    if isinstance(index, PerSequence):
-        position = index.value[..., i]
+    if ctx.operands[1].per_sequence:
+        position = index[..., i]
     else:
         position = jnp.broadcast_to(jnp.asarray(index)[i], ctx.pos.shape)
     position, inside = within(eqn, position, ctx.at_lengths(shape[p], ctx.seglen), sliced=True)
@@ -555,13 +555,12 @@ def _own_position(ctx: PackedCtx, eqn, shape, index, index_map, window, batching
                    for a in range(len(shape)))
             or any(is_sym(d) or d != 1 for a, d in enumerate(index_shape) if a != s)):
         return None
-    if not isinstance(index, PerSequence):
-        if not hasattr(index, "shape"):
-            return None
-        index = held(ctx, index, index_shape)
-    if index.axis != s:
+    if not (ctx.operands[1].per_sequence or hasattr(index, "shape")):
         return None
-    position = jnp.reshape(jnp.moveaxis(index.value, (s, s + 1), (0, 1)), ctx.pos.shape)
+    index, axis = held(ctx, index, index_shape, ctx.operands[1])
+    if axis != s:
+        return None
+    position = jnp.reshape(jnp.moveaxis(index, (s, s + 1), (0, 1)), ctx.pos.shape)
     position, inside = within(eqn, position, ctx.at_lengths(shape[p], ctx.seglen))
     return r, p, s, position.astype(np.int32), inside
 
@@ -572,7 +571,7 @@ def _pick_own(ctx: PackedCtx, eqn, invals):
     sequence (and in a sequence of length 0, which has no cell), the gather's fill."""
     x, index = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _own_position(
+    found = None if ctx.operands[0].per_sequence else _own_position(
         ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
         (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
     if found is None or not set(dn.collapsed_slice_dims) <= {found[1]}:
@@ -595,7 +594,7 @@ def _pick_own(ctx: PackedCtx, eqn, invals):
     others = [d for d in batch if d != r_out]
     picked = jnp.reshape(picked, (*picked.shape, *(1,) * len(others)))
     dest = [r_out, r_out + 1, *map(held_at, dn.offset_dims), *map(held_at, others)]
-    return [PerSequence(jnp.moveaxis(picked, tuple(range(len(dest))), dest), r_out)]
+    return ctx.held_per_sequence([jnp.moveaxis(picked, tuple(range(len(dest))), dest)], [r_out])
 
 
 def _put_own(ctx: PackedCtx, eqn, invals):
@@ -604,7 +603,7 @@ def _put_own(ctx: PackedCtx, eqn, invals):
     x, index, updates = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
     update_shape = eqn.invars[2].aval.shape
-    if isinstance(x, PerSequence) or eqn.primitive.name not in SCATTERS:
+    if ctx.operands[0].per_sequence or eqn.primitive.name not in SCATTERS:
         return None
     window = scatter_window(eqn)
     found = _own_position(ctx, eqn, shape, index, dn.scatter_dims_to_operand_dims, window,
@@ -615,10 +614,10 @@ def _put_own(ctx: PackedCtx, eqn, invals):
     r, p, s, position, inside = found
     scattered = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
     r_upd = scattered[s]
-    if isinstance(updates, PerSequence) and updates.axis != r_upd:
+    if ctx.operands[2].per_sequence and ctx.operands[2].sequence_axis != r_upd:
         return None
-    updates = held(ctx, updates, update_shape)
-    u = jnp.moveaxis(updates.value, (r_upd, r_upd + 1), (0, 1))
+    updates, _ = held(ctx, updates, update_shape, ctx.operands[2])
+    u = jnp.moveaxis(updates, (r_upd, r_upd + 1), (0, 1))
     # Then the update's other axes in order: the index's unit axes and the window's.
     rest_u = [d for d in range(len(update_shape)) if d != r_upd]
     unit = [2 + i for i, d in enumerate(rest_u) if d not in dn.update_window_dims]
@@ -642,18 +641,19 @@ def _put_ranked(ctx: PackedCtx, eqn, invals):
     x, index, updates = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
     index_shape = eqn.invars[1].aval.shape
-    if (eqn.primitive.name != "scatter-add" or isinstance(x, PerSequence)
-            or not isinstance(index, PerSequence) or index.axis != 0 or len(shape) != 2
+    if (eqn.primitive.name != "scatter-add" or ctx.operands[0].per_sequence
+            or not ctx.operands[1].per_sequence or ctx.operands[1].sequence_axis != 0
+            or len(shape) != 2
             or ctx.row_axes(shape) != [0] or ctx.packed_axes(shape) != [1]
             or (tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims),
                 tuple(dn.scatter_dims_to_operand_dims), tuple(dn.inserted_window_dims),
                 tuple(dn.update_window_dims)) != ((0,), (0,), (1,), (1,), ())
             or len(index_shape) != 3 or is_sym(index_shape[1]) or index_shape[2] != 1):
         return None
-    value = held(ctx, updates, eqn.invars[2].aval.shape).value      # (rows, columns, k)
+    value, _ = held(ctx, updates, eqn.invars[2].aval.shape, ctx.operands[2])  # (rows, columns, k)
     for j in range(index_shape[1]):             # each rank's update, as one position's
         cells = lax.slice_in_dim(value[:, :, j], 0, shape[1], axis=1)
-        (x,) = _write_at_positions(ctx, eqn, x, cells, index.value[:, :, j, 0], ctx.pos >= 0,
+        (x,) = _write_at_positions(ctx, eqn, x, cells, index[:, :, j, 0], ctx.pos >= 0,
                                    0, 1)
     return [x]
 
@@ -677,7 +677,7 @@ def _pick(ctx: PackedCtx, eqn, invals):
     the gather's mode says."""
     x, index = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _position(
+    found = None if ctx.operands[0].per_sequence else _position(
         ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"])
     if found is None:
         return None
@@ -699,7 +699,7 @@ def _pick(ctx: PackedCtx, eqn, invals):
     if p not in dn.collapsed_slice_dims:            # the position's unit axis stays
         picked = jnp.expand_dims(picked, 2 + p - (r < p))
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
-    return [by_cell(picked, r_out)]
+    return ctx.held_per_sequence([by_cell(picked, r_out)], [r_out])
 
 
 def _put(ctx: PackedCtx, eqn, invals):
@@ -709,7 +709,7 @@ def _put(ctx: PackedCtx, eqn, invals):
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
     update_shape = eqn.invars[2].aval.shape
     kept = len(shape) - len(dn.inserted_window_dims)
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in SCATTERS
+    if (ctx.operands[0].per_sequence or eqn.primitive.name not in SCATTERS
             or dn.operand_batching_dims or tuple(dn.update_window_dims) != tuple(range(kept))):
         return None
     window = list(update_shape)
@@ -719,11 +719,11 @@ def _put(ctx: PackedCtx, eqn, invals):
     if found is None or not set(dn.inserted_window_dims) <= {found[0]}:
         return None
     p, position, inside = found
-    if isinstance(updates, PerSequence) and updates.axis is None or not ctx.row_axes(update_shape):
+    if (ctx.operands[2].per_sequence and ctx.operands[2].sequence_axis is None
+            or not ctx.row_axes(update_shape)):
         raise NoRule("a scatter into one position of a packed length from a value without rows")
-    updates = held(ctx, updates, update_shape)
+    value, _ = held(ctx, updates, update_shape, ctx.operands[2])
     (r,) = ctx.row_axes(shape)
-    value = updates.value
     if p not in dn.inserted_window_dims:            # the position's unit axis: squeezed
         value = lax.squeeze(value, (p + (p > r),))
     n = shape[p]
@@ -747,15 +747,15 @@ def _sequence_and_position(ctx: PackedCtx, eqn, shape, index, index_map, window,
     and column read, and whether they hold that position; None for any other indexing."""
     frame = ctx.one_frame(shape)
     if (frame is None or any(tuple(b) for b in batching)
-            or not isinstance(index, PerSequence) or index.axis != 0
+            or not ctx.operands[1].per_sequence or ctx.operands[1].sequence_axis != 0
             or len(index_shape) != 2 or set(index_map) != set(frame)):
         return None
     r, p = frame
     if any(window[a] != 1 if a in (r, p) else not same_dim(window[a], shape[a])
            for a in range(len(shape))):
         return None
-    sequence = index.value[..., list(index_map).index(r)].astype(np.int32)   # (rows, columns)
-    position = index.value[..., list(index_map).index(p)].astype(np.int32)
+    sequence = index[..., list(index_map).index(r)].astype(np.int32)   # (rows, columns)
+    position = index[..., list(index_map).index(p)].astype(np.int32)
     count = jnp.asarray(ctx.sizes[ctx.rows_name], np.int32)    # the sequences of the call
     inside = (sequence >= 0) & (sequence < count)
     sequence = jnp.clip(sequence, 0, count - 1)
@@ -785,7 +785,7 @@ def _pick_sequences(ctx: PackedCtx, eqn, invals):
     and position its index names (`_sequence_and_position`), a per-sequence value."""
     x, index = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _sequence_and_position(
+    found = None if ctx.operands[0].per_sequence else _sequence_and_position(
         ctx, eqn, shape, index, dn.start_index_map, eqn.params["slice_sizes"],
         (dn.operand_batching_dims, dn.start_indices_batching_dims), eqn.invars[1].aval.shape)
     if found is None or set(dn.collapsed_slice_dims) != {found[0], found[1]}:
@@ -797,7 +797,7 @@ def _pick_sequences(ctx: PackedCtx, eqn, invals):
     picked = jnp.where(jnp.expand_dims(inside, tuple(range(2, xs.ndim))), picked, fill)
     out = eqn.outvars[0].aval.shape
     (r_out,) = [d for d in range(len(out)) if d not in dn.offset_dims]
-    return [by_cell(picked, r_out)]
+    return ctx.held_per_sequence([by_cell(picked, r_out)], [r_out])
 
 
 def _put_sequences(ctx: PackedCtx, eqn, invals):
@@ -806,8 +806,8 @@ def _put_sequences(ctx: PackedCtx, eqn, invals):
     is outside the sequence it names."""
     x, index, updates = invals
     shape, dn = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"]
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in ("scatter-add", "scatter")
-            or dn.operand_batching_dims or not isinstance(index, PerSequence)
+    if (ctx.operands[0].per_sequence or eqn.primitive.name not in ("scatter-add", "scatter")
+            or dn.operand_batching_dims or not ctx.operands[1].per_sequence
             or len(dn.update_window_dims) + len(dn.inserted_window_dims) != len(shape)):
         return None
     update_shape = eqn.invars[2].aval.shape
@@ -819,9 +819,10 @@ def _put_sequences(ctx: PackedCtx, eqn, invals):
         return None
     r, p, row, column, inside = found
     (r_upd,) = [d for d in range(len(update_shape)) if d not in dn.update_window_dims]
-    if isinstance(updates, PerSequence) and updates.axis != r_upd:
+    if ctx.operands[2].per_sequence and ctx.operands[2].sequence_axis != r_upd:
         return None
-    u = jnp.moveaxis(held(ctx, updates, update_shape).value, (r_upd, r_upd + 1), (0, 1))
+    u, _ = held(ctx, updates, update_shape, ctx.operands[2])
+    u = jnp.moveaxis(u, (r_upd, r_upd + 1), (0, 1))
     xs = jnp.moveaxis(x, (r, p), (0, 1))
     # Every cell holds its sequence's update: written from the first cell only, and nowhere
     # (a row past the end, dropped) where the named position is outside its sequence.
@@ -853,7 +854,7 @@ def _cell_positions(ctx: PackedCtx, eqn, shape, index, index_map, window, batchi
     reads a position of its sequence (else the gather's fill, a dropped update), and whether
     the entry belongs to a cell in the frame of the index's packed length (the others are
     "don't care", and must never write); None for any other indexing."""
-    if (isinstance(index, PerSequence) or not hasattr(index, "shape")
+    if (ctx.operands[1].per_sequence or not hasattr(index, "shape")
             or len(index_shape) < 2):
         return None
     cells = tuple(index_shape[:-1])
@@ -931,7 +932,7 @@ def _pick_cells(ctx: PackedCtx, eqn, invals):
     where the position is outside the sequence."""
     x, index = invals
     dn = eqn.params["dimension_numbers"]
-    found = None if isinstance(x, PerSequence) else _cell_positions(
+    found = None if ctx.operands[0].per_sequence else _cell_positions(
         ctx, eqn, eqn.invars[0].aval.shape, index, dn.start_index_map,
         eqn.params["slice_sizes"], (dn.operand_batching_dims, dn.start_indices_batching_dims),
         eqn.invars[1].aval.shape)
@@ -953,8 +954,8 @@ def _put_cells(ctx: PackedCtx, eqn, invals):
     x, index, updates = invals
     dn = eqn.params["dimension_numbers"]
     shape = eqn.invars[0].aval.shape
-    if (isinstance(x, PerSequence) or eqn.primitive.name not in SCATTERS
-            or isinstance(updates, PerSequence) or ctx.alive is not None):
+    if (ctx.operands[0].per_sequence or eqn.primitive.name not in SCATTERS
+            or ctx.operands[2].per_sequence or ctx.alive is not None):
         # Inside a packed scan a row's update may come from a cell that is not real there.
         return None
     window = scatter_window(eqn)

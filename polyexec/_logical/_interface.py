@@ -55,8 +55,8 @@ class Layout(Protocol):
 
     def own_length(self, eqn, d, rows: str):
         """``d`` as a number (``x.shape[1]``) in per-row code: each row's own, the current
-        equation's one output (per row: its form stated in ``results``; packed rows: a
-        `_sequences.PerSequence`)."""
+        equation's one output (its form stated in ``results``: per row, or per sequence of
+        packed rows)."""
 
     def count(self, d):
         """``d`` as a number at the real sizes (a count over ragged rows sums their lengths)."""
@@ -153,6 +153,11 @@ class PackedLayout(Layout, Protocol):
         """``values``, the current equation's outputs, held per cell (``_basics.Known.per_cell``:
         a value without the rows axis that differs per sequence, the rows axis in front)."""
 
-    def per_sequence(self, eqn, what: str, outputs=None) -> list:
+    def held_per_sequence(self, values, axes) -> list:
+        """``values``, the current equation's outputs, held per sequence
+        (``_basics.Known.per_sequence``: each sequence's entry at every cell of it), each
+        with its logical rows axis in ``axes`` (None: a number per sequence)."""
+
+    def refuse_per_sequence(self, eqn, what: str, outputs=None) -> list:
         """``eqn``'s outputs (those at ``outputs``; None: all) as ``what``, a per-sequence
         value no rule keeps: not packed (``_basics.Known.unpackable``), naming its line."""

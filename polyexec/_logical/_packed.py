@@ -91,8 +91,8 @@ A per-sequence value (a scan's final carry that is read, a reduction or a contra
 T alone, ``x[:, k]``, ``take_along_axis(x, (lengths - 1)[:, None, None], 1)``,
 ``h[jnp.arange(B), lengths - 1]``,
 ``x.shape[1]`` as a number, a ``(B,)`` input such as the lengths or the
-labels) is held at every cell of its sequence (`_sequences.PerSequence`, whose rules are
-the family modules' ``layout="per_sequence"`` ones). A per-sequence number meeting
+labels) is held at every cell of its sequence (`_basics.Known.per_sequence`, `_sequences`;
+its rules are the family modules' ``layout="per_sequence"`` ones). A per-sequence number meeting
 positions without the rows axis (``jnp.arange(T) / T``, the ``T - 1 - iota`` that
 ``x[:, ::-1]`` indexes with) is held per cell (`_basics.Known.per_cell`): it stays per cell
 through elementwise maths and reverses, and ``x[:, index]`` with it reads each sequence's own
@@ -121,7 +121,7 @@ from ._core import (Ctx, Logical, Recorder, Unsupported, eval_jaxpr, moves_ragge
                     take_rows)
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
 from ._families import REDUCERS, SCATTERS
-from ._sequences import PerSequence, by_cell, held, spread
+from ._sequences import by_cell, held, per_sequence, spread
 from ._sequences import evaluate as _evaluate_per_sequence
 
 
@@ -357,8 +357,9 @@ class PackedCtx(Ctx):
         raise NoRule(f"the length {d} is per row, and a packed row holds several sequences")
 
     def own_length(self, eqn, d, rows: str):
-        """Each sequence's own, held at every cell of it (`PerSequence`)."""
-        return PerSequence(self.at_lengths(d, self.seglen, as_value=True), None)
+        """Each sequence's own, held at every cell of it (`Known.per_sequence`)."""
+        return self.held_per_sequence([self.at_lengths(d, self.seglen, as_value=True)],
+                                      [None])[0]
 
     def count(self, d):
         if self.var in dim_vars(d):
@@ -423,10 +424,15 @@ class PackedCtx(Ctx):
         self.results = [Known(per_cell=True)] * len(values)
         return values
 
+    def held_per_sequence(self, values, axes) -> list:
+        """``values``, this equation's outputs, held per sequence along rows axes ``axes``."""
+        self.results = [per_sequence(a) for a in axes]
+        return values
+
     def held_rule(self, eqn, invals):
         if any(k.per_cell for k in self.operands):
             return _per_cell
-        if any(isinstance(x, PerSequence) for x in invals):
+        if any(k.per_sequence for k in self.operands):
             return _evaluate_per_sequence
         return None
 
@@ -469,8 +475,6 @@ class PackedCtx(Ctx):
     def as_output(self, x, aval, known=None):
         if x is None or (known is not None and known.per_cell):    # not packed, or per cell
             return x
-        if isinstance(x, PerSequence):
-            return PerSequence(like_aval(x.value, aval), x.axis)
         return like_aval(x, aval)
 
     def positions_of(self, eqn, reading):
@@ -481,7 +485,7 @@ class PackedCtx(Ctx):
         axis (``jnp.arange(T) / T``): per cell (`Known.per_cell`)."""
         return _per_cell(self, eqn, invals)
 
-    def per_sequence(self, eqn, what: str, outputs=None) -> list:
+    def refuse_per_sequence(self, eqn, what: str, outputs=None) -> list:
         where = equation_line(eqn) or "<unknown>"
         return self.not_packed(eqn, f"{what} made at {where}, a per-sequence value (a packed "
                                     f"row holds several sequences)", outputs)
@@ -715,7 +719,8 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
         if rows <= axes and not axes & packed and _segment(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         if arg or not (axes & packed == packed if rows <= axes else len(axes & packed) == 1):
-            return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
+            return ctx.refuse_per_sequence(
+                eqn, f"{eqn.primitive.name} over part of a packed value")
         n = len(fills)
         return bind_eqn(eqn, [*(ctx.frame_only(v, f) for v, f in zip(invals[:n], fills)),
                            *invals[n:]])
@@ -723,13 +728,13 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
         if rows | packed <= axes and not arg:
             return padded()                     # over every real cell
         if packed <= axes and not rows & axes and eqn.primitive.name != "reduce":
-            return [_along_sequences(ctx, eqn, x, *rows, *packed)]
+            return _along_sequences(ctx, eqn, x, *rows, *packed)
         if rows <= axes and not packed & axes and _segment(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
-        return ctx.per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
+        return ctx.refuse_per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
     if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
         return padded()
-    return ctx.per_sequence(eqn, f"{eqn.primitive.name} over the rows")
+    return ctx.refuse_per_sequence(eqn, f"{eqn.primitive.name} over the rows")
 
 
 def _segment(name: str) -> str | None:
@@ -739,7 +744,7 @@ def _segment(name: str) -> str | None:
     return monoid.segment if monoid is not None else None
 
 
-def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
+def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> list:
     """A reduction along a packed length that keeps the rows (``jnp.sum(x, axis=1)``,
     ``jnp.argmax(logits, axis=1)``): per sequence, over its own cells -- a scatter into each
     sequence's start column, read back at every cell of the sequence. ``argmax``/``argmin``
@@ -771,7 +776,7 @@ def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> PerSequence:
                         int(fill) if exact else fill)
         out = out.astype(x.dtype)
     (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
-    return by_cell(out, r_out)
+    return ctx.held_per_sequence([by_cell(out, r_out)], [r_out])
 
 
 def _others_first(eqn, x, axes, kept):
@@ -906,7 +911,7 @@ def reverse_each(ctx: PackedCtx, x, r: int, a: int, others=()):
 
 def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
     """`PackedCtx.top_k`: each sequence's own ``k`` largest and their positions, held at
-    every cell of the sequence (`PerSequence`). Each sequence is sorted in place (its start
+    every cell of the sequence (`Known.per_sequence`). Each sequence is sorted in place (its start
     column the first key, `sort_key`), ascending by value as ``top_k`` ranks it (`ranked`)
     and, among equal values, descending by position, so its ``k`` largest are its last ``k``
     cells read backwards, the lower position first among ties, as ``top_k`` breaks them."""
@@ -934,7 +939,8 @@ def _top_per_sequence(ctx: PackedCtx, eqn, x, a: int):
     positions, _ = pick(-negated)
     positions = jnp.where(keep, positions, lax.broadcasted_iota(
         positions.dtype, positions.shape, positions.ndim - 1))
-    return [PerSequence(values, 0), PerSequence(positions.astype(eqn.outvars[1].aval.dtype), 0)]
+    return ctx.held_per_sequence(
+        [values, positions.astype(eqn.outvars[1].aval.dtype)], [0, 0])
 
 
 def _cumulative(ctx: PackedCtx, eqn, x, a: int, monoid, reverse: bool):
@@ -982,7 +988,7 @@ def _per_cell(ctx: PackedCtx, eqn, invals):
     if entry is not None and entry.rule is ELEMENTWISE:
         rows = ctx.row_axes(out)
         if not rows:
-            cells = [onto_cells(ctx, x, sh, out, k.per_cell)
+            cells = [onto_cells(ctx, x, sh, out, k)
                      for x, sh, k in zip(invals, shapes, ctx.operands)]
             return ctx.held_per_cell([bind_eqn(eqn, cells)[0]])
         # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
@@ -994,18 +1000,18 @@ def _per_cell(ctx: PackedCtx, eqn, invals):
                   f"rows axis)")
 
 
-def onto_cells(ctx: PackedCtx, x, shape, out, per_cell: bool):
-    """An operand (``per_cell``: held so) of an elementwise per-cell equation of logical
+def onto_cells(ctx: PackedCtx, x, shape, out, known: Known):
+    """An operand (annotated ``known``) of an elementwise per-cell equation of logical
     ``out``, with the rows in front: a per-sequence number at each cell, a per-position value
     placed by position."""
-    if per_cell:
+    if known.per_cell:
         return x
     packed = ctx.packed_axes(out)
     rows = ctx.pos.shape[0]
-    if isinstance(x, PerSequence):
-        if x.axis is not None or shape != () or len(packed) != 1:
+    if known.per_sequence:
+        if known.sequence_axis is not None or shape != () or len(packed) != 1:
             raise NoRule(f"a per-sequence value meets a value of shape {out}")
-        v = lax.slice_in_dim(x.value, 0, out[packed[0]], axis=1)
+        v = lax.slice_in_dim(x, 0, out[packed[0]], axis=1)
         return spread(v, (rows, *out), (0, 1 + packed[0]))
     if shape == ():
         return x
@@ -1138,24 +1144,19 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         sizes = {name: flat[at] for name, at in sizes_at.items()}
         ctx = PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen,
                          sequence=sequence, room=room)
-        inputs = []
-        for v, x in zip(jaxpr.invars, flat):
+        known = [PLAIN if a is None else per_sequence(a)
+                 for a in (held_per_cell(getattr(v.aval, "shape", ())) for v in jaxpr.invars)]
+        outs = eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, flat, known)
+        results = [k or PLAIN for k in ctx.results]
+        for i, (out, v, k) in enumerate(zip(outs, jaxpr.outvars, results)):
             shape = getattr(v.aval, "shape", ())
-            a = held_per_cell(shape)
-            inputs.append(x if a is None else PerSequence(x, a))
-        outs = eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, inputs)
-        unpackable = [k and (k.unpackable or k.per_cell and "a per-cell value")
-                      for k in ctx.results]
-        for i, (out, v) in enumerate(zip(outs, jaxpr.outvars)):
-            shape = getattr(v.aval, "shape", ())
-            if held_per_cell(shape) is not None and not unpackable[i]:   # per sequence
+            made = k.unpackable or (k.per_cell and "a per-cell value") or (
+                k.per_sequence and k.sequence_axis is None and "a per-sequence number")
+            if held_per_cell(shape) is not None and not made:   # per sequence
                 recorder.per_sequence = True
-                outs[i] = held(ctx, out, shape).value
-            if unpackable[i] or isinstance(outs[i], PerSequence) or (
-                    ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1
-                    and held_per_cell(shape) is None):
-                made = unpackable[i] or ("a per-sequence number" if isinstance(
-                    outs[i], PerSequence) else "a per-sequence value")
+                outs[i], _ = held(ctx, out, shape, k)
+            elif made or (ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1):
+                made = made or "a per-sequence value"
                 recorder.unsupported.setdefault(("output", i), Unsupported(
                     "output", f"output {i}", f"returns {made}"))
                 outs[i] = filled(v.aval.shape, 0, v.aval.dtype)

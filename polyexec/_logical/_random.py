@@ -34,7 +34,7 @@ from jax.extend.random import threefry2x32_p
 from .._jax_internals import dim_bounds, dim_vars
 from ._basics import has_sym, is_sym
 from ._registry import ELEMENTWISE, NoRule, defrule, padded_rule
-from ._sequences import PerSequence, grid_shape, spread
+from ._sequences import grid_shape, spread
 
 _UINT = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
@@ -127,7 +127,7 @@ def _random_split(ctx, eqn, invals):
 @defrule("random_split", layout="pack")
 def _random_split_packed(ctx, eqn, invals):
     """``split(key, B)`` over packed rows (equinox's per-example keys for ``jax.vmap``): a
-    key per sequence, held at every cell of it (`PerSequence`): key ``b`` is threefry of the
+    key per sequence, held at every cell of it (`Known.per_sequence`): key ``b`` is threefry of the
     key at counter ``b``, the sequence's index in the call, as its padded row's key. Keys of
     no rows (``split(key, T)``, a key per position) are the padded rule's."""
     (key,) = invals
@@ -146,8 +146,8 @@ def _random_split_packed(ctx, eqn, invals):
     data = jax.random.key_data(key)
     k1, k2 = (jnp.broadcast_to(data[i], held_shape) for i in (0, 1))
     bits = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
-    return [PerSequence(jax.random.wrap_key_data(jnp.stack(bits, -1),
-                                                 impl=jax.random.key_impl(key)), 0)]
+    return ctx.held_per_sequence([jax.random.wrap_key_data(
+        jnp.stack(bits, -1), impl=jax.random.key_impl(key))], [0])
 
 
 @defrule("random_bits")
@@ -187,7 +187,7 @@ def _random_bits_packed(ctx, eqn, invals):
     along other lengths only (a per-position ``(T, F)`` noise shared by every sequence has no
     rows axis: position ``t`` draws the same in either layout) is the padded rule. A draw
     along the rows alone (a per-sequence ``(B, F)`` noise) is per sequence: each sequence
-    draws what its row draws padded, held at every cell of it (`PerSequence`)."""
+    draws what its row draws padded, held at every cell of it (`Known.per_sequence`)."""
     (key,) = invals
     shape = tuple(eqn.params["shape"])
     rows = ctx.row_axes(shape)
@@ -213,7 +213,8 @@ def _random_bits_packed(ctx, eqn, invals):
         index = [spread(ctx.sequence_index(columns), held_shape, (r, r + 1)) if a == r
                  else lax.broadcasted_iota(np.int32, held_shape, a + (a > r))
                  for a in range(len(shape))]
-        return [PerSequence(_draw_at(eqn, key, _flat_index(index, extents)), key.ndim + r)]
+        return ctx.held_per_sequence([_draw_at(eqn, key, _flat_index(index, extents))],
+                                     [key.ndim + r])
     index = []
     for a, d in enumerate(shape):
         if a == r:
@@ -234,15 +235,16 @@ def _random_bits_per_sequence(ctx, eqn, invals):
     (key,) = invals
     shape = tuple(eqn.params["shape"])
     out = tuple(eqn.outvars[0].aval.shape)
-    if not isinstance(key, PerSequence) or key.axis != 0 or key.value.ndim != 2:
+    held = ctx.operands[0]
+    if not held.per_sequence or held.sequence_axis != 0 or key.ndim != 2:
         raise NoRule("a random draw with keys held per sequence other than one key a sequence")
-    _exact_draws_only(key.value, shape)
+    _exact_draws_only(key, shape)
     frame = ctx.one_frame(out)
     if frame is None or frame[0] != 0:
         raise NoRule(f"a random draw of shape {shape} with a key per sequence along no packed "
                      f"length, or several")
     p = frame[1]
-    data = jax.random.key_data(lax.slice_in_dim(key.value, 0, out[p], axis=1))
+    data = jax.random.key_data(lax.slice_in_dim(key, 0, out[p], axis=1))
     index = [spread(ctx.cells(d)[0], out, (0, p)) if a == p
              else lax.broadcasted_iota(np.int32, out, a) for a, d in enumerate(out)][1:]
     counts = _flat_index(index, [ctx.exact_extent(d) for d in shape])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ._basics import acts_along_params, bind_eqn_with, is_sym, operand_avals
 from ._registry import NoRule, PAD_AND_PACK, deffacts, defrule
 from ._families import CUMULATIVE, REDUCERS
-from ._sequences import PerSequence, first_only
+from ._sequences import first_only
 
 
 def _summed_tails(eqn):
@@ -69,7 +69,7 @@ deffacts("reduce_sum", linear=True, carries=True)
 
 
 # --------------------------------------------------------------------------------------------
-# Per-sequence values of packed rows (``layout="per_sequence"``, `_sequences.PerSequence`).
+# Per-sequence values of packed rows (``layout="per_sequence"``, `_basics.Known.per_sequence`).
 
 
 @defrule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
@@ -77,14 +77,13 @@ deffacts("reduce_sum", linear=True, carries=True)
 def _over_sequences(ctx, eqn, invals):
     """A reduction over the rows of a per-sequence value (``jnp.mean(loss)``): over every
     sequence once, at its first cell."""
-    (x,) = invals
-    axes = tuple(eqn.params["axes"])
-    if not isinstance(x, PerSequence) or x.axis is None or x.axis not in axes:
+    (x,), (known,) = invals, ctx.operands
+    axes, a = tuple(eqn.params["axes"]), known.sequence_axis
+    if a is None or a not in axes:
         return None
     name = eqn.primitive.name
     if name in ("argmax", "argmin"):
         raise NoRule(f"{name} over the sequences of a per-sequence value")
-    a = x.axis
-    fill = REDUCERS[name].identity(x.value.dtype)
+    fill = REDUCERS[name].identity(x.dtype)
     physical = tuple(sorted({b + (b > a) for b in axes} | {a + 1}))
-    return bind_eqn_with(eqn, [first_only(ctx, x, fill)], axes=physical)
+    return bind_eqn_with(eqn, [first_only(ctx, x, a, fill)], axes=physical)

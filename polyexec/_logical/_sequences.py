@@ -4,9 +4,12 @@ rules (``layout="per_sequence"``) are in each primitive's family module.
 A value with the rows axis and no packed length has one entry per sequence: a scan's final
 carry, ``x[:, -1]``, a sum over T alone, a ``(B,)`` input such as the labels. A packed row
 holds several sequences, so such a value is held at every cell of its sequence
-(`PerSequence`): the logical value with the grid's columns inserted after its rows axis, cell
-``(r, c)`` holding the entry of the sequence that occupies it. A number per sequence without a
-rows axis (``x.shape[1]``) is held with leading ``(rows, columns)`` axes.
+(`Known.per_sequence`): the logical value with the grid's columns inserted after its rows
+axis (``Known.sequence_axis``), cell ``(r, c)`` holding the entry of the sequence that
+occupies it. A number per sequence without a rows axis (``x.shape[1]``) is held with leading
+``(rows, columns)`` axes. A rule reads its operands' forms in ``ctx.operands`` and states its
+outputs' with `PackedCtx.held_per_sequence`; the helpers below take the held value and its
+rows axis.
 
 - An equation that treats the rows independently (elementwise maths, a head ``h @ W``,
   ``log_softmax``, a gather batched over the rows) runs once per column: ``jax.vmap`` over the
@@ -15,11 +18,11 @@ rows axis (``x.shape[1]``) is held with leading ``(rows, columns)`` axes.
   each sequence once, at its first cell.
 - Broadcasting one back along the length (``h[:, None] + x``, ``x / x.shape[1]``) gives each
   cell its own sequence's entry.
-- The packed rules (in each primitive's family module) make them (reductions along the length alone, picking one
-  position ``x[:, k]``, a scan's final carry, ``dim_as_value``) and read them as a scan's
-  initial carry or constant (an encoder's state, the gradient of a final carry) at each
-  sequence's first step, or as the update of a scatter into one position (``x[:, -1]``'s
-  gradient).
+- The packed rules (in each primitive's family module) make them (reductions along the
+  length alone, picking one position ``x[:, k]``, a scan's final carry, ``dim_as_value``)
+  and read them as a scan's initial carry or constant (an encoder's state, the gradient of a
+  final carry) at each sequence's first step, or as the update of a scatter into one
+  position (``x[:, -1]``'s gradient).
 
 Every sequence has a first cell: one of length 0 gets a cell of its own, outside the frame of
 every length (``pos`` 0, ``seglen`` 0), so its per-sequence values exist too.
@@ -27,25 +30,18 @@ every length (``pos`` 0, ``seglen`` 0), so its per-sequence values exist too.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._basics import bind_eqn, filled, is_sym
+from ._basics import Known, PLAIN, bind_eqn, filled, is_sym
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
 
 
-@dataclasses.dataclass(frozen=True)
-class PerSequence:
-    """A value with one entry per sequence, held at every cell of its sequence: ``value`` is
-    the logical value with the grid's columns inserted after its rows axis ``axis``, or, for
-    a value without one (``axis`` None), with leading ``(rows, columns)`` axes."""
-
-    value: Any
-    axis: int | None
+def per_sequence(axis: int | None) -> Known:
+    """The annotation of a value held per sequence whose logical rows axis is ``axis`` (None:
+    a number per sequence, held with leading ``(rows, columns)`` axes)."""
+    return Known(per_sequence=True, sequence_axis=axis)
 
 
 def spread(v, shape, targets):
@@ -62,35 +58,36 @@ def grid_shape(ctx, shape, axis):
     return (*shape[:axis + 1], columns, *shape[axis + 1:])
 
 
-def held(ctx, x, shape):
-    """``x`` (logical ``shape``, one rows axis) as a `PerSequence`: a plain value is the same
-    for every sequence (``jnp.zeros((B, H))``: a broadcast), so every column holds it."""
-    if isinstance(x, PerSequence):
-        return x
+def held(ctx, x, shape, known: Known):
+    """``x`` (logical ``shape``, one rows axis; annotated ``known``) held per sequence, and
+    its rows axis: a plain value is the same for every sequence (``jnp.zeros((B, H))``: a
+    broadcast), so every column holds it."""
+    if known.per_sequence:
+        return x, known.sequence_axis
     (r,) = ctx.row_axes(shape)
-    full = grid_shape(ctx, shape, r)
-    return PerSequence(lax.broadcast_in_dim(x, full, tuple(a + (a > r) for a in range(len(shape)))),
-                       r)
+    return lax.broadcast_in_dim(x, grid_shape(ctx, shape, r),
+                                tuple(a + (a > r) for a in range(len(shape)))), r
 
 
-def at_column(x: PerSequence, column):
-    """The logical value at one column: row ``r`` holds the sequence at cell ``(r, column)``."""
-    return lax.dynamic_index_in_dim(x.value, column, x.axis + 1, keepdims=False,
+def at_column(x, axis: int, column):
+    """The logical value at one column of ``x`` held per sequence along its rows axis
+    ``axis``: row ``r`` holds the sequence at cell ``(r, column)``."""
+    return lax.dynamic_index_in_dim(x, column, axis + 1, keepdims=False,
                                     allow_negative_indices=False)
 
 
-def first_only(ctx, x: PerSequence, fill):
-    """``x`` with ``fill`` everywhere but at each sequence's first cell: summed over the rows
-    and columns, every sequence counts once."""
+def first_only(ctx, x, axis: int | None, fill):
+    """``x`` (held per sequence, its rows axis ``axis``) with ``fill`` everywhere but at each
+    sequence's first cell: summed over the rows and columns, every sequence counts once."""
     first = ctx.pos == 0
-    targets = (0, 1) if x.axis is None else (x.axis, x.axis + 1)
-    keep = spread(first, x.value.shape, targets)
-    return lax.select(keep, x.value, filled(x.value.shape, fill, x.value.dtype))
+    targets = (0, 1) if axis is None else (axis, axis + 1)
+    keep = spread(first, x.shape, targets)
+    return lax.select(keep, x, filled(x.shape, fill, x.dtype))
 
 
 def by_cell(grid, axis):
-    """``(rows, columns, *rest)`` -> a `PerSequence` whose logical rows axis is ``axis``."""
-    return PerSequence(jnp.moveaxis(grid, (0, 1), (axis, axis + 1)), axis)
+    """``(rows, columns, *rest)`` -> held per sequence with its logical rows axis ``axis``."""
+    return jnp.moveaxis(grid, (0, 1), (axis, axis + 1))
 
 
 def shapes_of(vs):
@@ -101,7 +98,7 @@ def shapes_of(vs):
 # Equations reading per-sequence values
 
 def evaluate(ctx, eqn, invals) -> list:
-    """One equation with a `PerSequence` among its inputs."""
+    """One equation with an operand held per sequence (`Known.per_sequence`)."""
     ctx.recorder.per_sequence = True
     entry = lookup_rule(eqn.primitive)
     if entry is not None and entry.per_sequence is not None:
@@ -116,6 +113,7 @@ def evaluate(ctx, eqn, invals) -> list:
 def _per_column(ctx, eqn, invals, entry) -> list:
     name = eqn.primitive.name
     shapes, out_shapes = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    known = ctx.operands
     elementwise = entry is not None and entry.rule is ELEMENTWISE
     if any(ctx.packed_axes(s) for s in out_shapes):
         if not elementwise or name in ("broadcast_in_dim", "iota"):
@@ -124,20 +122,21 @@ def _per_column(ctx, eqn, invals, entry) -> list:
             return ctx.without_rows(eqn, invals)    # positions of each sequence: per cell
         # Then as any packed equation (a per-position operand, ``iota < lengths[:, None]``'s
         # ``(1, T)`` iota, is placed by position).
-        return ctx.evaluate(eqn, [to_cells(ctx, x, s, out_shapes[0])
-                                  if isinstance(x, PerSequence) else x
-                                  for x, s in zip(invals, shapes)], ctx.operands)
+        return ctx.evaluate(eqn, [to_cells(ctx, x, k.sequence_axis, s, out_shapes[0])
+                                  if k.per_sequence else x
+                                  for x, k, s in zip(invals, known, shapes)],
+                            [PLAIN if k.per_sequence else k for k in known])
     if any(ctx.packed_axes(s) for s in shapes):
         raise NoRule(f"{name} of a per-sequence value and a value along a packed length")
     acts_on = None if entry is None or elementwise else entry.acts_on
     if not elementwise and acts_on is None:
         raise NoRule(f"{name} has no rule for a per-sequence value of packed rows")
-    for i, (x, s) in enumerate(zip(invals, shapes)):
-        if (isinstance(x, PerSequence) and x.axis is not None and acts_on is not None
-                and acts_on(eqn, i, x.axis, s)):
+    for i, (k, s) in enumerate(zip(known, shapes)):
+        if (k.per_sequence and k.sequence_axis is not None and acts_on is not None
+                and acts_on(eqn, i, k.sequence_axis, s)):
             raise NoRule(f"{name} along the sequences of a per-sequence value")
-    rowless = [isinstance(x, PerSequence) and x.axis is None for x in invals]
-    rowful = any(isinstance(x, PerSequence) and x.axis is not None for x in invals) or any(
+    rowless = [k.per_sequence and k.sequence_axis is None for k in known]
+    rowful = any(k.per_sequence and k.sequence_axis is not None for k in known) or any(
         ctx.row_axes(s) for s in shapes)
     if any(rowless) and not rowful:
         # Numbers per sequence (``x.shape[1] - 1``): once per cell.
@@ -145,46 +144,47 @@ def _per_column(ctx, eqn, invals, entry) -> list:
             raise NoRule(f"{name} makes rows of a per-sequence number")
         axes = [0 if r else None for r in rowless]
         run = jax.vmap(jax.vmap(lambda *xs: tuple(bind_eqn(eqn, list(xs))), axes), axes)
-        outs = run(*[x.value if r else x for x, r in zip(invals, rowless)])
-        return [PerSequence(o, None) for o in outs]
+        return ctx.held_per_sequence(list(run(*invals)), [None] * len(out_shapes))
+    in_axes = [k.sequence_axis + 1 if k.per_sequence and k.sequence_axis is not None
+               else None for k in known]
     if any(rowless):
         # A number per sequence meets rows: an elementwise scalar, held at the rows' shape.
         if not elementwise or any(r and s != () for r, s in zip(rowless, shapes)):
             raise NoRule(f"{name} of a per-sequence number and a per-sequence value")
         (out,) = out_shapes
         (r,) = ctx.row_axes(out)
-        invals = [PerSequence(spread(x.value, grid_shape(ctx, out, r), (r, r + 1)), r)
-                  if is_rowless else x for x, is_rowless in zip(invals, rowless)]
+        invals = [spread(x, grid_shape(ctx, out, r), (r, r + 1)) if is_rowless else x
+                  for x, is_rowless in zip(invals, rowless)]
+        in_axes = [r + 1 if is_rowless else a for a, is_rowless in zip(in_axes, rowless)]
     out_axes = []
     for s in out_shapes:
         rows = ctx.row_axes(s)
         if len(rows) != 1:
             raise NoRule(f"{name} of a per-sequence value "
                           f"{'combines the sequences' if not rows else 'pairs the sequences'}")
-        out_axes.append(rows[0] + 1)
-    in_axes = [x.axis + 1 if isinstance(x, PerSequence) else None for x in invals]
+        out_axes.append(rows[0])
     run = jax.vmap(lambda *xs: tuple(bind_eqn(eqn, list(xs))), in_axes=in_axes,
-                   out_axes=tuple(out_axes))
-    outs = run(*[x.value if isinstance(x, PerSequence) else x for x in invals])
-    return [PerSequence(o, a - 1) for o, a in zip(outs, out_axes)]
+                   out_axes=tuple(a + 1 for a in out_axes))
+    return ctx.held_per_sequence(list(run(*invals)), out_axes)
 
 
-def to_cells(ctx, x: PerSequence, shape, out):
-    """A per-sequence operand of an elementwise equation along a packed length (``h[:, None]
-    + x`` after jnp's ``(B, 1, H)`` broadcast, ``x / x.shape[1]``): each cell reads its own
-    sequence's entry, as a value of the output's ``shape``."""
+def to_cells(ctx, x, axis: int | None, shape, out):
+    """An operand held per sequence (its rows axis ``axis``) of an elementwise equation along
+    a packed length (``h[:, None] + x`` after jnp's ``(B, 1, H)`` broadcast, ``x /
+    x.shape[1]``): each cell reads its own sequence's entry, as a value of the output's
+    ``shape``."""
     frame = ctx.one_frame(out)
     if frame is None:
         raise NoRule(f"a per-sequence value meets a value of shape {tuple(out)}")
     r, p = frame
-    if x.axis is None:
+    if axis is None:
         if shape != ():
             raise NoRule("a per-sequence number of more than one entry meets a packed length")
-        return spread(lax.slice_in_dim(x.value, 0, out[p], axis=1), out, (r, p))
-    if len(shape) != len(out) or x.axis != r or is_sym(shape[p]) or shape[p] != 1:
+        return spread(lax.slice_in_dim(x, 0, out[p], axis=1), out, (r, p))
+    if len(shape) != len(out) or axis != r or is_sym(shape[p]) or shape[p] != 1:
         raise NoRule(f"a per-sequence value of shape {tuple(shape)} meets a value of shape "
                       f"{tuple(out)}")
-    v = lax.squeeze(x.value, (p + (p > r),))            # its unit axis gives way to the columns
+    v = lax.squeeze(x, (p + (p > r),))                  # its unit axis gives way to the columns
     labels = [a for a in range(len(shape)) if a != p]
     labels.insert(labels.index(r) + 1, "columns")
     v = lax.slice_in_dim(v, 0, out[p], axis=labels.index("columns"))

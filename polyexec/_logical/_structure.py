@@ -23,12 +23,12 @@ import numpy as np
 from jax import lax
 
 from .._jax_internals import definitely_equal, definitely_equal_shape, var_dim
-from ._basics import (acts_along_params, bind_eqn, filled, iota_along, is_empty, is_sym,
-                      operand_avals, same_dim)
+from ._basics import (PLAIN, acts_along_params, bind_eqn, filled, iota_along, is_empty,
+                      is_sym, operand_avals, same_dim)
 from ._core import place_window, take_clamped, take_rows
 from ._registry import ELEMENTWISE, PAD_AND_PACK, NoRule, deffacts, defrule, padded_rule
 from ._packed import PackedCtx, along, by_position, onto_cells, reverse_each
-from ._sequences import PerSequence, grid_shape, held, refused, spread, to_cells
+from ._sequences import grid_shape, held, per_sequence, refused, spread, to_cells
 
 
 def _rev_moves(eqn):
@@ -461,8 +461,8 @@ def _iota_along_packed(ctx: PackedCtx, eqn, invals):
             raise NoRule("iota along the rows of a value with two packed lengths")
         if not packed:
             index = ctx.sequence_index(ctx.pos.shape[1]).astype(eqn.params["dtype"])
-            return [PerSequence(spread(index, grid_shape(ctx, shape, dim), (dim, dim + 1)),
-                                dim)]
+            return ctx.held_per_sequence(
+                [spread(index, grid_shape(ctx, shape, dim), (dim, dim + 1))], [dim])
         (p,) = packed
         index = ctx.sequence_index(shape[p]).astype(eqn.params["dtype"])
         return [spread(index, shape, (dim, p))]
@@ -497,7 +497,8 @@ def _slice_packed(ctx: PackedCtx, eqn, invals):
             # each sequence from its own k (n - 1), a per-sequence value.
             offset = (jnp.full(jnp.shape(ctx.seglen), start, np.int32) if not is_sym(start)
                       else ctx.at_lengths(start, ctx.seglen, as_value=True))
-            return [_per_sequence_part(ctx, x, shape, rows[0], a, offset, int(out[a]))]
+            return ctx.held_per_sequence(
+                [_per_sequence_part(ctx, x, shape, rows[0], a, offset, int(out[a]))], rows)
         elif is_sym(start) or stride != 1 or not is_sym(out[a]):
             # x[:, T//2:], x[:, ::2]: where each sequence's part starts or ends.
             raise NoRule("a slice of a packed length that does not keep each sequence's "
@@ -554,19 +555,20 @@ def _concatenate_packed(ctx: PackedCtx, eqn, invals):
     out = tuple(eqn.outvars[0].aval.shape)
     # Pieces of no entry along the axis add nothing (``jnp.pad``'s edge mode joins the rows
     # with two empty pieces).
-    kept = [(x, s) for x, s in zip(invals, shapes) if is_sym(s[a]) or s[a] != 0]
+    kept = [i for i, s in enumerate(shapes) if is_sym(s[a]) or s[a] != 0]
     if len(kept) == 1 and len(invals) > 1:
-        return [kept[0][0]]
+        ctx.results = [ctx.operands[kept[0]]]         # that piece, in its form
+        return [invals[kept[0]]]
     if a not in ctx.packed_axes(out):
         if any(is_sym(s[a]) for s in shapes):
             raise NoRule("concatenate along the rows of packed rows")
         return None     # along another axis: per position (a per-sequence value: per column)
-    return [_joined_per_sequence(ctx, invals, shapes, out, a)]
+    return [_joined_per_sequence(ctx, invals, shapes, ctx.operands, out, a)]
 
 
-def _joined_per_sequence(ctx: PackedCtx, invals, shapes, out, a: int):
-    """The pieces ``invals`` (logical ``shapes``) joined along the packed axis ``a`` of
-    ``out`` (`_concatenate_packed`)."""
+def _joined_per_sequence(ctx: PackedCtx, invals, shapes, known, out, a: int):
+    """The pieces ``invals`` (logical ``shapes``, annotated ``known``) joined along the
+    packed axis ``a`` of ``out`` (`_concatenate_packed`)."""
     frame = ctx.one_frame(out)
     if frame is None:
         raise NoRule("concatenate along a packed length of a value without one rows axis")
@@ -574,7 +576,7 @@ def _joined_per_sequence(ctx: PackedCtx, invals, shapes, out, a: int):
     pos, seglen = ctx.cells(out[a])
     column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
     result, offset = None, jnp.zeros_like(pos)
-    for x, shape in zip(invals, shapes):
+    for x, shape, k in zip(invals, shapes, known):
         if a in ctx.packed_axes(shape):
             # Padded to the output's length first: column ``c - offset`` is then always there.
             grow = out[a] - shape[a]
@@ -585,14 +587,14 @@ def _joined_per_sequence(ctx: PackedCtx, invals, shapes, out, a: int):
                                         along(column - offset, len(out), r, a), axis=a,
                                         mode="clip")
         else:
-            held_x = held(ctx, x, shape).value
+            held_x, _ = held(ctx, x, shape, k)
             held_x = lax.slice_in_dim(held_x, 0, out[a], axis=r + 1)
             index = jnp.clip(pos - offset, 0, shape[a] - 1)
             at = a + (a > r)
             index = jnp.expand_dims(index, [i for i in range(held_x.ndim) if i not in (r, r + 1)])
             taken = jnp.take_along_axis(held_x, index, axis=at, mode="clip")
             unit = tuple(1 if i == a else d for i, d in enumerate(shape))
-            piece = to_cells(ctx, PerSequence(taken, r), unit, out)
+            piece = to_cells(ctx, taken, r, unit, out)
         mask = along(pos >= offset, len(out), r, a)
         result = piece if result is None else jnp.where(mask, piece, result)
         offset = offset + (ctx.at_lengths(shape[a], seglen) if is_sym(shape[a]) else shape[a])
@@ -609,26 +611,29 @@ def _concatenate_cells(ctx: PackedCtx, eqn, invals):
     shapes = [tuple(v.aval.shape) for v in eqn.invars]
     out = tuple(eqn.outvars[0].aval.shape)
     if ctx.row_axes(out) or a not in ctx.packed_axes(out) or any(
-            isinstance(x, PerSequence) for x in invals):
+            k.per_sequence for k in ctx.operands):
         raise NoRule("concatenate of a per-cell value along no packed length, or with rows")
     rows = var_dim(ctx.rows_name, out[a].scope)
-    pieces = [onto_cells(ctx, x, s, s, k.per_cell)
-              for x, s, k in zip(invals, shapes, ctx.operands)]
+    pieces = [onto_cells(ctx, x, s, s, k) for x, s, k in zip(invals, shapes, ctx.operands)]
     pieces = [jnp.broadcast_to(v, (ctx.pos.shape[0], *s)) for v, s in zip(pieces, shapes)]
     return ctx.held_per_cell([_joined_per_sequence(ctx, pieces, [(rows, *s) for s in shapes],
-                                                   (rows, *out), a + 1)])
+                                                   [PLAIN] * len(pieces), (rows, *out),
+                                                   a + 1)])
 
 
 @defrule("split", layout=("pack", "per_sequence"))
 def _split_packed(ctx: PackedCtx, eqn, invals):
     """Along a packed length (a concatenate's transpose), each sequence's parts at its own
     offsets: a part of a packed length holds position ``q`` at column ``start + q``, one of a
-    constant length is per sequence (`PerSequence`, held at every cell of its sequence)."""
+    constant length is per sequence (`Known.per_sequence`, held at every cell of it)."""
     (x,) = invals
     a, sizes = eqn.params["axis"], eqn.params["sizes"]
     shape = tuple(eqn.invars[0].aval.shape)
     if sum(is_sym(size) or size != 0 for size in sizes) == 1:
-        # One part and empty ones (the transpose of `_concatenate_packed`'s empty pieces): the value.
+        # One part and empty ones (the transpose of `_concatenate_packed`'s empty pieces): the
+        # value, in its form.
+        ctx.results = [ctx.operands[0] if is_sym(size) or size != 0 else None
+                       for size in sizes]
         return [x if is_sym(size) or size != 0 else filled(v.aval.shape, 0, v.aval.dtype)
                 for size, v in zip(sizes, eqn.outvars)]
     if a not in ctx.packed_axes(shape):
@@ -642,7 +647,7 @@ def _split_packed(ctx: PackedCtx, eqn, invals):
     # The operand with its rows and packed axes first; parts are cut from it by cell.
     moved = jnp.moveaxis(x, (r, a), (0, 1))
     # Per cell: where its sequence's next part starts (the sizes of the parts before it).
-    parts, offset = [], jnp.zeros_like(ctx.seglen)
+    parts, offset, known = [], jnp.zeros_like(ctx.seglen), []
     for size in sizes:
         if is_sym(size):
             pos, _ = ctx.cells(size)
@@ -651,16 +656,19 @@ def _split_packed(ctx: PackedCtx, eqn, invals):
                                     list(range(2, moved.ndim)))
             part = jnp.take_along_axis(moved, index, axis=1, mode="clip")
             parts.append(jnp.moveaxis(part, (0, 1), (r, a)))
+            known.append(None)
         else:
             parts.append(_per_sequence_part(ctx, x, shape, r, a, offset, size))
+            known.append(per_sequence(r))
         offset = offset + (ctx.at_lengths(size, ctx.seglen) if is_sym(size) else size)
+    ctx.results = known
     return parts
 
 
 def _per_sequence_part(ctx: PackedCtx, x, shape, r: int, a: int, offset, size: int):
     """Positions ``offset .. offset + size`` of each sequence (``offset``: per cell of the
-    grid) along the packed axis ``a`` of ``x`` (logical ``shape``, rows axis ``r``): a
-    `PerSequence` of ``shape`` with ``size`` along ``a`` -- a constant-size part of a split,
+    grid) along the packed axis ``a`` of ``x`` (logical ``shape``, rows axis ``r``), held
+    per sequence, of ``shape`` with ``size`` along ``a`` -- a constant-size part of a split,
     ``x[:, k:k + m]``. Past the sequence's part of the axis (``x[:, 1:-1]`` of one token, or
     of an axis of ``T + 2`` past position n + 1): zeros, never the next sequence's cells."""
     moved = jnp.moveaxis(x, (r, a), (0, 1))
@@ -678,7 +686,7 @@ def _per_sequence_part(ctx: PackedCtx, x, shape, r: int, a: int, offset, size: i
     labels = ["r", "columns", "a", *rest]
     order = [i if i not in (r, a) else ("r" if i == r else "a") for i in range(len(shape))]
     order.insert(order.index("r") + 1, "columns")
-    return PerSequence(jnp.transpose(taken, [labels.index(k) for k in order]), r)
+    return jnp.transpose(taken, [labels.index(k) for k in order])
 
 
 @defrule("pad", layout="per_sequence")
@@ -692,16 +700,17 @@ def _pad_per_sequence(ctx: PackedCtx, eqn, invals):
     packed = ctx.packed_axes(out)
     config = eqn.params["padding_config"]
     along = [a for a in packed if tuple(config[a]) != (0, 0, 0)]
-    if not isinstance(x, PerSequence) or isinstance(fill, PerSequence) or not along:
+    x_known, fill_known = ctx.operands
+    if not x_known.per_sequence or fill_known.per_sequence or not along:
         return None
     (a,) = along
     lo, hi, interior = config[a]
-    if (len(packed) != 1 or is_sym(shape[a]) or interior or x.axis is None
+    if (len(packed) != 1 or is_sym(shape[a]) or interior or x_known.sequence_axis is None
             or any(tuple(c) != (0, 0, 0) for b, c in enumerate(config) if b != a)
             or any(not is_sym(v) and v < 0 for v in (lo, hi))):
         raise NoRule("pad of a per-sequence value into a packed length with other amounts "
                      "than one run of fill before and after it")
-    pieces, shapes = [], []
+    pieces, shapes, known = [], [], []
     for value, length in ((None, lo), (x, shape[a]), (None, hi)):
         piece_shape = tuple(length if b == a else d for b, d in enumerate(shape))
         if not is_sym(length) and length == 0:
@@ -709,40 +718,41 @@ def _pad_per_sequence(ctx: PackedCtx, eqn, invals):
         pieces.append(filled(piece_shape, fill, eqn.outvars[0].aval.dtype) if value is None
                       else value)
         shapes.append(piece_shape)
-    return [_joined_per_sequence(ctx, pieces, shapes, out, a)]
+        known.append(PLAIN if value is None else x_known)
+    return [_joined_per_sequence(ctx, pieces, shapes, known, out, a)]
 
 
-# Per-sequence values of packed rows (``layout="per_sequence"``, `_sequences.PerSequence`).
+# Per-sequence values of packed rows (``layout="per_sequence"``, `_basics.Known.per_sequence`).
 
 
 @defrule("broadcast_in_dim", layout="per_sequence")
 def _broadcast(ctx, eqn, invals):
     """A per-sequence value broadcast onto rows (a number per sequence) or along a packed
     length (``h[:, None, :]`` to ``(B, T, H)``): each cell its own sequence's entry."""
-    (x,) = invals[:1]
+    (x,), (known,) = invals[:1], ctx.operands[:1]
     shape, dims = tuple(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
     rows, packed = ctx.row_axes(shape), ctx.packed_axes(shape)
-    if not isinstance(x, PerSequence) or not (packed or (rows and x.axis is None)):
+    a = known.sequence_axis
+    if not known.per_sequence or not (packed or (rows and a is None)):
         return None
-    if len(packed) == 1 and packed[0] in dims and x.axis is not None:
+    if len(packed) == 1 and packed[0] in dims and a is not None:
         k = dims.index(packed[0])
         if not is_sym(eqn.invars[0].aval.shape[k]) and eqn.invars[0].aval.shape[k] == 1:
             # A unit axis stretched along the length (a ``(B, 1, F)`` mask onto ``(B, T, F)``,
             # dropout shared along T): as if it were not there.
-            x = PerSequence(lax.squeeze(x.value, (k + (k > x.axis),)), x.axis - (k < x.axis))
+            x, a = lax.squeeze(x, (k + (k > a),)), a - (k < a)
             dims = dims[:k] + dims[k + 1:]
     if len(rows) != 1 or len(packed) > 1 or (packed and packed[0] in dims):
         raise NoRule(f"a per-sequence value broadcast to shape {shape}")
     (r,) = rows
-    if x.axis is None:
+    if a is None:
         if not packed:
             targets = (r, r + 1, *(d + (d > r) for d in dims))
-            return [PerSequence(spread(x.value, grid_shape(ctx, shape, r), targets), r)]
-        targets, v = (r, packed[0], *dims), lax.slice_in_dim(x.value, 0, shape[packed[0]], axis=1)
+            return ctx.held_per_sequence([spread(x, grid_shape(ctx, shape, r), targets)], [r])
+        targets, v = (r, packed[0], *dims), lax.slice_in_dim(x, 0, shape[packed[0]], axis=1)
         return [spread(v, shape, targets)]
     (p,) = packed
-    a = x.axis
-    v = lax.slice_in_dim(x.value, 0, shape[p], axis=a + 1)
+    v = lax.slice_in_dim(x, 0, shape[p], axis=a + 1)
     return [spread(v, shape, (*dims[:a + 1], p, *dims[a + 1:]))]
 
 
