@@ -16,7 +16,7 @@ from jax import lax
 from ._basics import (bind_eqn, bind_eqn_with, has_sym, highest_value, iota_along, is_sym,
                       lowest_value)
 from ._core import fill_tail, place_window, take_clamped, windowed
-from ._registry import NoRule, PAD_AND_PACK, defrule, padded_rule
+from ._registry import NoRule, PAD_AND_PACK, deffacts, defrule, padded_rule
 from ._families import WINDOWS
 from ._packed import PackedCtx, by_position, segments, shifted_within
 from ._sequences import by_cell, first_only, held, refused, shapes_of
@@ -52,6 +52,15 @@ def _dot_general(ctx, eqn, invals):
     rhs = fill_tail(ctx, rhs, [b for _, b in pairs], 0, known=ctx.operands[1],
                      shared=_holds_rows(ctx, lhs.shape, [lhs.shape[a] for a, _ in pairs]) or None)
     return bind_eqn_with(eqn, [lhs, rhs])
+
+
+def _contracts_rows(eqn, row_axes) -> bool:
+    """A weight's gradient ``x.T @ g``: the rows of the left operand contracted."""
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    return any(a in row_axes(eqn.invars[0].aval.shape) for a in lc)
+
+
+deffacts("dot_general", sums_rows=_contracts_rows)
 
 
 def _holds_rows(ctx, shape, lengths) -> bool:

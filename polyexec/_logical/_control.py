@@ -529,15 +529,10 @@ def _accumulates(jaxpr, invar: int, outvar: int, ctx: PackedCtx) -> bool:
         e = made.get(other)
         if e is None:
             return False
-        name = e.primitive.name
-        if name == "reduce_sum" and any(a in ctx.row_axes(e.invars[0].aval.shape)
-                                        for a in e.params["axes"]):
+        entry = lookup_rule(e.primitive)
+        if entry is not None and entry.sums_rows is not None and entry.sums_rows(
+                e, ctx.row_axes):
             return True
-        if name == "dot_general":
-            (lc, rc), _ = e.params["dimension_numbers"]
-            return any(a in ctx.row_axes(e.invars[0].aval.shape) for a in lc)
-        if name == "scatter-add":     # an embedding's gradient: rows added into the table
-            return bool(ctx.row_axes(e.invars[2].aval.shape))
         called = _called(e)
         if called is not None:
             # Inside a call (``jax.checkpoint`` of the step: the backward scan adds the
@@ -545,7 +540,6 @@ def _accumulates(jaxpr, invar: int, outvar: int, ctx: PackedCtx) -> bool:
             made = {v: inner for inner in called.eqns for v in inner.outvars}
             other = called.outvars[e.outvars.index(other)]
             continue
-        entry = lookup_rule(e.primitive)
         if entry is None or not entry.carries:
             return False
         other = e.invars[0]

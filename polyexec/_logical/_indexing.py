@@ -505,6 +505,8 @@ def _scatter(ctx, eqn, invals):
 
 deffacts("gather", row_varying=_held_index(_per_row_position))
 deffacts(*SCATTERS, row_varying=_held_index(_per_row_put))
+# An embedding's gradient: rows of updates added into the table.
+deffacts("scatter-add", sums_rows=lambda eqn, row_axes: bool(row_axes(eqn.invars[2].aval.shape)))
 
 # --------------------------------------------------------------------------------------------
 # Packed rows (``layout="pack"``, its per-cell and per-sequence values): the same primitives'

@@ -65,7 +65,8 @@ def _cumulative(ctx, eqn, invals):
 
 
 # Linear, and a carry summed over a scan's steps passes through it (`_control`).
-deffacts("reduce_sum", linear=True, carries=True)
+deffacts("reduce_sum", linear=True, carries=True, sums_rows=lambda eqn, row_axes: any(
+    a in row_axes(eqn.invars[0].aval.shape) for a in eqn.params["axes"]))
 
 
 # --------------------------------------------------------------------------------------------

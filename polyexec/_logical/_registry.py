@@ -81,6 +81,11 @@ class Entry:
     # A scan's carry passes through it unchanged in kind, one value in, one out (`_control`'s
     # test that a carry accumulates).
     carries: bool = False
+    # ``(eqn, row_axes) -> bool``: whether it adds entries up across a rows axis (``row_axes``
+    # gives a shape's): a sum over the rows, a weight's gradient ``x.T @ g``, an embedding's
+    # rows added into its table. A scan carry that grows by one is order-free over packed
+    # rows (`_control`'s test that a carry accumulates).
+    sums_rows: Callable | None = None
 
 
 # Keyed by primitive name (polyexec's rules, and the user's given a name) or by the primitive
@@ -160,14 +165,14 @@ def _facts(**given) -> dict:
 
 def deffacts(*names: str, row_varying: Callable | None = None, fold: Callable | None = None,
              linear: bool = False, positional: bool = False, carries: bool = False,
-             zeroed_through: Callable | None = None) -> None:
+             zeroed_through: Callable | None = None, sums_rows: Callable | None = None) -> None:
     """State facts of primitives whose padded rule is already registered (a family registered
     in one `defrule` call, each with facts of its own), in the module that registered it:
     ``deffacts("add", "sub", linear=True)``; or facts written after the rule (a rule for a
-    per-row operand that the padded rule's module defines below it); ``zeroed_through`` only
-    here (the elementwise family's). Stating a fact twice is a bug, refused."""
+    per-row operand that the padded rule's module defines below it); ``zeroed_through`` and
+    ``sums_rows`` only here. Stating a fact twice is a bug, refused."""
     facts = _facts(row_varying=row_varying, fold=fold, linear=linear, positional=positional,
-                   carries=carries, zeroed_through=zeroed_through)
+                   carries=carries, zeroed_through=zeroed_through, sums_rows=sums_rows)
     with _REGISTRY_LOCK:
         for name in names:
             entry = _REGISTRY.get(name)
