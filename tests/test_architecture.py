@@ -407,6 +407,30 @@ def test_no_module_of_polyexec_is_over_1200_lines():
     assert not long, long
 
 
+def isinstance_of_own_classes(sources: dict[str, str]) -> list[str]:
+    """``isinstance`` tests of a class defined in ``sources`` (file name -> text)."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    own = {node.name for tree in trees.values() for node in ast.walk(tree)
+           if isinstance(node, ast.ClassDef)}
+    return [f"{name}:{node.lineno}: {ast.unparse(node)}" for name, tree in trees.items()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+            and {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & own]
+
+
+def test_rules_tell_a_values_form_by_its_annotation_not_its_class():
+    """As JAX's batching hands a rule its operands' batch dimensions by position, the
+    interpreter hands a rule its operands' annotations (`Known`: per row, per sequence, per
+    cell, not packed); a value held in a layout's own form is a plain array so annotated,
+    never a wrapper object told apart with ``isinstance`` (two equations may hand back the
+    very same object). Every ``isinstance`` of `_logical` tests JAX's, NumPy's or Python's
+    own types."""
+    sources = {p.name: p.read_text() for p in sorted((PACKAGE / "_logical").glob("*.py"))}
+    assert isinstance_of_own_classes({"wrapped.py": "class Held: pass\n"
+                                                    "isinstance(x, (int, Held))\n"})
+    assert not isinstance_of_own_classes(sources)
+
+
 # An entry's facts (its layout slots and bookkeeping aside).
 FACTS = {f.name for f in dataclasses.fields(Entry)} - {
     "rule", "packed", "per_sequence", "per_cell", "structural", "origin"}

@@ -901,7 +901,8 @@ def _evaluate(ctx: Ctx, eqn, invals) -> list:
         except Exception as e:  # noqa: BLE001 - a rule JAX cannot trace is a verdict, not a crash
             return ctx.refused(eqn, invals, f"the {name} rule failed: {type(e).__name__}: "
                                             f"{str(e).splitlines()[0][:200] if str(e) else ''}")
-    if out is None:                     # the rule found nothing to change
+    if out is None:                     # the rule found nothing to change: plain outputs
+        ctx.results = None
         return bind_eqn(eqn, invals)
     if held is not None or entry is None or not entry.structural:
         ctx.recorder.rewritten.add(id(eqn))
