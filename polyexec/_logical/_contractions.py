@@ -257,8 +257,8 @@ def _along_each_sequence(ctx: PackedCtx, eqn, lhs, rhs):
     (cells,) = bind_eqn_with(eqn, [ctx.frame_only(lhs, 0), ctx.frame_only(rhs, 0)],
                           dimension_numbers=numbers)
     # cells: (rows, other batch axes..., length, free axes...): each sequence's own sum.
-    grid = segments(ctx, cells, 0, len(lb), "add", 0)
-    return ctx.held_per_sequence([by_cell(grid, lb.index(lr[0]))], [lb.index(lr[0])])
+    grid, r_out = segments(ctx, cells, 0, len(lb), "add", 0), lb.index(lr[0])
+    return ctx.held_per_sequence([by_cell(grid, r_out)], [r_out])
 
 
 def _pairing(ctx: PackedCtx, eqn, lhs, rhs):
