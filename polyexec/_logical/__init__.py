@@ -31,9 +31,9 @@ layout. Each variable's value has one annotation beside it (`_basics.Known`: the
 zeroed, whether it is made from lengths alone, or from positions alone), which the step hands
 a rule by position (``ctx.operands[i]``, as JAX's batching hands a rule its operands' ``dims``)
 and a rule may state for its outputs (``ctx.results``: a call's, from its program); nothing is
-looked up by the value's identity. A value held per row of ragged rows or per cell of packed
-rows, or not packed at all, is so annotated; one held per sequence of packed rows is a wrapper
-the rules see in the value's place. The step
+looked up by the value's identity. A value held in a layout's own form -- per row of ragged
+rows, per sequence or per cell of packed rows -- is a plain array so annotated, and one that
+cannot be packed is None so annotated: no wrapper object stands in a value's place. The step
 asks the layout, which is the evaluation context (`_core.Ctx` for padded and ragged rows,
 `_packed.PackedCtx` for packed ones), what differs: how it evaluates a held value, what it
 refuses whatever the rule, its rule for a primitive, and what a refused equation gives.
