@@ -770,16 +770,18 @@ def test_quick_token_budget(tmp_path):
     assert "cut per strategy" in doc["workload"]["note"]
 
 
-def test_same_rows_runs_both_packed_programs_on_the_same_examples(tmp_path):
-    """``python -m bench.same_rows``: polyexec's packed step and the peer's, at the peer's
-    first batch, give the same loss from the same weights (it exits 1 otherwise), and each is
-    timed once a round."""
+@pytest.mark.parametrize("part", ["step", "gradient"])
+def test_same_rows_runs_both_packed_programs_on_the_same_examples(tmp_path, part):
+    """``python -m bench.same_rows``: polyexec's packed step (or value_and_grad of its loss)
+    and the peer's, at the peer's first batch, give the same loss from the same weights (it
+    exits 1 otherwise), and each is timed once a round."""
     pytest.importorskip("grain")
     from bench import same_rows
     out = tmp_path / "same.json"
     assert same_rows.main(["--hidden", "16", "--embed", "16", "--cap", "64", "--rows", "4",
-                           "--rounds", "2", "--json", str(out)]) == 0
+                           "--rounds", "2", "--part", part, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["part"] == part
     assert doc["losses"]["polyexec"] == pytest.approx(doc["losses"]["peer"], rel=1e-4)
     assert all(len(doc[name]["seconds"]) == 2 and doc[name]["fastest_s"] > 0
                for name in ("polyexec", "peer"))
