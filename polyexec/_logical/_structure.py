@@ -557,7 +557,8 @@ def _concatenate_packed(ctx: PackedCtx, eqn, invals):
     # with two empty pieces).
     kept = [i for i, s in enumerate(shapes) if is_sym(s[a]) or s[a] != 0]
     if len(kept) == 1 and len(invals) > 1:
-        ctx.results = [ctx.operands[kept[0]]]         # that piece, in its form
+        piece = ctx.operands[kept[0]]
+        ctx.results = [piece if piece.per_sequence else None]     # held as that piece is
         return [invals[kept[0]]]
     if a not in ctx.packed_axes(out):
         if any(is_sym(s[a]) for s in shapes):
@@ -631,9 +632,9 @@ def _split_packed(ctx: PackedCtx, eqn, invals):
     shape = tuple(eqn.invars[0].aval.shape)
     if sum(is_sym(size) or size != 0 for size in sizes) == 1:
         # One part and empty ones (the transpose of `_concatenate_packed`'s empty pieces): the
-        # value, in its form.
-        ctx.results = [ctx.operands[0] if is_sym(size) or size != 0 else None
-                       for size in sizes]
+        # value, held as it is.
+        held_as = ctx.operands[0] if ctx.operands[0].per_sequence else None
+        ctx.results = [held_as if is_sym(size) or size != 0 else None for size in sizes]
         return [x if is_sym(size) or size != 0 else filled(v.aval.shape, 0, v.aval.dtype)
                 for size, v in zip(sizes, eqn.outvars)]
     if a not in ctx.packed_axes(shape):
