@@ -302,9 +302,10 @@ class _Pack(Layout):
         return plan.segments[0].program(self.name).exported
 
     def stats_key(self, segment, bucket):
-        """``(("rows(B)", R), ("row_length(T)", L))``."""
-        ((var, (_, rows_var)),) = segment.convention.rows_at.items()
-        return ((f"rows({rows_var})", bucket[rows_var]), (f"row_length({var})", bucket[var]))
+        """``(("rows(B)", R), ("row_length(T)", L))`` (a row length per packed variable)."""
+        names, rows_var = packed_variables(segment)
+        return ((f"rows({rows_var})", bucket[rows_var]),
+                *((f"row_length({var})", bucket[var]) for var in names))
 
     def program(self, plan, segment, bucket, counter):
         packed = segment.program(self.name).exported
@@ -333,30 +334,49 @@ class _Pack(Layout):
         ``layout="auto"`` prices a call by its cells alone and may run it padded. A least
         bucket (`Bucketed.call_at_least`) changes nothing: a packed call's rows are its own."""
         segment = plan.segments[0]
-        ((var, (at, rows_var)),) = segment.convention.rows_at.items()
-        poly_at = at - segment.convention.count("array")
-        lengths = np.asarray(call.poly[poly_at]).astype(np.int64).reshape(-1)
-        packing, n_rows = self.packing(plan, lengths, sizer)
-        grid = _Grid(lengths, packing, n_rows, var, rows_var, segment.program(self.name))
-        return _Packed(self, call, grid, sizer.bucket_for, plan)
-
-    def packing(self, plan: Plan, lengths: np.ndarray, sizer) -> tuple[Any, int]:
-        """``(buckets.Packing, rows)``: where sequences of ``lengths`` go in the grid `place`
-        builds, from their lengths alone (`polyexec.training` reads which rows each process
-        holds from it before loading the examples). Each sequence takes the cells the program
-        says (`Program.cells`: the room after it, a cell for an empty one) in rows of the
-        row length (T's bucket) and the room: the last sequence of a row may keep its room
-        past the row's T columns, so the Packing's ``row_length`` is ``T + room``, the width
-        of the layout inputs."""
-        segment = plan.segments[0]
-        ((var, (_, rows_var)),) = segment.convention.rows_at.items()
+        names, rows_var = packed_variables(segment)
+        count = segment.convention.count("array")
+        lengths = {var: np.asarray(call.poly[at - count]).astype(np.int64).reshape(-1)
+                   for var, (at, _) in segment.convention.rows_at.items()}
+        packings, n_rows = self.packing(plan, lengths, sizer)
         program = segment.program(self.name)
-        cells = program.cells(lengths)
-        row_length = sizer.bucket_for(var, max(int(lengths.max(initial=0)), 1), plan)
-        width = row_length + program.room
-        first = _buckets.first_fit(cells, width)
-        n_rows = self.packed_rows(plan, rows_var, row_length, first.rows, sizer)
-        return _buckets.balanced_fit(cells, width, n_rows, first=first), n_rows
+        grids = {var: _Grid(lengths[var], packings[var], n_rows, var, rows_var, program)
+                 for var in names}
+        return _Packed(self, call, grids, sizer.bucket_for, plan)
+
+    def packing(self, plan: Plan, lengths: Any, sizer) -> tuple[dict[str, Any], int]:
+        """``({variable: buckets.Packing}, rows)``: where sequences of ``lengths`` (an array,
+        or one per packed variable) go in the grids `place` builds, from their lengths alone
+        (`polyexec.training` reads which rows each process holds from it before loading the
+        examples). Each sequence takes the cells the program says (`Program.cells`: the room
+        after it, a cell for an empty one) in rows of the row length (its variable's bucket)
+        and the room: the last sequence of a row may keep its room past the row's T columns,
+        so a Packing's ``row_length`` is ``T + room``, the width of the layout inputs.
+
+        Several packed variables (an encoder-decoder's S and T): an example's sequences go
+        into the same row of every variable's grid, first-fit by all of them at once
+        (`joint_first_fit`), so a cross term (``(B, T, S)`` scores) pairs only the cells of
+        one example."""
+        segment = plan.segments[0]
+        names, rows_var = packed_variables(segment)
+        if not isinstance(lengths, Mapping):
+            lengths = {names[0]: lengths}
+        program = segment.program(self.name)
+        cells = {var: program.cells(np.asarray(lengths[var]), var) for var in names}
+        row_lengths = {var: sizer.bucket_for(var, max(int(np.max(lengths[var], initial=0)), 1),
+                                             plan) for var in names}
+        widths = {var: row_lengths[var] + program.rooms.get(var, program.room)
+                  for var in names}
+        if len(names) == 1:
+            (var,) = names
+            first = _buckets.first_fit(cells[var], widths[var])
+            n_rows = self.packed_rows(plan, rows_var, row_lengths[var], first.rows, sizer)
+            return {var: _buckets.balanced_fit(cells[var], widths[var], n_rows,
+                                               first=first)}, n_rows
+        row, starts, needed = joint_first_fit(cells, widths)
+        n_rows = self.packed_rows(plan, rows_var, row_lengths[names[0]], needed, sizer)
+        return {var: _buckets.Packing(row, starts[var], n_rows, widths[var])
+                for var in names}, n_rows
 
     def packing_of(self, plan: Plan, lengths: Any, sizer, running: "Layout | None"
                    ) -> tuple[np.ndarray, int]:
@@ -368,9 +388,10 @@ class _Pack(Layout):
                               f"rows (layout='pack' and a plan that can pack), received "
                               f"layout={sizer.layout!r}"
                               + ("" if reason is None else f" ({reason})"))
-        lengths = np.asarray(lengths, np.int64).reshape(-1)
-        packing, rows = self.packing(plan, lengths, sizer)
-        return np.asarray(packing.row), rows
+        if not isinstance(lengths, Mapping):
+            lengths = np.asarray(lengths, np.int64).reshape(-1)
+        packings, rows = self.packing(plan, lengths, sizer)
+        return np.asarray(next(iter(packings.values())).row), rows
 
     def packed_rows(self, plan: Plan, rows_var: str, row_length: int, needed: int, sizer
                     ) -> int:
@@ -390,17 +411,22 @@ class _Pack(Layout):
         rows would run (``pack_rows``, else B's bucket); by default every ``pack_rows`` entry,
         or else every B x T bucket."""
         segment = plan.segments[0]
-        ((var, (_, rows_var)),) = segment.convention.rows_at.items()
+        names, rows_var = packed_variables(segment)
+        var, others = names[0], names[1:]
         if sizes is None:
             grids = ([{rows_var: r, var: n} for n, r in sorted(sizer.pack_rows.items())]
                      or [{rows_var: r, var: n} for r in sizer.bucket_sizes(rows_var, plan)
                          for n in sizer.bucket_sizes(var, plan)])
+            for other in others:      # every row length of each other packed variable
+                grids = [{**g, other: n} for g in grids
+                         for n in sizer.bucket_sizes(other, plan)]
         else:
             grids = []
             for d in sizes:
                 n = sizer.bucket_for(var, int(d[var]), plan)
                 grids.append({var: n, rows_var: self.packed_rows(plan, rows_var, n,
-                                                                 int(d[rows_var]), sizer)})
+                                                                 int(d[rows_var]), sizer),
+                              **{o: sizer.bucket_for(o, int(d[o]), plan) for o in others}})
         return [(segment, grid) for grid in grids]
 
     @staticmethod
@@ -417,13 +443,50 @@ class _Pack(Layout):
 PACK = _Pack("pack")
 
 
+def packed_variables(segment: Segment) -> tuple[list[str], str]:
+    """The packed variables of ``segment`` in the order of their layout inputs, and the rows
+    variable they are ragged along (the packed rewrite refuses several)."""
+    rows_at = segment.convention.rows_at
+    return sorted(rows_at), next(iter(rows_at.values()))[1]
+
+
+def joint_first_fit(cells: Mapping[str, np.ndarray], widths: Mapping[str, int]
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+    """``(row, {variable: start}, rows)``: first-fit of examples that take ``cells[v][i]``
+    cells in rows ``widths[v]`` wide of each variable ``v``, an example's parts in the same
+    row of every variable's grid, the biggest examples first (by their largest share of a
+    row); an example of no cells takes none (row 0, start 0).
+
+    >>> row, start, rows = joint_first_fit({"S": np.array([3, 1, 2]), "T": np.array([1, 4, 2])},
+    ...                                    {"S": 4, "T": 5})
+    >>> rows, row.tolist(), start["S"].tolist(), start["T"].tolist()
+    (2, [0, 0, 1], [1, 0, 0], [4, 0, 0])
+    """
+    names = list(cells)
+    need = np.stack([np.asarray(cells[v], np.int64) for v in names], axis=1)
+    width = np.array([widths[v] for v in names], np.int64)
+    order = np.argsort(-(need / width).max(axis=1, initial=0), kind="stable")
+    row = np.zeros(len(need), np.int64)
+    start = np.zeros_like(need)
+    free: list[np.ndarray] = []           # free cells left in each row, per variable
+    for i in order:
+        if not need[i].any():
+            continue
+        r = next((r for r, left in enumerate(free) if (left >= need[i]).all()), len(free))
+        if r == len(free):
+            free.append(width.copy())
+        row[i], start[i] = r, width - free[r]
+        free[r] -= need[i]
+    return row, {v: start[:, k] for k, v in enumerate(names)}, len(free)
+
+
 def _rows_sharding(segment: Segment, in_shardings: Sequence[Any] | None) -> Any:
     """The sharding of the argument that holds the packed rows' lengths (a ``lengths_of``
     input of dims ``"B"``), or None (unsharded)."""
-    rows_at = segment.convention.rows_at
-    if in_shardings is None or len(rows_at) != 1:
+    if in_shardings is None or not segment.convention.rows_at:
         return None
-    ((at, _),) = rows_at.values()
+    names, _ = packed_variables(segment)
+    at, _ = segment.convention.rows_at[names[0]]
     arg = segment.convention.slots[at].arg
     return in_shardings[arg] if arg is not None and arg < len(in_shardings) else None
 
@@ -439,45 +502,74 @@ def row_shards(segment: Segment, in_shardings: Sequence[Any] | None) -> int:
 
 
 class _Packed(Placed):
-    def __init__(self, layout, call, grid: "_Grid", bucket_for, plan):
-        self.layout, self.call, self.grid = layout, call, grid
+    """One call in packed rows: a `_Grid` per packed variable, the same rows in each."""
+
+    def __init__(self, layout, call, grids: Mapping[str, "_Grid"], bucket_for, plan):
+        self.layout, self.call, self.grids = layout, call, dict(grids)
         self._bucket_for, self._plan = bucket_for, plan
-        self.bucket = {grid.rows_var: grid.rows, grid.var: grid.row_length}
-        self.sizes = {**call.sizes, grid.rows_var: len(grid.lengths), grid.var: grid.longest}
+        self.first = self.grids[min(self.grids)]   # per-sequence outputs come back in it
+        rows_var, n = self.first.rows_var, len(self.first.lengths)
+        self.bucket = {rows_var: self.first.rows,
+                       **{var: g.row_length for var, g in self.grids.items()}}
+        self.sizes = {**call.sizes, rows_var: n,
+                      **{var: g.longest for var, g in self.grids.items()}}
         self.real = self.padded = 0
 
     @property
     def cells(self) -> int:
-        return self.grid.rows * self.grid.row_length
+        return sum(g.rows * g.row_length for g in self.grids.values())
 
     def padded_cells(self, plan: Plan, sizer) -> int | float:
-        """The cells of the same call in the pad layout: its (B, T) bucket (infinite when B
-        has no bucket that holds the sequences)."""
-        grid = self.grid
+        """The cells of the same call in the pad layout: its (B, T) bucket, per packed
+        variable (infinite when B has no bucket that holds the sequences)."""
+        first = self.first
         try:
-            rows = sizer.bucket_for(grid.rows_var, max(len(grid.lengths), 1), plan)
+            rows = sizer.bucket_for(first.rows_var, max(len(first.lengths), 1), plan)
         except LengthOverflowError:
             return float("inf")
-        return rows * sizer.bucket_for(grid.var, max(grid.longest, 1), plan)
+        return sum(rows * sizer.bucket_for(var, max(g.longest, 1), plan)
+                   for var, g in self.grids.items())
+
+    def _grid_of(self, spec: Spec) -> "_Grid":
+        """The grid an input of ``spec`` goes to: its packed variable's, that of the lengths
+        it gives, else the first."""
+        named = [var for var in self.grids if var in spec.dims]
+        if len(named) > 1:
+            raise ValueError(f"an input of dims {spec.dims!r} has several packed lengths "
+                             f"({', '.join(named)}): packed rows hold each in its own grid; "
+                             f"run it with layout='pad'")
+        var = named[0] if named else spec.lengths_of if spec.lengths_of in self.grids else None
+        return self.grids[var] if var is not None else self.first
 
     def inputs(self, segment, handed):
-        grid, poly = self.grid, []
+        poly = []
+        row_lengths = {var: g.row_length for var, g in self.grids.items()}
         for arr, (spec, dtype) in zip(self.call.poly, self.call.signature.poly):
-            poly.append(grid.pack(np.asarray(arr), spec, dtype, self._bucket_for, self._plan))
+            grid = self._grid_of(spec)
+            poly.append(grid.pack(np.asarray(arr), spec, dtype, self._bucket_for, self._plan,
+                                  row_lengths))
             if grid.var in spec.dims and grid.rows_var in spec.dims:
-                rest = int(np.prod(poly[-1].shape)) // self.cells
+                rest = int(np.prod(poly[-1].shape)) // (grid.rows * grid.row_length)
                 self.real += int(grid.lengths.sum()) * rest
-                self.padded += self.cells * rest
+                self.padded += grid.rows * grid.row_length * rest
         flat = segment.convention.assemble(arrays=self.call.arrays, poly=poly, sizes=self.sizes)
-        layout = [grid.pos, grid.seglen]
-        if segment.program(self.layout.name).reads_sequence:
-            layout.append(grid.sequence)
+        program = segment.program(self.layout.name)
+        layout = []
+        for var in sorted(self.grids):
+            grid = self.grids[var]
+            layout += [grid.pos, grid.seglen]
+            if program.reads_sequence:
+                layout.append(grid.sequence)
         return list(flat) + layout
 
     def unplace(self, segment, out_tree, outputs, out_specs):
-        """Per-sequence outputs cut back out of their rows (`_Grid.unpack`)."""
-        leaves = [self.grid.unpack(leaf, aval.shape, self.sizes)
-                  for leaf, aval in zip(outputs, segment.jaxpr.out_avals)]
+        """Per-sequence outputs cut back out of their rows (`_Grid.unpack`), each from its
+        variable's grid."""
+        leaves = []
+        for leaf, aval in zip(outputs, segment.jaxpr.out_avals):
+            named = {n for d in aval.shape for n in dim_vars(d)} & set(self.grids)
+            grid = self.grids[named.pop()] if len(named) == 1 else self.first
+            leaves.append(grid.unpack(leaf, aval.shape, self.sizes))
         return jax.tree_util.tree_unflatten(out_tree, leaves)
 
 
@@ -492,9 +584,9 @@ class _Grid:
         # (``pos`` n, n + 1, ...: an axis of T + c holds positions past n there), and a cell
         # for one of length 0 whose per-sequence values the program holds. The rows are
         # ``row_length`` (T's bucket) columns, the layout inputs ``width`` (and the room).
-        self.cells_per_sequence = program.cells(lengths)
+        self.cells_per_sequence = program.cells(lengths, var)
         self.width = packing.row_length
-        self.row_length = packing.row_length - program.room
+        self.row_length = packing.row_length - program.rooms.get(var, program.room)
 
     def _placed(self, counts: np.ndarray) -> tuple[np.ndarray, ...]:
         """``(sequence, position, row, column)`` of the first ``counts[i]`` cells of each
@@ -543,7 +635,8 @@ class _Grid:
     def longest(self) -> int:
         return int(self.lengths.max(initial=0))
 
-    def pack(self, arr: np.ndarray, spec: Spec, dtype, bucket_for, plan) -> np.ndarray:
+    def pack(self, arr: np.ndarray, spec: Spec, dtype, bucket_for, plan,
+             row_lengths: Mapping[str, int]) -> np.ndarray:
         dims = list(spec.dims)
         if self.rows_var in dims and self.var in dims:
             b, t = dims.index(self.rows_var), dims.index(self.var)
@@ -562,7 +655,7 @@ class _Grid:
             out[row, column] = x[seq]
             return np.moveaxis(out, (0, 1), (b, b + 1))
         bucket = {n: bucket_for(n, s, plan) for n, s in zip(dims, arr.shape) if isinstance(n, str)}
-        bucket[self.var] = self.row_length
+        bucket.update(row_lengths)
         return _bind.pad_to(arr.astype(dtype, copy=False),
                             [bucket.get(d, s) if isinstance(d, str) else s
                              for d, s in zip(dims, arr.shape)], spec.pad)

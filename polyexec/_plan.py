@@ -112,11 +112,13 @@ class Program:
 
     def __init__(self, exported: Any = None, *, reason: str | None = None,
                  empty_cells: bool = False, reads_sequence: bool = False, room: int = 0,
+                 rooms: Mapping[str, int] | None = None,
                  build: Callable[[], Any] | None = None):
         self.reason = reason
         self.empty_cells = empty_cells
         self.reads_sequence = reads_sequence
         self.room = room
+        self.rooms = dict(rooms or {})
         self._exported = exported
         self._build = build
         self._lock = threading.Lock()
@@ -129,16 +131,17 @@ class Program:
                     self._exported, self._build = self._build(), None
         return self._exported
 
-    def cells(self, lengths: np.ndarray) -> np.ndarray:
+    def cells(self, lengths: np.ndarray, var: str | None = None) -> np.ndarray:
         """The cells each sequence of ``lengths`` takes in a packed row: its own, the room
-        after it, and one for a sequence of length 0 where per-sequence values are held.
+        after it (``rooms[var]`` where several variables pack), and one for a sequence of
+        length 0 where per-sequence values are held.
 
         >>> Program(room=2).cells(np.array([3, 0])).tolist()
         [5, 2]
         >>> Program(empty_cells=True).cells(np.array([3, 0])).tolist()
         [3, 1]
         """
-        cells = np.asarray(lengths) + self.room
+        cells = np.asarray(lengths) + self.rooms.get(var, self.room)
         return np.maximum(cells, 1) if self.empty_cells else cells
 
     @property

@@ -245,9 +245,11 @@ class Known:
     # a sum over T alone, a ``(B,)`` input), held at every cell of its sequence: the logical
     # value with the grid's columns inserted after its rows axis ``sequence_axis``, or, for
     # a number per sequence without one (``x.shape[1]``; ``sequence_axis`` None), with
-    # leading ``(rows, columns)`` axes (`_sequences`).
+    # leading ``(rows, columns)`` axes (`_sequences`). ``sequence_var``: the packed variable
+    # whose grid holds it (several ragged variables pack each in its own grid, `PackedCtx`).
     per_sequence: bool = False
     sequence_axis: int | None = None
+    sequence_var: str | None = None
     # Ragged rows: a value that differs per row although it has no axis of the rows variable
     # ``per_row`` names (``x.shape[1]`` of a ragged ``(B, T)`` array is each row's length),
     # held with one extra leading axis, the rows; collapsed onto the rows axis as soon as an

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._jax_internals import dim_vars
 from ._basics import filled, is_sym, operand_avals, sub_jaxprs
 from ._basics import PLAIN, Known
 from ._core import eval_closed, fill_tail, take_rows
@@ -399,7 +398,7 @@ def _scan_packed(ctx: PackedCtx, eqn, invals):
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
     length = p["length"]
     has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
-    if ctx.var not in dim_vars(length) or not any(has_rows):
+    if ctx.var_of(length) is None or not any(has_rows):
         if any(k.per_sequence for k in ctx.operands):
             raise NoRule("a scan over another length than the packed one reads a "
                           "per-sequence value")
@@ -478,7 +477,7 @@ def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
     if unread:
         ctx.refuse_per_sequence(eqn, "the final carry of a scan", unread)
     results = ctx.results or [None] * len(eqn.outvars)
-    ctx.results = [per_sequence(held_at[i]) if i in held_at else k
+    ctx.results = [per_sequence(held_at[i], ctx.var) if i in held_at else k
                    for i, k in enumerate(results)]
     return [*final, *ys]
 

@@ -80,7 +80,9 @@ class Logical:
     reads_sequence: bool = False
     # The packed program's cells after each sequence (`_packed.room_of`): its ``pos`` and
     # ``seglen`` are ``(B, T + room)``, and the layout leaves that many cells after each one.
+    # ``rooms``: each packed variable's, where several pack (``room`` is then 0).
     room: int = 0
+    rooms: dict = dataclasses.field(default_factory=dict)
     floors: tuple[RowFloor, ...] = ()       # per ragged variable, the longest floor found
 
 

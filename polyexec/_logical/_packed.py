@@ -104,9 +104,10 @@ runs the pad layout, where the same program is exact.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,18 +126,27 @@ from ._sequences import by_cell, held, per_sequence, spread
 from ._sequences import evaluate as _evaluate_per_sequence
 
 
-class PackedCtx(Ctx):
-    """The evaluation context of a packed program: ``var`` (T) is packed along ``rows`` (B).
-    It implements `_interface.PackedLayout`, what the packed rules may ask."""
+class Grid(NamedTuple):
+    """One packed variable's layout inputs, ``(rows, columns)`` int32 each (see the module),
+    and the room it leaves after each sequence."""
 
-    def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *, var: str,
-                 rows: str, pos, seglen, sequence, room: int = 0, derived=None):
-        super().__init__(sizes, recorder, parent, eqn, {var: (None, rows)}, alive)
-        self.var, self.rows_name, self.pos, self.seglen = var, rows, pos, seglen
-        self.sequence = sequence
-        # The cells after each sequence that belong to it (``pos`` n, n + 1, ...): an axis of
-        # ``T + c`` (c <= room) holds the sequence's positions past n there.
-        self.room = room
+    pos: Any
+    seglen: Any
+    sequence: Any
+    room: int = 0
+
+
+class PackedCtx(Ctx):
+    """The evaluation context of a packed program: each packed variable of ``grids`` (T; an
+    encoder-decoder's S and T) is packed along ``rows`` (B) in its own grid, an example's
+    parts in the same row of every grid. It implements `_interface.PackedLayout`, what the
+    packed rules may ask; ``var`` is the variable of the equation being rewritten (`applying`).
+    """
+
+    def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *,
+                 grids: dict[str, Grid], rows: str, var: str | None, derived=None):
+        super().__init__(sizes, recorder, parent, eqn, {v: (None, rows) for v in grids}, alive)
+        self.grids, self.rows_name, self._var = grids, rows, var
         # What the rules derive from ``pos`` and ``seglen`` alone (a length's cells, its frame,
         # its sequences' start and end columns), made once per trace (`_derive`): every
         # masked contraction, reduction and zeroed tail asks again. Made at each ask, the
@@ -153,10 +163,67 @@ class PackedCtx(Ctx):
         # values there would be constants closed over by another program).
         entry = lookup_rule(eqn.primitive) if eqn is not None else None
         return PackedCtx(self.sizes, self.recorder, self, eqn,
-                          self.alive if alive is None else alive, var=self.var,
-                          rows=self.rows_name, pos=self.pos, seglen=self.seglen,
-                          sequence=self.sequence, room=self.room,
+                          self.alive if alive is None else alive, grids=self.grids,
+                          rows=self.rows_name, var=self._var,
                           derived=self._derived if entry is not None and entry.inline else None)
+
+    # -- the packed variable of the equation at hand ----------------------------------------------
+
+    @property
+    def var(self) -> str:
+        """The packed variable whose grid the current equation's cells lie in: the one its
+        values' lengths name (or its per-sequence operands' grid), else the enclosing one's.
+        `NoRule` where an equation meets several (a rule that needs one grid cannot pick)."""
+        if self._var is None:
+            raise NoRule(f"an equation meets the lengths of several packed variables "
+                         f"({', '.join(sorted(self.grids))}) where it needs one")
+        return self._var
+
+    pos = property(lambda self: self.grids[self.var].pos)
+    seglen = property(lambda self: self.grids[self.var].seglen)
+    sequence = property(lambda self: self.grids[self.var].sequence)
+    room = property(lambda self: self.grids[self.var].room)
+
+    def var_of(self, d) -> str | None:
+        """The packed variable a length is an expression of (None: none); `NoRule` for one of
+        several (``S + T``)."""
+        def work(key):
+            names = [v for v in dim_vars(key[0]) if v in self.grids] if is_sym(key[0]) else []
+            return names
+        names = self._of_shape("var", (d,), work)
+        if len(names) > 1:
+            raise NoRule(f"the length {d} combines several packed variables")
+        return names[0] if names else None
+
+    def _grid_of(self, d) -> Grid:
+        var = self.var_of(d)
+        return self.grids[var] if var is not None else self.grids[self.var]
+
+    @contextlib.contextmanager
+    def applying(self, eqn, invals):
+        outer = self._var
+        if len(self.grids) > 1:
+            self._var = self._equation_var(eqn, outer)
+        try:
+            with super().applying(eqn, invals):
+                yield
+        finally:
+            self._var = outer
+
+    def _equation_var(self, eqn, inherited: str | None) -> str | None:
+        """The one packed variable ``eqn``'s values and per-sequence operands are in
+        (``inherited`` for none, None for several)."""
+        found = self._shape_vars(eqn) | {k.sequence_var for k in self.operands
+                                         if k.per_sequence}
+        return inherited if not found else found.pop() if len(found) == 1 else None
+
+    def _shape_vars(self, eqn) -> set:
+        found = set()
+        for v in (*eqn.invars, *eqn.outvars):
+            shape = tuple(getattr(v.aval, "shape", ()))
+            for a in self.packed_axes(shape):
+                found.update(n for n in dim_vars(shape[a]) if n in self.grids)
+        return found
 
     def _derive(self, key, make):
         """``make()``, once per trace and ``key`` (see ``_derived``): it must read nothing
@@ -192,11 +259,11 @@ class PackedCtx(Ctx):
             return (tuple(i for i, d in enumerate(shape)
                           if is_sym(d) and str(d) == self.rows_name),
                     tuple(i for i, n in enumerate(names)
-                          if self.var in n and self.rows_name not in n))
+                          if not n.isdisjoint(self.grids) and self.rows_name not in n))
         return self._of_shape("axes", shape, work)
 
     def rows_of(self, d) -> str | None:
-        return self.rows_name if self.var in dim_vars(d) else None
+        return None if dim_vars(d).isdisjoint(self.grids) else self.rows_name
 
     # -- lengths --------------------------------------------------------------------------------
 
@@ -210,7 +277,7 @@ class PackedCtx(Ctx):
         if not is_sym(d):
             return int(d)
         names = dim_vars(d)
-        if self.var not in names:
+        if names.isdisjoint(self.grids):
             if self.rows_name in names:
                 if str(d) != self.rows_name:
                     raise NoRule(f"the length {d} counts packed rows")
@@ -255,15 +322,16 @@ class PackedCtx(Ctx):
 
     def cells(self, d):
         """``(pos, seglen)`` of the first ``d`` columns (an axis of packed length ``d``)."""
-        return self._derive(("cells", d), lambda: (lax.slice_in_dim(self.pos, 0, d, axis=1),
-                                                   lax.slice_in_dim(self.seglen, 0, d, axis=1)))
+        grid = self._grid_of(d)
+        return self._derive(("cells", d), lambda: (lax.slice_in_dim(grid.pos, 0, d, axis=1),
+                                                   lax.slice_in_dim(grid.seglen, 0, d, axis=1)))
 
     def sequence_index(self, d):
         """``(rows, d)`` int32 of the first ``d`` columns: each cell's sequence's index in the
         call's batch (the row it has in the pad layout), -1 where no sequence is. The program
         then takes that layout input (`Logical.reads_sequence`)."""
         self.recorder.reads_sequence = True
-        return lax.slice_in_dim(self.sequence, 0, d, axis=1)
+        return lax.slice_in_dim(self._grid_of(d).sequence, 0, d, axis=1)
 
     def in_frame(self, d):
         """``(rows, d)`` bool: the cells inside the frame of an axis of packed length ``d``."""
@@ -286,10 +354,12 @@ class PackedCtx(Ctx):
         """``(rows, columns)`` int32: per cell of a sequence (its real cells, or the one cell a
         sequence of length 0 holds its per-sequence values at) the column where the sequence
         starts; elsewhere the cell's own column."""
+        pos = self.pos
+
         def make():
-            column = lax.broadcasted_iota(np.int32, jnp.shape(self.pos), 1)
-            return jnp.where(self.pos >= 0, column - self.pos, column)
-        return self._derive(("sequence_starts",), make)
+            column = lax.broadcasted_iota(np.int32, jnp.shape(pos), 1)
+            return jnp.where(pos >= 0, column - pos, column)
+        return self._derive(("sequence_starts", self.var), make)
 
     def frame(self, shape):
         """bool ``shape``: the cells of a value with one rows axis and one or two packed
@@ -300,8 +370,14 @@ class PackedCtx(Ctx):
             if len(packed) == 1:
                 return spread(self.in_frame(shape[packed[0]]), shape, (r, packed[0]))
             p, q = packed
-            same = (self.starts(shape[p], -1)[:, :, None]
-                    == self.starts(shape[q], -2)[:, None, :])          # (rows, p, q)
+            if self.var_of(shape[p]) == self.var_of(shape[q]):
+                same = (self.starts(shape[p], -1)[:, :, None]
+                        == self.starts(shape[q], -2)[:, None, :])      # (rows, p, q)
+            else:   # two variables' grids (cross-attention's (B, T, S)): the same example
+                same = (jnp.where(self.in_frame(shape[p]), self.sequence_index(shape[p]),
+                                  -1)[:, :, None]
+                        == jnp.where(self.in_frame(shape[q]), self.sequence_index(shape[q]),
+                                     -2)[:, None, :])
             return spread(same, shape, (r, p, q))
         return self._derive(("frame", tuple(shape)), make)
 
@@ -331,7 +407,8 @@ class PackedCtx(Ctx):
     def at_lengths(self, d, seglen, *, as_value: bool = False):
         """``d`` at each cell's sequence length (``seglen``): never below 0 as the length of
         an axis, as it is as a value (see `Ctx.per_row`)."""
-        value = evaluate_dim(d, {**self.sizes, self.var: seglen})
+        var = self.var_of(d)
+        value = evaluate_dim(d, self.sizes if var is None else {**self.sizes, var: seglen})
         return (value if as_value else jnp.maximum(value, 0)).astype(np.int32)
 
     def _summed(self, d, rows: str):
@@ -339,8 +416,10 @@ class PackedCtx(Ctx):
         q = d // b
         if q * b != d or rows in dim_vars(q):
             raise NoRule(f"the length {d} is not a count over the sequences")
-        starts = self.pos == 0
-        per = (self.at_lengths(q, self.seglen) if is_sym(q) else jnp.full(jnp.shape(self.pos), int(q)))
+        grid = self._grid_of(q)
+        starts = grid.pos == 0
+        per = (self.at_lengths(q, grid.seglen) if is_sym(q)
+               else jnp.full(jnp.shape(grid.pos), int(q)))
         return jnp.sum(jnp.where(starts, per, 0)).astype(np.int32)
 
     def row_mask(self, rows: str):
@@ -357,12 +436,14 @@ class PackedCtx(Ctx):
         raise NoRule(f"the length {d} is per row, and a packed row holds several sequences")
 
     def own_length(self, eqn, d, rows: str):
-        """Each sequence's own, held at every cell of it (`Known.per_sequence`)."""
-        return self.held_per_sequence([self.at_lengths(d, self.seglen, as_value=True)],
-                                      [None])[0]
+        """Each sequence's own, held at every cell of it (`Known.per_sequence`) in the grid of
+        its variable."""
+        var = self.var_of(d) or self.var
+        self.results = [per_sequence(None, var)]
+        return self.at_lengths(d, self.grids[var].seglen, as_value=True)
 
     def count(self, d):
-        if self.var in dim_vars(d):
+        if self.var_of(d) is not None:
             return self.length(d)
         # The rows as a number are the sequences, not the packed rows.
         return lax.convert_element_type(evaluate_dim(d, self.sizes), np.int32)
@@ -408,7 +489,50 @@ class PackedCtx(Ctx):
         if any(k.per_row for k in self.operands):   # never made here; defensive
             self.flag(eqn, "reads a per-row value")
             return self.not_packed(eqn, "a per-row value")
+        if len(self.grids) > 1 and any(k.per_sequence for k in self.operands):
+            return self._in_one_grid(eqn, invals)
         return None
+
+    def _in_one_grid(self, eqn, invals) -> list | None:
+        """Several packed variables: per-sequence operands held in another grid than the
+        equation's (an encoder's pooled state meeting the decoder's cells, a source-length
+        input meeting target cells) are moved there first, each example's value to the cells
+        of the same example (`moved_to`), and the equation evaluated again. None when every
+        operand is in the equation's grid already."""
+        shape_vars = self._shape_vars(eqn)
+        homes = [k.sequence_var for k in self.operands if k.per_sequence]
+        if len(shape_vars) > 1:
+            why = "a per-sequence value meets the lengths of several packed variables"
+            self.flag(eqn, why)
+            return self.not_packed(eqn, why)
+        target = shape_vars.pop() if shape_vars else homes[0]
+        if all(h == target for h in homes):
+            return None
+        moved, known = [], []
+        for x, k in zip(invals, self.operands):
+            if k.per_sequence and k.sequence_var != target:
+                x, k = self.moved_to(x, k, target), per_sequence(k.sequence_axis, target)
+            moved.append(x)
+            known.append(k)
+        return self.evaluate(eqn, moved, known)
+
+    def moved_to(self, x, known: Known, var: str):
+        """``x``, held per sequence in its grid (``known``), held in ``var``'s grid instead:
+        each cell of an example there reads the value at the first cell of the same example
+        in the other grid (an example's parts share a packed row)."""
+        source, target = self.grids[known.sequence_var], self.grids[var]
+
+        def make():
+            # (rows, target columns, source columns): the source column that starts the
+            # target cell's example.
+            same = ((target.sequence[:, :, None] == source.sequence[:, None, :])
+                    & (source.pos == 0)[:, None, :] & (target.sequence >= 0)[:, :, None])
+            return jnp.argmax(same, axis=2).astype(np.int32)
+        column = self._derive(("moved", known.sequence_var, var), make)
+        self.recorder.reads_sequence = True
+        a = 0 if known.sequence_axis is None else known.sequence_axis
+        row = lax.broadcasted_iota(np.int32, jnp.shape(column), 0)
+        return jnp.moveaxis(jnp.moveaxis(x, (a, a + 1), (0, 1))[row, column], (0, 1), (a, a + 1))
 
     def not_packed(self, eqn, why: str, outputs=None) -> list:
         """``eqn``'s outputs (those at ``outputs``; None: all), which cannot be packed: no
@@ -426,7 +550,7 @@ class PackedCtx(Ctx):
 
     def held_per_sequence(self, values, axes) -> list:
         """``values``, this equation's outputs, held per sequence along rows axes ``axes``."""
-        self.results = [per_sequence(a) for a in axes]
+        self.results = [per_sequence(a, self.var) for a in axes]
         return values
 
     def held_rule(self, eqn, invals):
@@ -446,14 +570,19 @@ class PackedCtx(Ctx):
     def _refuses(self, shape) -> str | None:
         """Why no equation can make a value of ``shape`` in packed rows, None when one can."""
         for d in shape:
-            if not self.recorder.monotone(d) or not _fits(self.recorder, d, self.var,
-                                                           self.rows_name, self.room):
+            names = [v for v in dim_vars(d) if v in self.grids] if is_sym(d) else []
+            if len(names) > 1:
+                return f"the length {d} combines several packed variables"
+            var = names[0] if names else None
+            room = 0 if var is None else self.grids[var].room
+            if not self.recorder.monotone(d) or not _fits(self.recorder, d, var,
+                                                           self.rows_name, room):
                 return (f"the length {d} can exceed its sequence's room in a packed row "
-                        f"(a packed row leaves {self.room} cell(s) after each sequence; "
+                        f"(a packed row leaves {room} cell(s) after each sequence; "
                         f"T + c with a constant c packs)")
             # A per-position value without rows has no frame to keep.
             if self.row_axes(shape) and not _keeps_start_columns(
-                    self.recorder, d, self.var, self.rows_name):
+                    self.recorder, d, var, self.rows_name):
                 return (f"the length {d} is shorter than its sequence by more than a "
                         f"constant (a stride: x[:, ::2], a strided convolution): the "
                         f"part of a sequence that starts mid-row would lie past the end "
@@ -1121,39 +1250,55 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     """
     jaxpr = closed_jaxpr.jaxpr
     recorder = Recorder(used=_read_anywhere(jaxpr))
-    if len(rows_at) != 1:
+    rows_names = {rows for _, rows in rows_at.values()}
+    if len(rows_names) != 1:
         why = ("no input gives per-sequence lengths (a `lengths_of` Spec)" if not rows_at else
-               "several length variables are ragged")
+               f"the ragged length variables are ragged along different rows "
+               f"({', '.join(sorted(rows_names))})")
         return Logical(fn=replay(closed_jaxpr), rewritten=0,
                        unsupported=(Unsupported("layout", "<inputs>", why),))
-    ((var, (_, rows)),) = rows_at.items()
+    (rows,) = rows_names
+    # Each packed variable its own grid (its rows' columns and the room after the last
+    # sequence), an example's parts in the same row of each; its layout inputs, in this order.
+    names = sorted(rows_at)
+    rooms = {var: _room_needed(jaxpr, var) for var in names}
     dims = [d for v in jaxpr.invars for d in getattr(v.aval, "shape", ()) if is_sym(d)]
-    # The layout grid: each row's T columns and the room after its last sequence.
-    room = _room_needed(jaxpr, var)
-    grid = jax.export.symbolic_shape(f"{rows}, {var} + {room}" if room else f"{rows}, {var}",
-                                     scope=dims[0].scope)
+    shapes = {var: jax.export.symbolic_shape(
+        f"{rows}, {var} + {rooms[var]}" if rooms[var] else f"{rows}, {var}", scope=dims[0].scope)
+        for var in names}
+    # A (B,) input (the lengths, labels) is held per sequence in the grid of the variable
+    # it gives the lengths of, another in the first grid (values move between grids as
+    # equations need, `PackedCtx.moved_to`).
+    home = {at: var for var, (at, _) in rows_at.items()}
 
     def held_per_cell(shape):
         """Inputs with the rows axis and no packed length (the lengths, labels): per cell."""
         r = [a for a, d in enumerate(shape) if is_sym(d) and str(d) == rows]
-        packed = [d for d in shape if var in dim_vars(d)]
+        packed = [d for d in shape if not dim_vars(d).isdisjoint(rows_at)]
         return r[0] if len(r) == 1 and not packed else None
 
     def packed(*args):
-        *flat, pos, seglen, sequence = args
+        flat, layout = args[:-3 * len(names)], args[-3 * len(names):]
         sizes = {name: flat[at] for name, at in sizes_at.items()}
-        ctx = PackedCtx(sizes, recorder, var=var, rows=rows, pos=pos, seglen=seglen,
-                         sequence=sequence, room=room)
-        known = [PLAIN if a is None else per_sequence(a)
-                 for a in (held_per_cell(getattr(v.aval, "shape", ())) for v in jaxpr.invars)]
+        grids = {var: Grid(*layout[3 * i:3 * i + 3], room=rooms[var])
+                 for i, var in enumerate(names)}
+        ctx = PackedCtx(sizes, recorder, grids=grids, rows=rows,
+                        var=names[0] if len(names) == 1 else None)
+        known = [PLAIN if a is None else per_sequence(a, home.get(i, names[0]))
+                 for i, a in enumerate(held_per_cell(getattr(v.aval, "shape", ()))
+                                       for v in jaxpr.invars)]
         outs = eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, flat, known)
         results = [k or PLAIN for k in ctx.results]
+        ctx._var = names[0]          # per-sequence outputs come back in the first grid
         for i, (out, v, k) in enumerate(zip(outs, jaxpr.outvars, results)):
             shape = getattr(v.aval, "shape", ())
             made = k.unpackable or (k.per_cell and "a per-cell value") or (
                 k.per_sequence and k.sequence_axis is None and "a per-sequence number")
             if held_per_cell(shape) is not None and not made:   # per sequence
                 recorder.per_sequence = True
+                if k.per_sequence and k.sequence_var != names[0]:
+                    out, k = (ctx.moved_to(out, k, names[0]),
+                              per_sequence(k.sequence_axis, names[0]))
                 outs[i], _ = held(ctx, out, shape, k)
             elif made or (ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1):
                 made = made or "a per-sequence value"
@@ -1163,23 +1308,26 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
         return tuple(outs)
 
     avals = []
-    for v in jaxpr.invars:
+    for i, v in enumerate(jaxpr.invars):
         shape, a = tuple(v.aval.shape), held_per_cell(getattr(v.aval, "shape", ()))
         if a is not None:
-            shape = (*shape[:a + 1], grid[1], *shape[a + 1:])
+            shape = (*shape[:a + 1], shapes[home.get(i, names[0])][1], *shape[a + 1:])
         avals.append(jax.ShapeDtypeStruct(shape, v.aval.dtype, weak_type=v.aval.weak_type))
-    avals += [jax.ShapeDtypeStruct(tuple(grid), np.int32)] * 3
+    for var in names:
+        avals += [jax.ShapeDtypeStruct(tuple(shapes[var]), np.int32)] * 3
     traced = jax.jit(packed).trace(*avals).jaxpr
     fn = replay(traced)
-    if not recorder.reads_sequence:
+    if len(names) == 1 and not recorder.reads_sequence:
         # No rule read the sequence index: the program does not take it (one int32 array per
         # cell less to build and send each call); the traced program gets a placeholder.
+        # (Several variables' programs take every grid's, to find an example's cells.)
         avals.pop()
         fn = functools.partial(_without_sequence, fn)
     return Logical(fn=fn, unsupported=tuple(recorder.unsupported.values()),
                    rewritten=len(recorder.rewritten), avals=tuple(avals),
-                   per_sequence=recorder.per_sequence, reads_sequence=recorder.reads_sequence,
-                   room=room)
+                   per_sequence=recorder.per_sequence,
+                   reads_sequence=recorder.reads_sequence or len(names) > 1,
+                   room=rooms[names[0]] if len(names) == 1 else 0, rooms=rooms)
 
 
 def _without_sequence(fn, *args):

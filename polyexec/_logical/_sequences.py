@@ -38,10 +38,11 @@ from ._basics import Known, PLAIN, bind_eqn, filled, is_sym
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
 
 
-def per_sequence(axis: int | None) -> Known:
-    """The annotation of a value held per sequence whose logical rows axis is ``axis`` (None:
-    a number per sequence, held with leading ``(rows, columns)`` axes)."""
-    return Known(per_sequence=True, sequence_axis=axis)
+def per_sequence(axis: int | None, var: str) -> Known:
+    """The annotation of a value held per sequence in the grid of the packed variable ``var``
+    whose logical rows axis is ``axis`` (None: a number per sequence, held with leading
+    ``(rows, columns)`` axes)."""
+    return Known(per_sequence=True, sequence_axis=axis, sequence_var=var)
 
 
 def spread(v, shape, targets):

@@ -660,7 +660,7 @@ def _split_packed(ctx: PackedCtx, eqn, invals):
             known.append(None)
         else:
             parts.append(_per_sequence_part(ctx, x, shape, r, a, offset, size))
-            known.append(per_sequence(r))
+            known.append(per_sequence(r, ctx.var))
         offset = offset + (ctx.at_lengths(size, ctx.seglen) if is_sym(size) else size)
     ctx.results = known
     return parts
