@@ -11,7 +11,7 @@ import pytest
 import polyexec as px
 from polyexec._logical._core import Ctx, Recorder
 from polyexec._logical._interface import Layout, PackedLayout
-from polyexec._logical._packed import PackedCtx
+from polyexec._logical._packed import Grid, PackedCtx
 from polyexec._logical._registry import Entry
 
 PACKAGE = pathlib.Path(px.__file__).parent
@@ -489,7 +489,7 @@ def test_rules_ask_their_layout_only_through_the_declared_interface():
     assert used - declared == set(), used - declared
     assert not private, private
     ctx = Ctx({}, Recorder())
-    packed = PackedCtx({}, Recorder(), var="T", rows="B", pos=None, seglen=None, sequence=None)
+    packed = PackedCtx({}, Recorder(), grids={"T": Grid(None, None, None)}, rows="B", var="T")
     assert isinstance(ctx, Layout) and not isinstance(ctx, PackedLayout)
     assert isinstance(packed, PackedLayout)
 

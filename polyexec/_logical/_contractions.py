@@ -18,8 +18,9 @@ from ._basics import (bind_eqn, bind_eqn_with, has_sym, highest_value, iota_alon
 from ._core import fill_tail, place_window, take_clamped, windowed
 from ._registry import NoRule, PAD_AND_PACK, deffacts, defrule, padded_rule
 from ._families import WINDOWS
-from ._packed import PackedCtx, by_position, segments, shifted_within
-from ._sequences import by_cell, first_only, held, refused, shapes_of
+from ._cells import by_position
+from ._packed import PackedCtx, shifted_within
+from ._sequences import by_cell, first_only, held, refused, segments, shapes_of
 
 
 def _contracted_tails(eqn):
@@ -241,7 +242,7 @@ def _placed_contraction(ctx: PackedCtx, eqn, lhs, rhs):
 def _along_each_sequence(ctx: PackedCtx, eqn, lhs, rhs):
     """A contraction along a packed length alone, batched over the rows (attention pooling,
     ``einsum("bt,btf->bf", w, x)``): per sequence, over its own cells -- the products per
-    cell (the length made a batch axis too), summed per sequence like `_along_sequences`.
+    cell (the length made a batch axis too), summed per sequence like `_sequences.along_sequences`.
     None for another contraction."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     (lr, rr), (lp, rp) = ((ctx.row_axes(x.shape) for x in (lhs, rhs)),

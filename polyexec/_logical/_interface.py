@@ -105,12 +105,17 @@ class Layout(Protocol):
 class PackedLayout(Layout, Protocol):
     """Packed rows: ``var`` (T) packed along ``rows_name`` (B); per cell of the ``(B, T)``
     grid, ``pos`` (its position in its sequence, -1 in padding) and ``seglen`` (its
-    sequence's length)."""
+    sequence's length). Several ragged variables (an encoder-decoder's S and T) pack each in
+    its own grid: ``var``, ``pos`` and ``seglen`` are those of the equation being rewritten,
+    and `NoRule` where it meets several; what takes a length ``d`` reads ``d``'s grid."""
 
     var: str
     rows_name: str
     pos: Any
     seglen: Any
+
+    def var_of(self, d) -> str | None:
+        """The packed variable a length is an expression of, None for none."""
 
     def packed_axes(self, shape) -> list[int]:
         """Axes whose length is an expression of the packed variable (T, T - 1)."""

@@ -116,13 +116,15 @@ from jax import lax
 
 from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._basics import (PLAIN, Known, bind_eqn, bind_eqn_with, filled, is_sym, like_aval,
+from ._basics import (PLAIN, Known, bind_eqn, filled, is_sym, like_aval,
                       lowest_value, ranked, same_dim, sub_jaxprs)
 from ._core import (Ctx, Logical, Recorder, Unsupported, eval_jaxpr, moves_ragged_rows, replay,
                     take_rows)
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
 from ._families import REDUCERS, SCATTERS
-from ._sequences import by_cell, held, per_sequence, spread
+from ._cells import by_position, per_cell, positions_recipe
+from ._sequences import (along_sequences, held, others_first, per_sequence, segment_of,
+                         spread)
 from ._sequences import evaluate as _evaluate_per_sequence
 
 
@@ -166,6 +168,11 @@ class PackedCtx(Ctx):
                           self.alive if alive is None else alive, grids=self.grids,
                           rows=self.rows_name, var=self._var,
                           derived=self._derived if entry is not None and entry.inline else None)
+
+    def in_grid(self, var: str) -> "PackedCtx":
+        """This context asking in ``var``'s grid, sharing what it derived."""
+        return PackedCtx(self.sizes, self.recorder, self.parent, self.eqn, self.alive,
+                          grids=self.grids, rows=self.rows_name, var=var, derived=self._derived)
 
     # -- the packed variable of the equation at hand ----------------------------------------------
 
@@ -555,7 +562,7 @@ class PackedCtx(Ctx):
 
     def held_rule(self, eqn, invals):
         if any(k.per_cell for k in self.operands):
-            return _per_cell
+            return per_cell
         if any(k.per_sequence for k in self.operands):
             return _evaluate_per_sequence
         return None
@@ -607,12 +614,12 @@ class PackedCtx(Ctx):
         return like_aval(x, aval)
 
     def positions_of(self, eqn, reading):
-        return _positions_recipe(eqn, reading)
+        return positions_recipe(eqn, reading)
 
     def without_rows(self, eqn, invals) -> list:
         """An elementwise equation of a per-sequence number and positions, without the rows
         axis (``jnp.arange(T) / T``): per cell (`Known.per_cell`)."""
-        return _per_cell(self, eqn, invals)
+        return per_cell(self, eqn, invals)
 
     def refuse_per_sequence(self, eqn, what: str, outputs=None) -> list:
         where = equation_line(eqn) or "<unknown>"
@@ -845,7 +852,7 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
     if not rows:                       # per position: real up to the longest sequence
         return padded()
     if len(packed) == 2:               # pairs of cells (attention's scores): within a sequence
-        if rows <= axes and not axes & packed and _segment(eqn.primitive.name):
+        if rows <= axes and not axes & packed and segment_of(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         if arg or not (axes & packed == packed if rows <= axes else len(axes & packed) == 1):
             return ctx.refuse_per_sequence(
@@ -857,65 +864,13 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
         if rows | packed <= axes and not arg:
             return padded()                     # over every real cell
         if packed <= axes and not rows & axes and eqn.primitive.name != "reduce":
-            return _along_sequences(ctx, eqn, x, *rows, *packed)
-        if rows <= axes and not packed & axes and _segment(eqn.primitive.name):
+            return along_sequences(ctx, eqn, x, *rows, *packed)
+        if rows <= axes and not packed & axes and segment_of(eqn.primitive.name):
             return [_over_positions(ctx, eqn, x, *rows, *sorted(packed))]
         return ctx.refuse_per_sequence(eqn, f"{eqn.primitive.name} over part of a packed value")
     if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
         return padded()
     return ctx.refuse_per_sequence(eqn, f"{eqn.primitive.name} over the rows")
-
-
-def _segment(name: str) -> str | None:
-    """How a reduction along the length combines each sequence's cells (its `Monoid.segment`);
-    None for one that cannot (an arg-reduction, ``reduce_xor``, ``reduce``)."""
-    monoid = REDUCERS.get(name)
-    return monoid.segment if monoid is not None else None
-
-
-def _along_sequences(ctx: PackedCtx, eqn, x, r: int, p: int) -> list:
-    """A reduction along a packed length that keeps the rows (``jnp.sum(x, axis=1)``,
-    ``jnp.argmax(logits, axis=1)``): per sequence, over its own cells -- a scatter into each
-    sequence's start column, read back at every cell of the sequence. ``argmax``/``argmin``
-    give the position inside the sequence (its first extreme, or its first NaN, as jnp)."""
-    name = eqn.primitive.name
-    if REDUCERS[name].combine is not None and _segment(name) is None:   # not an arg-reduction
-        raise NoRule(f"{name} along a packed length")
-    frame = ctx.frame(x.shape)
-    axes = tuple(eqn.params["axes"])
-    if name in ("argmax", "argmin"):
-        best = "max" if name == "argmax" else "min"
-        nan = jnp.isnan(x) & frame if jnp.issubdtype(x.dtype, jnp.inexact) else frame & False
-        fill = REDUCERS[name].identity(x.dtype)
-        clean = lax.select(frame & ~nan, x, filled(x.shape, fill, x.dtype))
-        extreme = segments(ctx, clean, r, p, best, fill)
-        has_nan = segments(ctx, nan.astype(np.int8), r, p, "max", 0)
-        at = functools.partial(_read_cells, ctx, ctx.starts(x.shape[p], 0), r, p)
-        hit = frame & jnp.where(at(has_nan) > 0, nan, clean == at(extreme))
-        position = spread(ctx.cells(x.shape[p])[0], x.shape, (r, p))
-        big = np.iinfo(np.int32).max
-        first = segments(ctx, jnp.where(hit, position, big).astype(np.int32), r, p, "min", big)
-        out = jnp.where(first == big, 0, first).astype(eqn.params["index_dtype"])
-    else:
-        fill = REDUCERS[name].identity(x.dtype)
-        x = lax.select(frame, x, filled(x.shape, fill, x.dtype))
-        x, (r, p) = _others_first(eqn, x, axes, (r, p))
-        exact = x.dtype == np.bool_
-        out = segments(ctx, x.astype(np.int8) if exact else x, r, p, _segment(name),
-                        int(fill) if exact else fill)
-        out = out.astype(x.dtype)
-    (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
-    return ctx.held_per_sequence([by_cell(out, r_out)], [r_out])
-
-
-def _others_first(eqn, x, axes, kept):
-    """Reduction ``eqn`` of ``x`` over its ``axes`` other than ``kept``, per cell, and where
-    the ``kept`` axes are after it: the reduction along the packed axes comes next."""
-    others = tuple(a for a in axes if a not in kept)
-    if not others:
-        return x, tuple(kept)
-    return (bind_eqn_with(eqn, [x], axes=others)[0],
-            tuple(k - sum(a < k for a in others) for k in kept))
 
 
 def _over_positions(ctx: PackedCtx, eqn, x, r: int, *packed: int):
@@ -928,7 +883,7 @@ def _over_positions(ctx: PackedCtx, eqn, x, r: int, *packed: int):
     name = eqn.primitive.name
     fill = REDUCERS[name].identity(x.dtype)
     x = lax.select(ctx.frame(x.shape), x, filled(x.shape, fill, x.dtype))
-    x, (r, *packed) = _others_first(eqn, x, eqn.params["axes"], (r, *packed))
+    x, (r, *packed) = others_first(eqn, x, eqn.params["axes"], (r, *packed))
     exact = x.dtype == np.bool_
     xs = jnp.moveaxis(x.astype(np.int8) if exact else x, (r, *packed), range(1 + len(packed)))
     sizes = xs.shape[1:1 + len(packed)]
@@ -938,31 +893,8 @@ def _over_positions(ctx: PackedCtx, eqn, x, r: int, *packed: int):
         at = jnp.where(ctx.in_frame(n), pos, n)                      # n: dropped
         index.append(jnp.expand_dims(at, [1 + j for j in range(len(sizes)) if j != k]))
     total = filled((*sizes, *xs.shape[1 + len(packed):]), int(fill) if exact else fill, xs.dtype)
-    out = getattr(total.at[tuple(index)], _segment(name))(xs, mode="drop").astype(x.dtype)
+    out = getattr(total.at[tuple(index)], segment_of(name))(xs, mode="drop").astype(x.dtype)
     return jnp.moveaxis(out, range(len(packed)), [p - (r < p) for p in packed])
-
-
-def segments(ctx: PackedCtx, x, r: int, p: int, how: str, fill):
-    """``(rows, columns, *rest)``: per cell of the grid, ``how`` ("add", "max", ...) of its
-    sequence's cells of ``x`` (rows axis ``r``, packed axis ``p``; cells outside the frame
-    already hold ``fill``): a scatter into each sequence's start column, read back at every
-    cell of the sequence."""
-    rows, columns = ctx.pos.shape
-    xs = jnp.moveaxis(x, (r, p), (0, 1))
-    n = xs.shape[1]
-    row = lax.broadcasted_iota(np.int32, (rows, n), 0)
-    into = jnp.where(ctx.in_frame(n), ctx.starts(n), columns)      # columns: dropped
-    total = filled((rows, columns, *xs.shape[2:]), fill, xs.dtype)
-    total = getattr(total.at[row, into], how)(xs, mode="drop")
-    return _read_cells(ctx, ctx.sequence_starts(), 0, 1, total)
-
-
-def _read_cells(ctx: PackedCtx, starts, r, p, grid):
-    """A ``(rows, columns, *rest)`` grid of per-sequence entries (at each sequence's start
-    column) read at cells whose starts are ``starts`` (``(rows, n)``), with the rows and the
-    cells going to axes ``r`` and ``p``."""
-    row = lax.broadcasted_iota(np.int32, jnp.shape(starts), 0)
-    return jnp.moveaxis(grid[row, starts], (0, 1), (r, p))
 
 
 def shifted_within(ctx: PackedCtx, x, rows_axis: int, axis: int, offset: int, length, fill=0):
@@ -1097,134 +1029,6 @@ def _cumulative(ctx: PackedCtx, eqn, x, a: int, monoid, reverse: bool):
 
 
 # --------------------------------------------------------------------------------------------
-# Per-cell values without rows (`Known.per_cell`)
-
-def _per_cell(ctx: PackedCtx, eqn, invals):
-    """An equation reading a per-cell value (or making one: `PackedCtx.without_rows`):
-    a call runs its equations; a primitive with a per-cell rule (``defrule(...,
-    layout="per_cell")``: a broadcast, a reverse, an index) runs it; elementwise maths stays
-    per cell; anything else is refused."""
-    name = eqn.primitive.name
-    entry = lookup_rule(eqn.primitive)
-    shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-    out = tuple(eqn.outvars[0].aval.shape)
-    if entry is not None and entry.inline:
-        return entry.rule(ctx, eqn, invals)       # a call: its equations meet the value
-    if entry is not None and entry.per_cell is not None:
-        out_values = entry.per_cell(ctx, eqn, invals)
-        if out_values is not None:
-            return out_values
-    if entry is not None and entry.rule is ELEMENTWISE:
-        rows = ctx.row_axes(out)
-        if not rows:
-            cells = [onto_cells(ctx, x, sh, out, k)
-                     for x, sh, k in zip(invals, shapes, ctx.operands)]
-            return ctx.held_per_cell([bind_eqn(eqn, cells)[0]])
-        # jnp's implicit broadcast: a (1, T) operand beside (B, T) ones -- onto the rows.
-        (r,) = rows
-        return ctx.evaluate(eqn, [_onto_rows(x, r) if k.per_cell else x
-                                  for x, k in zip(invals, ctx.operands)],
-                            [PLAIN if k.per_cell else k for k in ctx.operands])
-    raise NoRule(f"{name} of a value that differs per sequence and per position (it has no "
-                  f"rows axis)")
-
-
-def onto_cells(ctx: PackedCtx, x, shape, out, known: Known):
-    """An operand (annotated ``known``) of an elementwise per-cell equation of logical
-    ``out``, with the rows in front: a per-sequence number at each cell, a per-position value
-    placed by position."""
-    if known.per_cell:
-        return x
-    packed = ctx.packed_axes(out)
-    rows = ctx.pos.shape[0]
-    if known.per_sequence:
-        if known.sequence_axis is not None or shape != () or len(packed) != 1:
-            raise NoRule(f"a per-sequence value meets a value of shape {out}")
-        v = lax.slice_in_dim(x, 0, out[packed[0]], axis=1)
-        return spread(v, (rows, *out), (0, 1 + packed[0]))
-    if shape == ():
-        return x
-    if (not ctx.row_axes(shape) and len(shape) == len(out)
-            and all(not is_sym(d) and d == 1 for d in shape)):
-        # jnp's broadcast of a unit axis (linspace's start, ``(1,)``, times ``T - 1``
-        # positions): the same at every cell.
-        return jnp.broadcast_to(jnp.reshape(x, (1, *shape)), (rows, *out))
-    if ctx.row_axes(shape) or not same_shape(shape, out):
-        raise NoRule(f"a per-cell value meets a value of shape {shape}")
-    return by_position(ctx, x, tuple(range(1, len(out) + 1)), (rows, *out), 0,
-                        [1 + p for p in packed])
-
-
-def same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b))
-
-
-def _onto_rows(x, r: int):
-    """A per-cell value whose logical axis ``r`` is a unit one, as a packed value with its
-    rows there."""
-    return jnp.moveaxis(lax.squeeze(x, (1 + r,)), 0, r)
-
-
-# Integer and boolean maths, as cheap to recompute per cell as a gather would be to read: a
-# value made from positions with them (a causal mask, ``pos[:, None] >= pos[None, :]``)
-# becomes one compare per cell of the scores, fused into their select as hand-written
-# segment ids are; gathered, its placement cost the packed attention step two gathers over
-# ``(B, H, T, T)``. Transcendental maths (a sinusoidal table) stays gathered.
-
-
-def _positions_recipe(eqn, reading) -> Callable | None:
-    """``Known.positions`` of ``eqn``'s output from its inputs' (``reading``: value and
-    annotation each): an ``iota``, or maths stated `Entry.positional`, a broadcast or a transpose of
-    values made from positions and scalars."""
-    name, params = eqn.primitive.name, eqn.params
-    if name == "iota":
-        dim, dtype = params["dimension"], params["dtype"]
-        return lambda index: index[dim].astype(dtype)
-    inputs = []
-    for x, known in reading:
-        if known.positions is not None:
-            inputs.append(known.positions)
-        elif getattr(x, "shape", None) == ():      # a scalar (a held value has no shape)
-            inputs.append(lambda index, x=x: x)
-        else:
-            return None
-    if name == "broadcast_in_dim" and len(inputs) == 1:
-        (inner,), src = inputs, eqn.invars[0].aval.shape
-        out = params["shape"]
-        dims = params["broadcast_dimensions"]
-        return lambda index: inner(tuple(
-            np.int32(0) if not same_dim(src[k], out[d]) else index[d]
-            for k, d in enumerate(dims)))
-    if name == "transpose":
-        (inner,), perm = inputs, params["permutation"]
-        return lambda index: inner(tuple(index[perm.index(k)] for k in range(len(perm))))
-    entry = lookup_rule(eqn.primitive)
-    if entry is not None and entry.positional:
-        return lambda index: eqn.primitive.bind(
-            *jnp.broadcast_arrays(*(f(index) for f in inputs)), **params)
-    return None
-
-
-def by_position(ctx: PackedCtx, x, dims, shape, rows_axis: int, packed_axes):
-    """A per-position value (``pe[:T]``, a causal mask ``(T, T)``; no rows axis; its axes go
-    to ``dims`` of ``shape``) into packed rows: each cell reads its own positions inside its
-    sequence along ``packed_axes`` (one or two of them)."""
-    first, *rest = packed_axes
-    k = dims.index(first)
-    pos, _ = ctx.cells(shape[first])
-    x = jnp.take(x, jnp.clip(pos, 0, ctx.physical(x.shape[k]) - 1), axis=k, mode="clip")
-    targets = [*dims[:k], rows_axis, first, *dims[k + 1:]]
-    for t in rest:                     # the second axis: by the position in the same row
-        a, b = targets.index(t), targets.index(rows_axis)
-        pos, _ = ctx.cells(shape[t])
-        index = jnp.clip(pos, 0, ctx.physical(x.shape[a]) - 1)
-        index = jnp.expand_dims(index.T if a < b else index,
-                                [i for i in range(x.ndim) if i not in (a, b)])
-        x = jnp.take_along_axis(x, index, axis=a, mode="clip")
-    return spread(x, shape, targets)
-
-
-# --------------------------------------------------------------------------------------------
 
 
 def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
@@ -1289,7 +1093,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
                                        for v in jaxpr.invars)]
         outs = eval_jaxpr(ctx, jaxpr, closed_jaxpr.consts, flat, known)
         results = [k or PLAIN for k in ctx.results]
-        ctx._var = names[0]          # per-sequence outputs come back in the first grid
+        ctx = ctx.in_grid(names[0])     # per-sequence outputs come back in the first grid
         for i, (out, v, k) in enumerate(zip(outs, jaxpr.outvars, results)):
             shape = getattr(v.aval, "shape", ())
             made = k.unpackable or (k.per_cell and "a per-cell value") or (

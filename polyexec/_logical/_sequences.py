@@ -30,11 +30,15 @@ every length (``pos`` 0, ``seglen`` 0), so its per-sequence values exist too.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from ._basics import Known, PLAIN, bind_eqn, filled, is_sym
+from ._basics import Known, PLAIN, bind_eqn, bind_eqn_with, filled, is_sym
+from ._families import REDUCERS
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
 
 
@@ -93,6 +97,84 @@ def by_cell(grid, axis):
 
 def shapes_of(vs):
     return [tuple(getattr(v.aval, "shape", ())) for v in vs]
+
+
+# --------------------------------------------------------------------------------------------
+# Reductions along a packed length: each sequence's own
+
+def segment_of(name: str) -> str | None:
+    """How a reduction along the length combines each sequence's cells (its `Monoid.segment`);
+    None for one that cannot (an arg-reduction, ``reduce_xor``, ``reduce``)."""
+    monoid = REDUCERS.get(name)
+    return monoid.segment if monoid is not None else None
+
+
+def along_sequences(ctx, eqn, x, r: int, p: int) -> list:
+    """A reduction along a packed length that keeps the rows (``jnp.sum(x, axis=1)``,
+    ``jnp.argmax(logits, axis=1)``): per sequence, over its own cells -- a scatter into each
+    sequence's start column, read back at every cell of the sequence. ``argmax``/``argmin``
+    give the position inside the sequence (its first extreme, or its first NaN, as jnp)."""
+    name = eqn.primitive.name
+    if REDUCERS[name].combine is not None and segment_of(name) is None:   # not an arg-reduction
+        raise NoRule(f"{name} along a packed length")
+    frame = ctx.frame(x.shape)
+    axes = tuple(eqn.params["axes"])
+    if name in ("argmax", "argmin"):
+        best = "max" if name == "argmax" else "min"
+        nan = jnp.isnan(x) & frame if jnp.issubdtype(x.dtype, jnp.inexact) else frame & False
+        fill = REDUCERS[name].identity(x.dtype)
+        clean = lax.select(frame & ~nan, x, filled(x.shape, fill, x.dtype))
+        extreme = segments(ctx, clean, r, p, best, fill)
+        has_nan = segments(ctx, nan.astype(np.int8), r, p, "max", 0)
+        at = functools.partial(read_cells, ctx, ctx.starts(x.shape[p], 0), r, p)
+        hit = frame & jnp.where(at(has_nan) > 0, nan, clean == at(extreme))
+        position = spread(ctx.cells(x.shape[p])[0], x.shape, (r, p))
+        big = np.iinfo(np.int32).max
+        first = segments(ctx, jnp.where(hit, position, big).astype(np.int32), r, p, "min", big)
+        out = jnp.where(first == big, 0, first).astype(eqn.params["index_dtype"])
+    else:
+        fill = REDUCERS[name].identity(x.dtype)
+        x = lax.select(frame, x, filled(x.shape, fill, x.dtype))
+        x, (r, p) = others_first(eqn, x, axes, (r, p))
+        exact = x.dtype == np.bool_
+        out = segments(ctx, x.astype(np.int8) if exact else x, r, p, segment_of(name),
+                        int(fill) if exact else fill)
+        out = out.astype(x.dtype)
+    (r_out,) = ctx.row_axes(eqn.outvars[0].aval.shape)
+    return ctx.held_per_sequence([by_cell(out, r_out)], [r_out])
+
+
+def segments(ctx, x, r: int, p: int, how: str, fill):
+    """``(rows, columns, *rest)``: per cell of the grid, ``how`` ("add", "max", ...) of its
+    sequence's cells of ``x`` (rows axis ``r``, packed axis ``p``; cells outside the frame
+    already hold ``fill``): a scatter into each sequence's start column, read back at every
+    cell of the sequence."""
+    rows, columns = ctx.pos.shape
+    xs = jnp.moveaxis(x, (r, p), (0, 1))
+    n = xs.shape[1]
+    row = lax.broadcasted_iota(np.int32, (rows, n), 0)
+    into = jnp.where(ctx.in_frame(n), ctx.starts(n), columns)      # columns: dropped
+    total = filled((rows, columns, *xs.shape[2:]), fill, xs.dtype)
+    total = getattr(total.at[row, into], how)(xs, mode="drop")
+    return read_cells(ctx, ctx.sequence_starts(), 0, 1, total)
+
+
+def read_cells(ctx, starts, r, p, grid):
+    """A ``(rows, columns, *rest)`` grid of per-sequence entries (at each sequence's start
+    column) read at cells whose starts are ``starts`` (``(rows, n)``), with the rows and the
+    cells going to axes ``r`` and ``p``."""
+    row = lax.broadcasted_iota(np.int32, jnp.shape(starts), 0)
+    return jnp.moveaxis(grid[row, starts], (0, 1), (r, p))
+
+
+def others_first(eqn, x, axes, kept):
+    """Reduction ``eqn`` of ``x`` over its ``axes`` other than ``kept``, per cell, and where
+    the ``kept`` axes are after it: the reduction along the packed axes comes next."""
+    others = tuple(a for a in axes if a not in kept)
+    if not others:
+        return x, tuple(kept)
+    return (bind_eqn_with(eqn, [x], axes=others)[0],
+            tuple(k - sum(a < k for a in others) for k in kept))
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from ._basics import (PLAIN, acts_along_params, bind_eqn, filled, iota_along, is
                       is_sym, operand_avals, same_dim)
 from ._core import place_window, take_clamped, take_rows
 from ._registry import ELEMENTWISE, PAD_AND_PACK, NoRule, deffacts, defrule, padded_rule
-from ._packed import PackedCtx, along, by_position, onto_cells, reverse_each
+from ._cells import by_position, onto_cells
+from ._packed import PackedCtx, along, reverse_each
 from ._sequences import grid_shape, held, per_sequence, refused, spread, to_cells
 
 
