@@ -73,14 +73,17 @@ class Stats:
         return real / padded if padded else 1.0
 
     def __str__(self) -> str:
-        rows = [f"{'bucket':<22}{'calls':>8}{'compiles':>10}{'compile s':>11}{'efficiency':>12}"]
+        labels = {key: " ".join(f"{n}={s}" for n, s in key) or "(no lengths)"
+                  for key in self.buckets}
+        w = max([22, *(len(label) + 2 for label in labels.values())])
+        rows = [f"{'bucket':<{w}}{'calls':>8}{'compiles':>10}{'compile s':>11}{'efficiency':>12}"]
         for key in sorted(self.buckets):
             b = self.buckets[key]
-            label = " ".join(f"{n}={s}" for n, s in key) or "(no lengths)"
-            rows.append(f"{label:<22}{b.calls:>8}{b.compiles:>10}{b.compile_seconds:>11.2f}"
-                        f"{b.padding_efficiency:>12.3f}")
-        rows.append(f"{'total':<22}{self.calls:>8}{self.compiles:>10}{self.compile_seconds:>11.2f}"
-                    f"{self.padding_efficiency:>12.3f}   traces: {self.traces}")
+            rows.append(f"{labels[key]:<{w}}{b.calls:>8}{b.compiles:>10}"
+                        f"{b.compile_seconds:>11.2f}{b.padding_efficiency:>12.3f}")
+        rows.append(f"{'total':<{w}}{self.calls:>8}{self.compiles:>10}"
+                    f"{self.compile_seconds:>11.2f}{self.padding_efficiency:>12.3f}"
+                    f"   traces: {self.traces}")
         return "\n".join(rows)
 
 
