@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", choices=MODELS, default="gru",
                    help="gru/lstm: the examples/rnn CharLM; attention: one causal transformer "
                         "encoder layer (cost quadratic in length); filter-mlp: the "
-                        "data-dependent benchmark (bench.filter_mlp)")
+                        "data-dependent benchmark (bench.filter_mlp); seq2seq: an "
+                        "encoder-decoder packed by polyexec against a seqio-style Grain "
+                        "peer (bench.seq2seq: --cap, --hidden, --batch-size rows a step, "
+                        "--epochs, --num-examples, --seed, --lr, --json)")
     w.add_argument("--mode", choices=MODES, default=None,
                    help="train (default): value_and_grad + optax Adam update; infer: the loss "
                         "only (the default under --quick)")
@@ -300,6 +303,25 @@ def round_lines(rounds: list[list[dict]]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- seq2seq
+
+
+def run_seq2seq(args: argparse.Namespace) -> int:
+    """``--model seq2seq``: `bench.seq2seq.run` with the workload flags that apply to it."""
+    from . import seq2seq
+    kwargs = {k: v for k, v in (("cap", args.cap), ("hidden", args.hidden),
+                                ("rows", args.batch_size), ("epochs", args.epochs),
+                                ("num_examples", args.num_examples),
+                                ("seed", args.seed), ("lr", args.lr)) if v is not None}
+    result = seq2seq.run(**kwargs)
+    seq2seq.print_result(result)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"workload": {"model": "seq2seq", **result["workload"]},
+                       "result": result["strategies"]}, fh, indent=2)
+    return 0
+
+
 # --------------------------------------------------------------------------- filter-mlp
 
 
@@ -451,10 +473,10 @@ def check_devices(args: argparse.Namespace) -> None:
         raise px.OptionError(f"--devices: expected an int >= 1, received {n}")
     if n == 1:
         return
-    if args.model == "filter-mlp":
+    if args.model in ("filter-mlp", "seq2seq"):
         raise px.OptionError(f"--devices {n}: expected --model gru / lstm / attention (the "
-                             f"filter-mlp benchmark runs on one device), received --model "
-                             f"filter-mlp")
+                             f"{args.model} benchmark runs on one device), received --model "
+                             f"{args.model}")
     if args.max_tokens is not None:
         raise px.OptionError(f"--devices {n}: expected --batch-size (a multiple of {n}: every "
                              f"device holds whole rows), received --max-tokens "
@@ -488,6 +510,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in parse_strategies(args.strategies) if args.strategies is not None else []:
                 s.check_model(args.model)
             return run_filter_mlp(args)
+        if args.model == "seq2seq":
+            for s in parse_strategies(args.strategies) if args.strategies is not None else []:
+                s.check_model(args.model)
+            return run_seq2seq(args)
         cfg = config_from_args(args)
         strategies = parse_strategies(args.strategies or (
             DEFAULT_STRATEGIES if cfg.devices == 1 else MULTI_DEVICE_STRATEGIES))

@@ -91,7 +91,7 @@ def timed(run) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=[m for m in MODELS if m != "filter-mlp"],
+    parser.add_argument("--model", choices=[m for m in MODELS if m not in ("filter-mlp", "seq2seq")],
                         default="gru")
     parser.add_argument("--cap", type=int, default=1024, help="the rows' length")
     parser.add_argument("--rows", type=int, default=32)

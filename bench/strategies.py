@@ -148,7 +148,8 @@ class Strategy:
     cache_folder: ClassVar[str | None] = None
     # polyexec's warm throughput goal against this peer (a line of the summary), if any
     goal: ClassVar[float | None] = None
-    # the --model choices it runs (filter-mlp is a benchmark of its own: no strategy runs it)
+    # the --model choices it runs (filter-mlp and seq2seq are benchmarks of their own: no
+    # strategy runs them)
     models: ClassVar[tuple[str, ...]] = ("gru", "lstm", "attention")
     # The model's loss as plain jax.jit runs it on a padded batch: masked by hand. Only the
     # executor's logical rewrite lets the unmasked loss (`examples.rnn.model.lm_loss`) run.

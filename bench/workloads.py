@@ -28,7 +28,7 @@ import polyexec as px
 from examples.rnn.model import CharLM, lm_loss, masked_loss_fn
 from polyexec.training import TrainState, as_loss_call, train_step_fn
 
-Model = Literal["gru", "lstm", "attention", "filter-mlp"]
+Model = Literal["gru", "lstm", "attention", "filter-mlp", "seq2seq"]
 Mode = Literal["train", "infer"]
 Source = Literal["pydoc", "file", "lognormal", "uniform", "bimodal"]
 Dist = Literal["lognormal", "uniform", "bimodal"]

@@ -477,6 +477,22 @@ def test_filter_mlp_runs_or_says_it_is_missing(tmp_path):
         assert doc["workload"]["model"] == "filter-mlp" and doc["result"]
 
 
+def test_seq2seq_packs_the_same_examples_as_the_peer_to_the_same_losses(tmp_path):
+    """The encoder-decoder, packed by polyexec from unchanged code and by the seqio-style peer
+    by hand, trained on the same examples: `bench.seq2seq.run` raises unless every epoch's
+    loss agrees across strategies; polyexec packs at the peer's rows in one compile."""
+    out = tmp_path / "s.json"
+    assert main(["--model", "seq2seq", "--num-examples", "40", "--cap", "32", "--hidden", "8",
+                 "--batch-size", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["workload"]["model"] == "seq2seq" and doc["workload"]["examples"] == 40
+    runs = doc["result"]
+    assert set(runs) == {"peer", "polyexec-pack", "polyexec"}
+    assert runs["polyexec-pack"][-1]["compiles"] == runs["peer"][-1]["compiles"] == 1
+    assert runs["polyexec-pack"][-1]["efficiency"] >= runs["peer"][-1]["efficiency"]
+    assert runs["polyexec"][-1]["compiles"] > 1        # padded: a bucket per batch shape
+
+
 # --------------------------------------------------------------------- --quick end to end
 
 
@@ -743,7 +759,7 @@ def test_quick_layout_auto_follows_its_prediction(infer_auto):
 
 
 @pytest.mark.parametrize("name", ["bench", "bench.workloads", "bench.strategies", "bench.report",
-                                  "bench.cli", "bench.devices"])
+                                  "bench.cli", "bench.devices", "bench.seq2seq"])
 def test_docstring_examples(name):
     import doctest
     import importlib
