@@ -86,9 +86,13 @@ def transformer_encoder_decoder(p, src, tgt, src_lengths, tgt_lengths, key):
     y = p["emb"][tgt[:, :-1]] + p["pe"][:tgt.shape[1] - 1]
     y = layer_norm(y + attend(p, y, y, causal=True))
     y = layer_norm(y + attend(p, y, x))
-    k1, k2 = jax.random.split(key)                 # dropout on both sides: draws per cell
+    k1, k2, k3 = jax.random.split(key, 3)          # dropout on both sides: draws per cell
     x_drop = jnp.where(jax.random.bernoulli(k1, 0.8, x.shape), x / 0.8, 0)
     y = y + 0.1 * jnp.where(jax.random.bernoulli(k2, 0.8, y.shape), y / 0.8, 0)
+    # A draw per example and each example's index: made with the rows alone, then met by
+    # the target's cells.
+    y = y + 0.1 * jax.random.normal(k3, (y.shape[0], H))[:, None] + 0.01 * jnp.arange(
+        y.shape[0])[:, None, None]
     loss, logits = next_token_loss(p, y + attend(p, y, x_drop), tgt)
     return loss, logits
 

@@ -218,11 +218,15 @@ class PackedCtx(Ctx):
             self._var = outer
 
     def _equation_var(self, eqn, inherited: str | None) -> str | None:
-        """The one packed variable ``eqn``'s values and per-sequence operands are in
-        (``inherited`` for none, None for several)."""
+        """The one packed variable ``eqn``'s values and per-sequence operands are in, None for
+        several; for none, ``inherited``, else the first: what such an equation makes with the
+        rows (``jnp.arange(B)``, a ``(B, F)`` draw) is per sequence, held in one grid and moved
+        to another where it meets that one's cells."""
         found = self._shape_vars(eqn) | {k.sequence_var for k in self.operands
                                          if k.per_sequence}
-        return inherited if not found else found.pop() if len(found) == 1 else None
+        if not found:
+            return inherited if inherited is not None else min(self.grids)
+        return found.pop() if len(found) == 1 else None
 
     def _shape_vars(self, eqn) -> set:
         found = set()
