@@ -234,3 +234,20 @@ def test_joint_first_fit_keeps_each_examples_parts_in_one_row(cells):
             taken[row[i], start[var][i]:start[var][i] + need[var][i]] += 1
         assert taken.max(initial=0) <= 1                    # no cell holds two examples
         assert taken.sum() == need[var].sum()               # every example's cells, once
+
+
+def test_warmup_compiles_each_grid_and_packing_of_names_each_examples_row():
+    def cross(src, tgt, src_lengths, tgt_lengths):           # (B, T, F): per target cell
+        scores = 0.1 * tgt[:, :, None] * src[:, None, :, 0]     # (B, T, S)
+        return jax.nn.softmax(scores, axis=-1) @ src
+    f = px.bucketed(cross, SPECS[1:5], buckets={S: [12], T: [6, 12], B: [6]}, layout="pack",
+                    strict=True)
+    f.warmup()
+    assert f.stats.compiles == 2                      # one per (rows, S row, T row) grid
+    src, tgt, src_lengths, tgt_lengths = batch([3, 8, 1, 12], [6, 2, 5, 3], seed=7)
+    with px.forbid_compiles():
+        packed = f(src, tgt, src_lengths, tgt_lengths)
+    np.testing.assert_allclose(packed, f.with_layout("pad")(src, tgt, src_lengths, tgt_lengths),
+                               rtol=1e-5, atol=1e-6)
+    row, rows = f.packing_of({"S": src_lengths, "T": tgt_lengths})
+    assert rows == 6 and len(row) == 4 and row.max() < rows
