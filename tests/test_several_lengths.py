@@ -108,8 +108,29 @@ def encoder_state_into_decoder(p, src, tgt, src_lengths, tgt_lengths, key):
     return loss, {"decoder_state": last, "source_length": src.shape[1] + 0 * tgt_lengths}
 
 
+def attention_inside_decoder_scan(p, src, tgt, src_lengths, tgt_lengths, key):
+    # Bahdanau-style: each decoder step attends the encoder's states, masked by hand from the
+    # source lengths, with the previous step's weights (location) and their running sum
+    # (coverage) carried over the source's cells.
+    _, enc = rnn(p["enc"], src @ p["inp"], jnp.zeros((src.shape[0], H)))
+    mask = jnp.arange(src.shape[1])[None, :] < src_lengths[:, None]
+
+    def step(carry, y_t):
+        h, previous, coverage = carry
+        scores = jnp.einsum("bh,bsh->bs", h @ p["q"], enc @ p["k"]) + previous - coverage
+        w = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+        h = jnp.tanh(y_t + jnp.einsum("bs,bsh->bh", w, enc) @ p["v"] + h @ p["dec"])
+        return (h, w, coverage + w), h
+
+    zeros = jnp.zeros(src.shape[:2])
+    y = jnp.swapaxes(p["emb"][tgt[:, :-1]], 0, 1)
+    (last, _, coverage), hs = jax.lax.scan(step, (jnp.zeros((src.shape[0], H)), zeros, zeros), y)
+    loss, _ = next_token_loss(p, jnp.swapaxes(hs, 0, 1), tgt)
+    return loss, {"coverage": coverage, "decoder_state": last}
+
+
 CASES = [gru_encoder_attention_decoder, transformer_encoder_decoder,
-         encoder_state_into_decoder]
+         encoder_state_into_decoder, attention_inside_decoder_scan]
 KEY = jax.random.key(5)
 
 
@@ -175,9 +196,9 @@ def test_several_lengths_packed_equal_each_example_alone(case):
         loss += float(one["loss"]) * share
         grads = jax.tree.map(lambda g, o: g + o * share, grads, one["grad"])
         first = jax.tree.map(lambda leaf: leaf[0], one["out"])
-        mine = jax.tree.map(lambda leaf: np.asarray(leaf)[b], got["out"])
-        if case is gru_encoder_attention_decoder:
-            mine = mine[:m - 1]                 # the logits of the example's own positions
+        # Each output's row of the example, cut to its own positions (logits, coverage).
+        mine = jax.tree.map(lambda leaf, f: np.asarray(leaf)[b][tuple(map(slice, f.shape))],
+                            got["out"], first)
         assert_trees_close(mine, first, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(got["loss"]), loss, rtol=1e-5)
     assert_trees_close(got["grad"], grads, rtol=1e-4, atol=1e-5)

@@ -267,3 +267,35 @@ class Known:
 
 
 PLAIN = Known()
+
+
+def room_of(d, var: str) -> int:
+    """The cells a packed length needs after each sequence: ``c`` for ``T + c`` (``c > 0``;
+    ``jnp.pad`` by one cell each side gives ``T + 2``), else 0 -- ``T`` and ``T - 1`` need
+    none, and a length that exceeds ``T`` by more than a constant (``2*T``) has no room that
+    would do (`PackedCtx.refusal` refuses it).
+
+    >>> import jax
+    >>> T, = jax.export.symbolic_shape("T")
+    >>> room_of(T + 2, "T"), room_of(T - 1, "T"), room_of(2 * T, "T")
+    (2, 0, 0)
+    """
+    if not is_sym(d) or dim_vars(d) != {var}:
+        return 0
+    excess = d - var_dim(var, d.scope)
+    return int(excess) if not is_sym(excess) and int(excess) > 0 else 0
+
+
+def room_needed(jaxpr, var: str) -> int:
+    """The room a packed program leaves after each sequence: the largest `room_of` any value
+    of ``jaxpr`` (every program inside it included) has along the packed variable ``var``."""
+    dims, stack = set(), [jaxpr]
+    while stack:
+        j = stack.pop()
+        values = [*j.invars, *(v for eqn in j.eqns for v in eqn.outvars)]
+        for v in values:
+            dims.update(getattr(getattr(v, "aval", None), "shape", ()))
+        stack.extend(p for eqn in j.eqns for p in sub_jaxprs(eqn.params))
+    # Each distinct dimension once: `room_of` does symbolic arithmetic, and the 12-layer
+    # LM's values have some 8,000 dimensions, a few dozen of them distinct.
+    return max((room_of(d, var) for d in dims), default=0)

@@ -188,6 +188,8 @@ def _dot_general_packed(ctx: PackedCtx, eqn, invals):
     out = eqn.outvars[0].aval.shape
     if len(ctx.row_axes(out)) > 1:
         raise NoRule("a contraction pairing the rows of packed rows")
+    if any(ctx.paired_axes(x.shape) for x in invals):
+        return _paired_contraction(ctx, eqn, lhs, rhs)
     if ctx.row_axes(out) and ctx.packed_axes(out) and any(
             ctx.packed_axes(x.shape) and not ctx.row_axes(x.shape) for x in invals):
         return _placed_contraction(ctx, eqn, lhs, rhs)
@@ -206,6 +208,21 @@ def _dot_general_packed(ctx: PackedCtx, eqn, invals):
         if rows & c and not packed and ctx.alive is None:
             return ctx.refuse_per_sequence(eqn, "a contraction over the rows")
     return padded_rule(eqn)(ctx, eqn, invals)
+
+
+def _paired_contraction(ctx: PackedCtx, eqn, lhs, rhs):
+    """Inside a scan over one length, a contraction of values paired with the step's cell
+    (attention over the encoder's cells at a decoder step, ``einsum("bs,bsh->bh", w, enc)``):
+    over the cells of the step's example only, both operands zero outside them."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    for x, contracted in ((lhs, lc), (rhs, rc)):
+        if len(ctx.packed_axes(x.shape)) > 1 or (ctx.packed_axes(x.shape)
+                                                 and not ctx.paired_axes(x.shape)):
+            raise NoRule("a contraction inside a scan of a value of two packed lengths")
+    if not any(a in ctx.paired_axes(x.shape) for x, c in ((lhs, lc), (rhs, rc)) for a in c):
+        return None          # the paired length kept: per cell
+    return bind_eqn(eqn, [ctx.frame_only(x, 0) if ctx.paired_axes(x.shape) else x
+                          for x in (lhs, rhs)])
 
 
 def _placed_contraction(ctx: PackedCtx, eqn, lhs, rhs):

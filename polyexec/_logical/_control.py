@@ -126,7 +126,8 @@ def _set_step(x, value, at):
 
 
 def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, restart_at=None,
-                freeze=True, consts_at=None, init_at=None, keep=(), held_ys=()):
+                freeze=True, consts_at=None, init_at=None, keep=(), held_ys=(), paired_at=None,
+                held=()):
     """The scan ``eqn`` as a while loop over steps ``0 .. stop - 1`` (from ``stop - 1`` down
     when reversed), for carries with a rows axis (``carry_axes``: its position, None for a
     carry without one): at step ``at`` the rows ``alive_at(at)`` compute, the others keep
@@ -140,9 +141,14 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
     Ragged rows: constants and scanned values may be held per row (`Known.per_row`, by their
     operands' position), and so are the outputs per step that ``held_ys`` names
     (`_held_outputs`), stacked per row; a carry or another output that turns out per row
-    raises `_NotHeld`."""
+    raises `_NotHeld`.
+    Packed rows: ``paired_at(at)`` (`PackedCtx.paired`) pairs each step's cell with another
+    packed length's cells of its example; the carries ``held`` marks (that length's cells:
+    the gradient of an encoder's states read at every decoder step) never restart, and keep
+    their value outside the step's pairs, so each example's cells change at its own steps."""
     p = eqn.params
     ncarry, body = p["num_carry"], p["jaxpr"]
+    held = list(held) or [False] * ncarry
     # A constant held per sequence is read at each step's column (``consts_at``): plain there.
     consts_known = [PLAIN if k.per_sequence else k for k in ctx.operands[:len(consts)]]
     xs_known = [Known(per_row=k.per_row, below=k.below) if k.per_row else PLAIN
@@ -164,19 +170,24 @@ def frozen_scan(ctx, eqn, consts, init, xs, carry_axes, stop, *, alive_at, resta
         alive = alive_at(at)
         if restart_at is not None:
             restart = restart_at(at)
-            carry = [c if a is None else by_rows(restart, c0, c, a)
-                     for c, c0, a in zip(carry, init if init_at is None else init_at(at),
-                                         carry_axes)]
+            carry = [c if a is None or h else by_rows(restart, c0, c, a)
+                     for c, c0, a, h in zip(carry, init if init_at is None else init_at(at),
+                                            carry_axes, held)]
         x = [at_step(v, at, 1 if k.per_row else 0) for v, k in zip(xs, xs_known)]
         here = consts if consts_at is None else consts_at(at)
-        child = ctx.child(eqn, alive=alive)
+        child = (ctx.child(eqn, alive=alive) if paired_at is None else
+                 ctx.child(eqn, alive=alive, paired=paired_at(at)))
         out = eval_closed(child, body, [*here, *carry, *x],
                           [*consts_known, *[PLAIN] * len(carry), *xs_known])
         held_out = [k is not None and bool(k.per_row) for k in child.results]
+        if any(k is not None and k.per_sequence for k in child.results):
+            raise NoRule("a scan's step makes a value per sequence of another length")
         if any(held_out[:ncarry]):
             raise _NotHeld("a carry without a rows axis turns per row")
         new = [n if a is None or not freeze else by_rows(alive, n, old, a)
                for n, old, a in zip(out[:ncarry], carry, carry_axes)]
+        new = [lax.select(child.frame(jnp.shape(n)), n, old) if h else n
+               for n, old, h in zip(new, carry, held)]
         kept = [n for n, k in zip(new, keep) if k]
         ys = [_set_held_step(y, v, at, h) if j < len(held_ys) and held_ys[j]
               else _set_step(y, _plain(v, h).astype(y.dtype), at)
@@ -398,12 +409,14 @@ def _scan_packed(ctx: PackedCtx, eqn, invals):
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
     length = p["length"]
     has_rows = [bool(ctx.row_axes(v.aval.shape)) for v in eqn.invars[nc:]]
-    if ctx.var_of(length) is None or not any(has_rows):
+    var = ctx.var_of(length)
+    if var is None or not any(has_rows):
         if any(k.per_sequence for k in ctx.operands):
             raise NoRule("a scan over another length than the packed one reads a "
                           "per-sequence value")
         return padded_rule(eqn)(ctx, eqn, invals)
-    return _packed_scan(ctx, eqn, consts, init, xs)
+    with ctx.asking_in(var):
+        return _packed_scan(ctx, eqn, consts, init, xs)
 
 
 def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
@@ -430,8 +443,16 @@ def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
                      "reading x[:, t]: the sequences sharing a packed row are at other "
                      "positions at each step); a scan over the length's values, "
                      "lax.scan(step, h, jnp.swapaxes(x, 0, 1)), packs")
-    if any(ctx.row_axes(s) and ctx.packed_axes(s) for s in const_shapes):
+    # Another packed length's cells (a decoder's scan reading its encoder's (B, S, H)) pair
+    # with each step's cell: its example's cells only (`PackedCtx.paired`). The scan's own
+    # length's cells would be the whole sequence at each of its steps.
+    step_shapes = [*const_shapes, *init_shapes, *(tuple(x.shape[1:]) for x in xs)]
+    others = {ctx.var_of(s[a]) for s in step_shapes if ctx.row_axes(s)
+              for a in ctx.packed_axes(s)}
+    if ctx.var in others or any(ctx.packed_axes(s) and not ctx.row_axes(s)
+                                for s in step_shapes):
         raise NoRule("a scan over a packed length that reads a whole packed value at each step")
+    held_carries = [bool(ctx.packed_axes(s)) for s in init_shapes]
     carry_axes = []
     for j, shape in enumerate(init_shapes):
         axes = ctx.row_axes(shape)
@@ -457,15 +478,21 @@ def _packed_scan(ctx: PackedCtx, eqn, consts, init, xs):
 
     starting = [at_column(c, k.sequence_axis, 0) if k.per_sequence else c
                 for c, k in zip(init, init_known)]
-    keep = [a is not None and v in ctx.recorder.used for a, v in zip(carry_axes, eqn.outvars)]
+    keep = [a is not None and not h and v in ctx.recorder.used
+            for a, h, v in zip(carry_axes, held_carries, eqn.outvars)]
+    paired_at = None
+    if others:
+        current = _step_mask(jnp.where(in_frame, ctx.sequence_index(length), -1))
+        paired_at = lambda at: {v: current(at) for v in others}  # noqa: E731
     carry, ys, steps = frozen_scan(
         ctx, eqn, consts, starting, xs, carry_axes, stop,
         alive_at=_step_mask(in_frame), restart_at=_step_mask(first), freeze=False,
-        consts_at=at(consts, const_known), init_at=at(init, init_known), keep=keep)
+        consts_at=at(consts, const_known), init_at=at(init, init_known), keep=keep,
+        paired_at=paired_at, held=held_carries)
     final, unread, held_at = [], [], {}
-    for c, c0, k, shape, a, kept in zip(carry, init, init_known, init_shapes, carry_axes,
-                                        steps):
-        if a is None:
+    for c, c0, k, shape, a, kept, h in zip(carry, init, init_known, init_shapes, carry_axes,
+                                           steps, held_carries):
+        if a is None or h:          # no rows, or another length's cells: as they are
             final.append(c)
         elif kept is None:          # never read: no per-sequence copy, not packed
             unread.append(len(final))

@@ -78,7 +78,7 @@ class Logical:
     # The packed program takes each cell's sequence index as a third layout input (a draw
     # along packed rows folds it in); programs without one take only ``pos`` and ``seglen``.
     reads_sequence: bool = False
-    # The packed program's cells after each sequence (`_packed.room_of`): its ``pos`` and
+    # The packed program's cells after each sequence (`_basics.room_of`): its ``pos`` and
     # ``seglen`` are ``(B, T + room)``, and the layout leaves that many cells after each one.
     # ``rooms``: each packed variable's, where several pack (``room`` is then 0).
     room: int = 0

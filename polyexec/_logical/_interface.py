@@ -117,6 +117,13 @@ class PackedLayout(Layout, Protocol):
     def var_of(self, d) -> str | None:
         """The packed variable a length is an expression of, None for none."""
 
+    def asking_in(self, var: str):
+        """A context in which what takes no length asks in ``var``'s grid."""
+
+    def paired_axes(self, shape) -> list[int]:
+        """Inside a scan over one packed length: the axes of another whose cells pair with
+        the step's cell (its example's cells only)."""
+
     def packed_axes(self, shape) -> list[int]:
         """Axes whose length is an expression of the packed variable (T, T - 1)."""
 

@@ -12,7 +12,7 @@ The room
 --------
 A program with a length past ``T`` by a constant (``T + 2``: ``jnp.pad`` along T by one cell
 each side; ``T + 1``: a window padded at its end) needs that many cells after each sequence:
-its room, ``k`` the largest such constant (`room_of`, found by a walk of the program before
+its room, ``k`` the largest such constant (`_basics.room_of`, found by a walk of the program before
 the rewrite; `Logical.room`). The layout leaves ``k`` cells after every sequence, the last
 one of a row past the row's ``T`` columns: the layout inputs are ``(B, T + k)``. Room cells
 belong to their sequence -- ``pos`` n, n + 1, ..., ``seglen`` n, ``sequence`` its index -- so
@@ -116,8 +116,8 @@ from jax import lax
 
 from .._context import equation_line
 from .._jax_internals import dim_bounds, dim_vars, evaluate_dim, var_dim
-from ._basics import (PLAIN, Known, bind_eqn, filled, is_sym, like_aval,
-                      lowest_value, ranked, same_dim, sub_jaxprs)
+from ._basics import (PLAIN, Known, bind_eqn, filled, is_sym, like_aval, lowest_value, ranked,
+                      room_needed, same_dim, sub_jaxprs)
 from ._core import (Ctx, Logical, Recorder, Unsupported, eval_jaxpr, moves_ragged_rows, replay,
                     take_rows)
 from ._registry import ELEMENTWISE, NoRule, lookup_rule
@@ -146,9 +146,16 @@ class PackedCtx(Ctx):
     """
 
     def __init__(self, sizes, recorder, parent=None, eqn=None, alive=None, *,
-                 grids: dict[str, Grid], rows: str, var: str | None, derived=None):
+                 grids: dict[str, Grid], rows: str, var: str | None, derived=None,
+                 paired=None):
         super().__init__(sizes, recorder, parent, eqn, {v: (None, rows) for v in grids}, alive)
         self.grids, self.rows_name, self._var = grids, rows, var
+        # Inside a scan over one packed variable (a decoder's T) that reads another's cells
+        # (its encoder's (B, S, H)): per other variable, the sequence index of each row's
+        # cell at this step, -1 where none is real. A value with that variable's axis then
+        # pairs the step's cell with the S cells of the same example (`frame`), as the
+        # (B, T, S) scores of cross-attention do.
+        self.paired: dict[str, Any] = {} if paired is None else paired
         # What the rules derive from ``pos`` and ``seglen`` alone (a length's cells, its frame,
         # its sequences' start and end columns), made once per trace (`_derive`): every
         # masked contraction, reduction and zeroed tail asks again. Made at each ask, the
@@ -157,7 +164,7 @@ class PackedCtx(Ctx):
         self._derived: dict[Any, Any] = {} if derived is None else derived
         self._shapes: dict[tuple, Any] = {} if parent is None else parent._shapes  # `_of_shape`
 
-    def child(self, eqn, *, alive=None) -> "PackedCtx":
+    def child(self, eqn, *, alive=None, paired=None) -> "PackedCtx":
         if alive is not None and self.alive is not None:
             alive = lax.bitwise_and(alive, self.alive)
         # A call's equations run in this very trace (inlined): they share what it derived. A
@@ -167,12 +174,28 @@ class PackedCtx(Ctx):
         return PackedCtx(self.sizes, self.recorder, self, eqn,
                           self.alive if alive is None else alive, grids=self.grids,
                           rows=self.rows_name, var=self._var,
-                          derived=self._derived if entry is not None and entry.inline else None)
+                          derived=self._derived if entry is not None and entry.inline else None,
+                          paired={**self.paired, **(paired or {})})
 
     def in_grid(self, var: str) -> "PackedCtx":
         """This context asking in ``var``'s grid, sharing what it derived."""
         return PackedCtx(self.sizes, self.recorder, self.parent, self.eqn, self.alive,
-                          grids=self.grids, rows=self.rows_name, var=var, derived=self._derived)
+                          grids=self.grids, rows=self.rows_name, var=var, derived=self._derived,
+                          paired=self.paired)
+
+    @contextlib.contextmanager
+    def asking_in(self, var: str):
+        """While it lasts, what takes no length asks in ``var``'s grid (a scan over ``var``
+        whose equation also meets another variable's cells)."""
+        outer, self._var = self._var, var
+        try:
+            yield
+        finally:
+            self._var = outer
+
+    def paired_axes(self, shape) -> list[int]:
+        """The packed axes of ``shape`` of a variable paired with the enclosing scan's cell."""
+        return [a for a in self.packed_axes(shape) if self.var_of(shape[a]) in self.paired]
 
     # -- the packed variable of the equation at hand ----------------------------------------------
 
@@ -378,6 +401,14 @@ class PackedCtx(Ctx):
         sequence (two axes: attention's scores)."""
         def make():
             (r,), packed = self.row_axes(shape), self.packed_axes(shape)
+            if self.paired_axes(shape):         # the step's cell and its example's cells
+                if len(packed) != 1:
+                    raise NoRule(f"a value of shape {tuple(shape)} inside a scan pairs its "
+                                 f"step's cell with two packed lengths")
+                d = shape[packed[0]]
+                same = self.in_frame(d) & (self.sequence_index(d)
+                                           == self.paired[self.var_of(d)][:, None])
+                return spread(same, shape, (r, packed[0]))
             if len(packed) == 1:
                 return spread(self.in_frame(shape[packed[0]]), shape, (r, packed[0]))
             p, q = packed
@@ -450,7 +481,7 @@ class PackedCtx(Ctx):
         """Each sequence's own, held at every cell of it (`Known.per_sequence`) in the grid of
         its variable."""
         var = self.var_of(d) or self.var
-        self.results = [per_sequence(None, var)]
+        self.results = [self._per_sequence(None, var)]
         return self.at_lengths(d, self.grids[var].seglen, as_value=True)
 
     def count(self, d):
@@ -561,8 +592,14 @@ class PackedCtx(Ctx):
 
     def held_per_sequence(self, values, axes) -> list:
         """``values``, this equation's outputs, held per sequence along rows axes ``axes``."""
-        self.results = [per_sequence(a, self.var) for a in axes]
+        self.results = [self._per_sequence(a, self.var) for a in axes]
         return values
+
+    def _per_sequence(self, axis: int | None, var: str) -> Known:
+        if var in self.paired:
+            raise NoRule(f"a value per sequence of {var} inside a scan over another length "
+                         f"(each step's cell pairs with one example's {var})")
+        return per_sequence(axis, var)
 
     def held_rule(self, eqn, invals):
         if any(k.per_cell for k in self.operands):
@@ -664,38 +701,6 @@ def _fits(recorder: Recorder, d, var: str, rows: str, room: int) -> bool:
     axis stays inside its own cells)."""
     return _for_every_length(recorder, ("fits", room), d, var, rows,
                              lambda pairs: all(e <= n + room for n, e in pairs))
-
-
-def room_of(d, var: str) -> int:
-    """The cells a packed length needs after each sequence: ``c`` for ``T + c`` (``c > 0``;
-    ``jnp.pad`` by one cell each side gives ``T + 2``), else 0 -- ``T`` and ``T - 1`` need
-    none, and a length that exceeds ``T`` by more than a constant (``2*T``) has no room that
-    would do (`PackedCtx.refusal` refuses it).
-
-    >>> import jax
-    >>> T, = jax.export.symbolic_shape("T")
-    >>> room_of(T + 2, "T"), room_of(T - 1, "T"), room_of(2 * T, "T")
-    (2, 0, 0)
-    """
-    if not is_sym(d) or dim_vars(d) != {var}:
-        return 0
-    excess = d - var_dim(var, d.scope)
-    return int(excess) if not is_sym(excess) and int(excess) > 0 else 0
-
-
-def _room_needed(jaxpr, var: str) -> int:
-    """The room a packed program leaves after each sequence: the largest `room_of` any value
-    of ``jaxpr`` (every program inside it included) has along the packed variable ``var``."""
-    dims, stack = set(), [jaxpr]
-    while stack:
-        j = stack.pop()
-        values = [*j.invars, *(v for eqn in j.eqns for v in eqn.outvars)]
-        for v in values:
-            dims.update(getattr(getattr(v, "aval", None), "shape", ()))
-        stack.extend(p for eqn in j.eqns for p in sub_jaxprs(eqn.params))
-    # Each distinct dimension once: `room_of` does symbolic arithmetic, and the 12-layer
-    # LM's values have some 8,000 dimensions, a few dozen of them distinct.
-    return max((room_of(d, var) for d in dims), default=0)
 
 
 def _keeps_start_columns(recorder: Recorder, d, var: str, rows: str) -> bool:
@@ -851,6 +856,8 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
     """`PackedCtx.reduce`: over every real cell, within each sequence, or per position."""
     x, axes = invals[0], set(axes)
     rows, packed = set(ctx.row_axes(x.shape)), set(ctx.packed_axes(x.shape))
+    if ctx.paired_axes(x.shape):
+        return _paired_reduction(ctx, eqn, invals, fills, axes, rows, packed)
     arg = eqn.primitive.name in ("argmax", "argmin")
     padded = functools.partial(Ctx.reduce, ctx, eqn, invals, fills, tuple(axes))
     if not rows:                       # per position: real up to the longest sequence
@@ -875,6 +882,21 @@ def _reduction(ctx: PackedCtx, eqn, invals, fills, axes):
     if ctx.alive is not None and not arg:       # inside a packed scan: over its real rows
         return padded()
     return ctx.refuse_per_sequence(eqn, f"{eqn.primitive.name} over the rows")
+
+
+def _paired_reduction(ctx: PackedCtx, eqn, invals, fills, axes, rows, packed):
+    """Inside a scan over one length, a reduction of a value paired with the step's cell
+    (softmax over the encoder's cells at a decoder step): over the cells of the step's
+    example only, the result one per row as the step's other values are."""
+    if eqn.primitive.name in ("argmax", "argmin"):
+        raise NoRule(f"{eqn.primitive.name} over cells paired with a scan's step (a column "
+                     f"of the packed row, not a position in the example)")
+    if rows & axes and not packed <= axes:
+        raise NoRule(f"{eqn.primitive.name} over the rows of a value paired with a scan's "
+                     f"step, not over the other length")
+    n = len(fills)
+    return bind_eqn(eqn, [*(ctx.frame_only(v, f) for v, f in zip(invals[:n], fills)),
+                          *invals[n:]])
 
 
 def _over_positions(ctx: PackedCtx, eqn, x, r: int, *packed: int):
@@ -1069,7 +1091,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
     # Each packed variable its own grid (its rows' columns and the room after the last
     # sequence), an example's parts in the same row of each; its layout inputs, in this order.
     names = sorted(rows_at)
-    rooms = {var: _room_needed(jaxpr, var) for var in names}
+    rooms = {var: room_needed(jaxpr, var) for var in names}
     dims = [d for v in jaxpr.invars for d in getattr(v.aval, "shape", ()) if is_sym(d)]
     shapes = {var: jax.export.symbolic_shape(
         f"{rows}, {var} + {rooms[var]}" if rooms[var] else f"{rows}, {var}", scope=dims[0].scope)
