@@ -567,10 +567,34 @@ class _Packed(Placed):
         variable's grid."""
         leaves = []
         for leaf, aval in zip(outputs, segment.jaxpr.out_avals):
+            axes = [a for a, d in enumerate(aval.shape)
+                    if dim_vars(d) & set(self.grids) and self.first.rows_var not in dim_vars(d)]
+            if len(axes) == 2:
+                leaves.append(self._unpack_pairs(leaf, aval.shape, axes))
+                continue
             named = {n for d in aval.shape for n in dim_vars(d)} & set(self.grids)
             grid = self.grids[named.pop()] if len(named) == 1 else self.first
             leaves.append(grid.unpack(leaf, aval.shape, self.sizes))
         return jax.tree_util.tree_unflatten(out_tree, leaves)
+
+    def _unpack_pairs(self, leaf, shape, axes):
+        """An output pairing two packed lengths (attention weights, ``(B, T, S)`` or
+        ``(B, T, T)``) as the pad layout returns it: each example's own ``e(n) x e'(m)``
+        block, cut from its row at its start column in each length's grid, zeros after."""
+        (b,) = [a for a, d in enumerate(shape) if dim_vars(d) == {self.first.rows_var}]
+        grids = [self.grids[next(iter(dim_vars(shape[a]) & set(self.grids)))] for a in axes]
+        per = [np.broadcast_to(np.maximum(np.asarray(evaluate_dim(
+                   shape[a], {**self.sizes, g.var: g.lengths})), 0), g.lengths.shape).astype(
+                   np.int64) for a, g in zip(axes, grids)]
+        x = np.moveaxis(np.asarray(leaf), (b, *axes), (0, 1, 2))
+        out = np.zeros((len(self.first.lengths), *(int(n.max(initial=0)) for n in per),
+                        *x.shape[3:]), x.dtype)
+        count = per[0] * per[1]
+        seq, k = np.repeat(np.arange(len(count)), count), _cells_of(count)[1]
+        i, j = k // np.maximum(per[1][seq], 1), k % np.maximum(per[1][seq], 1)
+        out[seq, i, j] = x[self.first.packing.row[seq], grids[0].packing.start[seq] + i,
+                           grids[1].packing.start[seq] + j]
+        return np.moveaxis(out, (0, 1, 2), (b, *axes))
 
 
 class _Grid:

@@ -120,13 +120,15 @@ def attention_inside_decoder_scan(p, src, tgt, src_lengths, tgt_lengths, key):
         scores = jnp.einsum("bh,bsh->bs", h @ p["q"], enc @ p["k"]) + previous - coverage
         w = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
         h = jnp.tanh(y_t + jnp.einsum("bs,bsh->bh", w, enc) @ p["v"] + h @ p["dec"])
-        return (h, w, coverage + w), h
+        return (h, w, coverage + w), (h, w)
 
     zeros = jnp.zeros(src.shape[:2])
     y = jnp.swapaxes(p["emb"][tgt[:, :-1]], 0, 1)
-    (last, _, coverage), hs = jax.lax.scan(step, (jnp.zeros((src.shape[0], H)), zeros, zeros), y)
+    (last, _, coverage), (hs, ws) = jax.lax.scan(
+        step, (jnp.zeros((src.shape[0], H)), zeros, zeros), y)
     loss, _ = next_token_loss(p, jnp.swapaxes(hs, 0, 1), tgt)
-    return loss, {"coverage": coverage, "decoder_state": last}
+    # The weights come back per example: its (T - 1, S) block.
+    return loss, {"coverage": coverage, "decoder_state": last, "weights": jnp.swapaxes(ws, 0, 1)}
 
 
 CASES = [gru_encoder_attention_decoder, transformer_encoder_decoder,
@@ -272,3 +274,22 @@ def test_warmup_compiles_each_grid_and_packing_of_names_each_examples_row():
                                rtol=1e-5, atol=1e-6)
     row, rows = f.packing_of({"S": src_lengths, "T": tgt_lengths})
     assert rows == 6 and len(row) == 4 and row.max() < rows
+
+
+def test_attention_weights_of_one_length_come_back_per_sequence():
+    def weights(x, lengths):                # (B, 1, T, T): each sequence's own causal block
+        scores = jnp.einsum("btd,bsd->bts", x, x)
+        w = jax.nn.softmax(jnp.where(jnp.tri(x.shape[1], dtype=bool), scores, -1e9), axis=-1)
+        return jnp.swapaxes(w, 1, 2)[:, None]
+
+    T1 = px.LengthVar("T", min=1, max=12)
+    specs = (px.Spec("B T 3", jnp.float32, pad=np.nan), px.Spec("B", jnp.int32, lengths_of="T"))
+    f = px.bucketed(weights, specs, buckets={T1: [12], B: [6]}, layout="pack", strict=True)
+    lengths = np.array([5, 1, 7, 3])
+    x = np.random.default_rng(8).normal(size=(4, 7, 3)).astype(np.float32)
+    got = f(x, lengths)
+    for b, n in enumerate(lengths):
+        alone = jax.jit(weights)(x[b:b + 1, :n], lengths[b:b + 1])[0]
+        np.testing.assert_allclose(got[b, :, :n, :n], alone, rtol=1e-5, atol=1e-6)
+        assert not np.any(got[b, :, n:]) and not np.any(got[b, :, :, n:])
+

@@ -1130,7 +1130,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
                     out, k = (ctx.moved_to(out, k, names[0]),
                               per_sequence(k.sequence_axis, names[0]))
                 outs[i], _ = held(ctx, out, shape, k)
-            elif made or (ctx.row_axes(shape) and len(ctx.packed_axes(shape)) != 1):
+            elif made or (ctx.row_axes(shape) and len(ctx.packed_axes(shape)) not in (1, 2)):
                 made = made or "a per-sequence value"
                 recorder.unsupported.setdefault(("output", i), Unsupported(
                     "output", f"output {i}", f"returns {made}"))
