@@ -25,6 +25,9 @@ from .._spec import LengthVar, Spec
 
 # The one name a field's dims may use: the example's own length (fit has one length variable).
 LENGTH = "T"
+SEVERAL = ("; fit takes one length per example -- for several (an encoder-decoder's source "
+           "and target), px.bucketed(..., layout='pack') packs them in your own loop "
+           "(docs/guides/packing.md, 'Several lengths')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +256,7 @@ def _conform(flat: list, form: BatchForm, where: str) -> Examples:
                     length, first = n, f"{here}.shape[{axis}]"
                 elif d == LENGTH and n != length:
                     raise OptionError(f"{here}.shape[{axis}] = {n} disagrees with {first} = "
-                                      f"{length}: both are the example's length T")
+                                      f"{length}: both are the example's length T{SEVERAL}")
                 elif d != LENGTH and n != d:
                     raise OptionError(f"{here}.shape[{axis}]: expected {d} ({_show(field)}), "
                                       f"received {n}")
@@ -288,7 +291,8 @@ def _declared(specs: Any, example: Any, arrays: list[np.ndarray],
         names = [d for d in spec.dims if isinstance(d, str)]
         if any(n != LENGTH for n in names):
             raise OptionError(f"fit: specs{path}: expected dims of {LENGTH!r} (the example's "
-                              f"length) and ints, without the batch axis, received {spec}")
+                              f"length) and ints, without the batch axis, received {spec}"
+                              f"{SEVERAL}")
         dtype = canonical_dtype(spec.dtype if spec.dtype is not None else arr.dtype)
         out.append(Field(path, spec.dims, dtype, spec.pad))
     return out
