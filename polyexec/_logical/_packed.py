@@ -217,10 +217,8 @@ class PackedCtx(Ctx):
     def var_of(self, d) -> str | None:
         """The packed variable a length is an expression of (None: none); `NoRule` for one of
         several (``S + T``)."""
-        def work(key):
-            names = [v for v in dim_vars(key[0]) if v in self.grids] if is_sym(key[0]) else []
-            return names
-        names = self._of_shape("var", (d,), work)
+        names = self._of_shape("var", (d,),
+                               lambda key: sorted(dim_vars(key[0]) & set(self.grids)))
         if len(names) > 1:
             raise NoRule(f"the length {d} combines several packed variables")
         return names[0] if names else None
@@ -571,7 +569,8 @@ class PackedCtx(Ctx):
                     & (source.pos == 0)[:, None, :] & (target.sequence >= 0)[:, :, None])
             return jnp.argmax(same, axis=2).astype(np.int32)
         column = self._derive(("moved", known.sequence_var, var), make)
-        self.recorder.reads_sequence = True
+        # Every example then has a first cell in every grid, an empty one too (`Logical`).
+        self.recorder.reads_sequence = self.recorder.per_sequence = True
         a = 0 if known.sequence_axis is None else known.sequence_axis
         row = lax.broadcasted_iota(np.int32, jnp.shape(column), 0)
         return jnp.moveaxis(jnp.moveaxis(x, (a, a + 1), (0, 1))[row, column], (0, 1), (a, a + 1))
@@ -618,10 +617,10 @@ class PackedCtx(Ctx):
     def _refuses(self, shape) -> str | None:
         """Why no equation can make a value of ``shape`` in packed rows, None when one can."""
         for d in shape:
-            names = [v for v in dim_vars(d) if v in self.grids] if is_sym(d) else []
-            if len(names) > 1:
-                return f"the length {d} combines several packed variables"
-            var = names[0] if names else None
+            try:
+                var = self.var_of(d)
+            except NoRule as e:
+                return str(e)
             room = 0 if var is None else self.grids[var].room
             if not self.recorder.monotone(d) or not _fits(self.recorder, d, var,
                                                            self.rows_name, room):
