@@ -20,6 +20,9 @@ the program it runs (`Program` of a `Segment`) and how that program is compiled 
   held at every cell of their sequence and read back at its first. Split over devices (a
   sharded ``lengths_of`` argument), the rows are a multiple of the devices and every per-cell
   input is split with its rows: each device holds whole rows, so each sequence lies on one.
+  Several ragged variables over the same rows (an encoder-decoder's ``S`` and ``T``): each
+  has its own grid and layout inputs (in the variables' sorted order), and an example's
+  sequences share one row index in every grid (`joint_first_fit`).
 
 Both move data on the host, like padding always has: a device gather would compile one small
 program per call shape.

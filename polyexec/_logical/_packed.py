@@ -8,6 +8,17 @@ the cell's position inside its sequence (-1 in padding), ``seglen``, its sequenc
 and, only in a program that reads it (a random draw along the rows), ``sequence``, its
 sequence's index in the call's batch (-1 in padding).
 
+Several variables
+-----------------
+Several ragged variables over the same rows (an encoder-decoder's source ``S`` and target
+``T``) each have their own grid and layout inputs (`Grid`), an example's sequences in the
+same row of every grid. An equation is rewritten in the grid its lengths name
+(`PackedCtx.var`); a pair of two variables' cells (cross-attention's ``(B, T, S)`` scores)
+is in the frame when both cells are of the same example; a per-sequence value moves to
+another grid's cells of the same example where it meets them (`PackedCtx.moved_to`); and a
+scan over one variable that reads another's cells pairs each step's cell with its
+example's cells there (`PackedCtx.paired`: attention inside a decoder's scan).
+
 The room
 --------
 A program with a length past ``T`` by a constant (``T + 2``: ``jnp.pad`` along T by one cell
