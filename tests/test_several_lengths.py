@@ -1,8 +1,9 @@
 """layout="pack" for models with several ragged lengths over the same rows: an encoder over a
 source ``S`` and a decoder over a target ``T``, both ragged along ``B``. Each example's source
 and target go into the same row of their own variable's grid, so cross-attention's
-``(B, T, S)`` scores and an encoder state handed to the decoder see only their own example.
-The model code is unchanged: no segment ids, no masks.
+``(B, T, S)`` scores, an encoder state handed to the decoder and attention inside the
+decoder's scan see only their own example. The model code is unchanged: no segment ids, no
+masks.
 
 1. Packed == padded (loss, per-token and per-example outputs, gradients), on lengths where
    packing bugs live, the source poisoned beyond each length (NaN) and in the executor's
@@ -10,7 +11,8 @@ The model code is unchanged: no segment ids, no masks.
 2. Packed == each example alone under jax.jit, token-weighted.
 3. A term that couples examples (a dual encoder's in-batch contrastive loss) cannot pack: it
    runs padded with its reason naming the user's line, and still equals the exact result.
-4. `joint_first_fit` keeps an example's parts in one row, every example exactly once.
+4. `joint_first_fit` keeps an example's parts in one row, every example exactly once; a
+   warmup compiles each grid once; attention weights come back per example.
 """
 
 import functools
