@@ -412,6 +412,26 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
     out["shards"] = [list(s.shard_shape(a.shape)) for s, a in
                      zip(compiled.input_shardings[0], compiled.in_avals[0]) if a.shape]
 
+    # Two packed lengths (cross-attention of a target over a source) split over 2 devices:
+    # both grids' rows split alike, so each example's parts lie on one device.
+    S2, T2, B2 = (px.LengthVar("S", max=16), px.LengthVar("T", max=16),
+                  px.LengthVar("B", max=64))
+    def cross(src, tgt, n_src, n_tgt):
+        w = jax.nn.softmax(jnp.einsum("btf,bsf->bts", tgt, src), axis=-1)
+        return jnp.sum((w @ src) ** 2, axis=(1, 2))
+    specs = (px.Spec("B S 2", jnp.float32), px.Spec("B T 2", jnp.float32),
+             px.Spec("B", jnp.int32, lengths_of=S2), px.Spec("B", jnp.int32, lengths_of=T2))
+    args = (rng.normal(size=(5, 9, 2)).astype(np.float32),
+            rng.normal(size=(5, 7, 2)).astype(np.float32),
+            np.array([9, 3, 4, 2, 7], np.int32), np.array([2, 7, 5, 6, 1], np.int32))
+    sizes = {S2: [16], T2: [16], B2: [1, 2, 4, 8]}
+    g2 = px.bucketed(cross, specs, layout="pack", buckets=sizes, in_shardings=(dp.batch,) * 4)
+    out["cross"] = [np.asarray(g2(*args)).tolist(),
+                    np.asarray(px.bucketed(cross, specs, layout="pad", buckets=sizes)(*args)).tolist()]
+    (compiled,) = [c.result().executable for c in g2._shared.executables._futures.values()]
+    out["cross_shards"] = [[list(s.shard_shape(a.shape)), list(a.shape)] for s, a in
+                           zip(compiled.input_shardings[0], compiled.in_avals[0]) if a.shape]
+
     # layout="auto" on 2 devices prices both layouts at rows the devices split evenly: one
     # row of 64 holds about batch_size=2 of these examples a step, so 2 rows (a cost fixed
     # here, so that the choice does not depend on this machine's speed).
@@ -492,6 +512,16 @@ def test_packed_rows_split_over_two_devices_whole_rows_each(four_devices):
     # The rows (2, 16), their lengths (2, 16), pos and seglen (2, 16): one row a device.
     shards = four_devices["shards"]
     assert shards and all(s == [1, 16] for s in shards), shards
+
+
+def test_two_packed_lengths_split_over_two_devices_alike(four_devices):
+    """Cross-attention packed in two grids on 2 devices: every per-cell input of both grids
+    split with its rows (one row a device), the results those of the padded call."""
+    got, want = four_devices["cross"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    shards = four_devices["cross_shards"]
+    assert shards and all(part[0] * 2 == whole[0] and part[1:] == whole[1:]
+                          for part, whole in shards if len(whole) > 1), shards
 
 
 # -- buckets="auto": the bucket set chosen by predicted cost -------------------------------------
