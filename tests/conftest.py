@@ -1,5 +1,5 @@
-"""Shared test settings: the hypothesis profile, a fixture computed once per run, and a
-tree-tolerance helper."""
+"""Shared test settings: the hypothesis profile, a fixture computed once per run, a
+tree-tolerance helper, and the train step the packed-layout tests compare."""
 
 import fcntl
 import json
@@ -46,3 +46,21 @@ def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-5):
     for (path, a), (_, e) in zip(a_leaves, e_leaves):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
                                    err_msg=f"leaf {jax.tree_util.keystr(path)}")
+
+
+def train_step(case):
+    """``case(p, *args) -> (loss, out)`` as one call giving its loss, outputs and gradients."""
+    def fn(p, *args):
+        (loss, out), grads = jax.value_and_grad(case, has_aux=True)(p, *args)
+        return {"loss": loss, "out": out, "grad": grads}
+    fn.__name__ = case.__name__
+    return fn
+
+
+def packed_and_padded(case, specs, buckets):
+    """`train_step` of ``case`` through polyexec packed and padded (strict: never a
+    fallback)."""
+    import polyexec as px
+    return tuple(px.bucketed(train_step(case), specs, buckets=buckets, layout=layout,
+                             strict=True) for layout in ("pack", "pad"))
+

@@ -22,7 +22,7 @@ from hypothesis import example, given, strategies as st
 
 import polyexec as px
 
-from conftest import assert_trees_close
+from conftest import assert_trees_close, packed_and_padded, train_step
 
 T = px.LengthVar("T", min=2, max=32)
 B = px.LengthVar("B", max=8)
@@ -154,18 +154,9 @@ CASES = [final_carry, reverse_from_learned_state, mean_pooled, last_token, first
          max_pooled_and_argmax, encoder_decoder, context_in_every_step, hand_masked, centred]
 
 
-def train_step(case):
-    def fn(p, x, lengths, labels):
-        (loss, out), grads = jax.value_and_grad(case, has_aux=True)(p, x, lengths, labels)
-        return {"loss": loss, "out": out, "grad": grads}
-    fn.__name__ = case.__name__
-    return fn
-
-
 @functools.cache
 def functions(case):
-    return tuple(px.bucketed(train_step(case), SPECS, buckets=BUCKETS, layout=layout,
-                             strict=True) for layout in ("pack", "pad"))
+    return packed_and_padded(case, SPECS, BUCKETS)
 
 
 def batch(lengths, seed):

@@ -27,7 +27,7 @@ from hypothesis import example, given, strategies as st
 import polyexec as px
 from polyexec._layouts import joint_first_fit
 
-from conftest import assert_trees_close
+from conftest import assert_trees_close, packed_and_padded, train_step
 
 B = px.LengthVar("B", max=6)
 S = px.LengthVar("S", min=1, max=12)
@@ -138,19 +138,9 @@ CASES = [gru_encoder_attention_decoder, transformer_encoder_decoder,
 KEY = jax.random.key(5)
 
 
-def train_step(case):
-    def fn(p, src, tgt, src_lengths, tgt_lengths, key):
-        (loss, out), grads = jax.value_and_grad(case, has_aux=True)(
-            p, src, tgt, src_lengths, tgt_lengths, key)
-        return {"loss": loss, "out": out, "grad": grads}
-    fn.__name__ = case.__name__
-    return fn
-
-
 @functools.cache
 def functions(case):
-    return tuple(px.bucketed(train_step(case), SPECS, buckets=BUCKETS, layout=layout,
-                             strict=True) for layout in ("pack", "pad"))
+    return packed_and_padded(case, SPECS, BUCKETS)
 
 
 def batch(src_lengths, tgt_lengths, seed):
