@@ -285,3 +285,20 @@ def test_attention_weights_of_one_length_come_back_per_sequence():
         np.testing.assert_allclose(got[b, :, :n, :n], alone, rtol=1e-5, atol=1e-6)
         assert not np.any(got[b, :, n:]) and not np.any(got[b, :, :, n:])
 
+
+
+def test_auto_layout_prices_every_grid_and_packs_when_fewer_cells():
+    """layout="auto" per call: packed when the packed grids (rows x each row length, summed
+    over the lengths) hold fewer cells than the padded (B, S) and (B, T) buckets."""
+    def cross(src, tgt, src_lengths, tgt_lengths):
+        scores = 0.1 * tgt[:, :, None] * src[:, None, :, 0]
+        return jax.nn.softmax(scores, axis=-1) @ src
+
+    f = px.bucketed(cross, SPECS[1:5], buckets={S: [12], T: [12], B: [2, 6]}, layout="auto")
+    short = batch([2, 3, 1, 2], [3, 2, 4, 2], seed=9)      # one row holds them: 2 x 12 < 6 x 12
+    long = batch([12, 11], [12, 10], seed=9)                # two full rows: no fewer cells
+    for args in (short, long):
+        np.testing.assert_allclose(f(*args), f.with_layout("pad")(*args), rtol=1e-5, atol=1e-6)
+    ran = sorted(" ".join(f"{n}={s}" for n, s in key) for key in f.stats.buckets)
+    assert ran == ["B=2 S=12 T=12", "B=6 S=12 T=12",
+                   "rows(B)=2 row_length(S)=12 row_length(T)=12"], ran
