@@ -136,14 +136,21 @@ def iter_pack_examples(data: Data, order, *, cap: int, batch_size: int,
             positions=stack("tokens_positions"),
             examples=tuple(tuple(int(i) for i in r["index"]) for r in chunk) + ((),) * empty)
 
+    for chunk in in_batches(packed, batch_size):
+        yield batch(chunk)
+
+
+def in_batches(rows, size: int) -> Iterator[list]:
+    """``rows`` (an iterator, Grain's packed rows as it emits them) in lists of ``size``, the
+    last one shorter (the caller fills it with empty rows)."""
     chunk = []
-    for row in packed:
+    for row in rows:
         chunk.append(row)
-        if len(chunk) == batch_size:
-            yield batch(chunk)
+        if len(chunk) == size:
+            yield chunk
             chunk = []
     if chunk:
-        yield batch(chunk)
+        yield chunk
 
 
 def pack_examples(data: Data, order, *, cap: int, batch_size: int,

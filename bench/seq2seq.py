@@ -43,6 +43,8 @@ import optax
 
 import polyexec as px
 
+from .packing import in_batches
+
 
 def load_pairs(cap: int, num_examples: int | None = None) -> list[tuple[bytes, bytes]]:
     """(paragraph, its first sentence) byte pairs of `pydoc_data.topics`, each cut to ``cap``
@@ -159,13 +161,7 @@ def peer_batches(pairs, order, cap: int, rows: int, seed: int) -> Iterator[dict[
         out["examples"] = [int(i) for r in chunk for i in r["index"]]
         return out
 
-    chunk = []
-    for row in packed:
-        chunk.append(row)
-        if len(chunk) == rows:
-            yield batch(chunk)
-            chunk = []
-    if chunk:
+    for chunk in in_batches(packed, rows):
         yield batch(chunk)
 
 

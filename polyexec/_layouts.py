@@ -368,8 +368,7 @@ class _Pack(Layout):
         cells = {var: program.cells(np.asarray(lengths[var]), var) for var in names}
         row_lengths = {var: sizer.bucket_for(var, max(int(np.max(lengths[var], initial=0)), 1),
                                              plan) for var in names}
-        widths = {var: row_lengths[var] + program.rooms.get(var, program.room)
-                  for var in names}
+        widths = {var: row_lengths[var] + program.room_of(var) for var in names}
         if len(names) == 1:
             (var,) = names
             first = _buckets.first_fit(cells[var], widths[var])
@@ -568,16 +567,17 @@ class _Packed(Placed):
     def unplace(self, segment, out_tree, outputs, out_specs):
         """Per-sequence outputs cut back out of their rows (`_Grid.unpack`), each from its
         variable's grid."""
-        leaves = []
+        leaves, packed = [], set(self.grids)
         for leaf, aval in zip(outputs, segment.jaxpr.out_avals):
-            axes = [a for a, d in enumerate(aval.shape)
-                    if dim_vars(d) & set(self.grids) and self.first.rows_var not in dim_vars(d)]
+            names = [dim_vars(d) for d in aval.shape]
+            axes = [a for a, n in enumerate(names)
+                    if n & packed and self.first.rows_var not in n]
+            named = set().union(*names) & packed
             if len(axes) == 2:
                 leaves.append(self._unpack_pairs(leaf, aval.shape, axes))
-                continue
-            named = {n for d in aval.shape for n in dim_vars(d)} & set(self.grids)
-            grid = self.grids[named.pop()] if len(named) == 1 else self.first
-            leaves.append(grid.unpack(leaf, aval.shape, self.sizes))
+            else:
+                grid = self.grids[named.pop()] if len(named) == 1 else self.first
+                leaves.append(grid.unpack(leaf, aval.shape, self.sizes))
         return jax.tree_util.tree_unflatten(out_tree, leaves)
 
     def _unpack_pairs(self, leaf, shape, axes):
@@ -613,7 +613,7 @@ class _Grid:
         # ``row_length`` (T's bucket) columns, the layout inputs ``width`` (and the room).
         self.cells_per_sequence = program.cells(lengths, var)
         self.width = packing.row_length
-        self.row_length = packing.row_length - program.rooms.get(var, program.room)
+        self.row_length = packing.row_length - program.room_of(var)
 
     def _placed(self, counts: np.ndarray) -> tuple[np.ndarray, ...]:
         """``(sequence, position, row, column)`` of the first ``counts[i]`` cells of each

@@ -103,21 +103,21 @@ class Program:
     ``empty_cells``: the packed program reads a per-sequence value, so a sequence of length 0
     takes a cell too, where its per-sequence values are held. ``reads_sequence``: the packed
     program takes each cell's sequence index after ``pos`` and ``seglen`` (a random draw
-    along the rows folds it in). ``room``: the cells the packed program needs after each
-    sequence (a value of length ``T + 2``, ``jnp.pad`` by one each side, needs 2): each
-    sequence of length n takes ``n + room`` cells of a row, the last one's room past the
-    row's ``T`` columns (its layout inputs are ``(rows, T + room)``). `cells` says how many
-    cells each sequence takes; everything that plans packed rows from lengths reads it.
+    along the rows folds it in). ``rooms``: per packed variable, the cells the packed program
+    needs after each sequence (a value of length ``T + 2``, ``jnp.pad`` by one each side,
+    needs 2): each sequence of length n takes ``n + room`` cells of a row, the last one's room
+    past the row's ``T`` columns (its layout inputs are ``(rows, T + room)``). `cells` says
+    how many cells each sequence takes; everything that plans packed rows from lengths reads
+    it.
     """
 
     def __init__(self, exported: Any = None, *, reason: str | None = None,
-                 empty_cells: bool = False, reads_sequence: bool = False, room: int = 0,
+                 empty_cells: bool = False, reads_sequence: bool = False,
                  rooms: Mapping[str, int] | None = None,
                  build: Callable[[], Any] | None = None):
         self.reason = reason
         self.empty_cells = empty_cells
         self.reads_sequence = reads_sequence
-        self.room = room
         self.rooms = dict(rooms or {})
         self._exported = exported
         self._build = build
@@ -131,17 +131,26 @@ class Program:
                     self._exported, self._build = self._build(), None
         return self._exported
 
-    def cells(self, lengths: np.ndarray, var: str | None = None) -> np.ndarray:
-        """The cells each sequence of ``lengths`` takes in a packed row: its own, the room
-        after it (``rooms[var]`` where several variables pack), and one for a sequence of
-        length 0 where per-sequence values are held.
+    @property
+    def room(self) -> int:
+        """The room of the packed variable (the largest, where several pack)."""
+        return max(self.rooms.values(), default=0)
 
-        >>> Program(room=2).cells(np.array([3, 0])).tolist()
+    def room_of(self, var: str | None) -> int:
+        """The room after each sequence of ``var`` (None: `room`)."""
+        return self.rooms.get(var, self.room)
+
+    def cells(self, lengths: np.ndarray, var: str | None = None) -> np.ndarray:
+        """The cells each sequence of ``lengths`` (of ``var``) takes in a packed row: its own,
+        the room after it, and one for a sequence of length 0 where per-sequence values are
+        held.
+
+        >>> Program(rooms={"T": 2}).cells(np.array([3, 0])).tolist()
         [5, 2]
         >>> Program(empty_cells=True).cells(np.array([3, 0])).tolist()
         [3, 1]
         """
-        cells = np.asarray(lengths) + self.rooms.get(var, self.room)
+        cells = np.asarray(lengths) + self.room_of(var)
         return np.maximum(cells, 1) if self.empty_cells else cells
 
     @property

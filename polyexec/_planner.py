@@ -141,8 +141,7 @@ def packed_export(traced: Traced, convention: Convention) -> Program:
         if not logical.unsupported:
             return Program(export_flat(logical.fn, logical.avals),
                            empty_cells=logical.per_sequence,
-                           reads_sequence=logical.reads_sequence, room=logical.room,
-                           rooms=logical.rooms)
+                           reads_sequence=logical.reads_sequence, rooms=logical.rooms)
     except Exception as e:  # noqa: BLE001 - a rule that fails is a verdict, never a crash
         return Program(reason=f"the packed rewrite failed ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")

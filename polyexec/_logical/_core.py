@@ -78,10 +78,9 @@ class Logical:
     # The packed program takes each cell's sequence index as a third layout input (a draw
     # along packed rows folds it in); programs without one take only ``pos`` and ``seglen``.
     reads_sequence: bool = False
-    # The packed program's cells after each sequence (`_basics.room_of`): its ``pos`` and
-    # ``seglen`` are ``(B, T + room)``, and the layout leaves that many cells after each one.
-    # ``rooms``: each packed variable's, where several pack (``room`` is then 0).
-    room: int = 0
+    # Per packed variable, the program's cells after each sequence (`_basics.room_of`): its
+    # ``pos`` and ``seglen`` are ``(B, T + room)``, and the layout leaves that many cells after
+    # each one.
     rooms: dict = dataclasses.field(default_factory=dict)
     floors: tuple[RowFloor, ...] = ()       # per ragged variable, the longest floor found
 

@@ -24,7 +24,7 @@ The room
 A program with a length past ``T`` by a constant (``T + 2``: ``jnp.pad`` along T by one cell
 each side; ``T + 1``: a window padded at its end) needs that many cells after each sequence:
 its room, ``k`` the largest such constant (`_basics.room_of`, found by a walk of the program before
-the rewrite; `Logical.room`). The layout leaves ``k`` cells after every sequence, the last
+the rewrite; `Logical.rooms`). The layout leaves ``k`` cells after every sequence, the last
 one of a row past the row's ``T`` columns: the layout inputs are ``(B, T + k)``. Room cells
 belong to their sequence -- ``pos`` n, n + 1, ..., ``seglen`` n, ``sequence`` its index -- so
 the frame of an axis of ``T + c`` includes its first ``c`` room cells and the frame of ``T``
@@ -1167,7 +1167,7 @@ def rewrite_packed(closed_jaxpr, sizes_at, rows_at) -> Logical:
                    rewritten=len(recorder.rewritten), avals=tuple(avals),
                    per_sequence=recorder.per_sequence,
                    reads_sequence=recorder.reads_sequence or len(names) > 1,
-                   room=rooms[names[0]] if len(names) == 1 else 0, rooms=rooms)
+                   rooms=rooms)
 
 
 def _without_sequence(fn, *args):
