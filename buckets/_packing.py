@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import heapq
 import typing
+from collections.abc import Mapping
 from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
@@ -20,7 +21,7 @@ from ._checks import check_bool, check_epoch_shard, check_int, check_option, len
 from ._policies import BucketOverflowError, as_policy
 
 __all__ = ["PackedBatch", "PackedOverflow", "Packing", "balanced_fit", "first_fit",
-           "packed_batch_plan", "packed_batches", "packed_cells"]
+           "joint_first_fit", "packed_batch_plan", "packed_batches", "packed_cells"]
 
 PackedOverflow = Literal["error", "truncate"]
 _PACKED_OVERFLOW_OPTIONS: tuple[str, ...] = typing.get_args(PackedOverflow)
@@ -118,6 +119,36 @@ def balanced_fit(lengths, row_length: int, rows: int, *, first: Packing | None =
 
 
 # --------------------------------------------------------------------------- batch plans
+
+
+def joint_first_fit(cells: Mapping[str, np.ndarray], widths: Mapping[str, int]
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+    """``(row, {variable: start}, rows)``: first-fit of examples that take ``cells[v][i]``
+    cells in rows ``widths[v]`` wide of each variable ``v``, an example's parts in the same
+    row of every variable's grid, the biggest examples first (by their largest share of a
+    row); an example of no cells takes none (row 0, start 0).
+
+    >>> row, start, rows = joint_first_fit({"S": np.array([3, 1, 2]), "T": np.array([1, 4, 2])},
+    ...                                    {"S": 4, "T": 5})
+    >>> rows, row.tolist(), start["S"].tolist(), start["T"].tolist()
+    (2, [0, 0, 1], [1, 0, 0], [4, 0, 0])
+    """
+    names = list(cells)
+    need = np.stack([np.asarray(cells[v], np.int64) for v in names], axis=1)
+    width = np.array([widths[v] for v in names], np.int64)
+    order = np.argsort(-(need / width).max(axis=1, initial=0), kind="stable")
+    row = np.zeros(len(need), np.int64)
+    start = np.zeros_like(need)
+    free: list[np.ndarray] = []           # free cells left in each row, per variable
+    for i in order:
+        if not need[i].any():
+            continue
+        r = next((r for r, left in enumerate(free) if (left >= need[i]).all()), len(free))
+        if r == len(free):
+            free.append(width.copy())
+        row[i], start[i] = r, width - free[r]
+        free[r] -= need[i]
+    return row, {v: start[:, k] for k, v in enumerate(names)}, len(free)
 
 
 class PackedBatch(NamedTuple):

@@ -22,7 +22,7 @@ the program it runs (`Program` of a `Segment`) and how that program is compiled 
   input is split with its rows: each device holds whole rows, so each sequence lies on one.
   Several ragged variables over the same rows (an encoder-decoder's ``S`` and ``T``): each
   has its own grid and layout inputs (in the variables' sorted order), and an example's
-  sequences share one row index in every grid (`joint_first_fit`).
+  sequences share one row index in every grid (`buckets.joint_first_fit`).
 
 Both move data on the host, like padding always has: a device gather would compile one small
 program per call shape.
@@ -358,7 +358,7 @@ class _Pack(Layout):
 
         Several packed variables (an encoder-decoder's S and T): an example's sequences go
         into the same row of every variable's grid, first-fit by all of them at once
-        (`joint_first_fit`), so a cross term (``(B, T, S)`` scores) pairs only the cells of
+        (`buckets.joint_first_fit`), so a cross term (``(B, T, S)`` scores) pairs only the cells of
         one example."""
         segment = plan.segments[0]
         names, rows_var = packed_variables(segment)
@@ -375,7 +375,7 @@ class _Pack(Layout):
             n_rows = self.packed_rows(plan, rows_var, row_lengths[var], first.rows, sizer)
             return {var: _buckets.balanced_fit(cells[var], widths[var], n_rows,
                                                first=first)}, n_rows
-        row, starts, needed = joint_first_fit(cells, widths)
+        row, starts, needed = _buckets.joint_first_fit(cells, widths)
         n_rows = self.packed_rows(plan, rows_var, row_lengths[names[0]], needed, sizer)
         return {var: _buckets.Packing(row, starts[var], n_rows, widths[var])
                 for var in names}, n_rows
@@ -450,36 +450,6 @@ def packed_variables(segment: Segment) -> tuple[list[str], str]:
     variable they are ragged along (the packed rewrite refuses several)."""
     rows_at = segment.convention.rows_at
     return sorted(rows_at), next(iter(rows_at.values()))[1]
-
-
-def joint_first_fit(cells: Mapping[str, np.ndarray], widths: Mapping[str, int]
-                    ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
-    """``(row, {variable: start}, rows)``: first-fit of examples that take ``cells[v][i]``
-    cells in rows ``widths[v]`` wide of each variable ``v``, an example's parts in the same
-    row of every variable's grid, the biggest examples first (by their largest share of a
-    row); an example of no cells takes none (row 0, start 0).
-
-    >>> row, start, rows = joint_first_fit({"S": np.array([3, 1, 2]), "T": np.array([1, 4, 2])},
-    ...                                    {"S": 4, "T": 5})
-    >>> rows, row.tolist(), start["S"].tolist(), start["T"].tolist()
-    (2, [0, 0, 1], [1, 0, 0], [4, 0, 0])
-    """
-    names = list(cells)
-    need = np.stack([np.asarray(cells[v], np.int64) for v in names], axis=1)
-    width = np.array([widths[v] for v in names], np.int64)
-    order = np.argsort(-(need / width).max(axis=1, initial=0), kind="stable")
-    row = np.zeros(len(need), np.int64)
-    start = np.zeros_like(need)
-    free: list[np.ndarray] = []           # free cells left in each row, per variable
-    for i in order:
-        if not need[i].any():
-            continue
-        r = next((r for r, left in enumerate(free) if (left >= need[i]).all()), len(free))
-        if r == len(free):
-            free.append(width.copy())
-        row[i], start[i] = r, width - free[r]
-        free[r] -= need[i]
-    return row, {v: start[:, k] for k, v in enumerate(names)}, len(free)
 
 
 def _rows_sharding(segment: Segment, in_shardings: Sequence[Any] | None) -> Any:

@@ -379,6 +379,11 @@ class Plan:
         lengths (`buckets.packed_batch_plan`'s ``room``) plans with it."""
         return self.segments[0].program("pack").room if self.can_pack else 0
 
+    def packing_room_of(self, var: str) -> int:
+        """`packing_room` of the packed variable ``var`` (where several lengths pack, each
+        has its own)."""
+        return self.segments[0].program("pack").room_of(var) if self.can_pack else 0
+
     @functools.cached_property   # read on every call (the executor checks the lengths)
     def row_floors(self) -> dict[str, Any]:
         """Per ragged length variable, the shortest row every segment reads right

@@ -286,12 +286,14 @@ def _never_traced(model, batch):
 @pytest.mark.parametrize("data, kwargs, message", [
     ([{"x": np.ones(3)}, {"x": np.ones(3)}], {},
      "fit: data: expected a field whose first axis is the example's length"),
-    ([{"x": np.ones(3), "y": np.ones(4)}, {"x": np.ones(5), "y": np.ones(6)}], {},
+    ([{"x": np.ones(3), "y": np.ones(4)}, {"x": np.ones(5), "y": np.ones(6)}],
+     {"specs": {"x": px.Spec("T"), "y": px.Spec("T")}},
      r"fit: data\[0\]\['y'\].shape\[0\] = 4 disagrees with fit: data\[0\]\['x'\].shape\[0\] = 3"),
     ([{"x": np.ones(3)}, (np.ones(3),)], {}, r"fit: data\[1\]: expected an example of the "
                                               r"structure of the first"),
     ([{"x": np.ones(3), "n": np.int32(1)}, {"x": np.ones(5), "n": np.int32(2)}],
-     {"specs": {"x": px.Spec("L")}}, r"fit: specs\['x'\]: expected dims of 'T'"),
+     {"specs": {"x": px.Spec("B T")}}, r"fit: specs\['x'\]: expected dims naming the "
+                                       r"example's lengths .* without the batch axis B"),
     ([np.arange(3), np.arange(4)], {"specs": px.Spec("T")},
      "fit: specs: expected None for examples that are 1-D token arrays"),
 ])

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from hypothesis import example, given, strategies as st
 
+import buckets
 import polyexec as px
-from polyexec._layouts import joint_first_fit
 
 from conftest import assert_trees_close, packed_and_padded, train_step
 
@@ -241,7 +241,7 @@ def test_joint_first_fit_keeps_each_examples_parts_in_one_row(cells):
     widths = {"S": 9, "T": 5}
     need = {"S": np.array([c[0] for c in cells], np.int64),
             "T": np.array([c[1] for c in cells], np.int64)}
-    row, start, rows = joint_first_fit(need, widths)
+    row, start, rows = buckets.joint_first_fit(need, widths)
     for var, width in widths.items():
         taken = np.zeros((max(rows, 1), width), np.int32)
         for i in range(len(cells)):

@@ -17,7 +17,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -45,7 +45,7 @@ _LOCATIONS = re.compile(r"^#loc.*$|\s*loc\((?:[^()\n]|\([^()\n]*\))*\)", re.M)
 def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: int = SAMPLES,
                  extra_compiles: Bucketed | None = None, extra_arg: Any = None,
                  parallel: int = 1, on_output: Callable[[Any], None] | None = None,
-                 grid: tuple[int, int] | None = None,
+                 grid: tuple[int, int] | Mapping[str, int] | None = None,
                  then: Sequence[Callable[[], float]] = ()) -> _buckets.CostModel:
     """Compile ``step`` at the shape of ``tokens`` (B, T) and time ``runs`` calls on copies of
     ``arg`` (the step may donate it); the fastest call gives the seconds per padded cell.
@@ -63,7 +63,8 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     ``parallel``: the other compiles will overlap this many ways (e.g. beside training on a
     background thread), so count this fraction of their seconds. ``on_output``: called with
     each timed call's output (a real batch's step, kept rather than thrown away). ``grid``:
-    the (rows, row length) a packed step runs ``tokens`` at (default: ``tokens.shape``).
+    the (rows, row length) a packed step runs ``tokens`` at (default: ``tokens.shape``), or
+    a step of several lengths' ``{"B": rows, name: size}`` (a cell is a row's cell of any).
     ``then``: more timed calls the caller makes after these (the next real batches, steps
     its run takes anyway), each returning its seconds; the fastest of all counts.
 
@@ -83,8 +84,12 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
     if grid is None and not hasattr(tokens, "shape"):
         raise OptionError("measure_cost: grid: expected the (rows, length) a pytree batch runs "
                           "at, received None")
-    rows, length = grid if grid is not None else tokens.shape
-    shape = {"B": rows, "T": length}
+    if isinstance(grid, Mapping):       # several lengths: {"B": rows, name: size, ...}
+        shape = dict(grid)
+        cells = shape["B"] * sum(v for n, v in shape.items() if n != "B")
+    else:
+        rows, length = grid if grid is not None else tokens.shape
+        shape, cells = {"B": rows, "T": length}, rows * length
     steps = [(step, arg)] + ([(extra_compiles, extra_arg)] if extra_compiles is not None else [])
     seconds, hit = compile_at(steps, shape)
     record = _Record([f for f, _ in steps], shape)
@@ -107,7 +112,7 @@ def measure_cost(step: Bucketed, arg: Any, tokens: Any, lengths: Any, *, runs: i
             raise OptionError(f"measure_cost: runs: expected an int >= 1 (or calls in then), "
                               f"received {runs!r}")
         fastest = min([call() for _ in range(runs)] + [more() for more in then])
-        compile_s, per_cell = seconds, fastest / (rows * length)
+        compile_s, per_cell = seconds, fastest / cells
         if not hit:
             record.save(compile_s, per_cell)
     return _buckets.CostModel(compile_seconds=compile_s / parallel, seconds_per_cell=per_cell)

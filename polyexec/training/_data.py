@@ -4,14 +4,16 @@ An example is a pytree of arrays (``{"tokens": (T,), "label": (), "tags": (T,)}`
 one-field shorthand, a bare 1-D array of token ids (or ``bytes``). `BatchForm` says what each
 leaf's axes are -- ``T``, the example's length, or fixed sizes -- from Specs the caller
 declares or, by default, from the examples themselves; a batch is the same pytree with a
-leading ``B`` axis, its ``T`` axes padded to the batch's length.
+leading ``B`` axis, its ``T`` axes padded to the batch's length. An example may have several
+lengths (an encoder-decoder's ``{"src": (S,), "tgt": (T,)}``): each is an axis name of its
+own, and each is padded to the batch's longest of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,11 +25,10 @@ from .._bind import canonical_dtype, pad_to, spec_per_leaf
 from .._errors import OptionError, SpecError
 from .._spec import LengthVar, Spec
 
-# The one name a field's dims may use: the example's own length (fit has one length variable).
+# The name of an example's length when it has one (the default; several are named apart).
 LENGTH = "T"
-SEVERAL = ("; fit takes one length per example -- for several (an encoder-decoder's source "
-           "and target), px.bucketed(..., layout='pack') packs them in your own loop "
-           "(docs/guides/packing.md, 'Several lengths')")
+APART = ("; to give them lengths of their own, name their axes apart with specs= (e.g. "
+         "{'src': px.Spec('S'), 'tgt': px.Spec('T')})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +42,10 @@ class Field:
     dtype: np.dtype
     pad: Any
 
-    def shape(self, length: int) -> tuple[int, ...]:
-        return tuple(length if d == LENGTH else d for d in self.dims)
+    def shape(self, length: int | Mapping[str, int]) -> tuple[int, ...]:
+        """The field's shape at ``length`` (one size for every length axis, or one per name)."""
+        return tuple(d if not isinstance(d, str) else
+                     length[d] if isinstance(length, Mapping) else length for d in self.dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,8 @@ class BatchForm:
 
     treedef: Any
     fields: tuple[Field, ...]
+    # The names of an example's lengths, in the order `Examples.sizes` holds them.
+    lengths: tuple[str, ...] = (LENGTH,)
 
     @property
     def one_field(self) -> bool:
@@ -70,24 +75,32 @@ class BatchForm:
         return self.treedef is None
 
     @property
-    def can_pack(self) -> bool:
-        """Whether a packed row can hold these batches: every field with at most one ``T``
-        axis (a ``(T, T)`` field pairs positions, which the packed grid lays out per row)."""
-        return all(f.dims.count(LENGTH) <= 1 for f in self.fields)
+    def several(self) -> bool:
+        """Whether an example has several lengths (a source and a target)."""
+        return len(self.lengths) > 1
 
-    def specs(self, B: LengthVar, T: LengthVar) -> Any:
-        """The batch's Specs: each field's with a leading ``B`` and ``T`` as given."""
-        specs = [Spec((B, *(T if d == LENGTH else d for d in f.dims)), f.dtype, pad=f.pad)
-                 for f in self.fields]
+    @property
+    def can_pack(self) -> bool:
+        """Whether a packed row can hold these batches: every field with at most one length
+        axis (a ``(T, T)`` field pairs positions, which the packed grid lays out per row)."""
+        return all(sum(isinstance(d, str) for d in f.dims) <= 1 for f in self.fields)
+
+    def specs(self, B: LengthVar, T: LengthVar | Mapping[str, LengthVar]) -> Any:
+        """The batch's Specs: each field's with a leading ``B`` and its length axes' variables
+        as given (one, or one per length name)."""
+        named = T if isinstance(T, Mapping) else {n: T for n in self.lengths}
+        specs = [Spec((B, *(named[d] if isinstance(d, str) else d for d in f.dims)), f.dtype,
+                      pad=f.pad) for f in self.fields]
         return specs[0] if self.one_field else jax.tree_util.tree_unflatten(self.treedef, specs)
 
     def build(self, leaves: Sequence[np.ndarray]) -> Any:
         return leaves[0] if self.one_field else jax.tree_util.tree_unflatten(self.treedef,
                                                                              list(leaves))
 
-    def zeros(self, rows: int, length: int) -> Any:
-        """A batch of ``rows`` examples of length ``length``, every element its field's pad
-        (what a measurement or a trace runs on)."""
+    def zeros(self, rows: int, length: int | Mapping[str, int]) -> Any:
+        """A batch of ``rows`` examples of length ``length`` (with several lengths, a mapping
+        name -> size), every element its field's pad (what a measurement or a trace runs
+        on)."""
         return self.build([np.full((rows, *f.shape(length)), f.pad, f.dtype)
                            for f in self.fields])
 
@@ -99,14 +112,25 @@ class BatchForm:
 @dataclasses.dataclass(frozen=True)
 class Examples:
     """Variable-length examples: each one's leaves (in `BatchForm` order), their lengths and
-    their form."""
+    their form. ``sizes`` ``(N, V)``: each example's size of each of ``form.lengths``;
+    ``lengths`` ``(N,)``: its tokens -- its one length, or the sum of its several."""
 
     leaves: tuple[tuple[np.ndarray, ...], ...]
     lengths: np.ndarray
     form: BatchForm
+    sizes: np.ndarray = None     # type: ignore[assignment]  # default: lengths, one column
+
+    def __post_init__(self):
+        if self.sizes is None:
+            object.__setattr__(self, "sizes", np.asarray(self.lengths).reshape(-1, 1))
 
     def __len__(self) -> int:
         return len(self.leaves)
+
+    @property
+    def planned(self) -> np.ndarray:
+        """What a batch plan reads: ``lengths``, or ``sizes`` for several lengths."""
+        return self.sizes if self.form.several else self.lengths
 
     @property
     def tokens(self) -> tuple[np.ndarray, ...]:
@@ -118,7 +142,8 @@ class Examples:
 
     def fingerprint(self) -> str:
         """A short hash of the lengths: a checkpoint only resumes on the same data order."""
-        return hashlib.sha256(self.lengths.astype(np.int64).tobytes()).hexdigest()[:16]
+        sizes = self.sizes if self.form.several else self.lengths
+        return hashlib.sha256(sizes.astype(np.int64).tobytes()).hexdigest()[:16]
 
 
 def _is_token_sequence(example: Any) -> bool:
@@ -233,31 +258,56 @@ def _pytree_examples(data: Sequence[Any], where: str, specs: Any, also: Any,
         arrays = [leaves[k][1] for leaves in flat]
         fields.append(declared[k] if declared[k] is not None else
                       _inferred(path, arrays + [o[k] for o in others], where, pad_id))
-    if not any(LENGTH in f.dims for f in fields):
+    if not any(isinstance(d, str) for f in fields for d in f.dims):
         raise OptionError(
             f"{where}: expected a field whose first axis is the example's length (its size "
             f"varying across the examples), received none ({', '.join(map(_show, fields))}); "
             f"name it with specs=, e.g. specs={{'tokens': px.Spec('T')}}")
-    return _conform(flat, BatchForm(treedef, tuple(fields)), where)
+    fields = _named_apart(fields, [[a for _, a in e] for e in flat] + others, declared)
+    names = tuple(dict.fromkeys(d for f in fields for d in f.dims if isinstance(d, str)))
+    return _conform(flat, BatchForm(treedef, tuple(fields), names), where)
+
+
+def _named_apart(fields: list[Field], examples: list[list[np.ndarray]],
+                 declared: list[Field | None]) -> list[Field]:
+    """The default's lengths: the leaves it found varying (their first axis ``T``) share one
+    length where their sizes agree in every example, and have lengths of their own where they
+    do not (an encoder-decoder's source and target), each named after its first leaf's key
+    (``src``), else ``T1``, ``T2``, ... A declared Spec's names stand as given."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, field in enumerate(fields):
+        if declared[k] is None and LENGTH in field.dims:
+            groups.setdefault(tuple(int(e[k].shape[0]) for e in examples), []).append(k)
+    if len(groups) <= 1:
+        return fields
+    taken = {d for f in declared if f is not None for d in f.dims if isinstance(d, str)}
+    out = list(fields)
+    for n, members in enumerate(groups.values(), start=1):
+        key = fields[members[0]].path.rsplit("[", 1)[-1].strip("[]'\"")
+        name = key if key.isidentifier() and key not in taken | {"B"} else f"T{n}"
+        taken.add(name)
+        for k in members:
+            out[k] = dataclasses.replace(fields[k], dims=(name, *fields[k].dims[1:]))
+    return out
 
 
 def _conform(flat: list, form: BatchForm, where: str) -> Examples:
     """The examples (flattened, with their paths) checked against ``form`` and cast to it."""
-    leaves, lengths = [], []
+    leaves, sizes = [], []
     for i, example in enumerate(flat):
-        length, first = None, None
+        size: dict[str, tuple[int, str]] = {}    # each length: its size, and where it was read
         for field, (path, arr) in zip(form.fields, example):
             here = f"{where}[{i}]{path}"
             if arr.ndim != len(field.dims):
                 raise OptionError(f"{here}: expected rank {len(field.dims)} ({_show(field)}), "
                                   f"received shape {arr.shape}")
             for axis, (d, n) in enumerate(zip(field.dims, arr.shape)):
-                if d == LENGTH and length is None:
-                    length, first = n, f"{here}.shape[{axis}]"
-                elif d == LENGTH and n != length:
-                    raise OptionError(f"{here}.shape[{axis}] = {n} disagrees with {first} = "
-                                      f"{length}: both are the example's length T{SEVERAL}")
-                elif d != LENGTH and n != d:
+                if isinstance(d, str) and d not in size:
+                    size[d] = (n, f"{here}.shape[{axis}]")
+                elif isinstance(d, str) and n != size[d][0]:
+                    raise OptionError(f"{here}.shape[{axis}] = {n} disagrees with {size[d][1]} = "
+                                      f"{size[d][0]}: both are the example's length {d}{APART}")
+                elif not isinstance(d, str) and n != d:
                     raise OptionError(f"{here}.shape[{axis}]: expected {d} ({_show(field)}), "
                                       f"received {n}")
             if arr.dtype.kind != field.dtype.kind and not (
@@ -266,8 +316,9 @@ def _conform(flat: list, form: BatchForm, where: str) -> Examples:
                                   f"received {arr.dtype.name}")
         leaves.append(tuple(arr.astype(field.dtype, copy=False)
                             for field, (_, arr) in zip(form.fields, example)))
-        lengths.append(length)
-    return _checked(leaves, np.asarray(lengths, np.int64), form, where)
+        sizes.append([size[name][0] for name in form.lengths])
+    sizes = np.asarray(sizes, np.int64).reshape(len(flat), len(form.lengths))
+    return _checked(leaves, sizes.sum(axis=1), form, where, sizes)
 
 
 def _show(field: Field) -> str:
@@ -289,10 +340,10 @@ def _declared(specs: Any, example: Any, arrays: list[np.ndarray],
             out.append(None)
             continue
         names = [d for d in spec.dims if isinstance(d, str)]
-        if any(n != LENGTH for n in names):
-            raise OptionError(f"fit: specs{path}: expected dims of {LENGTH!r} (the example's "
-                              f"length) and ints, without the batch axis, received {spec}"
-                              f"{SEVERAL}")
+        if "B" in names:
+            raise OptionError(f"fit: specs{path}: expected dims naming the example's lengths "
+                              f"(such as 'T', or 'S' and 'T' for two) and ints, without the "
+                              f"batch axis B, received {spec}")
         dtype = canonical_dtype(spec.dtype if spec.dtype is not None else arr.dtype)
         out.append(Field(path, spec.dims, dtype, spec.pad))
     return out
@@ -331,12 +382,16 @@ def _inferred(path: str, arrays: list[np.ndarray], where: str, pad_id: int) -> F
     return Field(path, dims, dtype, pad_id)
 
 
-def _checked(leaves: list, lengths: np.ndarray, form: BatchForm, where: str) -> Examples:
-    empty = np.flatnonzero(lengths == 0)
+def _checked(leaves: list, lengths: np.ndarray, form: BatchForm, where: str,
+             sizes: np.ndarray | None = None) -> Examples:
+    sizes = lengths.reshape(-1, 1) if sizes is None else sizes
+    empty = np.argwhere(sizes == 0)
     if empty.size:
-        raise OptionError(f"{where}[{int(empty[0])}]: expected an example of length >= 1, "
-                          f"received length 0; drop it first")
-    return Examples(tuple(leaves), lengths, form)
+        i, v = (int(x) for x in empty[0])
+        what = "length" if not form.several else f"length {form.lengths[v]}"
+        raise OptionError(f"{where}[{i}]: expected an example of {what} >= 1, received "
+                          f"{what} 0; drop it first")
+    return Examples(tuple(leaves), lengths, form, sizes)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -503,13 +558,15 @@ class PackedBatching:
         return pad_batch(examples, batch.indices, len(batch.indices), length, load=load)
 
 
-def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,
-              pad_id: int | None = None, load: Sequence[bool] | None = None
-              ) -> tuple[Any, np.ndarray]:
+def pad_batch(examples: Examples, indices: np.ndarray, rows: int,
+              length: int | Mapping[str, int], pad_id: int | None = None,
+              load: Sequence[bool] | None = None) -> tuple[Any, Any]:
     """``(batch, lengths (rows,) int32)``: the examples stacked along a leading rows axis,
-    each ``T`` axis padded to ``length`` and the rows past the examples (length 0) filled
+    each length axis padded to ``length`` and the rows past the examples (length 0) filled
     with each field's pad (``pad_id``, when given, for every field). The one-field shorthand's
-    batch is tokens ``(rows, length)`` int32. Padded on the host by the executor's own padder, `pad_to`.
+    batch is tokens ``(rows, length)`` int32. Padded on the host by the executor's own padder,
+    `pad_to`. Examples of several lengths take ``length`` per name and give ``lengths`` as
+    ``{name: (rows,) int32}``.
     ``load``: per example, whether to read it; an example not read keeps its length and its
     row holds the pad (another process holds it: `PackedBatching`).
 
@@ -522,11 +579,16 @@ def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,
     if len(indices) > rows:
         raise OptionError(f"pad_batch: rows: expected at least {len(indices)} (one per example), "
                           f"received {rows}")
-    longest = max((int(examples.lengths[i]) for i in indices), default=0)
-    if longest > length:
-        raise OptionError(f"pad_batch: length: expected at least {longest} (the longest example "
-                          f"of the batch), received {length}")
-    form, stacked = examples.form, []
+    form = examples.form
+    names = form.lengths
+    length = dict(length) if isinstance(length, Mapping) else {n: length for n in names}
+    for v, name in enumerate(names):
+        longest = max((int(examples.sizes[i, v]) for i in indices), default=0)
+        if longest > length[name]:
+            axis = "" if not form.several else f"[{name!r}]"
+            raise OptionError(f"pad_batch: length{axis}: expected at least {longest} (the "
+                              f"longest example of the batch), received {length[name]}")
+    stacked = []
     for k, field in enumerate(form.fields):
         if pad_id is not None:
             field = dataclasses.replace(field, pad=pad_id)
@@ -536,5 +598,6 @@ def pad_batch(examples: Examples, indices: np.ndarray, rows: int, length: int,
                  for j, i in enumerate(indices)]
         block = np.stack(parts) if parts else np.empty((0, *shape), field.dtype)
         stacked.append(pad_to(block, (rows, *shape), field.pad))
-    lengths = np.array([examples.lengths[i] for i in indices], np.int32)
-    return form.build(stacked), pad_to(lengths, (rows,), 0)
+    sizes = {name: pad_to(np.array([examples.sizes[i, v] for i in indices], np.int32),
+                          (rows,), 0) for v, name in enumerate(names)}
+    return form.build(stacked), (sizes if form.several else sizes[names[0]])

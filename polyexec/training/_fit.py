@@ -32,8 +32,9 @@ from .._cache import count_compiles, enable_persistent_cache
 from .._errors import OptionError, PolyexecError, PolymorphismError, check_int, is_int
 from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
                           load_checkpoint, read_meta, save_checkpoint)
-from ._auto import choose_buckets, choose_layout, rebucket
+from ._auto import choose_buckets, choose_layout, measure_cost, rebucket
 from ._data import Batching, Examples, PackedBatching, as_examples
+from ._several import JointBatching, JointPackedBatching, choose_several
 from ._options import FitOptions, check_callable
 from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel
@@ -360,7 +361,7 @@ class _Run:
     options: FitOptions
     train: Examples
     validation: Examples | None
-    batching: Batching | PackedBatching
+    batching: Batching | PackedBatching | JointBatching | JointPackedBatching
     dp: DataParallel
     train_step: Bucketed
     eval_step: Bucketed | None
@@ -384,22 +385,36 @@ class _Run:
 
     @property
     def layout(self) -> str:
-        return "pack" if isinstance(self.batching, PackedBatching) else "pad"
+        return ("pack" if isinstance(self.batching, (PackedBatching, JointPackedBatching))
+                else "pad")
 
     @property
-    def used_train(self) -> tuple[int, ...]:
-        """The length buckets the training data uses."""
-        return tuple(sorted({t for _, t in self.train_shapes}))
+    def names(self) -> tuple[str, ...]:
+        """The names of an example's lengths (``("T",)``, or several)."""
+        return self.train.form.lengths
+
+    def sizes(self, shape: tuple[int, ...]) -> dict[str, int]:
+        """A batching's ``(rows, *sizes)`` as the steps' global ``{"B": rows, name: size}``."""
+        return {"B": shape[0] * self.dp.processes, **dict(zip(self.names, shape[1:]))}
+
+    def label(self, bucket: tuple[int, ...]) -> str:
+        """``B=8 T=64``: a global bucket as the progress bar shows it."""
+        return " ".join(f"{n}={v}" for n, v in zip(("B", *self.names), bucket))
 
     @property
-    def used(self) -> tuple[int, ...]:
-        return tuple(sorted({t for _, t in (*self.train_shapes, *self.eval_shapes)}))
+    def used_train(self) -> tuple:
+        """The length buckets the training data uses (with several lengths, tuples of them)."""
+        return _lengths_of(self.train_shapes)
+
+    @property
+    def used(self) -> tuple:
+        return _lengths_of({**self.train_shapes, **self.eval_shapes})
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:
         """Rows of the global batches: every process's share."""
-        return tuple(sorted({r * self.dp.processes for r, _ in (*self.train_shapes,
-                                                                  *self.eval_shapes)}))
+        return tuple(sorted({shape[0] * self.dp.processes
+                             for shape in (*self.train_shapes, *self.eval_shapes)}))
 
     @property
     def fingerprint(self) -> dict:
@@ -418,13 +433,23 @@ class _Run:
         cache = jax.config.jax_compilation_cache_dir
         mesh = self.dp.mesh is not None
         P = self.dp.processes
-        rows = {t: sorted({r * P for r, u in self.train_shapes if u == t}) for t in self.used}
-        if self.layout == "pack":
+        if self.train.form.several:
+            b = self.batching
+            shape = (("packed rows: " + f"{next(iter(b.pack_rows.values()))} rows of "
+                      + " and ".join(f"{L} ({n})" for n, L in zip(b.names, b.row_lengths))
+                      + ", several examples a row, an example's sequences in one row")
+                     if self.layout == "pack" else
+                     "buckets " + ", ".join(f"{n}={s}" for n, s in b.length_buckets.items())
+                     + f" | {len(self.train_shapes)} (rows, "
+                     + ", ".join(self.names) + ") shapes")
+        elif self.layout == "pack":
             shape = ("packed rows: " + ", ".join(f"{r} rows of {n}" for n, r in
                                                  self.batching.pack_rows.items())
                      + ", several examples a row"
                      + (", whole rows on each device" if self.dp.size > 1 else ""))
         else:
+            rows = {t: sorted({r * P for r, u in self.train_shapes if u == t})
+                    for t in self.used}
             shape = (f"length buckets {list(self.used)} | rows per bucket "
                      + ", ".join(f"T={t}: B={'/'.join(map(str, r)) or self.batching.rows(t) * P}"
                                  for t, r in rows.items()))
@@ -438,6 +463,11 @@ class _Run:
                 + (f"NOT shape-polymorphic, one trace per bucket: {plan.reason}"
                    if plan.reshaping_is_impossible else
                    "shape-polymorphic (reshaping_is_impossible=False): one program for every bucket"))
+
+
+def _lengths_of(shapes: dict) -> tuple:
+    """The length buckets of ``(rows, *sizes)`` shapes: ints, or tuples for several lengths."""
+    return tuple(sorted({s[1] if len(s) == 2 else tuple(s[1:]) for s in shapes}))
 
 
 def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: Any,
@@ -457,9 +487,11 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
                  if eval_fn is not None else None)
     buckets = options.buckets
     auto = buckets is None or (isinstance(buckets, str) and buckets == "auto")
+    dp = data_parallel(options.devices)
+    if form.several:
+        return _prepare_several(options, train, val, dp, loss_call, eval_call, auto, optimizer)
     policy = None if auto else _resolve_policy(buckets, train, val, options.min_length)
     top = policy.largest if policy is not None else _longest(train, val, options.min_length)
-    dp = data_parallel(options.devices)
     progress, console = options.progress, options.console
     display = RunDisplay(progress=_interactive(console) if progress is None else progress,
                          verbose=options.verbose and dp.process_index == 0, console=console)
@@ -518,13 +550,104 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
     return run if auto else _with_policy(run, policy)
 
 
+def _prepare_several(options: FitOptions, train: Examples, val: Examples | None,
+                     dp: DataParallel, loss_call: Any, eval_call: Any, auto: bool,
+                     optimizer: Any) -> _Run:
+    """`_prepare` for examples of several lengths (`_several`): one process, its devices
+    splitting the rows; padded buckets per length, or packed rows of every length."""
+    names = train.form.lengths
+    if dp.processes > 1:
+        raise OptionError(f"fit: data: examples of several lengths ({', '.join(names)}) train "
+                          f"on one process (on any number of its devices), received "
+                          f"{dp.processes} processes")
+    _check_optimizer(optimizer)
+    if options.layout == "pack" and not (auto and options.masking):
+        why = "buckets='auto'" if not auto else "masking=True"
+        raise OptionError(f"fit: layout: 'pack' needs {why}; use layout='auto' or 'pad'")
+    display = RunDisplay(progress=(_interactive(options.console) if options.progress is None
+                                   else options.progress),
+                         verbose=options.verbose, console=options.console)
+    if options.batch_size is not None and options.batch_size > len(train):
+        display.print(f"note: batch_size={options.batch_size} is more than the {len(train)} "
+                      f"training examples; using batch_size={len(train)}")
+        options = dataclasses.replace(options, batch_size=len(train))
+    floor = lambda e: np.maximum(e.sizes, options.min_length)   # noqa: E731
+    tops = floor(train).max(axis=0)
+    if val is not None:
+        tops = np.maximum(tops, floor(val).max(axis=0))
+    policies = ([_buckets.Fixed([int(t)]) for t in tops] if auto else
+                _several_policies(options.buckets, train, tops, options.min_length))
+    if options.max_tokens is not None and options.max_tokens < sum(p.largest for p in policies):
+        raise OptionError(f"fit: max_tokens: expected at least "
+                          f"{sum(p.largest for p in policies)} (one row of the longest bucket "
+                          f"of every length), received {options.max_tokens}")
+    batching = JointBatching(names, tuple(policies), options.batch_size, options.max_tokens,
+                             options.shuffle, options.seed, options.min_length,
+                             device_multiple=dp.local_devices, exact_rows=not options.masking)
+    packs = options.layout != "pad" and auto and options.masking and train.form.can_pack
+    rows = sorted({batching.rows_for(tuple(p.sizes[0] for p in policies)),
+                   batching.rows_for(tuple(p.largest for p in policies))})
+    step_args = dict(length_buckets={n: list(p.sizes) for n, p in zip(names, policies)},
+                     batch_buckets=rows, min_length=options.min_length, pad_id=options.pad_id,
+                     shardings=dp.shardings, masking=options.masking,
+                     layout="auto" if packs else "pad", form=train.form)
+    seed = options.seed if loss_call.wants_key else None
+    train_step = make_train_step(loss_call, optimizer, seed=seed, has_aux=options.has_aux,
+                                 **step_args)
+    eval_step = None
+    if val is not None:
+        evaluation = eval_call or loss_call
+        eval_step = make_eval_step(None if eval_call else loss_call, eval_call,
+                                   seed=options.seed if evaluation.wants_key else None,
+                                   has_aux=options.has_aux and eval_call is None, **step_args)
+    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto,
+               loss_call=loss_call, eval_call=eval_call if val is not None else None)
+    if auto:
+        return run
+    train_shapes = batching.shapes(train.sizes)
+    eval_shapes = batching.shapes(val.sizes) if val is not None else {}
+    B = sorted({s[0] for s in (*train_shapes, *eval_shapes)})
+    repinned = lambda f: f.with_buckets({"B": B}) if f is not None else None   # noqa: E731
+    return dataclasses.replace(run, train_shapes=train_shapes, eval_shapes=eval_shapes,
+                               train_step=repinned(train_step), eval_step=repinned(eval_step))
+
+
+def _several_policies(spec: Any, train: Examples, tops: np.ndarray, min_length: int) -> list:
+    """Explicit buckets for several lengths: an int K (``Optimal.fit`` with K buckets for each
+    length) or a mapping name -> policy, list of sizes or K; each floored at ``min_length``
+    and covering the longest example (validation included)."""
+    names = train.form.lengths
+    if is_int(spec):
+        spec = {n: spec for n in names}
+    if not isinstance(spec, dict) or set(spec) != set(names):
+        raise OptionError(f"fit: buckets: expected 'auto', an int K or a dict naming each of "
+                          f"the examples' lengths ({', '.join(map(repr, names))}) with its "
+                          f"buckets, received {spec!r}")
+    out = []
+    for v, name in enumerate(names):
+        try:
+            policy = (_buckets.Optimal.fit(train.sizes[:, v], max_buckets=check_int(
+                spec[name], f"fit: buckets[{name!r}]", min=1)) if is_int(spec[name])
+                else _buckets.as_policy(spec[name]))
+        except (TypeError, ValueError) as e:
+            raise OptionError(f"fit: buckets[{name!r}]: {e}") from e
+        sizes = sorted({max(int(s), min_length) for s in policy.sizes})
+        if sizes[-1] < tops[v]:
+            raise OptionError(f"fit: buckets[{name!r}]: expected a largest bucket >= "
+                              f"{int(tops[v])} (the longest {name} of the examples), received "
+                              f"{policy!r}")
+        out.append(_buckets.Fixed(sizes))
+    return out
+
+
 def _check_losses(run: _Run, model: Any) -> None:
     """The loss contract (`check_loss`), on the first two examples as a batch, before
     anything traces symbolically or compiles: what ``loss_fn`` (and ``eval_fn``) returned,
     named by shape and dtype against what is expected."""
     first = list(range(min(2, len(run.train))))   # two: a per-example loss shows as [2]
-    length = max(int(run.train.lengths[first].max()), run.options.min_length)
-    batch, lengths = pad_batch(run.train, first, len(first), length)
+    longest = np.maximum(run.train.sizes[first].max(axis=0), run.options.min_length)
+    batch, lengths = pad_batch(run.train, first, len(first),
+                               {n: int(m) for n, m in zip(run.names, longest)})
     on = f" on a batch of {len(first)} example{'s' if len(first) > 1 else ''} of data"
     check_loss(run.loss_call, model, batch, lengths, has_aux=run.options.has_aux, on=on)
     if run.eval_call is not None:
@@ -644,8 +767,10 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
         return run
     options = run.options
     meta = read_meta(restored) if restored is not None else {}
-    saved = meta.get("auto_layout") or meta.get("auto_buckets")
     remaining = max(options.epochs - position.epoch, 1)
+    if run.train.form.several:
+        return _settle_several(run, state, meta.get("auto_several"), position, remaining)
+    saved = meta.get("auto_layout") or meta.get("auto_buckets")
     known = None
     if saved is not None and (saved["epochs"] == options.epochs or position.batch > 0):
         if saved.get("layout") == "pack":
@@ -721,6 +846,49 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
         batching=dataclasses.replace(run.batching, policy=choice.policy),
         train_shapes=choice.train_shapes, eval_shapes=choice.eval_shapes,
         train_step=choice.steps[0], eval_step=choice.steps[1] if run.eval_step is not None else None)
+
+
+def _settle_several(run: _Run, state: TrainState, saved: dict | None, position: Position,
+                    remaining: int) -> _Run:
+    """`_settle` for examples of several lengths: `choose_several`."""
+    options = run.options
+    known = None
+    if saved is not None and (saved["epochs"] == options.epochs or position.batch > 0):
+        known = saved
+        run.display.print(f"layout (auto): the checkpoint's, {saved['layout']}")
+        if saved["layout"] == "pack" and run.train_step.layout == "pad":
+            raise OptionError("fit: cannot resume from a checkpoint of packed rows in a run "
+                              f"that cannot pack (masking={options.masking}, "
+                              f"layout={options.layout!r})")
+    choose = functools.partial(
+        choose_several, run.train_step, state, run.train, epochs=remaining,
+        batch_size=options.batch_size, max_tokens=options.max_tokens, layout=options.layout,
+        seed=options.seed, shuffle=options.shuffle, min_length=options.min_length,
+        devices=run.dp.size, exact_rows=not options.masking, eval_step=run.eval_step,
+        eval_arg=state.model, validation=run.validation, known=known,
+        measure=functools.partial(_measure_several, form=run.train.form))
+    if known is not None:
+        choice = choose()
+    else:
+        with run.display.task("measuring one step", 1) as advance:
+            choice = choose()
+            advance()
+        run.display.print(f"layout (auto, for {remaining} epoch(s)): {choice.describe()}")
+    val = run.validation
+    return dataclasses.replace(
+        run, prediction=choice.prediction, batching=choice.batching, train_step=choice.step,
+        eval_step=choice.eval_step, train_shapes=choice.batching.shapes(run.train.sizes),
+        eval_shapes=choice.batching.shapes(val.sizes) if val is not None else {})
+
+
+def _measure_several(step: Bucketed, arg: Any, shape: dict, *, extra: Bucketed | None,
+                     extra_arg: Any, form: Any) -> _buckets.CostModel:
+    """`measure_cost` of ``step`` at ``shape`` (``{"B": rows, name: size}``) on a batch of
+    padding, every row one example of every length's full size."""
+    sizes = {n: v for n, v in shape.items() if n != "B"}
+    lengths = {n: np.full(shape["B"], v, np.int32) for n, v in sizes.items()}
+    return measure_cost(step, arg, form.zeros(shape["B"], sizes), lengths, grid=shape,
+                        extra_compiles=extra, extra_arg=extra_arg)
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
@@ -809,7 +977,14 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
     if run.options.checkpoint_dir is None or not run.main:
         return None
     meta = position.meta(log.history, run.fingerprint)
-    if run.auto and run.layout == "pack":
+    if run.auto and run.train.form.several:
+        b = run.batching
+        meta["auto_several"] = ({"layout": "pack", "row_lengths": list(b.row_lengths),
+                                 "rows": b.rows, "rooms": list(b.rooms)}
+                                if run.layout == "pack" else
+                                {"layout": "pad", "sizes": b.length_buckets}) | {
+                                    "epochs": run.options.epochs}
+    elif run.auto and run.layout == "pack":
         meta["auto_layout"] = {"layout": "pack", "row_lengths": list(run.batching.row_lengths),
                                # A whole step's rows, every process's.
                                "pack_rows": {str(n): r
@@ -833,17 +1008,16 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
 def _warmup(run: _Run, state: TrainState, step: int, log: MetricsLog) -> None:
     """Compile every (step, shape) pair the data uses on parallel threads (XLA compiles release
     the GIL) before the first step, the shapes that carry the most tokens first."""
-    P = run.dp.processes
-    jobs = sorted([(tokens, run.train_step, state, rows, t)
-                   for (rows, t), tokens in run.train_shapes.items()]
-                  + [(tokens, run.eval_step, state.model, rows, t)
-                     for (rows, t), tokens in run.eval_shapes.items()], key=lambda j: -j[0])
+    jobs = sorted([(tokens, run.train_step, state, shape)
+                   for shape, tokens in run.train_shapes.items()]
+                  + [(tokens, run.eval_step, state.model, shape)
+                     for shape, tokens in run.eval_shapes.items()], key=lambda j: -j[0])
     workers = run.options.warmup_workers or os.cpu_count() or 1
     start = time.perf_counter()
     with count_compiles() as counter, run.display.task("compiling buckets", len(jobs)) as advance, \
             concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(f.warmup, arg, sizes=[{"B": rows * P, "T": t}], max_workers=1)
-                   for _, f, arg, rows, t in jobs]
+        futures = [pool.submit(f.warmup, arg, sizes=[run.sizes(shape)], max_workers=1)
+                   for _, f, arg, shape in jobs]
         for future in concurrent.futures.as_completed(futures):
             future.result()
             advance()
@@ -861,7 +1035,7 @@ def _train_epoch(run: _Run, state: TrainState, position: Position,
                  log: MetricsLog) -> tuple[TrainState, Position, bool, str | None]:
     """The rest of ``position``'s epoch; returns (state, position, stopped, checkpoint written)."""
     options = run.options
-    batches = run.batching.epoch(run.train.lengths, position.epoch)
+    batches = run.batching.epoch(run.train.planned, position.epoch)
     compiles_at_start, _ = run.compiles()
     checkpoint = None
     start = time.perf_counter()
@@ -897,10 +1071,10 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     """One step on ``batch``; returns (state, position, whether to stop)."""
     start = time.perf_counter()
     examples, lengths = _stacked(run.batching, run.dp, run.train_step, state, run.train, batch)
-    rows, length = run.batching.shape(batch)
-    bucket = (rows * run.dp.processes, length)
-    state, metrics = _at_shape(run.train_step, bucket, state,
-                               *_global(run.batching, run.dp, examples, lengths))
+    shape = run.batching.shape(batch)
+    bucket = (shape[0] * run.dp.processes, *shape[1:])
+    state, metrics = run.train_step.call_at_least(
+        run.sizes(shape), state, *_global(run.batching, run.dp, examples, lengths))
     # The step's one read-back (the loss was read every step already): its finite flag comes
     # with it, computed inside the compiled step.
     values = jax.device_get({k: metrics[k] for k in ("loss", "grad_norm", "finite", "aux")
@@ -911,10 +1085,12 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
     seconds = time.perf_counter() - start
     # The executor pads the batch to `bucket` (see Batching); across processes the other
     # shares' real tokens are estimated by this one's (a packed step holds every length).
-    tokens_real = int(lengths.sum()) * (1 if run.layout == "pack" else run.dp.processes)
+    tokens_real = (int(sum(np.sum(v) for v in lengths.values())) if isinstance(lengths, dict)
+                   else int(lengths.sum())) * (1 if run.layout == "pack" else run.dp.processes)
     if not finite and run.options.on_nonfinite == "stop":
         _stop_nonfinite(run, position, batch, loss, grad_norm)
-    position = position.after_step(loss=loss, tokens=tokens_real, padded=bucket[0] * bucket[1],
+    position = position.after_step(loss=loss, tokens=tokens_real,
+                                   padded=bucket[0] * sum(bucket[1:]),
                                    seconds=seconds, skipped=not finite, aux=aux)
     compiles, _ = run.compiles()
     log.add(step_record(position, loss=loss, grad_norm=grad_norm, tokens=tokens_real,
@@ -924,7 +1100,7 @@ def _train_step(run: _Run, state: TrainState, position: Position, batch: _bucket
         run.display.print(f"step {position.step} (epoch {position.epoch}): loss {loss}, gradient "
                           f"norm {grad_norm}: not finite, skipped (on_nonfinite='skip'); "
                           f"examples {_listed(batch.indices)}")
-    run.display.step(loss=loss, rate=position.totals.tokens_per_s, bucket=bucket,
+    run.display.step(loss=loss, rate=position.totals.tokens_per_s, bucket=run.label(bucket),
                      compiles=compiles)
     info = StepInfo(position.step, position.epoch, position.batch, loss, bucket, state)
     try:
@@ -990,26 +1166,22 @@ def _global(batching: Batching | PackedBatching, dp: DataParallel, examples: Any
     """The step's batch arguments: across processes a padded share becomes its global batch
     here; a packed step's host arrays (every process's are the whole step) are made global
     by the executor, from the rows each process holds, once packed."""
-    if isinstance(batching, PackedBatching):
+    if isinstance(batching, (PackedBatching, JointPackedBatching)):
         return examples, lengths
     return dp.global_batch(examples), dp.global_batch(lengths)
 
 
-def _at_shape(step: Bucketed, shape: tuple[int, int], *args):
-    """``step(*args)`` at the (rows, length) bucket ``shape`` that warmup compiled, however
-    few real rows ``args`` hold (`Batching.stack`); a packed step chooses its own rows."""
-    return step.call_at_least({"B": shape[0], "T": shape[1]}, *args)
-
-
 def evaluate(eval_step: Bucketed, model: Any, examples: Examples,
              batching: Batching | PackedBatching, dp: DataParallel) -> tuple[float, int]:
-    """Mean loss over ``examples`` (exact: summed totals over summed counts) and the count."""
+    """Mean loss over ``examples`` (exact: summed totals over summed counts) and the count.
+    Each step runs at least at the (rows, length) bucket warmup compiled for its batch,
+    however few real rows it holds (`Batching.stack`); a packed step chooses its own rows."""
     total, count = 0.0, 0.0
-    for batch in batching.epoch(examples.lengths, 0, shuffle=False, partial_rows="full"):
+    for batch in batching.epoch(examples.planned, 0, shuffle=False, partial_rows="full"):
         stacked, lengths = _stacked(batching, dp, eval_step, model, examples, batch)
-        rows, length = batching.shape(batch)
-        t, c = _at_shape(eval_step, (rows * dp.processes, length), model,
-                         *_global(batching, dp, stacked, lengths))
+        shape = batching.shape(batch)
+        sizes = {"B": shape[0] * dp.processes, **dict(zip(examples.form.lengths, shape[1:]))}
+        t, c = eval_step.call_at_least(sizes, model, *_global(batching, dp, stacked, lengths))
         total += float(t)
         count += float(c)
     return (total / count if count else float("nan")), int(count)

@@ -62,11 +62,11 @@ class RunDisplay:
             rate="-", bucket="-", compiles="-")
         self._progress.start()
 
-    def step(self, *, loss: float, rate: float, bucket: tuple[int, int], compiles: int) -> None:
+    def step(self, *, loss: float, rate: float, bucket: str, compiles: int) -> None:
         if self._progress is None:
             return
         self._progress.update(self._task, advance=1, loss=f"{loss:.4f}", rate=_rate(rate),
-                              bucket=f"B={bucket[0]} T={bucket[1]}", compiles=str(compiles))
+                              bucket=bucket, compiles=str(compiles))
 
     def end_epoch(self) -> None:
         if self._progress is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import equinox as eqx
 import jax
@@ -311,7 +311,10 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *
             return jnp.asarray(total, jnp.float32), jnp.asarray(count, jnp.float32)
     elif loss_fn is not None:
         def eval_step(model, batch, lengths):
-            count = jnp.sum(lengths).astype(jnp.float32)
+            # Several lengths: one count per example (which length a loss averages over is
+            # its own; an eval_fn says it exactly).
+            count = (jnp.sum(lengths).astype(jnp.float32) if not isinstance(lengths, dict) else
+                     jnp.sum(next(iter(lengths.values())) > 0).astype(jnp.float32))
             loss, _ = call_with_state(loss_fn, model, batch, lengths, *keyed())
             loss = loss[0] if has_aux else loss
             return loss.astype(jnp.float32) * count, count
@@ -320,7 +323,8 @@ def eval_step_fn(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *
     return eval_step
 
 
-def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
+def _bucketed_step(step: Callable, *, name: str,
+                   length_buckets: Sequence[int] | Mapping[str, Sequence[int]],
                    batch_buckets: Sequence[int], min_length: int, pad_id: int,
                    shardings: tuple | None, masking: bool,
                    donate_argnums: tuple[int, ...] = (), layout: str = "pad",
@@ -333,14 +337,26 @@ def _bucketed_step(step: Callable, *, name: str, length_buckets: Sequence[int],
     the user's process. ``T >= min_length`` (2 by default) is a constraint of the one symbolic
     trace: next-token losses slice ``tokens[:, :-1]``, which needs T >= 2. ``lengths`` makes
     ``T`` ragged along ``B``: the loss sees each row at its own length (no mask needed).
+    A form of several lengths has one LengthVar each, ``length_buckets`` a mapping name ->
+    buckets, and ``lengths`` a dict name -> ``(B,)``.
     """
-    T = LengthVar("T", min=min_length, max=max(length_buckets))
-    # Packed, B counts sequences: as many as the largest grid holds of the shortest.
-    B = LengthVar("B", max=max(batch_buckets) * (1 if layout == "pad" else T.max // min_length))
+    if not isinstance(length_buckets, Mapping):
+        length_buckets = {n: length_buckets for n in (form.lengths if form else ("T",))}
+    lengths = {n: LengthVar(n, min=min_length, max=max(b)) for n, b in length_buckets.items()}
+    # Packed, B counts sequences: as many as the largest grid holds of the shortest (each
+    # example takes a cell or more of every length's rows).
+    most = min(T.max for T in lengths.values()) // min_length
+    B = LengthVar("B", max=max(batch_buckets) * (1 if layout == "pad" else most))
     batch = None if shardings is None else shardings[1]
-    specs = form.specs(B, T) if form is not None else Spec((B, T), jnp.int32, pad=pad_id)
-    return bucketed(step, in_specs=(None, specs, Spec((B,), jnp.int32, lengths_of=T)),
-                    buckets={T: list(length_buckets), B: list(batch_buckets)},
+    if form is not None:
+        specs = form.specs(B, lengths)
+    else:
+        specs = Spec((B, lengths["T"]), jnp.int32, pad=pad_id)
+    given = {n: Spec((B,), jnp.int32, lengths_of=T) for n, T in lengths.items()}
+    return bucketed(step, in_specs=(None, specs,
+                                    given if len(given) > 1 else next(iter(given.values()))),
+                    buckets={**{lengths[n]: list(b) for n, b in length_buckets.items()},
+                             B: list(batch_buckets)},
                     donate_argnums=donate_argnums, name=name, masking=masking, layout=layout,
                     in_shardings=None if shardings is None else (shardings[0], batch, batch))
 
