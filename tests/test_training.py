@@ -449,6 +449,17 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
                                     epochs=2, batch_size=2, data_parallel=dp)
     out["auto"] = {"layout": choice.layout, "reason": choice.reason,
                    "pack_rows": choice.pack_rows, "pad_rows": [r for r, _ in choice.pad.shapes]}
+    # fit with two lengths (an encoder-decoder), packed over 2 devices and on one.
+    import sys
+    sys.path.insert(0, "tests")
+    from test_fit_several import DATA as PAIRS, OPT as ADAM, Seq2Seq, dataset, loss_fn as s2s
+    for n in (1, 2):
+        r = training.fit(Seq2Seq(jax.random.PRNGKey(1)), s2s, PAIRS, optimizer=ADAM,
+                         batch_size=4, layout="pack", devices=n, cache=False, verbose=False,
+                         validation=dataset(5, seed=1))
+        steps = [s for s in r.history if s["kind"] == "step"]
+        out[f"pairs{n}"] = {"losses": [s["loss"] for s in steps], "val": r.val_loss,
+                            "buckets": sorted({tuple(s["bucket"]) for s in steps})}
     print("RESULT" + json.dumps(out))
 """)
 
@@ -522,6 +533,13 @@ def test_two_packed_lengths_split_over_two_devices_alike(four_devices):
     shards = four_devices["cross_shards"]
     assert shards and all(part[0] * 2 == whole[0] and part[1:] == whole[1:]
                           for part, whole in shards if len(whole) > 1), shards
+
+
+def test_fit_packs_two_lengths_on_two_devices_as_on_one(four_devices):
+    one, two = four_devices["pairs1"], four_devices["pairs2"]
+    assert one["buckets"] == two["buckets"] and two["buckets"][0][0] % 2 == 0
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    np.testing.assert_allclose(two["val"], one["val"], rtol=1e-5)
 
 
 # -- buckets="auto": the bucket set chosen by predicted cost -------------------------------------

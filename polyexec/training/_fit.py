@@ -141,7 +141,13 @@ def fit(model: Any, loss_fn: LossFn, data: Sequence[Any], *,
     ``jax.random.fold_in(step_keys(seed)[0], step)`` (the step counted over the whole run,
     resumes included: a resumed run draws the keys an uninterrupted one does). The one-field
     case keeps the shorthand ``loss_fn(model, tokens (B, T) int32, lengths (B,) int32)``: a
-    third positional parameter receives the lengths, whatever its name. A batch reaches the
+    third positional parameter receives the lengths, whatever its name. Examples of several
+    lengths (an encoder-decoder's ``{"src": (S,), "tgt": (T,)}``: leaves whose sizes differ
+    across the examples, or ``specs`` naming several) batch by a bucket of each length
+    (``buckets``: ``"auto"``, an int K for K each, or a dict naming each length's), pack an
+    example's sequences into the same row of every length's rows, and give ``lengths`` as
+    ``{name: (B,)}``; they train on one process (any number of its devices) --
+    `polyexec.training._several`. A batch reaches the
     step stacked to its own longest example, and the executor pads it to the bucket, so
     ``train_step.stats`` count the padding. The executor's logical-length rewrite makes plain,
     unmasked code exact on the padded batch (each example computed at its own length, a mean
