@@ -868,7 +868,9 @@ def _settle_several(run: _Run, state: TrainState, saved: dict | None, position: 
                               f"layout={options.layout!r})")
     choose = functools.partial(
         choose_several, run.train_step, state, run.train, epochs=remaining,
-        batch_size=options.batch_size, max_tokens=options.max_tokens, layout=options.layout,
+        batch_size=options.batch_size, max_tokens=options.max_tokens,
+        # A step made to pad (masking=False, layout="pad") is priced padded alone.
+        layout="pad" if run.train_step.layout == "pad" else options.layout,
         seed=options.seed, shuffle=options.shuffle, min_length=options.min_length,
         devices=run.dp.size, exact_rows=not options.masking, eval_step=run.eval_step,
         eval_arg=state.model, validation=run.validation, known=known,
