@@ -32,9 +32,9 @@ from .._cache import count_compiles, enable_persistent_cache
 from .._errors import OptionError, PolyexecError, PolymorphismError, check_int, is_int
 from ._checkpoint import (checkpoint_dir_lock, latest_checkpoint, list_checkpoints,
                           load_checkpoint, read_meta, save_checkpoint)
-from ._auto import choose_buckets, choose_layout, measure_cost, rebucket
+from ._auto import choose_buckets, choose_layout, rebucket
 from ._data import Batching, Examples, PackedBatching, as_examples
-from ._several import JointBatching, JointPackedBatching, choose_several
+from ._several import JointBatching, JointPackedBatching, choose_several, several_policies
 from ._options import FitOptions, check_callable
 from ._outputs import check_output_dir, check_output_file
 from ._parallel import DataParallel, data_parallel
@@ -582,7 +582,7 @@ def _prepare_several(options: FitOptions, train: Examples, val: Examples | None,
     if val is not None:
         tops = np.maximum(tops, floor(val).max(axis=0))
     policies = ([_buckets.Fixed([int(t)]) for t in tops] if auto else
-                _several_policies(options.buckets, train, tops, options.min_length))
+                several_policies(options.buckets, train, tops, options.min_length))
     if options.max_tokens is not None and options.max_tokens < sum(p.largest for p in policies):
         raise OptionError(f"fit: max_tokens: expected at least "
                           f"{sum(p.largest for p in policies)} (one row of the longest bucket "
@@ -616,34 +616,6 @@ def _prepare_several(options: FitOptions, train: Examples, val: Examples | None,
     repinned = lambda f: f.with_buckets({"B": B}) if f is not None else None   # noqa: E731
     return dataclasses.replace(run, train_shapes=train_shapes, eval_shapes=eval_shapes,
                                train_step=repinned(train_step), eval_step=repinned(eval_step))
-
-
-def _several_policies(spec: Any, train: Examples, tops: np.ndarray, min_length: int) -> list:
-    """Explicit buckets for several lengths: an int K (``Optimal.fit`` with K buckets for each
-    length) or a mapping name -> policy, list of sizes or K; each floored at ``min_length``
-    and covering the longest example (validation included)."""
-    names = train.form.lengths
-    if is_int(spec):
-        spec = {n: spec for n in names}
-    if not isinstance(spec, dict) or set(spec) != set(names):
-        raise OptionError(f"fit: buckets: expected 'auto', an int K or a dict naming each of "
-                          f"the examples' lengths ({', '.join(map(repr, names))}) with its "
-                          f"buckets, received {spec!r}")
-    out = []
-    for v, name in enumerate(names):
-        try:
-            policy = (_buckets.Optimal.fit(train.sizes[:, v], max_buckets=check_int(
-                spec[name], f"fit: buckets[{name!r}]", min=1)) if is_int(spec[name])
-                else _buckets.as_policy(spec[name]))
-        except (TypeError, ValueError) as e:
-            raise OptionError(f"fit: buckets[{name!r}]: {e}") from e
-        sizes = sorted({max(int(s), min_length) for s in policy.sizes})
-        if sizes[-1] < tops[v]:
-            raise OptionError(f"fit: buckets[{name!r}]: expected a largest bucket >= "
-                              f"{int(tops[v])} (the longest {name} of the examples), received "
-                              f"{policy!r}")
-        out.append(_buckets.Fixed(sizes))
-    return out
 
 
 def _check_losses(run: _Run, model: Any) -> None:
@@ -873,8 +845,7 @@ def _settle_several(run: _Run, state: TrainState, saved: dict | None, position: 
         layout="pad" if run.train_step.layout == "pad" else options.layout,
         seed=options.seed, shuffle=options.shuffle, min_length=options.min_length,
         devices=run.dp.size, exact_rows=not options.masking, eval_step=run.eval_step,
-        eval_arg=state.model, validation=run.validation, known=known,
-        measure=functools.partial(_measure_several, form=run.train.form))
+        eval_arg=state.model, validation=run.validation, known=known)
     if known is not None:
         choice = choose()
     else:
@@ -887,16 +858,6 @@ def _settle_several(run: _Run, state: TrainState, saved: dict | None, position: 
         run, prediction=choice.prediction, batching=choice.batching, train_step=choice.step,
         eval_step=choice.eval_step, train_shapes=choice.batching.shapes(run.train.sizes),
         eval_shapes=choice.batching.shapes(val.sizes) if val is not None else {})
-
-
-def _measure_several(step: Bucketed, arg: Any, shape: dict, *, extra: Bucketed | None,
-                     extra_arg: Any, form: Any) -> _buckets.CostModel:
-    """`measure_cost` of ``step`` at ``shape`` (``{"B": rows, name: size}``) on a batch of
-    padding, every row one example of every length's full size."""
-    sizes = {n: v for n, v in shape.items() if n != "B"}
-    lengths = {n: np.full(shape["B"], v, np.int32) for n, v in sizes.items()}
-    return measure_cost(step, arg, form.zeros(shape["B"], sizes), lengths, grid=shape,
-                        extra_compiles=extra, extra_arg=extra_arg)
 
 
 def _resolve_policy(spec: Any, train: Examples, validation: Examples | None, min_length: int):
@@ -986,12 +947,7 @@ def _save(run: _Run, state: TrainState, position: Position, log: MetricsLog) -> 
         return None
     meta = position.meta(log.history, run.fingerprint)
     if run.auto and run.train.form.several:
-        b = run.batching
-        meta["auto_several"] = ({"layout": "pack", "row_lengths": list(b.row_lengths),
-                                 "rows": b.rows, "rooms": list(b.rooms)}
-                                if run.layout == "pack" else
-                                {"layout": "pad", "sizes": b.length_buckets}) | {
-                                    "epochs": run.options.epochs}
+        meta["auto_several"] = run.batching.known() | {"epochs": run.options.epochs}
     elif run.auto and run.layout == "pack":
         meta["auto_layout"] = {"layout": "pack", "row_lengths": list(run.batching.row_lengths),
                                # A whole step's rows, every process's.

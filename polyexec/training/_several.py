@@ -11,6 +11,7 @@ planned step is the grid that runs. `choose_several` measures one step and price
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -20,7 +21,8 @@ import numpy as np
 import buckets as _buckets
 
 from .. import Bucketed
-from .._errors import OptionError
+from .._errors import OptionError, check_int, is_int
+from ._auto import measure_cost
 from ._data import Examples, pad_batch, round_up
 
 
@@ -71,6 +73,10 @@ class JointBatching:
     def policy(self) -> dict[str, Any]:
         """Each length's policy: ``fit(buckets=...)`` repeats the buckets with it."""
         return dict(zip(self.names, self.policies))
+
+    def known(self) -> dict:
+        """What a checkpoint keeps of this choice, for `choose_several`'s ``known``."""
+        return {"layout": "pad", "sizes": self.length_buckets}
 
     def rows_for(self, sizes: tuple[int, ...]) -> int:
         b = (self.batch_size if self.batch_size is not None else
@@ -155,6 +161,11 @@ class JointPackedBatching:
     @property
     def policy(self) -> dict[str, Any]:
         return {n: _buckets.Fixed([L]) for n, L in zip(self.names, self.row_lengths)}
+
+    def known(self) -> dict:
+        """What a checkpoint keeps of this choice, for `choose_several`'s ``known``."""
+        return {"layout": "pack", "row_lengths": list(self.row_lengths), "rows": self.rows,
+                "rooms": list(self.rooms)}
 
     @property
     def pack_rows(self) -> dict[int, int]:
@@ -248,28 +259,24 @@ class SeveralChoice:
         return (f"pad (buckets {', '.join(f'{n}={s}' for n, s in b.length_buckets.items())}): "
                 f"{self.reason}")
 
-    def known(self) -> dict:
-        """What a checkpoint keeps of the choice, for `choose_several`'s ``known``."""
-        b = self.batching
-        if self.layout == "pack":
-            return {"layout": "pack", "row_lengths": list(b.row_lengths), "rows": b.rows,
-                    "rooms": list(b.rooms)}
-        return {"layout": "pad", "sizes": b.length_buckets}
-
 
 def predicted(batching: JointBatching | JointPackedBatching, sizes: np.ndarray,
               cost: _buckets.CostModel, epochs: int,
               compiled: frozenset = frozenset()) -> _buckets.Prediction:
     """``batching``'s run of ``epochs`` over ``sizes`` priced by ``cost``: its steps' cells
-    (rows x the sum of the sizes) and one compile per shape not in ``compiled``."""
-    steps = batching.epoch(sizes, 0, shuffle=False)
+    (rows x the sum of the sizes) and one compile per shape not in ``compiled``. The steps
+    are the epochs' own plans (packed, a shuffled order packs a little differently each
+    epoch), the first four of them, a longer run priced at their mean."""
+    planned = [batching.epoch(sizes, e) for e in range(min(epochs, 4))]
+    scale = epochs / len(planned)
+    steps = [b for plan in planned for b in plan]
     shapes = sorted({batching.shape(b) for b in steps})
-    step_s = epochs * sum(cost.step_seconds(b.rows, sum(b.sizes)) for b in steps)
+    step_s = scale * sum(cost.step_seconds(b.rows, sum(b.sizes)) for b in steps)
     compiles = sum(s not in compiled for s in shapes)
     compile_s = compiles * cost.compile_seconds
-    cells = epochs * sum(b.rows * sum(b.sizes) for b in steps)
+    cells = round(scale * sum(b.rows * sum(b.sizes) for b in steps))
     return _buckets.Prediction(compile_s + step_s, compile_s, step_s, compiles,
-                               epochs * len(steps), cells, epochs * int(sizes.sum()),
+                               round(scale * len(steps)), cells, epochs * int(sizes.sum()),
                                tuple(shapes))
 
 
@@ -299,15 +306,17 @@ def choose_several(step: Bucketed, arg: Any, examples: Examples, *, epochs: int,
     about ``batch_size`` examples (an epoch of as many optimiser steps as padded), or
     ``max_tokens // (the sum of the row lengths)``. Padded buckets are each length's
     ``buckets.Optimal`` fit of 1 to 4 sizes, the combination with the least predicted time.
-    One step is compiled and timed (`measure`: `measure_cost`) -- packed where the plan can
-    pack, else padded at the longest bucket of each length -- and its seconds per cell price
-    both layouts. ``known``: a checkpoint's `SeveralChoice.known`, repeated without measuring.
+    One step is compiled and timed by ``measure`` (default `measure_several`) -- packed where
+    the plan can pack, else padded at the longest bucket of each length -- and its seconds
+    per cell price both layouts. ``known``: a checkpoint's record of a batching (its ``known()``), repeated
+    without measuring.
     """
     names = examples.form.lengths
     sizes = np.maximum(examples.sizes, min_length)
-    tops = sizes.max(axis=0)
-    if validation is not None:
-        tops = np.maximum(tops, np.maximum(validation.sizes, min_length).max(axis=0))
+    # Every example a step may run (the eval step's batches too): the bounds and the rows.
+    every = sizes if validation is None else np.concatenate(
+        [sizes, np.maximum(validation.sizes, min_length)])
+    tops = every.max(axis=0)
 
     def padded(policies) -> JointBatching:
         return JointBatching(names, tuple(policies), batch_size, max_tokens, shuffle, seed,
@@ -318,7 +327,7 @@ def choose_several(step: Bucketed, arg: Any, examples: Examples, *, epochs: int,
             return None
         if how == "pack":
             return f.with_buckets(batching.length_buckets).with_layout("pack", batching.pack_rows)
-        rows = sorted({b.rows for b in batching.epoch(sizes, 0, shuffle=False)})
+        rows = sorted({b.rows for b in batching.epoch(every, 0, shuffle=False)})
         return f.with_buckets({**batching.length_buckets, "B": rows}).with_layout("pad")
 
     def chosen(how, reason, batching, cost=None, pad=None, pack=None) -> SeveralChoice:
@@ -363,6 +372,7 @@ def choose_several(step: Bucketed, arg: Any, examples: Examples, *, epochs: int,
     else:
         shape = (longest.rows_for(tuple(int(t) for t in tops)), *(int(t) for t in tops))
         f, f_eval = pinned(step, longest, "pad"), pinned(eval_step, longest, "pad")
+    measure = measure or functools.partial(measure_several, form=examples.form)
     cost = measure(f, arg, _shape_of(names, shape), extra=f_eval, extra_arg=eval_arg)
     pads = [(predicted(b, sizes, cost, epochs, frozenset({shape}) if packer is None
                        else frozenset()), b) for b in combos]
@@ -378,3 +388,41 @@ def choose_several(step: Bucketed, arg: Any, examples: Examples, *, epochs: int,
         return chosen("pad", versus, best, cost, pad, pack)
     return chosen("pack", versus if layout == "auto" else "layout='pack' was asked for",
                   packer, cost, pad, pack)
+
+
+def several_policies(spec: Any, train: Examples, tops: np.ndarray, min_length: int) -> list:
+    """Explicit buckets for several lengths: an int K (``Optimal.fit`` with K buckets for each
+    length) or a mapping name -> policy, list of sizes or K; each floored at ``min_length``
+    and covering the longest example (validation included)."""
+    names = train.form.lengths
+    if is_int(spec):
+        spec = {n: spec for n in names}
+    if not isinstance(spec, dict) or set(spec) != set(names):
+        raise OptionError(f"fit: buckets: expected 'auto', an int K or a dict naming each of "
+                          f"the examples' lengths ({', '.join(map(repr, names))}) with its "
+                          f"buckets, received {spec!r}")
+    out = []
+    for v, name in enumerate(names):
+        try:
+            policy = (_buckets.Optimal.fit(train.sizes[:, v], max_buckets=check_int(
+                spec[name], f"fit: buckets[{name!r}]", min=1)) if is_int(spec[name])
+                else _buckets.as_policy(spec[name]))
+        except (TypeError, ValueError) as e:
+            raise OptionError(f"fit: buckets[{name!r}]: {e}") from e
+        sizes = sorted({max(int(s), min_length) for s in policy.sizes})
+        if sizes[-1] < tops[v]:
+            raise OptionError(f"fit: buckets[{name!r}]: expected a largest bucket >= "
+                              f"{int(tops[v])} (the longest {name} of the examples), received "
+                              f"{policy!r}")
+        out.append(_buckets.Fixed(sizes))
+    return out
+
+
+def measure_several(step: Bucketed, arg: Any, shape: dict, *, extra: Bucketed | None,
+                     extra_arg: Any, form: Any) -> _buckets.CostModel:
+    """`measure_cost` of ``step`` at ``shape`` (``{"B": rows, name: size}``) on a batch of
+    padding, every row one example of every length's full size."""
+    sizes = {n: v for n, v in shape.items() if n != "B"}
+    lengths = {n: np.full(shape["B"], v, np.int32) for n, v in sizes.items()}
+    return measure_cost(step, arg, form.zeros(shape["B"], sizes), lengths, grid=shape,
+                        extra_compiles=extra, extra_arg=extra_arg)
