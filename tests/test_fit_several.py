@@ -197,3 +197,50 @@ def test_several_lengths_refuse_buckets_that_do_not_name_each_length():
                                           r">= 7"):
         training.fit(Seq2Seq(jax.random.PRNGKey(1)), loss_fn, DATA, optimizer=OPT,
                      buckets={"src": [12], "tgt": [4]}, verbose=False)
+
+
+class Towers(eqx.Module):
+    embed: jax.Array
+    w: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed, self.w = jax.random.normal(k1, (VOCAB, H)), jax.random.normal(k2, (H, H))
+
+    def query(self, tokens):                          # (..., Q) -> (..., H)
+        return jnp.tanh(self.embed[tokens] @ self.w).mean(-2)
+
+    def doc(self, tokens):
+        return jnp.tanh(self.embed[tokens]).max(-2)
+
+
+def in_batch_loss(model, batch):       # every query against every document of the batch
+    scores = model.query(batch["query"]) @ model.doc(batch["doc"]).T
+    return -jnp.mean(jnp.diag(jax.nn.log_softmax(scores, -1)))
+
+
+def test_a_dual_encoders_in_batch_loss_trains_padded_naming_its_line_and_exact():
+    """It couples the examples of a batch, which packed rows cannot hold: ``"auto"`` pads,
+    saying why; ``"pack"`` is refused; padded, each step's loss is the exact one, a partial
+    batch's added rows no rows."""
+    rng = np.random.default_rng(2)
+    data = [{"query": rng.integers(0, VOCAB, rng.choice([2, 5])),
+             "doc": rng.integers(0, VOCAB, rng.choice([3, 8, 19]))} for _ in range(14)]
+    model = Towers(jax.random.PRNGKey(0))
+    with pytest.raises(OptionError, match=r"layout='pack': the train step cannot pack: .*"
+                                          r"test_fit_several.py:\d+: `scores = model.query"):
+        training.fit(model, in_batch_loss, data, optimizer=OPT, layout="pack", verbose=False)
+    result = training.fit(model, in_batch_loss, data, optimizer=optax.sgd(0.0), batch_size=4,
+                          buckets={"doc": [8, 19], "query": [5]}, seed=SEED, verbose=False,
+                          cache=False)
+    sizes = np.array([[len(e["doc"]), len(e["query"])] for e in data])
+    plan = JointBatching(("doc", "query"), tuple(result.policy.values()), 4, None, True,
+                         SEED).epoch(sizes, 0)
+    assert any(len(b.indices) < 4 for b in plan)              # partial batches, rows added
+
+    def exact(idx):                                           # each tower alone per example
+        q = jnp.stack([model.query(data[i]["query"]) for i in idx])
+        d = jnp.stack([model.doc(data[i]["doc"]) for i in idx])
+        return -jnp.mean(jnp.diag(jax.nn.log_softmax(q @ d.T, -1)))
+    losses = [r["loss"] for r in result.history if r["kind"] == "step"]
+    np.testing.assert_allclose(losses, [exact(b.indices) for b in plan], rtol=1e-5)
