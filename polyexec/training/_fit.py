@@ -75,7 +75,7 @@ class StepInfo:
     epoch: int                 # 0-based
     position: int              # batches done in this epoch
     loss: float
-    bucket: tuple[int, int]    # (B, T) the step ran at
+    bucket: tuple[int, ...]    # (B, T) the step ran at; (B, *sizes) for several lengths
     state: TrainState
 
 
@@ -408,12 +408,8 @@ class _Run:
         return " ".join(f"{n}={v}" for n, v in zip(("B", *self.names), bucket))
 
     @property
-    def used_train(self) -> tuple:
-        """The length buckets the training data uses (with several lengths, tuples of them)."""
-        return _lengths_of(self.train_shapes)
-
-    @property
     def used(self) -> tuple:
+        """The length buckets the data uses (with several lengths, lists of them)."""
         return _lengths_of({**self.train_shapes, **self.eval_shapes})
 
     @property
@@ -472,8 +468,10 @@ class _Run:
 
 
 def _lengths_of(shapes: dict) -> tuple:
-    """The length buckets of ``(rows, *sizes)`` shapes: ints, or tuples for several lengths."""
-    return tuple(sorted({s[1] if len(s) == 2 else tuple(s[1:]) for s in shapes}))
+    """The length buckets of ``(rows, *sizes)`` shapes: ints, or for several lengths lists of
+    them (as a checkpoint's fingerprint reads them back from JSON)."""
+    return tuple(s if isinstance(s, int) else list(s)
+                 for s in sorted({s[1] if len(s) == 2 else tuple(s[1:]) for s in shapes}))
 
 
 def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: Any,

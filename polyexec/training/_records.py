@@ -13,9 +13,10 @@ from typing import Any
 class EpochTotals:
     """The running sums of the current epoch's train steps.
 
-    ``padded`` counts the cells of the (B, T) bucket each step ran at, ``tokens`` the real
-    tokens in them: the same two numbers the executor's ``stats`` add up from the unpadded
-    batches `fit` hands it, so ``padding_efficiency`` here is the executor's over the epoch.
+    ``padded`` counts the cells of the (B, T) bucket each step ran at (several lengths: B x
+    their sum), ``tokens`` the real tokens in them: the same two numbers the executor's
+    ``stats`` add up from the unpadded batches `fit` hands it, so ``padding_efficiency`` here
+    is the executor's over the epoch.
     """
 
     loss_sum: float = 0.0      # loss x real tokens: the epoch's loss is a token-weighted mean
@@ -87,7 +88,7 @@ def warmup_record(*, step: int, compiles: int, compile_seconds: float, events: d
 
 
 def step_record(position: Position, *, loss: float, grad_norm: float, tokens: int,
-                bucket: tuple[int, int], seconds: float, compiles: int,
+                bucket: tuple[int, ...], seconds: float, compiles: int,
                 skipped: bool = False, aux: dict | None = None) -> dict:
     record = {"kind": "step", "step": position.step, "epoch": position.epoch,
               "position": position.batch, "loss": loss, "grad_norm": grad_norm, "tokens": tokens,
