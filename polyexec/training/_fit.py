@@ -536,11 +536,21 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
                if not options.masking else
                f"fields with at most one length axis (received {form.describe()})")
         raise OptionError(f"fit: layout: 'pack' needs {why}; use layout='auto' or 'pad'")
-    seed = options.seed if loss_call.wants_key else None
     step_args = dict(length_buckets=[top],
                      batch_buckets=[batching.rows(top) * P, batching.rows(shortest) * P],
                      min_length=options.min_length, pad_id=options.pad_id, shardings=dp.shardings,
                      masking=options.masking, layout="auto" if packs else "pad", form=form)
+    run = _run_of(options, train, val, batching, dp, display, auto, loss_call, eval_call,
+                  optimizer, step_args)
+    return run if auto else _with_policy(run, policy)
+
+
+def _run_of(options: FitOptions, train: Examples, val: Examples | None, batching: Any,
+            dp: DataParallel, display: RunDisplay, auto: bool, loss_call: Any, eval_call: Any,
+            optimizer: Any, step_args: dict) -> _Run:
+    """The `_Run` with its train step (and eval step, with validation data) made of
+    ``step_args``."""
+    seed = options.seed if loss_call.wants_key else None
     train_step = make_train_step(loss_call, optimizer, seed=seed, has_aux=options.has_aux,
                                  **step_args)
     eval_step = None
@@ -549,9 +559,8 @@ def _prepare(loss_fn: LossFn, data: Sequence[Any], optimizer: Any, validation: A
         eval_step = make_eval_step(None if eval_call else loss_call, eval_call,
                                    seed=options.seed if evaluation.wants_key else None,
                                    has_aux=options.has_aux and eval_call is None, **step_args)
-    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto,
-               loss_call=loss_call, eval_call=eval_call if val is not None else None)
-    return run if auto else _with_policy(run, policy)
+    return _Run(options, train, val, batching, dp, train_step, eval_step, display, auto,
+                loss_call=loss_call, eval_call=eval_call if val is not None else None)
 
 
 def _prepare_several(options: FitOptions, train: Examples, val: Examples | None,
@@ -595,17 +604,8 @@ def _prepare_several(options: FitOptions, train: Examples, val: Examples | None,
                      batch_buckets=rows, min_length=options.min_length, pad_id=options.pad_id,
                      shardings=dp.shardings, masking=options.masking,
                      layout="auto" if packs else "pad", form=train.form)
-    seed = options.seed if loss_call.wants_key else None
-    train_step = make_train_step(loss_call, optimizer, seed=seed, has_aux=options.has_aux,
-                                 **step_args)
-    eval_step = None
-    if val is not None:
-        evaluation = eval_call or loss_call
-        eval_step = make_eval_step(None if eval_call else loss_call, eval_call,
-                                   seed=options.seed if evaluation.wants_key else None,
-                                   has_aux=options.has_aux and eval_call is None, **step_args)
-    run = _Run(options, train, val, batching, dp, train_step, eval_step, display, auto,
-               loss_call=loss_call, eval_call=eval_call if val is not None else None)
+    run = _run_of(options, train, val, batching, dp, display, auto, loss_call, eval_call,
+                  optimizer, step_args)
     if auto:
         return run
     train_shapes = batching.shapes(train.sizes)
@@ -613,7 +613,8 @@ def _prepare_several(options: FitOptions, train: Examples, val: Examples | None,
     B = sorted({s[0] for s in (*train_shapes, *eval_shapes)})
     repinned = lambda f: f.with_buckets({"B": B}) if f is not None else None   # noqa: E731
     return dataclasses.replace(run, train_shapes=train_shapes, eval_shapes=eval_shapes,
-                               train_step=repinned(train_step), eval_step=repinned(eval_step))
+                               train_step=repinned(run.train_step),
+                               eval_step=repinned(run.eval_step))
 
 
 def _check_losses(run: _Run, model: Any) -> None:
@@ -776,12 +777,7 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
     else:
         choose = functools.partial(choose_buckets, run.train_step, state, run.train.lengths,
                                    epochs=remaining, known=known, **pads)
-    if known is not None:
-        choice = choose()
-    else:
-        with run.display.task("measuring one bucket", 1) as advance:
-            choice = choose()
-            advance()
+    choice = _chosen(run, choose, known)
     if getattr(choice, "layout", "pad") == "pack":
         if known is None:
             run.display.print(f"layout (auto, for {remaining} epoch(s)): {choice.describe()}")
@@ -824,6 +820,16 @@ def _settle(run: _Run, state: TrainState, position: Position, restored: str | No
         train_step=choice.steps[0], eval_step=choice.steps[1] if run.eval_step is not None else None)
 
 
+def _chosen(run: _Run, choose: Any, known: Any) -> Any:
+    """``choose()``: a known choice at once, a new one under a progress task (it measures)."""
+    if known is not None:
+        return choose()
+    with run.display.task("measuring one bucket", 1) as advance:
+        choice = choose()
+        advance()
+    return choice
+
+
 def _settle_several(run: _Run, state: TrainState, saved: dict | None, position: Position,
                     remaining: int) -> _Run:
     """`_settle` for examples of several lengths: `choose_several`."""
@@ -844,12 +850,8 @@ def _settle_several(run: _Run, state: TrainState, saved: dict | None, position: 
         seed=options.seed, shuffle=options.shuffle, min_length=options.min_length,
         devices=run.dp.size, exact_rows=not options.masking, eval_step=run.eval_step,
         eval_arg=state.model, validation=run.validation, known=known)
-    if known is not None:
-        choice = choose()
-    else:
-        with run.display.task("measuring one step", 1) as advance:
-            choice = choose()
-            advance()
+    choice = _chosen(run, choose, known)
+    if known is None:
         run.display.print(f"layout (auto, for {remaining} epoch(s)): {choice.describe()}")
     val = run.validation
     return dataclasses.replace(

@@ -40,8 +40,33 @@ def _shape_of(names: tuple[str, ...], shape: tuple[int, ...]) -> dict[str, int]:
     return {"B": shape[0], **dict(zip(names, shape[1:]))}
 
 
+class _JointSteps:
+    """What both several-length batchings share: a step's shape ``(rows, *sizes)``, an
+    epoch's shapes, and stacking a step's examples."""
+
+    min_length: int
+
+    def shape(self, batch: JointBatch) -> tuple[int, ...]:
+        return (batch.rows, *batch.sizes)
+
+    def shapes(self, sizes: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, ...], int]:
+        """Every ``(rows, *sizes)`` an epoch runs at, and the real tokens each carries."""
+        out: dict[tuple[int, ...], int] = {}
+        for batch in self.epoch(sizes, 0, shuffle=False):
+            out[self.shape(batch)] = (out.get(self.shape(batch), 0)
+                                      + int(np.asarray(sizes)[batch.indices].sum()))
+        return out
+
+    def stack(self, examples: Examples, batch: JointBatch) -> tuple[Any, Any]:
+        """The step's examples stacked at its own longest of each length (at least
+        ``min_length``); the executor pads them to the bucket, or packs them."""
+        longest = np.maximum(examples.sizes[batch.indices].max(axis=0), self.min_length)
+        return pad_batch(examples, batch.indices, len(batch.indices),
+                         {n: int(m) for n, m in zip(examples.form.lengths, longest)})
+
+
 @dataclasses.dataclass(frozen=True)
-class JointBatching:
+class JointBatching(_JointSteps):
     """Padded batches of examples of several lengths: an example's bucket of each length is
     its ``policies`` entry's, and a batch's examples share all of them, ``batch_size`` rows
     (or the largest power of two with ``rows x (the sum of the sizes) <= max_tokens``); a
@@ -108,31 +133,10 @@ class JointBatching:
             steps = [steps[i] for i in rng.permutation(len(steps))]
         return steps
 
-    def shape(self, batch: JointBatch) -> tuple[int, ...]:
-        return (batch.rows, *batch.sizes)
-
-    def shapes(self, sizes: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, ...], int]:
-        """Every ``(rows, *sizes)`` an epoch runs at, and the real tokens each carries."""
-        out: dict[tuple[int, ...], int] = {}
-        for batch in self.epoch(sizes, 0, shuffle=False):
-            out[self.shape(batch)] = (out.get(self.shape(batch), 0)
-                                      + int(np.asarray(sizes)[batch.indices].sum()))
-        return out
-
-    def stack(self, examples: Examples, batch: JointBatch) -> tuple[Any, Any]:
-        """The batch's examples stacked at its own longest of each length; the executor pads
-        them to the bucket."""
-        return _stacked(examples, batch, self.min_length)
-
-
-def _stacked(examples: Examples, batch: JointBatch, min_length: int) -> tuple[Any, Any]:
-    longest = examples.sizes[batch.indices].max(axis=0)
-    return pad_batch(examples, batch.indices, len(batch.indices),
-                     {n: max(int(m), min_length) for n, m in zip(examples.form.lengths, longest)})
 
 
 @dataclasses.dataclass(frozen=True)
-class JointPackedBatching:
+class JointPackedBatching(_JointSteps):
     """Packed steps of examples of several lengths: rows ``row_lengths`` long (one per length,
     the form's order), ``rows`` a step, an example's sequences in the same row of every
     length's grid. A step takes examples in a shuffled order while the executor's own
@@ -218,18 +222,6 @@ class JointPackedBatching:
         half = len(step) // 2
         return self._held(step[:half], need, width) + self._held(step[half:], need, width)
 
-    def shape(self, batch: JointBatch) -> tuple[int, ...]:
-        return (batch.rows, *batch.sizes)
-
-    def shapes(self, sizes: np.ndarray, partial_rows: Any = None) -> dict[tuple[int, ...], int]:
-        out: dict[tuple[int, ...], int] = {}
-        for batch in self.epoch(sizes, 0, shuffle=False):
-            out[self.shape(batch)] = (out.get(self.shape(batch), 0)
-                                      + int(np.asarray(sizes)[batch.indices].sum()))
-        return out
-
-    def stack(self, examples: Examples, batch: JointBatch) -> tuple[Any, Any]:
-        return _stacked(examples, batch, self.min_length)
 
 
 @dataclasses.dataclass(frozen=True)
