@@ -18,10 +18,13 @@ strategy:
   the cap of each length (an example's source and target in the same row of each grid).
 * ``polyexec``: the same batches padded one example a row, in power-of-two buckets of the
   examples, ``S`` and ``T``.
+* ``polyexec-fit``: `polyexec.training.fit` on the pairs as a user runs it, `loss` unchanged:
+  its own plan of steps at the peer's cells a step (``max_tokens``), layout and buckets
+  chosen by cost. Its cold epoch counts from the call (plan, measurement, compiles).
 
-Every strategy trains on the same examples in the same steps, and each is exact, so their
-losses agree (`run` checks it); they differ in cells computed and compiles. Epoch 1 is cold
-(its compiles included), later epochs warm.
+Every strategy but ``polyexec-fit`` trains on the same examples in the same steps, and each
+is exact, so their losses agree (`run` checks it); they differ in cells computed and
+compiles. Epoch 1 is cold (its compiles included), later epochs warm.
 
     python -m bench.seq2seq                    # 1,024 examples, cap 256, 8 rows a step
     polyexec-bench --model seq2seq --cap 256 --epochs 3 --json out.json
@@ -181,7 +184,7 @@ def padded_examples(pairs, indices) -> tuple[np.ndarray, ...]:
 
 def run(*, cap: int = 256, hidden: int = 64, rows: int = 8, epochs: int = 2,
         num_examples: int | None = 1024, seed: int = 0, lr: float = 1e-3,
-        strategies: tuple[str, ...] = ("peer", "polyexec-pack", "polyexec")
+        strategies: tuple[str, ...] = ("peer", "polyexec-pack", "polyexec", "polyexec-fit")
         ) -> dict[str, Any]:
     """Train each strategy ``epochs`` epochs on the same batches; per strategy and epoch:
     seconds, real tokens a second (source + target bytes), padding efficiency (real cells /
@@ -215,6 +218,10 @@ def run(*, cap: int = 256, hidden: int = 64, rows: int = 8, epochs: int = 2,
 
     results: dict[str, Any] = {}
     for name in strategies:
+        if name == "polyexec-fit":
+            results[name] = _fit_epochs(pairs, params, optimiser, 2 * rows * cap, epochs, seed,
+                                        tokens)
+            continue
         state = (params, optimiser.init(params))
         if name == "peer":
             step = jax.jit(_train_step(peer_loss, optimiser))
@@ -255,13 +262,34 @@ def run(*, cap: int = 256, hidden: int = 64, rows: int = 8, epochs: int = 2,
             for e in per_epoch:
                 e["efficiency"] = round(eff, 3)
         results[name] = per_epoch
-    _check_losses_agree(results)
+    _check_losses_agree({n: r for n, r in results.items() if n != "polyexec-fit"})
     return {"workload": {"cap": cap, "hidden": hidden, "rows": rows, "epochs": epochs,
                          "examples": len(pairs), "seed": seed, "lr": lr,
                          "steps_per_epoch": len(batches[0]),
                          "median_source": int(np.median([len(s) for s, _ in pairs])),
                          "median_target": int(np.median([len(t) for _, t in pairs]))},
             "strategies": results}
+
+
+def _fit_epochs(pairs, params, optimiser, max_tokens: int, epochs: int, seed: int,
+                tokens: int) -> list[dict[str, Any]]:
+    """``polyexec-fit``: `polyexec.training.fit` on the pairs, per epoch as `run` reports the
+    others (the cold epoch from the call, its choice, measurement and compiles included; the
+    loss fit's mean over its steps)."""
+    from polyexec import training
+
+    data = [{"src": np.frombuffer(s, np.uint8).astype(np.int32),
+             "tgt": np.frombuffer(t, np.uint8).astype(np.int32)} for s, t in pairs]
+    result = training.fit(params, lambda p, batch: loss(p, batch["src"], batch["tgt"], None, None),
+                          data, optimizer=optimiser, epochs=epochs, max_tokens=max_tokens,
+                          seed=seed, cache=False, verbose=False, progress=False)
+    out = []
+    for k, e in enumerate(result.epochs()):
+        seconds = e["elapsed"] if k == 0 else e["seconds"]
+        out.append({"seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                    "loss": e["train_loss"], "compiles": result.train_step.stats.compiles,
+                    "efficiency": round(e["padding_efficiency"], 3), "layout": result.layout})
+    return out
 
 
 def _check_losses_agree(results: dict[str, list[dict]]) -> None:

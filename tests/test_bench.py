@@ -487,7 +487,10 @@ def test_seq2seq_packs_the_same_examples_as_the_peer_to_the_same_losses(tmp_path
     doc = json.loads(out.read_text())
     assert doc["workload"]["model"] == "seq2seq" and doc["workload"]["examples"] == 40
     runs = doc["result"]
-    assert set(runs) == {"peer", "polyexec-pack", "polyexec"}
+    assert set(runs) == {"peer", "polyexec-pack", "polyexec", "polyexec-fit"}
+    # fit on the pairs as a user runs it: its own steps, every epoch at one layout.
+    assert len({e["layout"] for e in runs["polyexec-fit"]}) == 1
+    assert runs["polyexec-fit"][-1]["loss"] < runs["polyexec-fit"][0]["loss"]
     assert runs["polyexec-pack"][-1]["compiles"] == runs["peer"][-1]["compiles"] == 1
     assert runs["polyexec-pack"][-1]["efficiency"] >= runs["peer"][-1]["efficiency"]
     assert runs["polyexec"][-1]["compiles"] > 1        # padded: a bucket per batch shape
