@@ -4,6 +4,8 @@ source and target in the same row of their own grids) from unchanged code, as th
 written by hand with each example run alone at its exact lengths; ``layout="auto"`` prices
 both; a resumed run is the uninterrupted one; every example is trained once an epoch."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -127,6 +129,10 @@ def test_packed_steps_hold_every_example_once_in_the_rows_the_executor_packs():
     for s in steps:
         assert all(SIZES[i, 0] <= s.sizes[0] and (s.sizes[0] == 6 or SIZES[i, 0] > 6)
                    for i in s.indices)
+    # Over 2 devices a batch keeps its examples, its rows filled up to split evenly.
+    halves = dataclasses.replace(padded, batch_size=3, device_multiple=2).epoch(SIZES, 0)
+    assert {len(s.indices) for s in halves} <= {1, 2, 3} and {s.rows for s in halves} == {4}
+    assert max(len(s.indices) for s in halves) == 3
 
 
 def planned(result, layout):

@@ -103,10 +103,15 @@ class JointBatching(_JointSteps):
         """What a checkpoint keeps of this choice, for `choose_several`'s ``known``."""
         return {"layout": "pad", "sizes": self.length_buckets}
 
+    def examples_for(self, sizes: tuple[int, ...]) -> int:
+        """The examples of a full batch at ``sizes``."""
+        return (self.batch_size if self.batch_size is not None else
+                _buckets.batch_size_for(sum(sizes), self.max_tokens))
+
     def rows_for(self, sizes: tuple[int, ...]) -> int:
-        b = (self.batch_size if self.batch_size is not None else
-             _buckets.batch_size_for(sum(sizes), self.max_tokens))
-        return round_up(b, self.device_multiple)
+        """Its rows: a multiple of the devices (filled with rows of no example), as padded
+        batches of one length."""
+        return round_up(self.examples_for(sizes), self.device_multiple)
 
     def epoch(self, sizes: np.ndarray, epoch: int, *, shuffle: bool | None = None,
               partial_rows: Any = None) -> list[JointBatch]:
@@ -124,15 +129,14 @@ class JointBatching(_JointSteps):
             pool = np.asarray(groups[key], np.int64)
             if rng is not None:
                 pool = rng.permutation(pool)
-            rows = self.rows_for(key)
-            for start in range(0, pool.size, rows):
-                part = pool[start:start + rows]
+            take, rows = self.examples_for(key), self.rows_for(key)
+            for start in range(0, pool.size, take):
+                part = pool[start:start + take]
                 steps.append(JointBatch(key, part, round_up(part.size, self.device_multiple)
                                         if self.exact_rows else rows))
         if rng is not None and len(steps) > 1:
             steps = [steps[i] for i in rng.permutation(len(steps))]
         return steps
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +187,10 @@ class JointPackedBatching(_JointSteps):
 
     def epoch(self, sizes: np.ndarray, epoch: int, *, shuffle: bool | None = None,
               partial_rows: Any = None) -> list[JointBatch]:
-        sizes = np.maximum(np.asarray(sizes, np.int64), self.min_length)
-        V = len(self.names)
-        need = sizes + np.array([self._room(v) for v in range(V)], np.int64)
+        raw = np.asarray(sizes, np.int64)
+        sizes = np.maximum(raw, self.min_length)
+        rooms = np.array([self._room(v) for v in range(len(self.names))], np.int64)
+        need = sizes + rooms
         width = np.array([L + self._room(v) for v, L in enumerate(self.row_lengths)], np.int64)
         over = np.argwhere(need > width)
         if over.size:
@@ -208,7 +213,8 @@ class JointPackedBatching(_JointSteps):
             current.append(int(i))
         if current:
             steps.append(current)
-        planned = [part for step in steps for part in self._held(step, need, width)]
+        # Checked with the cells the executor packs: each sequence's own length and room.
+        planned = [part for step in steps for part in self._held(step, raw + rooms, width)]
         grid = (round_up(self.rows, self.row_multiple), *self.row_lengths)
         return [JointBatch(grid[1:], np.asarray(p, np.int64), grid[0]) for p in planned]
 
@@ -221,7 +227,6 @@ class JointPackedBatching(_JointSteps):
             return [step]
         half = len(step) // 2
         return self._held(step[:half], need, width) + self._held(step[half:], need, width)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +252,7 @@ class SeveralChoice:
         b = self.batching
         if self.layout == "pack":
             rows = ", ".join(f"{n}: {L}" for n, L in zip(b.names, b.row_lengths))
-            return f"pack ({b.pack_rows and next(iter(b.pack_rows.values()))} rows of {rows}): {self.reason}"
+            return f"pack ({next(iter(b.pack_rows.values()))} rows of {rows}): {self.reason}"
         return (f"pad (buckets {', '.join(f'{n}={s}' for n, s in b.length_buckets.items())}): "
                 f"{self.reason}")
 
@@ -304,7 +309,8 @@ def choose_several(step: Bucketed, arg: Any, examples: Examples, *, epochs: int,
     without measuring.
     """
     names = examples.form.lengths
-    sizes = np.maximum(examples.sizes, min_length)
+    raw = examples.sizes                 # what the run plans from (each plan floors it)
+    sizes = np.maximum(raw, min_length)
     # Every example a step may run (the eval step's batches too): the bounds and the rows.
     every = sizes if validation is None else np.concatenate(
         [sizes, np.maximum(validation.sizes, min_length)])
@@ -356,22 +362,22 @@ def choose_several(step: Bucketed, arg: Any, examples: Examples, *, epochs: int,
     if can_pack:
         packer = JointPackedBatching(names, tuple(int(t) for t in tops), 1, shuffle, seed,
                                      min_length, rooms, devices)
-        rows = (_rows_holding(packer, sizes, batch_size) if batch_size is not None else
+        rows = (_rows_holding(packer, raw, batch_size) if batch_size is not None else
                 max(1, max_tokens // int(tops.sum())))
         packer = dataclasses.replace(packer, rows=rows)
-        shape = packer.shape(packer.epoch(sizes, 0, shuffle=False)[0])
+        shape = packer.shape(packer.epoch(raw, 0, shuffle=False)[0])
         f, f_eval = pinned(step, packer, "pack"), pinned(eval_step, packer, "pack")
     else:
         shape = (longest.rows_for(tuple(int(t) for t in tops)), *(int(t) for t in tops))
         f, f_eval = pinned(step, longest, "pad"), pinned(eval_step, longest, "pad")
     measure = measure or functools.partial(measure_several, form=examples.form)
     cost = measure(f, arg, _shape_of(names, shape), extra=f_eval, extra_arg=eval_arg)
-    pads = [(predicted(b, sizes, cost, epochs, frozenset({shape}) if packer is None
+    pads = [(predicted(b, raw, cost, epochs, frozenset({shape}) if packer is None
                        else frozenset()), b) for b in combos]
     pad, best = min(pads, key=lambda p: p[0].seconds)
     if packer is None:
         return chosen("pad", why, best, cost, pad)
-    pack = predicted(packer, sizes, cost, epochs, frozenset({shape}))
+    pack = predicted(packer, raw, cost, epochs, frozenset({shape}))
     versus = (f"predicted {pack.seconds:.1f} s packed ({pack.steps // epochs} steps an epoch, "
               f"{pack.compiles} compiles, padding efficiency {pack.padding_efficiency:.3f}) "
               f"against {pad.seconds:.1f} s padded ({pad.steps // epochs} steps an epoch, "
