@@ -362,7 +362,8 @@ def _bucketed_step(step: Callable, *, name: str,
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-                    length_buckets: Sequence[int], batch_buckets: Sequence[int],
+                    length_buckets: Sequence[int] | Mapping[str, Sequence[int]],
+                    batch_buckets: Sequence[int],
                     min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
                     donate: bool = True,
                     return_grads: bool = False, masking: bool = True,
@@ -375,7 +376,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     sharding) for data parallelism: parameters replicated, the batch axis split over a Mesh.
     ``masking=False`` turns off the executor's logical-length rewrite; ``layout`` is
     `px.bucketed`'s (``"auto"`` for `choose_layout`, which pins pad or pack by cost).
-    ``form``: the batch's `BatchForm` (default: tokens ``(B, T)`` int32); ``seed``: the loss
+    ``form``: the batch's `BatchForm` (default: tokens ``(B, T)`` int32; a form of several
+    lengths takes ``length_buckets`` per name and ``lengths`` as a dict); ``seed``: the loss
     takes a key last; ``has_aux``: it returns ``(loss, aux)`` (`train_step_fn`).
 
     >>> import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
@@ -400,7 +402,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
 
 def make_eval_step(loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, *,
-                   length_buckets: Sequence[int], batch_buckets: Sequence[int],
+                   length_buckets: Sequence[int] | Mapping[str, Sequence[int]],
+                   batch_buckets: Sequence[int],
                    min_length: int = 2, pad_id: int = 0, shardings: tuple | None = None,
                    masking: bool = True, layout: str = "pad", form: BatchForm | None = None,
                    seed: int | None = None, has_aux: bool = False) -> Bucketed:
