@@ -97,6 +97,11 @@ class BatchForm:
         return leaves[0] if self.one_field else jax.tree_util.tree_unflatten(self.treedef,
                                                                              list(leaves))
 
+    def step_sizes(self, shape: tuple[int, ...], processes: int = 1) -> dict[str, int]:
+        """A batching's ``(rows, *sizes)`` (one process's rows) as a step's global sizes
+        ``{"B": rows, name: size, ...}``."""
+        return {"B": shape[0] * processes, **dict(zip(self.lengths, shape[1:]))}
+
     def zeros(self, rows: int, length: int | Mapping[str, int]) -> Any:
         """A batch of ``rows`` examples of length ``length`` (with several lengths, a mapping
         name -> size), every element its field's pad (what a measurement or a trace runs
@@ -118,11 +123,7 @@ class Examples:
     leaves: tuple[tuple[np.ndarray, ...], ...]
     lengths: np.ndarray
     form: BatchForm
-    sizes: np.ndarray = None     # type: ignore[assignment]  # default: lengths, one column
-
-    def __post_init__(self):
-        if self.sizes is None:
-            object.__setattr__(self, "sizes", np.asarray(self.lengths).reshape(-1, 1))
+    sizes: np.ndarray
 
     def __len__(self) -> int:
         return len(self.leaves)
@@ -142,8 +143,7 @@ class Examples:
 
     def fingerprint(self) -> str:
         """A short hash of the lengths: a checkpoint only resumes on the same data order."""
-        sizes = self.sizes if self.form.several else self.lengths
-        return hashlib.sha256(sizes.astype(np.int64).tobytes()).hexdigest()[:16]
+        return hashlib.sha256(self.planned.astype(np.int64).tobytes()).hexdigest()[:16]
 
 
 def _is_token_sequence(example: Any) -> bool:

@@ -401,7 +401,7 @@ class _Run:
 
     def sizes(self, shape: tuple[int, ...]) -> dict[str, int]:
         """A batching's ``(rows, *sizes)`` as the steps' global ``{"B": rows, name: size}``."""
-        return {"B": shape[0] * self.dp.processes, **dict(zip(self.names, shape[1:]))}
+        return self.train.form.step_sizes(shape, self.dp.processes)
 
     def label(self, bucket: tuple[int, ...]) -> str:
         """``B=8 T=64``: a global bucket as the progress bar shows it."""
@@ -1144,7 +1144,7 @@ def evaluate(eval_step: Bucketed, model: Any, examples: Examples,
     for batch in batching.epoch(examples.planned, 0, shuffle=False, partial_rows="full"):
         stacked, lengths = _stacked(batching, dp, eval_step, model, examples, batch)
         shape = batching.shape(batch)
-        sizes = {"B": shape[0] * dp.processes, **dict(zip(examples.form.lengths, shape[1:]))}
+        sizes = examples.form.step_sizes(shape, dp.processes)
         t, c = eval_step.call_at_least(sizes, model, *_global(batching, dp, stacked, lengths))
         total += float(t)
         count += float(c)

@@ -35,11 +35,6 @@ class JointBatch(NamedTuple):
     rows: int
 
 
-def _shape_of(names: tuple[str, ...], shape: tuple[int, ...]) -> dict[str, int]:
-    """``(rows, *sizes)`` as the steps' ``{"B": rows, name: size, ...}``."""
-    return {"B": shape[0], **dict(zip(names, shape[1:]))}
-
-
 class _JointSteps:
     """What both several-length batchings share: a step's shape ``(rows, *sizes)``, an
     epoch's shapes, and stacking a step's examples."""
@@ -371,7 +366,7 @@ def choose_several(step: Bucketed, arg: Any, examples: Examples, *, epochs: int,
         shape = (longest.rows_for(tuple(int(t) for t in tops)), *(int(t) for t in tops))
         f, f_eval = pinned(step, longest, "pad"), pinned(eval_step, longest, "pad")
     measure = measure or functools.partial(measure_several, form=examples.form)
-    cost = measure(f, arg, _shape_of(names, shape), extra=f_eval, extra_arg=eval_arg)
+    cost = measure(f, arg, examples.form.step_sizes(shape), extra=f_eval, extra_arg=eval_arg)
     pads = [(predicted(b, raw, cost, epochs, frozenset({shape}) if packer is None
                        else frozenset()), b) for b in combos]
     pad, best = min(pads, key=lambda p: p[0].seconds)
